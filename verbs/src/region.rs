@@ -1,0 +1,317 @@
+//! Registered memory regions and the execution of work requests on them.
+//!
+//! A [`Region`] is a span of memory shared with other processes: a `memfd` mapping (the memory
+//! node's region, also mapped by `shm` clients) or a heap block (the `sim` transport). Like device
+//! memory written by DMA, it can change under us at any time, so it is never handed out as a Rust
+//! reference to bytes: it is only copied in and out, or accessed as [`AtomicU64`] words.
+//!
+//! This module holds all the `unsafe` of the crate. Every access goes through [`Region::check`]
+//! first, so no request can touch memory outside the region, whatever the request says.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::masked::{masked_cas, masked_faa};
+use crate::wr::{Access, Completions, Opcode, Outcome, WorkRequest};
+use crate::VerbsError;
+
+/// Public description of a registered region, as clients learn it at connection time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub rkey: u32,
+    pub len: u64,
+    pub access: Access,
+}
+
+enum Backing {
+    /// A shared mapping of a memfd (unmapped on drop).
+    Mapped { fd: OwnedFd },
+    /// Heap words, for simulation.
+    Heap(#[allow(dead_code)] Box<[AtomicU64]>),
+}
+
+/// A span of memory that work requests may target.
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    info: RegionInfo,
+    backing: Backing,
+}
+
+// SAFETY: the memory behind `ptr` is only accessed through raw copies and `AtomicU64`s (never
+// through `&`/`&mut` byte references), exactly as other processes sharing the memfd access it, and
+// the mapping or heap block lives as long as the `Region`.
+unsafe impl Send for Region {}
+// SAFETY: as above; concurrent access from several threads is the point of a region.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Creates a zeroed region backed by a fresh memfd (pages are allocated on first touch).
+    pub fn create_memfd(name: &str, len: u64, rkey: u32, access: Access) -> std::io::Result<Region> {
+        let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+        // SAFETY: `cname` is a valid NUL-terminated string; the flags are plain constants.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        File::from(fd.try_clone()?).set_len(len)?;
+        Region::map_fd(fd, len, rkey, access)
+    }
+
+    /// Maps a region's memfd received from a memory node (`shm` transport).
+    pub fn map_fd(fd: OwnedFd, len: u64, rkey: u32, access: Access) -> std::io::Result<Region> {
+        let actual = File::from(fd.try_clone()?).metadata()?.len();
+        if actual < len || len == 0 || len % 8 != 0 {
+            return Err(std::io::Error::other(format!(
+                "region memfd is {actual} bytes, expected a multiple of 8 of at least {len}"
+            )));
+        }
+        // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long; the kernel
+        // picks the address, so it overlaps nothing of ours. It is unmapped exactly once, in Drop.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Region {
+            ptr: NonNull::new(ptr as *mut u8).expect("mmap returned null"),
+            len: len as usize,
+            info: RegionInfo { rkey, len, access },
+            backing: Backing::Mapped { fd },
+        })
+    }
+
+    /// A zeroed heap region (for the `sim` transport and tests). `len` is rounded up to 8.
+    pub fn heap(len: u64, rkey: u32, access: Access) -> Region {
+        let words = len.div_ceil(8) as usize;
+        let mut block: Box<[AtomicU64]> = (0..words.max(1)).map(|_| AtomicU64::new(0)).collect();
+        let ptr = NonNull::new(block.as_mut_ptr() as *mut u8).expect("boxed slice is non-null");
+        Region {
+            ptr,
+            len: words * 8,
+            info: RegionInfo {
+                rkey,
+                len: words as u64 * 8,
+                access,
+            },
+            backing: Backing::Heap(block),
+        }
+    }
+
+    pub fn info(&self) -> RegionInfo {
+        self.info
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd behind a mapped region, to pass to `shm` clients.
+    pub fn memfd(&self) -> Option<&OwnedFd> {
+        match &self.backing {
+            Backing::Mapped { fd } => Some(fd),
+            Backing::Heap(_) => None,
+        }
+    }
+
+    /// Checks rights, bounds and alignment of one request against this region.
+    pub fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
+        let rkey = self.info.rkey;
+        if !self.info.access.contains(op.access()) {
+            return Err(VerbsError::AccessDenied {
+                op,
+                rkey,
+                access: self.info.access,
+            });
+        }
+        let in_bounds = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.len as u64);
+        if !in_bounds {
+            return Err(VerbsError::OutOfBounds {
+                op,
+                rkey,
+                offset,
+                len,
+                region_len: self.len as u64,
+            });
+        }
+        if op.is_atomic() && offset % 8 != 0 {
+            return Err(VerbsError::Misaligned { op, offset });
+        }
+        Ok(())
+    }
+
+    /// Copies `buf.len()` bytes at `offset` into `buf`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), VerbsError> {
+        self.check(Opcode::Read, offset, buf.len() as u64)?;
+        // SAFETY: `check` proved offset..offset+len lies inside the live region; `buf` is a
+        // distinct local buffer, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), VerbsError> {
+        self.check(Opcode::Write, offset, data.len() as u64)?;
+        // SAFETY: as in `read`, with the copy going the other way.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.ptr.as_ptr().add(offset as usize),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// The 8-byte word at `offset` as an atomic (the caller has run `check` for an atomic op).
+    fn word(&self, offset: u64) -> &AtomicU64 {
+        debug_assert!(offset % 8 == 0 && offset + 8 <= self.len as u64);
+        // SAFETY: `check` proved the word is in bounds and 8-byte aligned (the base of a mapping or
+        // of a `[AtomicU64]` is aligned), and region memory is only ever accessed atomically or by
+        // raw copies, never through a conflicting Rust reference.
+        unsafe { &*(self.ptr.as_ptr().add(offset as usize) as *const AtomicU64) }
+    }
+
+    /// Applies `f` to the word at `offset` atomically and returns the old value.
+    fn atomic_update(&self, op: Opcode, offset: u64, f: impl Fn(u64) -> u64) -> Result<u64, VerbsError> {
+        self.check(op, offset, 8)?;
+        let word = self.word(offset);
+        let mut old = word.load(Ordering::Acquire);
+        loop {
+            let new = f(old);
+            if new == old {
+                return Ok(old);
+            }
+            match word.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(old),
+                Err(actual) => old = actual,
+            }
+        }
+    }
+
+    /// Executes one work request whose key has already been matched to this region.
+    pub fn execute(&self, wr: &WorkRequest<'_>, out: &mut Completions) -> Result<(), VerbsError> {
+        let off = wr.addr().offset;
+        let value = match wr {
+            WorkRequest::Read { len, .. } => {
+                self.check(Opcode::Read, off, *len as u64)?;
+                out.push_read_with(*len as usize, |buf| {
+                    self.read(off, buf).expect("checked above");
+                });
+                return Ok(());
+            }
+            WorkRequest::Write { data, .. } => {
+                self.write(off, data)?;
+                out.push(Outcome::Written);
+                return Ok(());
+            }
+            WorkRequest::Cas { compare, swap, .. } => {
+                self.check(Opcode::Cas, off, 8)?;
+                match self.word(off).compare_exchange(*compare, *swap, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(v) | Err(v) => v,
+                }
+            }
+            WorkRequest::Faa { add, .. } => {
+                self.check(Opcode::Faa, off, 8)?;
+                self.word(off).fetch_add(*add, Ordering::AcqRel)
+            }
+            WorkRequest::MaskedCas {
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+                ..
+            } => self.atomic_update(Opcode::MaskedCas, off, |old| {
+                masked_cas(old, *compare, *compare_mask, *swap, *swap_mask)
+            })?,
+            WorkRequest::MaskedFaa { add, boundary, .. } => {
+                self.atomic_update(Opcode::MaskedFaa, off, |old| masked_faa(old, *add, *boundary))?
+            }
+        };
+        out.push(Outcome::Value(value));
+        Ok(())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Backing::Mapped { .. } = self.backing {
+            // SAFETY: `ptr`/`len` are exactly the mapping made in `map_fd`, unmapped only here.
+            unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len) };
+        }
+    }
+}
+
+/// The regions registered on one memory node, looked up by remote key.
+#[derive(Default)]
+pub struct RegionTable {
+    regions: Vec<std::sync::Arc<Region>>,
+}
+
+impl RegionTable {
+    pub fn new(regions: Vec<std::sync::Arc<Region>>) -> Self {
+        RegionTable { regions }
+    }
+
+    pub fn get(&self, rkey: u32) -> Option<&std::sync::Arc<Region>> {
+        self.regions.iter().find(|r| r.info.rkey == rkey)
+    }
+
+    pub fn infos(&self) -> Vec<RegionInfo> {
+        self.regions.iter().map(|r| r.info).collect()
+    }
+
+    pub fn regions(&self) -> &[std::sync::Arc<Region>] {
+        &self.regions
+    }
+
+    /// Executes a whole batch in order. After the first failure the rest are flushed, as on an
+    /// RDMA queue pair; `on_exec` sees each executed request (for statistics).
+    pub fn execute_batch<'a>(
+        &self,
+        requests: impl IntoIterator<Item = &'a WorkRequest<'a>>,
+        out: &mut Completions,
+        mut on_exec: impl FnMut(&WorkRequest<'_>, bool),
+    ) {
+        let mut failed = false;
+        for wr in requests {
+            if failed {
+                out.push(Outcome::Failed(VerbsError::Flushed));
+                continue;
+            }
+            let result = match self.get(wr.addr().rkey) {
+                Some(region) => region.execute(wr, out),
+                None => Err(VerbsError::BadKey { rkey: wr.addr().rkey }),
+            };
+            on_exec(wr, result.is_ok());
+            if let Err(e) = result {
+                out.push(Outcome::Failed(e));
+                failed = true;
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The `shm` transport: a colocated memory node's regions mapped into the client.
+//!
+//! The client connects to the node's Unix socket, authenticates, and receives the regions'
+//! memfds (SCM_RIGHTS) plus a counter block of its own. Verbs are then CPU copies and atomics on
+//! the shared mapping, executed synchronously in `post` (so batches trivially run in order). The
+//! Unix connection stays open only as a liveness signal: when it closes the node knows the
+//! client is gone. Atomics are CPU atomics on the same physical memory the node's NIC threads
+//! use, so `shm` and `tcp` clients of one node are atomic with respect to each other.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+
+use sendfd::{RecvWithFd, SendWithFd};
+
+use crate::auth::{client_handshake, Secret};
+use crate::counters::{VerbCounters, COUNTER_BLOCK_LEN};
+use crate::qp::{QueuePair, Transport};
+use crate::region::{Region, RegionInfo, RegionTable};
+use crate::wire::{self, ConnKind, Cursor, FrameKind, WireError};
+use crate::wr::{Access, Batch, Completions};
+use crate::VerbsError;
+
+const MAX_FDS: usize = 16;
+
+pub(crate) struct ShmQp {
+    table: RegionTable,
+    infos: Vec<RegionInfo>,
+    counters: VerbCounters,
+    node_id: u32,
+    peer: String,
+    _liveness: UnixStream,
+}
+
+impl ShmQp {
+    pub(crate) fn execute(&self, batch: &Batch<'_>) -> Completions {
+        let mut done = Completions::with_capacity(batch.len(), batch.read_bytes() as usize);
+        self.table.execute_batch(batch.requests(), &mut done, |_, _| {});
+        self.counters.record_batch(batch, &done);
+        done
+    }
+    pub(crate) fn regions(&self) -> &[RegionInfo] {
+        &self.infos
+    }
+    pub(crate) fn node_id(&self) -> u32 {
+        self.node_id
+    }
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+}
+
+/// Connects to a memory node's Unix socket and maps its regions.
+pub fn connect(socket: &Path, secret: &Secret, client_name: &str) -> Result<QueuePair, VerbsError> {
+    let peer = format!("unix:{}", socket.display());
+    let mut stream = UnixStream::connect(socket).map_err(|e| VerbsError::Connect {
+        peer: peer.clone(),
+        reason: e.to_string(),
+    })?;
+    let accepted = client_handshake(&mut stream, ConnKind::Shm, secret, client_name, &peer)?;
+    let proto = |reason: String| VerbsError::Protocol {
+        peer: peer.clone(),
+        reason,
+    };
+    let (infos, mut fds, counter_fd) = recv_regions(&stream).map_err(|e| proto(e.to_string()))?;
+    let mut regions = Vec::new();
+    for info in &infos {
+        let fd = fds.remove(0);
+        let region = Region::map_fd(fd, info.len, info.rkey, info.access)
+            .map_err(|e| proto(format!("cannot map region {:#x}: {e}", info.rkey)))?;
+        regions.push(Arc::new(region));
+    }
+    let counters = Region::map_fd(counter_fd, COUNTER_BLOCK_LEN, 0, Access::ALL)
+        .map_err(|e| proto(format!("cannot map the counter block: {e}")))?;
+    Ok(QueuePair(Arc::new(Transport::Shm(ShmQp {
+        table: RegionTable::new(regions),
+        infos,
+        counters: VerbCounters::in_region(Arc::new(counters)),
+        node_id: accepted.welcome.node_id,
+        peer: format!("{} ({peer})", accepted.node_name),
+        _liveness: stream,
+    }))))
+}
+
+/// Node side: sends the regions' memfds and a counter block to an authenticated shm client.
+pub fn send_regions(stream: &UnixStream, table: &RegionTable, counters: &Region) -> std::io::Result<()> {
+    let mut body = Vec::new();
+    let mut fds: Vec<RawFd> = Vec::new();
+    let shared: Vec<_> = table.regions().iter().filter(|r| r.memfd().is_some()).collect();
+    body.extend_from_slice(&(shared.len() as u16).to_le_bytes());
+    for r in shared.iter().take(MAX_FDS - 1) {
+        let info = r.info();
+        body.extend_from_slice(&info.rkey.to_le_bytes());
+        body.extend_from_slice(&info.len.to_le_bytes());
+        body.push(info.access.bits());
+        fds.push(r.memfd().expect("filtered").as_raw_fd());
+    }
+    fds.push(
+        counters
+            .memfd()
+            .ok_or_else(|| std::io::Error::other("counter block has no memfd"))?
+            .as_raw_fd(),
+    );
+    let mut frame = wire::encode_header(FrameKind::ShmRegions, body.len()).to_vec();
+    frame.extend_from_slice(&body);
+    let sent = stream.send_with_fd(&frame, &fds)?;
+    if sent != frame.len() {
+        return Err(std::io::Error::other("short send of the region descriptors"));
+    }
+    Ok(())
+}
+
+type Received = (Vec<RegionInfo>, Vec<OwnedFd>, OwnedFd);
+
+fn recv_regions(stream: &UnixStream) -> Result<Received, WireError> {
+    let mut buf = [0u8; 4096];
+    let mut raw = [-1 as RawFd; MAX_FDS];
+    let (n, nfds) = stream.recv_with_fd(&mut buf, &mut raw)?;
+    // SAFETY: the kernel installed these `nfds` descriptors for us in this recvmsg; nothing else
+    // owns them, and wrapping each once hands ownership to `OwnedFd`.
+    let mut fds: Vec<OwnedFd> = raw[..nfds].iter().map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
+    if n < wire::HEADER_LEN {
+        return Err(WireError::malformed("region descriptors", format!("only {n} bytes")));
+    }
+    let (kind, len) = wire::decode_header(buf[..wire::HEADER_LEN].try_into().expect("8"))?;
+    if kind != FrameKind::ShmRegions || len as usize != n - wire::HEADER_LEN {
+        return Err(WireError::malformed("region descriptors", format!("{kind:?} frame of {len} bytes")));
+    }
+    let mut c = Cursor::new(&buf[wire::HEADER_LEN..n], "region descriptors");
+    let count = c.u16()? as usize;
+    if count + 1 != nfds {
+        return Err(WireError::malformed(
+            "region descriptors",
+            format!("{count} regions but {nfds} descriptors"),
+        ));
+    }
+    let mut infos = Vec::with_capacity(count);
+    for _ in 0..count {
+        infos.push(RegionInfo {
+            rkey: c.u32()?,
+            len: c.u64()?,
+            access: Access::from_bits(c.u8()?),
+        });
+    }
+    c.finish()?;
+    let counter = fds.pop().expect("count + 1 descriptors");
+    Ok((infos, fds, counter))
+}

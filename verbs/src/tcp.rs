@@ -1,0 +1,368 @@
+//! The `tcp` transport: a software RDMA NIC over TCP.
+//!
+//! **Node side** ([`serve_verbs`]): one NIC thread per connection reads request frames, executes
+//! their work requests on the region table in order, and writes one response frame per batch.
+//! It runs no filesystem, lock or QoS logic. Responses to pipelined batches are flushed together
+//! when no further request is already buffered.
+//!
+//! **Client side**: posting encodes the batch and writes it under the writer lock, queueing a
+//! completion slot in posting order. There is no reader thread: whichever waiter finds the reader
+//! lock free reads responses itself and hands each to its slot until its own has arrived, then
+//! wakes another waiter to take over. On this kind of machine a thread wake-up costs tens of
+//! microseconds, so having the waiting thread read its own response saves one per round trip.
+
+use std::collections::VecDeque;
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use crate::auth::{client_handshake, Secret};
+use crate::counters::VerbCounters;
+use crate::qp::{Posted, QueuePair, Slot, Transport};
+use crate::region::{RegionInfo, RegionTable};
+use crate::wire::{self, ConnKind, Cursor, FrameKind, WireError, OUTCOME_LEN, RESPONSE_PREFIX};
+use crate::wr::{Batch, Completions, Opcode, Outcome, RemoteAddr};
+use crate::VerbsError;
+
+/// What the client remembers of each posted request, to check and interpret its completion.
+struct Shape {
+    op: Opcode,
+    addr: RemoteAddr,
+    len: u32,
+}
+
+struct InFlight {
+    seq: u64,
+    shapes: Vec<Shape>,
+    slot: Arc<Slot>,
+}
+
+struct Writer {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    next_seq: u64,
+}
+
+struct Reader {
+    stream: BufReader<TcpStream>,
+}
+
+pub(crate) struct TcpConn {
+    peer: String,
+    node_id: u32,
+    regions: Vec<RegionInfo>,
+    writer: Mutex<Writer>,
+    reader: Mutex<Reader>,
+    in_flight: Mutex<VecDeque<InFlight>>,
+    failure: Mutex<Option<VerbsError>>,
+}
+
+/// Connects to a memory node's verbs service at `addr` (host:port).
+pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<QueuePair, VerbsError> {
+    let mut stream = dial(addr)?;
+    let accepted = client_handshake(&mut stream, ConnKind::Verbs, secret, client_name, addr)?;
+    let conn = TcpConn {
+        peer: format!("{} ({addr})", accepted.node_name),
+        node_id: accepted.welcome.node_id,
+        regions: accepted.welcome.regions,
+        writer: Mutex::new(Writer {
+            stream: stream.try_clone().map_err(|e| connect_err(addr, e))?,
+            buf: Vec::with_capacity(64 << 10),
+            next_seq: 0,
+        }),
+        reader: Mutex::new(Reader {
+            stream: BufReader::with_capacity(256 << 10, stream),
+        }),
+        in_flight: Mutex::new(VecDeque::new()),
+        failure: Mutex::new(None),
+    };
+    Ok(QueuePair(Arc::new(Transport::Tcp(Arc::new(conn)))))
+}
+
+fn connect_err(addr: &str, e: std::io::Error) -> VerbsError {
+    VerbsError::Connect {
+        peer: addr.into(),
+        reason: e.to_string(),
+    }
+}
+
+/// Opens a TCP connection with the options every RackFS connection uses.
+pub fn dial(addr: &str) -> Result<TcpStream, VerbsError> {
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| connect_err(addr, e))?
+        .collect();
+    let mut last = None;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
+            Ok(s) => {
+                s.set_nodelay(true).map_err(|e| connect_err(addr, e))?;
+                return Ok(s);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(connect_err(
+        addr,
+        last.unwrap_or_else(|| std::io::Error::other("address resolved to nothing")),
+    ))
+}
+
+impl TcpConn {
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+    pub(crate) fn node_id(&self) -> u32 {
+        self.node_id
+    }
+    pub(crate) fn regions(&self) -> &[RegionInfo] {
+        &self.regions
+    }
+
+    fn failure(&self) -> Option<VerbsError> {
+        self.failure.lock().expect("failure lock").clone()
+    }
+
+    /// Marks the connection dead and fails every outstanding batch with `reason`.
+    fn fail(&self, reason: String) {
+        let err = {
+            let mut f = self.failure.lock().expect("failure lock");
+            f.get_or_insert_with(|| VerbsError::ConnectionLost {
+                peer: self.peer.clone(),
+                reason,
+            })
+            .clone()
+        };
+        let _ = self.writer.lock().expect("writer lock").stream.shutdown(std::net::Shutdown::Both);
+        let drained: Vec<_> = self.in_flight.lock().expect("in-flight lock").drain(..).collect();
+        for f in drained {
+            f.slot.complete(Err(err.clone()));
+        }
+    }
+
+    pub(crate) fn post(self: &Arc<Self>, batch: &Batch<'_>) -> Posted {
+        if let Some(e) = self.failure() {
+            return Posted::ready(Err(e));
+        }
+        let slot = Arc::new(Slot::default());
+        let shapes = batch
+            .requests()
+            .iter()
+            .map(|wr| Shape {
+                op: wr.opcode(),
+                addr: wr.addr(),
+                len: wr.len() as u32,
+            })
+            .collect();
+        let mut guard = self.writer.lock().expect("writer lock");
+        let w = &mut *guard;
+        let seq = w.next_seq;
+        w.next_seq += 1;
+        w.buf.clear();
+        w.buf.extend_from_slice(&[0; wire::HEADER_LEN]);
+        wire::encode_verbs_request(&mut w.buf, seq, batch.requests());
+        let header = wire::encode_header(FrameKind::VerbsRequest, w.buf.len() - wire::HEADER_LEN);
+        w.buf[..wire::HEADER_LEN].copy_from_slice(&header);
+        self.in_flight.lock().expect("in-flight lock").push_back(InFlight {
+            seq,
+            shapes,
+            slot: slot.clone(),
+        });
+        let sent = w.stream.write_all(&w.buf);
+        if w.buf.capacity() > 1 << 20 {
+            w.buf = Vec::with_capacity(64 << 10);
+        }
+        drop(guard);
+        if let Err(e) = sent {
+            self.fail(format!("send failed: {e}"));
+        }
+        Posted::tcp(slot, self.clone())
+    }
+
+    /// Drives the connection until `slot` completes (see the module docs).
+    pub(crate) fn poll_slot(&self, slot: &Slot, cx: &mut Context<'_>) -> Poll<Result<Completions, VerbsError>> {
+        let mut registered = false;
+        let mut was_reader = false;
+        loop {
+            if let Some(r) = slot.take() {
+                if was_reader {
+                    self.hand_over();
+                }
+                return Poll::Ready(r);
+            }
+            match self.reader.try_lock() {
+                Ok(mut reader) => {
+                    was_reader = true;
+                    if slot.is_done() {
+                        continue; // completed by the previous reader: release the lock first
+                    }
+                    if let Err(reason) = self.read_one(&mut reader) {
+                        drop(reader);
+                        self.fail(reason);
+                    }
+                }
+                Err(_) if !registered => {
+                    // Register, then try the reader lock once more: either we get it, or its
+                    // holder releases it after our waker is visible to `hand_over`.
+                    slot.set_waker(cx.waker());
+                    registered = true;
+                }
+                Err(_) => return Poll::Pending,
+            }
+        }
+    }
+
+    /// Wakes one waiting poster so the connection keeps a reader while batches are outstanding.
+    fn hand_over(&self) {
+        let q = self.in_flight.lock().expect("in-flight lock");
+        for f in q.iter() {
+            if f.slot.wake_waiter() {
+                return;
+            }
+        }
+    }
+
+    /// Reads one response frame and completes its batch's slot.
+    fn read_one(&self, reader: &mut Reader) -> Result<(), String> {
+        let mut body = Vec::new();
+        let kind = wire::read_frame(&mut reader.stream, &mut body).map_err(|e| e.to_string())?;
+        if kind != FrameKind::VerbsResponse {
+            return Err(format!("expected a verbs response, got a {kind:?} frame"));
+        }
+        let front = self
+            .in_flight
+            .lock()
+            .expect("in-flight lock")
+            .pop_front()
+            .ok_or("response without an outstanding batch")?;
+        match decode_response(body, &front) {
+            Ok(done) => {
+                front.slot.complete(Ok(done));
+                Ok(())
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                front.slot.complete(Err(VerbsError::Protocol {
+                    peer: self.peer.clone(),
+                    reason: reason.clone(),
+                }));
+                Err(reason)
+            }
+        }
+    }
+}
+
+fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError> {
+    let what = "verbs response";
+    let mut c = Cursor::new(&body, what);
+    let seq = c.u64()?;
+    let count = c.u16()? as usize;
+    if seq != f.seq || count != f.shapes.len() {
+        return Err(WireError::malformed(
+            what,
+            format!("answers batch {seq} with {count} completions; expected batch {} with {}", f.seq, f.shapes.len()),
+        ));
+    }
+    let mut data_at = RESPONSE_PREFIX + OUTCOME_LEN * count;
+    let mut outcomes = Vec::with_capacity(count);
+    for s in &f.shapes {
+        let status = c.u8()?;
+        let value = c.u64()?;
+        outcomes.push(if status == 0 {
+            match s.op {
+                Opcode::Read => {
+                    if value != s.len as u64 {
+                        return Err(WireError::malformed(what, format!("READ of {} bytes returned {value}", s.len)));
+                    }
+                    let start = data_at;
+                    data_at += s.len as usize;
+                    Outcome::Data {
+                        start,
+                        len: s.len as usize,
+                    }
+                }
+                Opcode::Write => Outcome::Written,
+                _ => Outcome::Value(value),
+            }
+        } else {
+            let e = VerbsError::from_status(status, value, s.op, s.addr.rkey, s.addr.offset, s.len as u64)
+                .ok_or_else(|| WireError::malformed(what, format!("unknown status {status}")))?;
+            Outcome::Failed(e)
+        });
+    }
+    if data_at != body.len() {
+        return Err(WireError::malformed(
+            what,
+            format!("carries {} bytes of READ data, expected {}", body.len() as i64 - c.position() as i64, data_at - c.position()),
+        ));
+    }
+    Ok(Completions { outcomes, data: body })
+}
+
+/// Counters of one node's NIC threads.
+pub type NicCounters = VerbCounters;
+
+/// Serves work requests on an authenticated verbs connection until the peer closes it.
+///
+/// Returns `Ok` on an orderly close and the reason otherwise (a malformed frame closes the
+/// connection: the caller logs why).
+pub fn serve_verbs(stream: TcpStream, table: &RegionTable, counters: &VerbCounters) -> Result<(), WireError> {
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone()?);
+    let mut writer = BufWriter::with_capacity(256 << 10, stream);
+    let mut body = Vec::new();
+    loop {
+        let kind = match wire::read_frame(&mut reader, &mut body) {
+            Ok(k) => k,
+            Err(WireError::Closed) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if kind != FrameKind::VerbsRequest {
+            return Err(WireError::Unexpected {
+                expected: FrameKind::VerbsRequest,
+                got: kind,
+            });
+        }
+        let (seq, requests) = wire::decode_verbs_request(&body)?;
+        let read_bytes: usize = requests
+            .iter()
+            .filter(|r| r.opcode() == Opcode::Read)
+            .map(|r| r.len() as usize)
+            .sum();
+        let mut done = Completions::with_capacity(requests.len(), read_bytes);
+        let mut totals = crate::counters::VerbTotals::default();
+        table.execute_batch(&requests, &mut done, |wr, ok| {
+            if ok {
+                totals.ops[wr.opcode().index()] += 1;
+                totals.bytes[wr.opcode().index()] += wr.len();
+            } else {
+                totals.errors += 1;
+            }
+        });
+        totals.batches = 1;
+        counters.add_totals(&totals);
+
+        let body_len = RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len() + done.data.len();
+        let mut head = Vec::with_capacity(wire::HEADER_LEN + RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len());
+        head.extend_from_slice(&wire::encode_header(FrameKind::VerbsResponse, body_len));
+        head.extend_from_slice(&seq.to_le_bytes());
+        head.extend_from_slice(&(done.outcomes.len() as u16).to_le_bytes());
+        for o in &done.outcomes {
+            let (status, value) = match o {
+                Outcome::Data { len, .. } => (0, *len as u64),
+                Outcome::Value(v) => (0, *v),
+                Outcome::Written => (0, 0),
+                Outcome::Failed(e) => (e.status_code(), e.status_detail()),
+            };
+            head.push(status);
+            head.extend_from_slice(&value.to_le_bytes());
+        }
+        writer.write_all(&head)?;
+        writer.write_all(&done.data)?;
+        if reader.buffer().is_empty() {
+            writer.flush()?;
+        }
+    }
+}
