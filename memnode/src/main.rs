@@ -1,1 +1,86 @@
-fn main(){}
+//! `rackfs-memnode`: serve a region of this host's memory to RackFS clients.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use rackfs_memnode::size::{format_size, parse_size};
+use rackfs_memnode::{MemNode, NodeConfig};
+use rackfs_verbs::Secret;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use tracing::info;
+
+/// Serve a region of this host's DRAM to RackFS clients over one-sided verbs.
+#[derive(Parser, Debug)]
+#[command(name = "rackfs-memnode", version)]
+struct Args {
+    /// TCP address for verbs and control connections, e.g. 0.0.0.0:7070 (port 0 picks one).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Size of the memory region to serve, e.g. 512M, 64G.
+    #[arg(long, value_parser = parse_size)]
+    region: u64,
+    /// File holding the cluster secret shared by every node and mount.
+    #[arg(long)]
+    secret_file: PathBuf,
+    /// Unix socket for colocated (shm) clients.
+    #[arg(long)]
+    shm_socket: Option<PathBuf>,
+    /// This node's id within the cluster.
+    #[arg(long, default_value_t = 0)]
+    node_id: u32,
+    /// A name for logs and errors (default: mn<node-id>).
+    #[arg(long)]
+    name: Option<String>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rackfs-memnode: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let secret = Secret::from_file(&args.secret_file)?;
+    let mut signals = Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let node = MemNode::start(NodeConfig {
+        node_id: args.node_id,
+        name: args.name.unwrap_or_else(|| format!("mn{}", args.node_id)),
+        listen: args.listen,
+        shm_socket: args.shm_socket.clone(),
+        region_len: args.region,
+        secret,
+    })
+    .map_err(|e| e.to_string())?;
+    // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.
+    println!(
+        "rackfs-memnode ready: node={} tcp={} shm={} region={}",
+        args.node_id,
+        node.tcp_addr().map_or_else(|| "-".into(), |a| a.to_string()),
+        args.shm_socket.as_ref().map_or_else(|| "-".into(), |p| p.display().to_string()),
+        args.region
+    );
+    let signal = signals.forever().next();
+    info!(?signal, "shutting down");
+    node.shutdown();
+    let s = node.stats();
+    info!(
+        verbs = s.verbs.total_ops(),
+        rpcs = s.rpcs.iter().sum::<u64>(),
+        used = %format_size(s.used),
+        "final statistics"
+    );
+    Ok(())
+}

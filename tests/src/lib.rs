@@ -1,0 +1,283 @@
+//! Test harness: real memory-node processes, and one environment trait under which the verbs
+//! conformance cases run on every transport.
+
+use std::future::Future;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::rc::Rc;
+use std::cell::RefCell;
+use std::time::Duration;
+
+use rackfs_verbs::sim::{Sim, SimConfig, SIM_RKEY, SIM_RO_RKEY};
+use rackfs_verbs::{block_on, QueuePair, RegionInfo, Secret};
+
+/// Path of a binary built from this workspace (`target/<profile>/NAME`).
+pub fn bin_path(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("RACKFS_BIN_DIR") {
+        return Path::new(&dir).join(name);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().expect("deps dir");
+    let dir = if dir.ends_with("deps") { dir.parent().expect("profile dir") } else { dir };
+    let p = dir.join(name);
+    assert!(p.exists(), "{} not built: run `cargo build --workspace --bins` first", p.display());
+    p
+}
+
+/// A private scratch directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let mut n = [0u8; 6];
+        n.copy_from_slice(&rackfs_verbs::auth::nonce()[..6]);
+        let hex: String = n.iter().map(|b| format!("{b:02x}")).collect();
+        let p = std::env::temp_dir().join(format!("rackfs-{tag}-{hex}"));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A `rackfs-memnode` child process with a TCP listener on loopback and a Unix socket.
+pub struct MemNodeProcess {
+    pub child: Child,
+    pub tcp: String,
+    pub shm: PathBuf,
+    pub secret: Secret,
+    pub secret_file: PathBuf,
+    pub stderr_log: PathBuf,
+    pub dir: TempDir,
+}
+
+impl MemNodeProcess {
+    pub fn start(region: &str) -> MemNodeProcess {
+        Self::start_with(region, Secret::generate(), &[])
+    }
+
+    pub fn start_with(region: &str, secret: Secret, extra: &[&str]) -> MemNodeProcess {
+        let dir = TempDir::new("mn");
+        let secret_file = dir.path().join("secret");
+        std::fs::write(&secret_file, secret.expose()).expect("write secret");
+        let shm = dir.path().join("mn.sock");
+        let stderr_log = dir.path().join("stderr.log");
+        let mut child = Command::new(bin_path("rackfs-memnode"))
+            .args(["--listen", "127.0.0.1:0", "--region", region, "--secret-file"])
+            .arg(&secret_file)
+            .arg("--shm-socket")
+            .arg(&shm)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).expect("stderr log"))
+            .spawn()
+            .expect("spawn rackfs-memnode");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read ready line");
+        let tcp = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("tcp="))
+            .unwrap_or_else(|| panic!("no ready line from rackfs-memnode: {line:?}; stderr: {}",
+                std::fs::read_to_string(&stderr_log).unwrap_or_default()))
+            .to_string();
+        MemNodeProcess {
+            child,
+            tcp,
+            shm,
+            secret,
+            secret_file,
+            stderr_log,
+            dir,
+        }
+    }
+
+    pub fn tcp_qp(&self) -> QueuePair {
+        rackfs_verbs::tcp::connect(&self.tcp, &self.secret, "test").expect("tcp connect")
+    }
+
+    pub fn shm_qp(&self) -> QueuePair {
+        rackfs_verbs::shm::connect(&self.shm, &self.secret, "test").expect("shm connect")
+    }
+
+    pub fn control(&self) -> rackfs_memnode::ControlClient {
+        rackfs_memnode::ControlClient::connect_tcp(&self.tcp, &self.secret, "test").expect("control connect")
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits; returns the exit status code.
+    pub fn stop(mut self) -> Option<i32> {
+        // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().expect("wait for memnode").code()
+    }
+}
+
+impl Drop for MemNodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cond()
+}
+
+/// Where a conformance case runs: how to get queue pairs and how to drive async bodies.
+pub trait Env {
+    fn name(&self) -> &'static str;
+    fn qp(&mut self) -> QueuePair;
+    /// The read-write data region and a read-only region.
+    fn data_region(&self) -> RegionInfo;
+    fn ro_region(&self) -> RegionInfo;
+    /// Runs one async body to completion.
+    fn run<T: 'static, F: Future<Output = T> + 'static>(&mut self, f: F) -> T;
+    /// Runs `n` workers, each on its own queue pair, concurrently, to completion.
+    fn run_parallel<F, Fut>(&mut self, n: usize, f: F)
+    where
+        F: Fn(usize, QueuePair) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static;
+}
+
+fn region_by(qp: &QueuePair, want_write: bool) -> RegionInfo {
+    *qp.regions()
+        .iter()
+        .find(|r| r.access.contains(rackfs_verbs::Access::WRITE) == want_write)
+        .expect("region of the wanted kind")
+}
+
+/// A real memory node reached over `shm` or `tcp`.
+pub struct NodeEnv {
+    pub node: MemNodeProcess,
+    pub shm: bool,
+    data: RegionInfo,
+    ro: RegionInfo,
+}
+
+impl NodeEnv {
+    pub fn new(shm: bool) -> NodeEnv {
+        let node = MemNodeProcess::start("16M");
+        let qp = if shm { node.shm_qp() } else { node.tcp_qp() };
+        NodeEnv {
+            data: region_by(&qp, true),
+            ro: region_by(&qp, false),
+            node,
+            shm,
+        }
+    }
+}
+
+impl Env for NodeEnv {
+    fn name(&self) -> &'static str {
+        if self.shm { "shm" } else { "tcp" }
+    }
+    fn qp(&mut self) -> QueuePair {
+        if self.shm { self.node.shm_qp() } else { self.node.tcp_qp() }
+    }
+    fn data_region(&self) -> RegionInfo {
+        self.data
+    }
+    fn ro_region(&self) -> RegionInfo {
+        self.ro
+    }
+    fn run<T: 'static, F: Future<Output = T> + 'static>(&mut self, f: F) -> T {
+        block_on(f)
+    }
+    fn run_parallel<F, Fut>(&mut self, n: usize, f: F)
+    where
+        F: Fn(usize, QueuePair) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let f = std::sync::Arc::new(f);
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let qp = self.qp();
+                let f = f.clone();
+                std::thread::spawn(move || block_on(f(i, qp)))
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("worker thread");
+        }
+    }
+}
+
+/// The deterministic simulator.
+pub struct SimEnv {
+    pub sim: Sim,
+}
+
+impl SimEnv {
+    pub fn new(seed: u64) -> SimEnv {
+        SimEnv {
+            sim: Sim::new(SimConfig {
+                seed,
+                region_len: 16 << 20,
+                ..SimConfig::default()
+            }),
+        }
+    }
+}
+
+impl Env for SimEnv {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+    fn qp(&mut self) -> QueuePair {
+        let c = self.sim.add_client();
+        self.sim.handle().connect(c)
+    }
+    fn data_region(&self) -> RegionInfo {
+        RegionInfo { rkey: SIM_RKEY, len: 16 << 20, access: rackfs_verbs::Access::ALL }
+    }
+    fn ro_region(&self) -> RegionInfo {
+        RegionInfo { rkey: SIM_RO_RKEY, len: 4096, access: rackfs_verbs::Access::READ }
+    }
+    fn run<T: 'static, F: Future<Output = T> + 'static>(&mut self, f: F) -> T {
+        let out = Rc::new(RefCell::new(None));
+        let o = out.clone();
+        let c = self.sim.add_client();
+        self.sim.spawn(c, async move {
+            *o.borrow_mut() = Some(f.await);
+        });
+        let outcome = self.sim.run(Duration::from_secs(3600));
+        assert_eq!(outcome, rackfs_verbs::sim::RunOutcome::Finished);
+        let v = out.borrow_mut().take();
+        v.expect("task finished")
+    }
+    fn run_parallel<F, Fut>(&mut self, n: usize, f: F)
+    where
+        F: Fn(usize, QueuePair) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        for i in 0..n {
+            let c = self.sim.add_client();
+            let qp = self.sim.handle().connect(c);
+            self.sim.spawn(c, f(i, qp));
+        }
+        let outcome = self.sim.run(Duration::from_secs(3600));
+        assert_eq!(outcome, rackfs_verbs::sim::RunOutcome::Finished);
+    }
+}

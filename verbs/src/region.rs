@@ -130,23 +130,27 @@ impl Region {
         }
     }
 
-    /// Checks rights, bounds and alignment of one request against this region.
+    /// Checks rights, bounds and alignment of one remote request against this region.
     pub fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
-        let rkey = self.info.rkey;
         if !self.info.access.contains(op.access()) {
             return Err(VerbsError::AccessDenied {
                 op,
-                rkey,
+                rkey: self.info.rkey,
                 access: self.info.access,
             });
         }
+        self.check_bounds(op, offset, len)
+    }
+
+    /// Bounds and alignment only: what local access by the region's owner must pass.
+    fn check_bounds(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
         let in_bounds = offset
             .checked_add(len)
             .is_some_and(|end| end <= self.len as u64);
         if !in_bounds {
             return Err(VerbsError::OutOfBounds {
                 op,
-                rkey,
+                rkey: self.info.rkey,
                 offset,
                 len,
                 region_len: self.len as u64,
@@ -158,9 +162,10 @@ impl Region {
         Ok(())
     }
 
-    /// Copies `buf.len()` bytes at `offset` into `buf`.
+    /// Copies `buf.len()` bytes at `offset` into `buf` (local access; see [`Region::check`] for
+    /// what remote requests must also pass).
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), VerbsError> {
-        self.check(Opcode::Read, offset, buf.len() as u64)?;
+        self.check_bounds(Opcode::Read, offset, buf.len() as u64)?;
         // SAFETY: `check` proved offset..offset+len lies inside the live region; `buf` is a
         // distinct local buffer, so the ranges cannot overlap.
         unsafe {
@@ -173,9 +178,9 @@ impl Region {
         Ok(())
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset` (local access).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), VerbsError> {
-        self.check(Opcode::Write, offset, data.len() as u64)?;
+        self.check_bounds(Opcode::Write, offset, data.len() as u64)?;
         // SAFETY: as in `read`, with the copy going the other way.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -225,6 +230,7 @@ impl Region {
                 return Ok(());
             }
             WorkRequest::Write { data, .. } => {
+                self.check(Opcode::Write, off, data.len() as u64)?;
                 self.write(off, data)?;
                 out.push(Outcome::Written);
                 return Ok(());

@@ -12,7 +12,7 @@
 //! microseconds, so having the waiting thread read its own response saves one per round trip.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -301,17 +301,18 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
     Ok(Completions { outcomes, data: body })
 }
 
-/// Counters of one node's NIC threads.
-pub type NicCounters = VerbCounters;
-
 /// Serves work requests on an authenticated verbs connection until the peer closes it.
 ///
 /// Returns `Ok` on an orderly close and the reason otherwise (a malformed frame closes the
 /// connection: the caller logs why).
-pub fn serve_verbs(stream: TcpStream, table: &RegionTable, counters: &VerbCounters) -> Result<(), WireError> {
-    stream.set_nodelay(true)?;
-    let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone()?);
-    let mut writer = BufWriter::with_capacity(256 << 10, stream);
+pub fn serve_verbs(
+    input: impl Read,
+    output: impl Write,
+    table: &RegionTable,
+    counters: &VerbCounters,
+) -> Result<(), WireError> {
+    let mut reader = BufReader::with_capacity(256 << 10, input);
+    let mut writer = BufWriter::with_capacity(256 << 10, output);
     let mut body = Vec::new();
     loop {
         let kind = match wire::read_frame(&mut reader, &mut body) {

@@ -120,7 +120,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<(FrameKind, u32), WireError
 }
 
 /// Reads one frame into `body` (replacing its contents). EOF before a header is [`WireError::Closed`].
-pub fn read_frame(r: &mut impl Read, body: &mut Vec<u8>) -> Result<FrameKind, WireError> {
+pub fn read_frame<R: Read + ?Sized>(r: &mut R, body: &mut Vec<u8>) -> Result<FrameKind, WireError> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -143,7 +143,7 @@ pub fn read_frame(r: &mut impl Read, body: &mut Vec<u8>) -> Result<FrameKind, Wi
 }
 
 /// Reads one frame and insists on its kind; a `Refused` frame becomes its reason.
-pub fn expect_frame(r: &mut impl Read, expected: FrameKind) -> Result<Vec<u8>, WireError> {
+pub fn expect_frame<R: Read + ?Sized>(r: &mut R, expected: FrameKind) -> Result<Vec<u8>, WireError> {
     let mut body = Vec::new();
     let kind = read_frame(r, &mut body)?;
     if kind != expected {
@@ -156,7 +156,7 @@ pub fn expect_frame(r: &mut impl Read, expected: FrameKind) -> Result<Vec<u8>, W
     Ok(body)
 }
 
-pub fn write_frame(w: &mut impl Write, kind: FrameKind, body: &[u8]) -> std::io::Result<()> {
+pub fn write_frame<W: Write + ?Sized>(w: &mut W, kind: FrameKind, body: &[u8]) -> std::io::Result<()> {
     w.write_all(&encode_header(kind, body.len()))?;
     w.write_all(body)
 }

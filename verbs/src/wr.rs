@@ -302,6 +302,11 @@ impl<'a> Batch<'a> {
         })
     }
 
+    /// Writes one little-endian 64-bit word.
+    pub fn write_u64(&mut self, addr: RemoteAddr, value: u64) -> WrId {
+        self.write_owned(addr, value.to_le_bytes().to_vec())
+    }
+
     pub fn cas(&mut self, addr: RemoteAddr, compare: u64, swap: u64) -> WrId {
         self.push(WorkRequest::Cas {
             addr,

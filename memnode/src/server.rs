@@ -1,0 +1,449 @@
+//! The memory node: registers its regions, serves verbs on them, answers control RPCs.
+//!
+//! Threads: one accept loop per listener (TCP, Unix socket) and one thread per connection. A
+//! verbs connection's thread is a NIC: it executes work requests and nothing else. A control
+//! connection's thread answers RPCs (allocation, stats). An shm connection's thread hands the
+//! client the regions' memfds, then waits for the connection to close, which is how the node
+//! learns the client is gone (its verb counters are then folded into the node's totals).
+//!
+//! Remote memory ownership: the node's CPU writes region memory only when it initialises the
+//! read-only info region at start-up; everything else in the data region is written by clients
+//! through verbs, into extents the allocator handed out.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rackfs_verbs::auth::{server_handshake, HandshakeError, Secret};
+use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
+use rackfs_verbs::wire::{self, ConnKind, FrameKind, Welcome, WireError};
+use rackfs_verbs::{Access, Region, RegionTable, VerbCounters, VerbTotals};
+use slab::Slab;
+use tracing::{debug, info, warn};
+
+use crate::alloc::{AllocError, ExtentAllocator};
+use crate::control::{ControlRequest, ControlResponse, ErrorCode, NodeStats, RPC_KINDS};
+
+/// Magic at offset 0 of the read-only info region.
+pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
+const INFO_REGION_LEN: u64 = 4096;
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How to start a memory node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node_id: u32,
+    pub name: String,
+    /// TCP address for verbs and control connections (`None`: no TCP listener).
+    pub listen: Option<String>,
+    /// Unix socket for shm (and local control) connections.
+    pub shm_socket: Option<PathBuf>,
+    pub region_len: u64,
+    pub secret: Secret,
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("nothing to listen on: give --listen ADDR, --shm-socket PATH, or both")]
+    NoListener,
+    #[error("region size {0} is too small: a memory node needs at least 1 MiB")]
+    RegionTooSmall(u64),
+    #[error("cannot create the {len}-byte region: {err}")]
+    Region { len: u64, err: std::io::Error },
+    #[error("cannot listen on {addr}: {err}")]
+    Listen { addr: String, err: std::io::Error },
+}
+
+struct Shared {
+    cfg: NodeConfig,
+    table: RegionTable,
+    welcome: Welcome,
+    allocator: Mutex<ExtentAllocator>,
+    nic: VerbCounters,
+    shm_live: Mutex<Slab<VerbCounters>>,
+    shm_retired: Mutex<VerbTotals>,
+    rpcs: [AtomicU64; RPC_KINDS.len()],
+    open: [AtomicU64; 3],
+    connections_total: AtomicU64,
+    auth_failures: AtomicU64,
+    protocol_errors: AtomicU64,
+    started: Instant,
+    stopping: AtomicBool,
+}
+
+/// A running memory node.
+pub struct MemNode {
+    shared: Arc<Shared>,
+    tcp_addr: Option<SocketAddr>,
+}
+
+fn random_rkey() -> u32 {
+    let mut b = [0u8; 4];
+    getrandom_fill(&mut b);
+    u32::from_le_bytes(b) | 1
+}
+
+fn getrandom_fill(b: &mut [u8]) {
+    let n = rackfs_verbs::auth::nonce();
+    b.copy_from_slice(&n[..b.len()]);
+}
+
+impl MemNode {
+    /// Creates the regions, binds the listeners and starts serving.
+    pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
+        if cfg.listen.is_none() && cfg.shm_socket.is_none() {
+            return Err(StartError::NoListener);
+        }
+        if cfg.region_len < 1 << 20 {
+            return Err(StartError::RegionTooSmall(cfg.region_len));
+        }
+        let len = cfg.region_len.next_multiple_of(4096);
+        let data = Region::create_memfd("rackfs-region", len, random_rkey(), Access::ALL)
+            .map_err(|err| StartError::Region { len, err })?;
+        let info = Region::create_memfd("rackfs-info", INFO_REGION_LEN, random_rkey(), Access::READ)
+            .map_err(|err| StartError::Region { len, err })?;
+        let mut page = INFO_MAGIC.to_vec();
+        page.extend_from_slice(&(cfg.node_id as u64).to_le_bytes());
+        page.extend_from_slice(&len.to_le_bytes());
+        page.extend_from_slice(&(data.info().rkey as u64).to_le_bytes());
+        info.write(0, &page).expect("info page fits");
+
+        let table = RegionTable::new(vec![Arc::new(data), Arc::new(info)]);
+        let welcome = Welcome {
+            node_id: cfg.node_id,
+            regions: table.infos(),
+        };
+        let tcp = match &cfg.listen {
+            Some(addr) => Some(TcpListener::bind(addr).map_err(|err| StartError::Listen {
+                addr: addr.clone(),
+                err,
+            })?),
+            None => None,
+        };
+        let unix = match &cfg.shm_socket {
+            Some(path) => {
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path); // stale socket of a dead node
+                }
+                Some(UnixListener::bind(path).map_err(|err| StartError::Listen {
+                    addr: path.display().to_string(),
+                    err,
+                })?)
+            }
+            None => None,
+        };
+        let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+        let shared = Arc::new(Shared {
+            allocator: Mutex::new(ExtentAllocator::new(&cfg.name, 0, len)),
+            cfg,
+            table,
+            welcome,
+            nic: VerbCounters::local(),
+            shm_live: Mutex::new(Slab::new()),
+            shm_retired: Mutex::new(VerbTotals::default()),
+            rpcs: Default::default(),
+            open: Default::default(),
+            connections_total: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+        });
+        if let Some(l) = tcp {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("accept-tcp".into())
+                .spawn(move || accept_tcp(l, s))
+                .expect("spawn accept thread");
+        }
+        if let Some(l) = unix {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("accept-unix".into())
+                .spawn(move || accept_unix(l, s))
+                .expect("spawn accept thread");
+        }
+        info!(
+            node = shared.cfg.node_id,
+            name = %shared.cfg.name,
+            region = len,
+            tcp = ?tcp_addr,
+            shm = ?shared.cfg.shm_socket,
+            "memory node serving"
+        );
+        Ok(MemNode { shared, tcp_addr })
+    }
+
+    /// The bound TCP address (useful with port 0).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        self.shared.stats()
+    }
+
+    /// Stops accepting connections and removes the Unix socket. Open connections keep working
+    /// until the process exits.
+    pub fn shutdown(&self) {
+        if self.shared.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the accept loops so they notice.
+        if let Some(a) = self.tcp_addr {
+            let _ = TcpStream::connect_timeout(&a, Duration::from_millis(200));
+        }
+        if let Some(p) = &self.shared.cfg.shm_socket {
+            let _ = UnixStream::connect(p);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for MemNode {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Shared {
+    fn stats(&self) -> NodeStats {
+        let a = self.allocator.lock().expect("allocator lock").stats();
+        let mut verbs = self.nic.snapshot();
+        verbs.add(&self.shm_retired.lock().expect("shm totals lock"));
+        for (_, c) in self.shm_live.lock().expect("shm clients lock").iter() {
+            verbs.add(&c.snapshot());
+        }
+        NodeStats {
+            node_id: self.cfg.node_id,
+            name: self.cfg.name.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            capacity: a.capacity,
+            used: a.used,
+            free: a.free,
+            largest_free: a.largest_free,
+            extents: a.extents,
+            verbs,
+            rpcs: std::array::from_fn(|i| self.rpcs[i].load(Ordering::Relaxed)),
+            open: std::array::from_fn(|i| self.open[i].load(Ordering::Relaxed)),
+            connections_total: self.connections_total.load(Ordering::Relaxed),
+            auth_failures: self.auth_failures.load(Ordering::Relaxed),
+            protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    fn control(&self, req: &ControlRequest) -> ControlResponse {
+        self.rpcs[req.kind_index()].fetch_add(1, Ordering::Relaxed);
+        match req {
+            ControlRequest::Ping => ControlResponse::Pong,
+            ControlRequest::Stats => ControlResponse::Stats(self.stats()),
+            ControlRequest::Alloc { len, align } => {
+                let r = self.allocator.lock().expect("allocator lock").alloc(*len, *align);
+                match r {
+                    Ok(offset) => ControlResponse::Allocated {
+                        region: self.welcome.regions[0],
+                        offset,
+                        len: len.next_multiple_of(crate::alloc::GRANULE),
+                    },
+                    Err(e) => alloc_error(e),
+                }
+            }
+            ControlRequest::Free { offset } => {
+                match self.allocator.lock().expect("allocator lock").free(*offset) {
+                    Ok(len) => ControlResponse::Freed { len },
+                    Err(e) => alloc_error(e),
+                }
+            }
+        }
+    }
+}
+
+fn alloc_error(e: AllocError) -> ControlResponse {
+    let code = match e {
+        AllocError::OutOfMemory { .. } => ErrorCode::OutOfMemory,
+        AllocError::Invalid(_) => ErrorCode::Invalid,
+        AllocError::NotAllocated { .. } => ErrorCode::NotFound,
+    };
+    ControlResponse::Error {
+        code,
+        message: e.to_string(),
+    }
+}
+
+fn accept_tcp(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                let peer = stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+                let _ = stream.set_nodelay(true);
+                let s = shared.clone();
+                spawn_conn(peer.clone(), move || serve_tcp(stream, peer, s));
+            }
+            Err(e) => warn!(error = %e, "accept failed"),
+        }
+    }
+}
+
+fn accept_unix(listener: UnixListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                let s = shared.clone();
+                spawn_conn("unix".into(), move || serve_unix(stream, s));
+            }
+            Err(e) => warn!(error = %e, "accept failed"),
+        }
+    }
+}
+
+fn spawn_conn(peer: String, f: impl FnOnce() + Send + 'static) {
+    if let Err(e) = std::thread::Builder::new().name(format!("conn-{peer}")).spawn(f) {
+        warn!(%peer, error = %e, "cannot start a connection thread; dropping the connection");
+    }
+}
+
+/// Authenticates a fresh connection; logs and counts failures.
+fn handshake<S: Read + Write>(stream: &mut S, peer: &str, shared: &Shared, unix: bool) -> Option<ConnKind> {
+    shared.connections_total.fetch_add(1, Ordering::Relaxed);
+    let result = server_handshake(stream, &shared.cfg.secret, &shared.cfg.name, &shared.welcome, |h| {
+        if h.kind == ConnKind::Shm && !unix {
+            Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
+        } else {
+            Ok(())
+        }
+    });
+    match result {
+        Ok(hello) => {
+            debug!(%peer, client = %hello.client_name, kind = ?hello.kind, "client authenticated");
+            Some(hello.kind)
+        }
+        Err(HandshakeError::WrongSecret { client }) => {
+            shared.auth_failures.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, %client, "refused a client: wrong cluster secret");
+            None
+        }
+        Err(HandshakeError::Wire(WireError::Closed)) => None,
+        Err(e) => {
+            shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, error = %e, "handshake failed; closing the connection");
+            None
+        }
+    }
+}
+
+/// Counts a connection of `kind` as open for as long as the guard lives.
+struct OpenGuard<'a>(&'a AtomicU64);
+
+impl<'a> OpenGuard<'a> {
+    fn new(shared: &'a Shared, kind: ConnKind) -> Self {
+        let c = &shared.open[kind as usize - 1];
+        c.fetch_add(1, Ordering::Relaxed);
+        OpenGuard(c)
+    }
+}
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn log_end(shared: &Shared, peer: &str, what: &str, r: Result<(), WireError>) {
+    match r {
+        Ok(()) | Err(WireError::Closed) => debug!(%peer, "{what} connection closed"),
+        Err(WireError::Io(e)) => debug!(%peer, error = %e, "{what} connection dropped"),
+        Err(e) => {
+            shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, error = %e, "closing {what} connection: malformed input");
+        }
+    }
+}
+
+fn serve_tcp(mut stream: TcpStream, peer: String, shared: Arc<Shared>) {
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let Some(kind) = handshake(&mut stream, &peer, &shared, false) else { return };
+    let _ = stream.set_read_timeout(None);
+    let _open = OpenGuard::new(&shared, kind);
+    let Ok(clone) = stream.try_clone() else { return };
+    match kind {
+        ConnKind::Verbs => {
+            let r = rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, &shared.nic);
+            log_end(&shared, &peer, "verbs", r);
+        }
+        ConnKind::Control => log_end(&shared, &peer, "control", serve_control(clone, stream, &shared)),
+        ConnKind::Shm => unreachable!("refused in the handshake"),
+    }
+}
+
+fn serve_unix(mut stream: UnixStream, shared: Arc<Shared>) {
+    let peer = "unix";
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let Some(kind) = handshake(&mut stream, peer, &shared, true) else { return };
+    let _ = stream.set_read_timeout(None);
+    let _open = OpenGuard::new(&shared, kind);
+    let Ok(clone) = stream.try_clone() else { return };
+    match kind {
+        ConnKind::Verbs => {
+            let r = rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, &shared.nic);
+            log_end(&shared, peer, "verbs", r);
+        }
+        ConnKind::Control => log_end(&shared, peer, "control", serve_control(clone, stream, &shared)),
+        ConnKind::Shm => serve_shm(stream, &shared),
+    }
+}
+
+fn serve_shm(mut stream: UnixStream, shared: &Shared) {
+    let counters = match Region::create_memfd("rackfs-shm-counters", COUNTER_BLOCK_LEN, 0, Access::ALL) {
+        Ok(r) => VerbCounters::in_region(Arc::new(r)),
+        Err(e) => {
+            warn!(error = %e, "cannot create an shm counter block; dropping the client");
+            return;
+        }
+    };
+    if let Err(e) = rackfs_verbs::shm::send_regions(&stream, &shared.table, counters.region()) {
+        warn!(error = %e, "cannot send regions to an shm client");
+        return;
+    }
+    let key = shared.shm_live.lock().expect("shm clients lock").insert(counters);
+    // The client never writes here; the read returns when it disconnects or dies.
+    let mut buf = [0u8; 64];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    let counters = shared.shm_live.lock().expect("shm clients lock").remove(key);
+    shared.shm_retired.lock().expect("shm totals lock").add(&counters.snapshot());
+    debug!("shm client disconnected");
+}
+
+fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), WireError> {
+    let mut reader = BufReader::new(r);
+    let mut writer = BufWriter::new(w);
+    let mut body = Vec::new();
+    loop {
+        let kind = wire::read_frame(&mut reader, &mut body)?;
+        if kind != FrameKind::ControlRequest {
+            return Err(WireError::Unexpected {
+                expected: FrameKind::ControlRequest,
+                got: kind,
+            });
+        }
+        let (id, req) = ControlRequest::decode(&body)?;
+        let resp = shared.control(&req);
+        wire::write_frame(&mut writer, FrameKind::ControlResponse, &resp.encode(id))?;
+        writer.flush()?;
+    }
+}

@@ -1,0 +1,292 @@
+//! The verbs conformance suite: one body of cases, run on every transport.
+
+use std::sync::Arc;
+
+use rackfs_tests::{Env, NodeEnv, SimEnv};
+use rackfs_verbs::masked::{masked_cas, masked_faa};
+use rackfs_verbs::{Batch, Opcode, RemoteAddr, VerbsError, WrId, MAX_BATCH_REQUESTS};
+
+/// Deterministic pattern bytes for a (seed, index).
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
+}
+
+fn round_trips<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let len = r.len;
+        for size in [1u64, 7, 8, 4095, 4096, 4097, 65536, 1 << 20] {
+            for off in [0, 1, 4093, len / 2 + 3, len - size] {
+                let data = pattern(size ^ off, size as usize);
+                let mut b = Batch::new();
+                let w = b.write(RemoteAddr::new(r.rkey, off), &data);
+                let rd = b.read(RemoteAddr::new(r.rkey, off), size as u32);
+                let done = qp.post(b).await.expect("batch");
+                done.status(w).expect("write");
+                assert_eq!(done.data(rd).expect("read"), &data[..], "size {size} at {off}");
+            }
+        }
+        // The region's very first and last bytes.
+        let mut b = Batch::new();
+        b.write(RemoteAddr::new(r.rkey, 0), &[0xA5]);
+        b.write(RemoteAddr::new(r.rkey, len - 1), &[0x5A]);
+        let first = b.read(RemoteAddr::new(r.rkey, 0), 1);
+        let last = b.read(RemoteAddr::new(r.rkey, len - 1), 1);
+        let done = qp.post(b).await.expect("batch");
+        assert_eq!(done.data(first).unwrap(), [0xA5]);
+        assert_eq!(done.data(last).unwrap(), [0x5A]);
+    });
+}
+
+fn atomics_in_a_batch<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let a = RemoteAddr::new(r.rkey, 4096);
+        let mut b = Batch::new();
+        b.write_u64(a, 100);
+        let faa = b.faa(a, 5);
+        let cas_fail = b.cas(a, 100, 7);
+        let cas_ok = b.cas(a, 105, 7);
+        let mcas = b.masked_cas(a, 0, 0, 0xF0, 0xF0); // OR 0xF0
+        let mfaa = b.masked_faa(a, 0x0101, 1 << 8); // two byte fields
+        let rd = b.read(a, 8);
+        let done = qp.post(b).await.expect("batch");
+        assert_eq!(done.value(faa).unwrap(), 100);
+        assert_eq!(done.value(cas_fail).unwrap(), 105, "failed CAS returns the current value");
+        assert_eq!(done.value(cas_ok).unwrap(), 105);
+        assert_eq!(done.value(mcas).unwrap(), 7);
+        assert_eq!(done.value(mfaa).unwrap(), 0xF7);
+        let expect = masked_faa(0xF7, 0x0101, 1 << 8);
+        assert_eq!(done.data(rd).unwrap(), expect.to_le_bytes());
+    });
+}
+
+fn errors_are_specific<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    let ro = env.ro_region();
+    env.run(async move {
+        let one = |wr: fn(&mut Batch<'static>, RemoteAddr), addr: RemoteAddr| {
+            let mut b = Batch::new();
+            wr(&mut b, addr);
+            qp.post(b)
+        };
+        let read8 = |b: &mut Batch<'static>, a| {
+            b.read(a, 8);
+        };
+        let write8 = |b: &mut Batch<'static>, a| {
+            b.write(a, &[1u8; 8]);
+        };
+        let faa = |b: &mut Batch<'static>, a| {
+            b.faa(a, 1);
+        };
+        let cas = |b: &mut Batch<'static>, a| {
+            b.cas(a, 0, 1);
+        };
+        let err = |d: rackfs_verbs::Completions| d.status(WrId(0)).unwrap_err();
+
+        let e = err(one(read8, RemoteAddr::new(r.rkey, r.len - 4)).await.unwrap());
+        assert_eq!(e, VerbsError::OutOfBounds { op: Opcode::Read, rkey: r.rkey, offset: r.len - 4, len: 8, region_len: r.len });
+        let e = err(one(write8, RemoteAddr::new(r.rkey, u64::MAX - 2)).await.unwrap());
+        assert!(matches!(e, VerbsError::OutOfBounds { op: Opcode::Write, .. }), "{e}");
+        let e = err(one(faa, RemoteAddr::new(r.rkey, r.len)).await.unwrap());
+        assert!(matches!(e, VerbsError::OutOfBounds { op: Opcode::Faa, .. }), "{e}");
+        let e = err(one(read8, RemoteAddr::new(0xdead_beef, 0)).await.unwrap());
+        assert_eq!(e, VerbsError::BadKey { rkey: 0xdead_beef });
+        let e = err(one(write8, RemoteAddr::new(ro.rkey, 0)).await.unwrap());
+        assert!(matches!(e, VerbsError::AccessDenied { op: Opcode::Write, .. }), "{e}");
+        let e = err(one(faa, RemoteAddr::new(ro.rkey, 0)).await.unwrap());
+        assert!(matches!(e, VerbsError::AccessDenied { op: Opcode::Faa, .. }), "{e}");
+        one(read8, RemoteAddr::new(ro.rkey, 0)).await.unwrap().check().expect("reading a read-only region works");
+        let e = err(one(cas, RemoteAddr::new(r.rkey, 4)).await.unwrap());
+        assert_eq!(e, VerbsError::Misaligned { op: Opcode::Cas, offset: 4 });
+        let e = err(one(faa, RemoteAddr::new(r.rkey, 12)).await.unwrap());
+        assert_eq!(e, VerbsError::Misaligned { op: Opcode::Faa, offset: 12 });
+        assert!(e.to_string().contains("not 8-byte aligned"));
+
+        // A failure flushes the rest of its batch, and only its batch.
+        let target = RemoteAddr::new(r.rkey, 8192);
+        let mut b = Batch::new();
+        let ok = b.write(target, &[1u8; 8]);
+        let bad = b.read(RemoteAddr::new(r.rkey, r.len), 1);
+        let flushed = b.write(target, &[2u8; 8]);
+        let done = qp.post(b).await.unwrap();
+        done.status(ok).unwrap();
+        assert!(matches!(done.status(bad), Err(VerbsError::OutOfBounds { .. })));
+        assert_eq!(done.status(flushed), Err(VerbsError::Flushed));
+        let mut b = Batch::new();
+        let rd = b.read(target, 8);
+        let done = qp.post(b).await.expect("the queue pair still works after an error");
+        assert_eq!(done.data(rd).unwrap(), [1u8; 8], "the flushed write did not happen");
+
+        let mut b = Batch::new();
+        for _ in 0..=MAX_BATCH_REQUESTS {
+            b.read(target, 8);
+        }
+        assert!(matches!(qp.post(b).await, Err(VerbsError::BatchTooLarge { .. })));
+        let done = qp.post(Batch::new()).await.expect("an empty batch completes");
+        assert!(done.is_empty());
+    });
+}
+
+fn masked_atomics_match_the_model<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let a = RemoteAddr::new(r.rkey, 16384);
+        let mut x = 0x1234_5678_9abc_def0u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..300 {
+            let init = next();
+            let (v1, v2, v3, v4) = (next(), next(), next(), next());
+            // Make compares succeed half the time.
+            let compare = if i % 2 == 0 { init } else { v1 };
+            let mut b = Batch::new();
+            b.write_u64(a, init);
+            let op = if i % 3 == 0 {
+                b.masked_faa(a, v2, v3)
+            } else {
+                b.masked_cas(a, compare, v4 | v2, v3, v4)
+            };
+            let rd = b.read(a, 8);
+            let done = qp.post(b).await.unwrap();
+            assert_eq!(done.value(op).unwrap(), init);
+            let expect = if i % 3 == 0 { masked_faa(init, v2, v3) } else { masked_cas(init, compare, v4 | v2, v3, v4) };
+            assert_eq!(u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap()), expect, "case {i}");
+        }
+    });
+}
+
+fn counter_value<E: Env>(env: &mut E, addr: RemoteAddr) -> u64 {
+    let qp = env.qp();
+    env.run(async move {
+        let mut b = Batch::new();
+        let rd = b.read(addr, 8);
+        let done = qp.post(b).await.unwrap();
+        u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap())
+    })
+}
+
+fn contended_faa_is_exact<E: Env>(env: &mut E) {
+    let r = env.data_region();
+    let addr = RemoteAddr::new(r.rkey, 24576);
+    let (n, m) = (4usize, 1500u64);
+    env.run_parallel(n, move |_, qp| async move {
+        for i in 0..m {
+            // Mix single FAAs and masked FAAs (a 64-bit field) to check they are atomic together.
+            let mut b = Batch::new();
+            if i % 2 == 0 { b.faa(addr, 1) } else { b.masked_faa(addr, 1, 0) };
+            qp.post(b).await.unwrap().check().unwrap();
+        }
+    });
+    assert_eq!(counter_value(env, addr), n as u64 * m);
+}
+
+fn cas_spin_counter_is_exact<E: Env>(env: &mut E) {
+    let r = env.data_region();
+    let addr = RemoteAddr::new(r.rkey, 32768);
+    let (n, m) = (4usize, 300u64);
+    env.run_parallel(n, move |_, qp| async move {
+        for _ in 0..m {
+            let mut seen = 0;
+            loop {
+                let mut b = Batch::new();
+                let c = b.cas(addr, seen, seen + 1);
+                let old = qp.post(b).await.unwrap().value(c).unwrap();
+                if old == seen {
+                    break;
+                }
+                seen = old;
+            }
+        }
+    });
+    assert_eq!(counter_value(env, addr), n as u64 * m);
+}
+
+fn requests_execute_in_order<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let a = RemoteAddr::new(r.rkey, 40960);
+        // Many batches outstanding at once; each reads back what the previous one wrote.
+        let mut posted = Vec::new();
+        let payloads: Vec<[u8; 8]> = (0..64u64).map(|i| (i + 1).to_le_bytes()).collect();
+        for (i, p) in payloads.iter().enumerate() {
+            let mut b = Batch::new();
+            let rd = b.read(a, 8);
+            b.write(a, p);
+            posted.push((i, rd, qp.post(b)));
+        }
+        // Wait in reverse order: completion must not depend on waiting order.
+        let mut results = Vec::new();
+        while let Some((i, rd, p)) = posted.pop() {
+            let done = p.await.unwrap();
+            results.push((i, u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap())));
+        }
+        for (i, seen) in results {
+            assert_eq!(seen, i as u64, "batch {i} saw the write of batch {}", i as i64 - 1);
+        }
+        // Within one batch: a FAA sees the write just before it.
+        let mut b = Batch::new();
+        b.write_u64(a, 10);
+        let f = b.faa(a, 1);
+        let c = b.cas(a, 11, 20);
+        let done = qp.post(b).await.unwrap();
+        assert_eq!((done.value(f).unwrap(), done.value(c).unwrap()), (10, 11));
+    });
+}
+
+macro_rules! conformance {
+    ($modname:ident, $make:expr) => {
+        mod $modname {
+            use super::*;
+            #[test]
+            fn round_trips_of_many_sizes_and_offsets() { round_trips(&mut $make); }
+            #[test]
+            fn atomics_in_one_batch() { atomics_in_a_batch(&mut $make); }
+            #[test]
+            fn bounds_key_access_and_alignment_errors() { errors_are_specific(&mut $make); }
+            #[test]
+            fn masked_atomics_match_the_reference_model() { masked_atomics_match_the_model(&mut $make); }
+            #[test]
+            fn contended_faa_total_is_exact() { contended_faa_is_exact(&mut $make); }
+            #[test]
+            fn cas_spin_counter_total_is_exact() { cas_spin_counter_is_exact(&mut $make); }
+            #[test]
+            fn requests_on_a_queue_pair_execute_in_order() { requests_execute_in_order(&mut $make); }
+        }
+    };
+}
+
+conformance!(shm, NodeEnv::new(true));
+conformance!(tcp, NodeEnv::new(false));
+conformance!(sim, SimEnv::new(42));
+
+/// shm and tcp clients of one node increment one counter: the total is exact.
+#[test]
+fn shm_and_tcp_clients_share_atomics() {
+    let node = rackfs_tests::MemNodeProcess::start("16M");
+    let qps = [node.shm_qp(), node.tcp_qp(), node.shm_qp(), node.tcp_qp()];
+    let rkey = qps[0].regions()[0].rkey;
+    let addr = RemoteAddr::new(rkey, 0);
+    let m = 2000u64;
+    let threads: Vec<_> = qps
+        .iter()
+        .cloned()
+        .map(|qp| std::thread::spawn(move || (0..m).for_each(|_| { qp.faa(addr, 1).unwrap(); })))
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let total = u64::from_le_bytes(node.tcp_qp().read(addr, 8).unwrap().try_into().unwrap());
+    assert_eq!(total, 4 * m);
+    // Both transports' verbs are counted by the node.
+    let s = node.control().stats().unwrap();
+    assert!(s.verbs.ops[Opcode::Faa.index()] >= 4 * m, "{:?}", s.verbs);
+    let _ = Arc::new(());
+}
