@@ -64,9 +64,10 @@ struct Shared {
     table: RegionTable,
     welcome: Welcome,
     allocator: Mutex<ExtentAllocator>,
-    nic: VerbCounters,
-    shm_live: Mutex<Slab<VerbCounters>>,
-    shm_retired: Mutex<VerbTotals>,
+    /// Verb counters of open connections (one block each, written only by its connection).
+    counters_live: Mutex<Slab<VerbCounters>>,
+    /// Totals of closed connections.
+    counters_retired: Mutex<VerbTotals>,
     rpcs: [AtomicU64; RPC_KINDS.len()],
     open: [AtomicU64; 3],
     connections_total: AtomicU64,
@@ -143,9 +144,8 @@ impl MemNode {
             cfg,
             table,
             welcome,
-            nic: VerbCounters::local(),
-            shm_live: Mutex::new(Slab::new()),
-            shm_retired: Mutex::new(VerbTotals::default()),
+            counters_live: Mutex::new(Slab::new()),
+            counters_retired: Mutex::new(VerbTotals::default()),
             rpcs: Default::default(),
             open: Default::default(),
             connections_total: AtomicU64::new(0),
@@ -214,9 +214,8 @@ impl Drop for MemNode {
 impl Shared {
     fn stats(&self) -> NodeStats {
         let a = self.allocator.lock().expect("allocator lock").stats();
-        let mut verbs = self.nic.snapshot();
-        verbs.add(&self.shm_retired.lock().expect("shm totals lock"));
-        for (_, c) in self.shm_live.lock().expect("shm clients lock").iter() {
+        let mut verbs = *self.counters_retired.lock().expect("counter totals lock");
+        for (_, c) in self.counters_live.lock().expect("counter blocks lock").iter() {
             verbs.add(&c.snapshot());
         }
         NodeStats {
@@ -235,6 +234,15 @@ impl Shared {
             auth_failures: self.auth_failures.load(Ordering::Relaxed),
             protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
         }
+    }
+
+    /// Runs `f` with a fresh counter block registered as live, then folds it into the totals.
+    fn with_counters<T>(&self, counters: VerbCounters, f: impl FnOnce(&VerbCounters) -> T) -> T {
+        let key = self.counters_live.lock().expect("counter blocks lock").insert(counters.clone());
+        let out = f(&counters);
+        self.counters_live.lock().expect("counter blocks lock").remove(key);
+        self.counters_retired.lock().expect("counter totals lock").add(&counters.snapshot());
+        out
     }
 
     fn control(&self, req: &ControlRequest) -> ControlResponse {
@@ -378,7 +386,9 @@ fn serve_tcp(mut stream: TcpStream, peer: String, shared: Arc<Shared>) {
     let Ok(clone) = stream.try_clone() else { return };
     match kind {
         ConnKind::Verbs => {
-            let r = rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, &shared.nic);
+            let r = shared.with_counters(VerbCounters::local(), |c| {
+                rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, c)
+            });
             log_end(&shared, &peer, "verbs", r);
         }
         ConnKind::Control => log_end(&shared, &peer, "control", serve_control(clone, stream, &shared)),
@@ -395,7 +405,9 @@ fn serve_unix(mut stream: UnixStream, shared: Arc<Shared>) {
     let Ok(clone) = stream.try_clone() else { return };
     match kind {
         ConnKind::Verbs => {
-            let r = rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, &shared.nic);
+            let r = shared.with_counters(VerbCounters::local(), |c| {
+                rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, c)
+            });
             log_end(&shared, peer, "verbs", r);
         }
         ConnKind::Control => log_end(&shared, peer, "control", serve_control(clone, stream, &shared)),
@@ -415,17 +427,15 @@ fn serve_shm(mut stream: UnixStream, shared: &Shared) {
         warn!(error = %e, "cannot send regions to an shm client");
         return;
     }
-    let key = shared.shm_live.lock().expect("shm clients lock").insert(counters);
-    // The client never writes here; the read returns when it disconnects or dies.
-    let mut buf = [0u8; 64];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
+    shared.with_counters(counters, |_| {
+        // The client never writes here; the read returns when it disconnects or dies.
+        let mut buf = [0u8; 64];
+        while let Ok(n) = stream.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
         }
-    }
-    let counters = shared.shm_live.lock().expect("shm clients lock").remove(key);
-    shared.shm_retired.lock().expect("shm totals lock").add(&counters.snapshot());
+    });
     debug!("shm client disconnected");
 }
 

@@ -4,12 +4,13 @@
 //! their own CPU, so the node hands each one a small counter region (a memfd) that the client
 //! increments and the node reads: either way the node can report every verb served on its memory.
 //! Layout, in 8-byte words: `ops[6]`, `bytes[6]`, `errors`, `batches` (opcode order of
-//! [`Opcode::ALL`]). Only the client (or NIC thread) that owns a block writes it.
+//! [`Opcode::ALL`]). Each block has a single writer (one shm client, or the NIC thread of one
+//! connection), so increments are plain stores; readers see each word old or new.
 
 use std::sync::Arc;
 
 use crate::region::Region;
-use crate::wr::{Access, Opcode, RemoteAddr, WorkRequest};
+use crate::wr::{Access, Opcode};
 use crate::{Batch, Completions};
 
 const WORDS: u64 = 14;
@@ -47,7 +48,7 @@ pub struct VerbCounters {
 }
 
 impl VerbCounters {
-    /// Counters in private heap memory (a NIC thread's, or a node's retired totals).
+    /// Counters in private heap memory (one NIC thread's).
     pub fn local() -> VerbCounters {
         VerbCounters {
             region: Arc::new(Region::heap(WORDS * 8, 0, Access::ALL)),
@@ -65,29 +66,14 @@ impl VerbCounters {
     }
 
     fn add(&self, word: u64, v: u64) {
-        if v == 0 {
-            return;
-        }
-        let wr = WorkRequest::Faa {
-            addr: RemoteAddr::new(0, word * 8),
-            add: v,
-        };
-        let mut sink = Completions::default();
-        self.region.execute(&wr, &mut sink).expect("counter word in bounds");
-    }
-
-    /// Records one executed (or failed) work request.
-    pub fn record(&self, wr: &WorkRequest<'_>, ok: bool) {
-        let i = wr.opcode().index() as u64;
-        if ok {
-            self.add(i, 1);
-            self.add(6 + i, wr.len());
-        } else {
-            self.add(12, 1);
+        if v != 0 {
+            self.region
+                .add_owned_counter(word * 8, v)
+                .expect("counter word in bounds");
         }
     }
 
-    /// Records the counts of a whole executed batch (cheaper than per request).
+    /// Records the counts of a whole executed batch.
     pub fn record_batch(&self, batch: &Batch<'_>, done: &Completions) {
         let mut t = VerbTotals::default();
         for (i, wr) in batch.requests().iter().enumerate() {

@@ -201,6 +201,15 @@ impl Region {
         unsafe { &*(self.ptr.as_ptr().add(offset as usize) as *const AtomicU64) }
     }
 
+    /// Adds to a word that only the caller writes (a counter block): a plain load and store,
+    /// no locked instruction. Concurrent readers see either the old or the new value.
+    pub fn add_owned_counter(&self, offset: u64, v: u64) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Faa, offset, 8)?;
+        let w = self.word(offset);
+        w.store(w.load(Ordering::Relaxed).wrapping_add(v), Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Applies `f` to the word at `offset` atomically and returns the old value.
     fn atomic_update(&self, op: Opcode, offset: u64, f: impl Fn(u64) -> u64) -> Result<u64, VerbsError> {
         self.check(op, offset, 8)?;

@@ -243,6 +243,11 @@ impl SimHandle {
         Duration::from_nanos(self.world().now)
     }
 
+    /// A future that completes after `d` of virtual time.
+    pub fn clock_sleep(&self, d: Duration) -> crate::Sleep {
+        crate::Clock::Sim(self.clone()).sleep(d)
+    }
+
     /// A deterministic random number (the run's single random source).
     pub fn random(&self) -> u64 {
         self.world().rng.next()

@@ -1,0 +1,239 @@
+//! The memory-node daemon as clients and operators meet it: authentication, allocation,
+//! statistics, malformed input, and clients that die.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use rackfs_memnode::control::ErrorCode;
+use rackfs_memnode::RpcError;
+use rackfs_tests::{bin_path, wait_for, MemNodeProcess};
+use rackfs_verbs::auth::client_handshake;
+use rackfs_verbs::wire::{self, ConnKind, FrameKind};
+use rackfs_verbs::{Batch, RemoteAddr, Secret, VerbsError};
+
+#[test]
+fn wrong_secret_is_refused_clearly_on_both_sides() {
+    let node = MemNodeProcess::start("8M");
+    let wrong = Secret::new(b"not-the-secret").unwrap();
+    let err = rackfs_verbs::tcp::connect(&node.tcp, &wrong, "intruder").unwrap_err();
+    assert!(matches!(err, VerbsError::Auth { .. }), "{err:?}");
+    assert!(err.to_string().contains("wrong cluster secret"), "{err}");
+    let err = rackfs_verbs::shm::connect(&node.shm, &wrong, "intruder").unwrap_err();
+    assert!(err.to_string().contains("wrong cluster secret"), "{err}");
+    let stats = node.control().stats().unwrap();
+    assert_eq!(stats.auth_failures, 2);
+    assert!(wait_for(Duration::from_secs(5), || node.stderr().contains("wrong cluster secret")));
+    // The right secret still works.
+    node.tcp_qp().faa(RemoteAddr::new(node.tcp_qp().regions()[0].rkey, 0), 1).unwrap();
+}
+
+#[test]
+fn a_node_with_another_secret_is_not_trusted_by_the_client() {
+    // The client checks the node's proof too: a node that does not know the secret is detected
+    // even if it would admit anyone.
+    let node = MemNodeProcess::start("8M");
+    let mut s = TcpStream::connect(&node.tcp).unwrap();
+    let other = Secret::new(b"other").unwrap();
+    let err = client_handshake(&mut s, ConnKind::Verbs, &other, "c", &node.tcp).unwrap_err();
+    assert!(err.to_string().contains("secret"), "{err}");
+}
+
+#[test]
+fn shm_over_tcp_is_refused_with_a_reason() {
+    let node = MemNodeProcess::start("8M");
+    let mut s = TcpStream::connect(&node.tcp).unwrap();
+    let err = client_handshake(&mut s, ConnKind::Shm, &node.secret, "c", &node.tcp).unwrap_err();
+    assert!(err.to_string().contains("Unix socket"), "{err}");
+}
+
+#[test]
+fn allocation_reuses_space_and_reports_full_nodes() {
+    let node = MemNodeProcess::start("4M");
+    let ctl = node.control();
+    let before = ctl.stats().unwrap();
+    assert_eq!(before.capacity, 4 << 20);
+    let (region, a) = ctl.alloc(1 << 20, 4096).unwrap();
+    assert_eq!(a % 4096, 0);
+    let (_, b) = ctl.alloc(1 << 20, 4096).unwrap();
+    assert_ne!(a, b);
+    let s = ctl.stats().unwrap();
+    assert_eq!((s.used, s.extents), (2 << 20, 2));
+    // The extent is real memory: write it with verbs and read it back.
+    let qp = node.tcp_qp();
+    qp.write(RemoteAddr::new(region.rkey, a + 100), b"hello").unwrap();
+    assert_eq!(node.shm_qp().read(RemoteAddr::new(region.rkey, a + 100), 5).unwrap(), b"hello");
+
+    let err = ctl.alloc(3 << 20, 4096).unwrap_err();
+    match &err {
+        RpcError::Refused { code: ErrorCode::OutOfMemory, message } => {
+            assert!(message.starts_with("out of memory on node mn0: requested 3.00 MiB, largest free extent 2.00 MiB"), "{message}");
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert_eq!(ctl.free(a).unwrap(), 1 << 20);
+    assert!(matches!(ctl.free(a), Err(RpcError::Refused { code: ErrorCode::NotFound, .. })), "double free is refused");
+    assert_eq!(ctl.alloc(1 << 20, 4096).unwrap().1, a, "freed space is reused");
+    assert!(matches!(ctl.alloc(0, 64), Err(RpcError::Refused { code: ErrorCode::Invalid, .. })));
+    assert!(matches!(ctl.alloc(64, 3), Err(RpcError::Refused { code: ErrorCode::Invalid, .. })));
+    let s = ctl.stats().unwrap();
+    assert_eq!(s.rpcs[2], 6, "alloc RPCs counted: {:?}", s.rpcs);
+}
+
+#[test]
+fn data_path_costs_no_control_rpc() {
+    let node = MemNodeProcess::start("8M");
+    let ctl = node.control();
+    let rpcs_before: u64 = ctl.stats().unwrap().rpcs.iter().sum();
+    for qp in [node.tcp_qp(), node.shm_qp()] {
+        let rkey = qp.regions()[0].rkey;
+        for i in 0..100u64 {
+            let mut b = Batch::new();
+            b.write_u64(RemoteAddr::new(rkey, i * 8), i);
+            b.read(RemoteAddr::new(rkey, i * 8), 8);
+            b.faa(RemoteAddr::new(rkey, 4096), 1);
+            qp.execute(b).unwrap().check().unwrap();
+        }
+    }
+    let s = ctl.stats().unwrap();
+    // Only the one stats call in between.
+    assert_eq!(s.rpcs.iter().sum::<u64>(), rpcs_before + 1);
+    assert!(s.verbs.total_ops() >= 600, "{:?}", s.verbs);
+    assert!(s.verbs.batches >= 200);
+}
+
+/// Sends `bytes` after an optional handshake and checks the node closes that connection and
+/// keeps serving everyone else.
+fn send_garbage(node: &MemNodeProcess, authenticate: bool, bytes: &[u8]) {
+    let mut s = TcpStream::connect(&node.tcp).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    if authenticate {
+        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "fuzz", &node.tcp).unwrap();
+    }
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut sink = Vec::new();
+    let _ = s.read_to_end(&mut sink); // the node answers what it can, then closes
+}
+
+#[test]
+fn malformed_frames_close_only_their_connection() {
+    let node = MemNodeProcess::start("8M");
+    let good = node.tcp_qp();
+    let rkey = good.regions()[0].rkey;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let valid = {
+        let mut b = wire::encode_header(FrameKind::VerbsRequest, 0).to_vec();
+        let mut body = Vec::new();
+        let mut batch = Batch::new();
+        batch.faa(RemoteAddr::new(rkey, 0), 1);
+        batch.write(RemoteAddr::new(rkey, 8), b"abcdefgh");
+        wire::encode_verbs_request(&mut body, 0, batch.requests());
+        b[4..8].copy_from_slice(&(body.len() as u32).to_le_bytes());
+        b.extend_from_slice(&body);
+        b
+    };
+    for round in 0..60 {
+        let mut bytes = match round % 4 {
+            0 => (0..rnd() % 200).map(|_| rnd() as u8).collect::<Vec<u8>>(),
+            1 => valid.clone(),
+            _ => valid.clone(),
+        };
+        if round % 4 >= 1 {
+            // Mutate a valid frame: flip bytes, truncate, or extend.
+            for _ in 0..1 + rnd() % 4 {
+                let i = (rnd() as usize) % bytes.len();
+                bytes[i] = rnd() as u8;
+            }
+            if round % 4 == 3 {
+                bytes.truncate((rnd() as usize) % bytes.len());
+            }
+        }
+        send_garbage(&node, round % 2 == 1 || round % 4 >= 2, &bytes);
+        // The node is alive and correct for a well-behaved client after every bad one.
+        good.faa(RemoteAddr::new(rkey, 4096), 1).unwrap();
+    }
+    assert_eq!(u64::from_le_bytes(good.read(RemoteAddr::new(rkey, 4096), 8).unwrap().try_into().unwrap()), 60);
+    let s = node.control().stats().unwrap();
+    assert!(s.protocol_errors > 0, "malformed input is counted: {s:?}");
+    // An oversized length prefix is refused without allocating it.
+    let mut huge = wire::encode_header(FrameKind::VerbsRequest, 0).to_vec();
+    huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    send_garbage(&node, true, &huge);
+    good.faa(RemoteAddr::new(rkey, 4096), 1).unwrap();
+    assert!(wait_for(Duration::from_secs(5), || node.stderr().contains("exceeds the limit")));
+}
+
+#[test]
+fn a_client_that_dies_mid_batch_leaks_nothing() {
+    let node = MemNodeProcess::start("8M");
+    let ctl = node.control();
+    let baseline = ctl.stats().unwrap().open;
+    // A half-sent batch, then the client vanishes.
+    {
+        let mut s = TcpStream::connect(&node.tcp).unwrap();
+        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "dying", &node.tcp).unwrap();
+        let mut frame = wire::encode_header(FrameKind::VerbsRequest, 1000).to_vec();
+        frame.extend_from_slice(&[0u8; 100]);
+        s.write_all(&frame).unwrap();
+    }
+    // A separate process mapping the region over shm and hammering it, killed with SIGKILL.
+    let mut child = std::process::Command::new(bin_path("rackfs-verbs-client"))
+        .args(["--shm", node.shm.to_str().unwrap(), "--secret-file", node.secret_file.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = [0u8; 6];
+    child.stdout.take().unwrap().read_exact(&mut line).unwrap(); // "ready\n"
+    assert!(wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open[2] == baseline[2] + 1));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open == baseline),
+        "connections of dead clients are closed: {:?} vs {:?}",
+        ctl.stats().unwrap().open,
+        baseline
+    );
+    // The dead client's verbs are still accounted for, and the node serves others.
+    assert!(ctl.stats().unwrap().verbs.ops[3] > 0);
+    let qp = node.tcp_qp();
+    qp.faa(RemoteAddr::new(qp.regions()[0].rkey, 0), 1).unwrap();
+}
+
+#[test]
+fn daemon_rejects_bad_arguments_with_clear_messages() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin_path("rackfs-memnode")).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let dir = rackfs_tests::TempDir::new("args");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "s").unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "  \n").unwrap();
+    let sf = secret.to_str().unwrap();
+    assert!(run(&["--region", "12Q", "--secret-file", sf, "--listen", "127.0.0.1:0"]).contains("unknown unit"));
+    assert!(run(&["--region", "100K", "--secret-file", sf, "--listen", "127.0.0.1:0"]).contains("at least 1 MiB"));
+    assert!(run(&["--region", "8M", "--secret-file", "/nonexistent/s", "--listen", "127.0.0.1:0"]).contains("cannot read secret file"));
+    assert!(run(&["--region", "8M", "--secret-file", empty.to_str().unwrap(), "--listen", "127.0.0.1:0"]).contains("secret is empty"));
+    assert!(run(&["--region", "8M", "--secret-file", sf]).contains("nothing to listen on"));
+    assert!(run(&["--region", "8M", "--secret-file", sf, "--listen", "256.0.0.1:1"]).contains("cannot listen on"));
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let node = MemNodeProcess::start("8M");
+    let sock = node.shm.clone();
+    assert!(sock.exists());
+    let _qp = node.tcp_qp();
+    let code = node.stop();
+    assert_eq!(code, Some(0));
+    assert!(!sock.exists(), "the Unix socket is removed");
+}
