@@ -1,1 +1,88 @@
-fn main(){}
+//! `rackfs-bench`: RackFS benchmarks, each run side by side with its baseline.
+
+mod stats;
+mod verbs;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "rackfs-bench",
+    version,
+    about = "RackFS benchmarks with same-run baselines"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// One-sided verbs per transport vs local memory (shm) and a bare TCP ping-pong (tcp).
+    Verbs {
+        /// A short smoke run (one run per point, 50 ms each).
+        #[arg(long)]
+        quick: bool,
+        /// Measuring time per point and run, in milliseconds.
+        #[arg(long, default_value_t = 300)]
+        duration_ms: u64,
+        /// Runs per point (alternating system and baseline); the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Transports to measure.
+        #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
+        transports: Vec<String>,
+        /// Also write the markdown table to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn main() {
+    match Cli::parse().cmd {
+        Cmd::Verbs {
+            quick,
+            duration_ms,
+            runs,
+            transports,
+            out,
+        } => {
+            let cfg = verbs::Config {
+                duration: Duration::from_millis(if quick { 50 } else { duration_ms }),
+                runs: if quick { 1 } else { runs.max(1) },
+                transports,
+                ops: vec![
+                    verbs::Op::Cas,
+                    verbs::Op::Faa,
+                    verbs::Op::Read(4096),
+                    verbs::Op::Write(4096),
+                    verbs::Op::Read(65536),
+                    verbs::Op::Write(65536),
+                ],
+                batches: vec![1, 8, 32],
+                threads: vec![1, 2],
+            };
+            eprintln!("{}", verbs::table_header());
+            let rows = verbs::run(&cfg);
+            let mut md = format!(
+                "{}\n{}\n",
+                verbs::table_header(),
+                rows.iter()
+                    .map(verbs::format_row)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            for line in verbs::batching_gains(&rows) {
+                md.push_str(&format!("\n- {line}"));
+            }
+            println!("{md}");
+            if let Some(path) = out {
+                std::fs::write(&path, md)
+                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            }
+        }
+    }
+}

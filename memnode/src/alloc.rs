@@ -85,7 +85,9 @@ impl ExtentAllocator {
             return Err(AllocError::Invalid("zero-length extent".into()));
         }
         if !align.is_power_of_two() {
-            return Err(AllocError::Invalid(format!("alignment {align} is not a power of two")));
+            return Err(AllocError::Invalid(format!(
+                "alignment {align} is not a power of two"
+            )));
         }
         let align = align.max(GRANULE);
         let len = len
@@ -160,7 +162,8 @@ impl ExtentAllocator {
     /// Checks every internal invariant (for tests): the free and allocated extents tile the
     /// managed range without overlap, and no two free extents touch.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut all: Vec<(u64, u64, bool)> = self.by_offset.iter().map(|(&o, &l)| (o, l, true)).collect();
+        let mut all: Vec<(u64, u64, bool)> =
+            self.by_offset.iter().map(|(&o, &l)| (o, l, true)).collect();
         all.extend(self.allocated.iter().map(|(&o, &l)| (o, l, false)));
         all.sort();
         let mut covered = 0;
@@ -177,7 +180,10 @@ impl ExtentAllocator {
             covered += l;
         }
         if covered != self.capacity || self.by_size.len() != self.by_offset.len() {
-            return Err(format!("extents cover {covered} of {} bytes", self.capacity));
+            return Err(format!(
+                "extents cover {covered} of {} bytes",
+                self.capacity
+            ));
         }
         Ok(())
     }
@@ -195,9 +201,15 @@ mod tests {
         let y = a.alloc(1000, 64).unwrap();
         assert_eq!(a.free(x).unwrap(), 4096);
         assert_eq!(a.alloc(4096, 4096).unwrap(), x, "freed space is reused");
-        assert!(matches!(a.free(y + 64), Err(AllocError::NotAllocated { .. })));
+        assert!(matches!(
+            a.free(y + 64),
+            Err(AllocError::NotAllocated { .. })
+        ));
         let err = a.alloc(2 << 20, 64).unwrap_err().to_string();
-        assert!(err.starts_with("out of memory on node mn0: requested 2.00 MiB, largest free extent"), "{err}");
+        assert!(
+            err.starts_with("out of memory on node mn0: requested 2.00 MiB, largest free extent"),
+            "{err}"
+        );
         a.free(x).unwrap();
         a.free(y).unwrap();
         assert_eq!(a.stats().largest_free, 1 << 20, "everything coalesces back");

@@ -23,9 +23,14 @@ pub enum ControlRequest {
     Ping,
     Stats,
     /// Allocate an extent of the data region.
-    Alloc { len: u64, align: u64 },
+    Alloc {
+        len: u64,
+        align: u64,
+    },
     /// Free the extent that starts at `offset`.
-    Free { offset: u64 },
+    Free {
+        offset: u64,
+    },
 }
 
 impl ControlRequest {
@@ -51,9 +56,14 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     fn from_u8(v: u8) -> Option<ErrorCode> {
-        [ErrorCode::OutOfMemory, ErrorCode::Invalid, ErrorCode::NotFound, ErrorCode::Internal]
-            .into_iter()
-            .find(|c| *c as u8 == v)
+        [
+            ErrorCode::OutOfMemory,
+            ErrorCode::Invalid,
+            ErrorCode::NotFound,
+            ErrorCode::Internal,
+        ]
+        .into_iter()
+        .find(|c| *c as u8 == v)
     }
 }
 
@@ -82,10 +92,19 @@ pub struct NodeStats {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlResponse {
     Pong,
-    Stats(NodeStats),
-    Allocated { region: RegionInfo, offset: u64, len: u64 },
-    Freed { len: u64 },
-    Error { code: ErrorCode, message: String },
+    Stats(Box<NodeStats>),
+    Allocated {
+        region: RegionInfo,
+        offset: u64,
+        len: u64,
+    },
+    Freed {
+        len: u64,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 fn put_u64s(out: &mut Vec<u8>, words: &[u64]) {
@@ -124,7 +143,12 @@ impl ControlRequest {
                 align: c.u64()?,
             },
             3 => ControlRequest::Free { offset: c.u64()? },
-            other => return Err(WireError::malformed("control request", format!("unknown op {other}"))),
+            other => {
+                return Err(WireError::malformed(
+                    "control request",
+                    format!("unknown op {other}"),
+                ))
+            }
         };
         c.finish()?;
         Ok((id, req))
@@ -142,16 +166,30 @@ impl ControlResponse {
                 put_str(&mut b, &s.name);
                 put_u64s(
                     &mut b,
-                    &[s.uptime_ms, s.capacity, s.used, s.free, s.largest_free, s.extents],
+                    &[
+                        s.uptime_ms,
+                        s.capacity,
+                        s.used,
+                        s.free,
+                        s.largest_free,
+                        s.extents,
+                    ],
                 );
                 put_u64s(&mut b, &s.verbs.ops);
                 put_u64s(&mut b, &s.verbs.bytes);
                 put_u64s(&mut b, &[s.verbs.errors, s.verbs.batches]);
                 put_u64s(&mut b, &s.rpcs);
                 put_u64s(&mut b, &s.open);
-                put_u64s(&mut b, &[s.connections_total, s.auth_failures, s.protocol_errors]);
+                put_u64s(
+                    &mut b,
+                    &[s.connections_total, s.auth_failures, s.protocol_errors],
+                );
             }
-            ControlResponse::Allocated { region, offset, len } => {
+            ControlResponse::Allocated {
+                region,
+                offset,
+                len,
+            } => {
                 b.push(2);
                 b.extend_from_slice(&region.rkey.to_le_bytes());
                 put_u64s(&mut b, &[region.len]);
@@ -194,7 +232,7 @@ impl ControlResponse {
                 let rpcs = arr::<{ RPC_KINDS.len() }>(&mut c)?;
                 let open = arr::<3>(&mut c)?;
                 let [connections_total, auth_failures, protocol_errors] = arr::<3>(&mut c)?;
-                ControlResponse::Stats(NodeStats {
+                ControlResponse::Stats(Box::new(NodeStats {
                     node_id,
                     name,
                     uptime_ms,
@@ -214,7 +252,7 @@ impl ControlResponse {
                     connections_total,
                     auth_failures,
                     protocol_errors,
-                })
+                }))
             }
             2 => ControlResponse::Allocated {
                 region: RegionInfo {
@@ -229,14 +267,22 @@ impl ControlResponse {
             255 => {
                 let code_byte = c.u8()?;
                 let code = ErrorCode::from_u8(code_byte).ok_or_else(|| {
-                    WireError::malformed("control response", format!("unknown error code {code_byte}"))
+                    WireError::malformed(
+                        "control response",
+                        format!("unknown error code {code_byte}"),
+                    )
                 })?;
                 ControlResponse::Error {
                     code,
                     message: c.str()?,
                 }
             }
-            other => return Err(WireError::malformed("control response", format!("unknown op {other}"))),
+            other => {
+                return Err(WireError::malformed(
+                    "control response",
+                    format!("unknown op {other}"),
+                ))
+            }
         };
         c.finish()?;
         Ok((id, resp))
@@ -287,12 +333,19 @@ impl ControlClient {
             peer: addr.into(),
             reason: e.to_string(),
         };
-        let stream = Stream::Tcp(BufReader::new(s.try_clone().map_err(io)?), BufWriter::new(s));
+        let stream = Stream::Tcp(
+            BufReader::new(s.try_clone().map_err(io)?),
+            BufWriter::new(s),
+        );
         Ok(Self::new(addr.into(), acc, stream))
     }
 
     /// Connects over the node's Unix socket.
-    pub fn connect_unix(path: &Path, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
+    pub fn connect_unix(
+        path: &Path,
+        secret: &Secret,
+        client_name: &str,
+    ) -> Result<Self, VerbsError> {
         let peer = format!("unix:{}", path.display());
         let io = |e: std::io::Error| VerbsError::Connect {
             peer: peer.clone(),
@@ -300,7 +353,10 @@ impl ControlClient {
         };
         let mut s = UnixStream::connect(path).map_err(io)?;
         let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, &peer)?;
-        let stream = Stream::Unix(BufReader::new(s.try_clone().map_err(io)?), BufWriter::new(s));
+        let stream = Stream::Unix(
+            BufReader::new(s.try_clone().map_err(io)?),
+            BufWriter::new(s),
+        );
         Ok(Self::new(peer, acc, stream))
     }
 
@@ -361,7 +417,7 @@ impl ControlClient {
 
     pub fn stats(&self) -> Result<NodeStats, RpcError> {
         match self.call(&ControlRequest::Stats)? {
-            ControlResponse::Stats(s) => Ok(s),
+            ControlResponse::Stats(s) => Ok(*s),
             other => Err(self.mismatch(other)),
         }
     }
@@ -416,7 +472,7 @@ mod tests {
                 rpcs: words[21..25].try_into().unwrap(), open: words[25..28].try_into().unwrap(),
                 connections_total: words[28], auth_failures: words[29], protocol_errors: words[30],
             };
-            let r = ControlResponse::Stats(s);
+            let r = ControlResponse::Stats(Box::new(s));
             prop_assert_eq!(ControlResponse::decode(&r.encode(id)).unwrap(), (id, r));
         }
 

@@ -33,6 +33,9 @@ struct Args {
     /// A name for logs and errors (default: mn<node-id>).
     #[arg(long)]
     name: Option<String>,
+    /// Microseconds a NIC thread polls its connection before sleeping (0: never poll).
+    #[arg(long, default_value_t = 50)]
+    poll_us: u64,
 }
 
 fn main() -> ExitCode {
@@ -54,7 +57,8 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<(), String> {
     let secret = Secret::from_file(&args.secret_file)?;
-    let mut signals = Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let mut signals = Signals::new([SIGTERM, SIGINT])
+        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
     let node = MemNode::start(NodeConfig {
         node_id: args.node_id,
         name: args.name.unwrap_or_else(|| format!("mn{}", args.node_id)),
@@ -62,14 +66,18 @@ fn run(args: Args) -> Result<(), String> {
         shm_socket: args.shm_socket.clone(),
         region_len: args.region,
         secret,
+        poll: std::time::Duration::from_micros(args.poll_us),
     })
     .map_err(|e| e.to_string())?;
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.
     println!(
         "rackfs-memnode ready: node={} tcp={} shm={} region={}",
         args.node_id,
-        node.tcp_addr().map_or_else(|| "-".into(), |a| a.to_string()),
-        args.shm_socket.as_ref().map_or_else(|| "-".into(), |p| p.display().to_string()),
+        node.tcp_addr()
+            .map_or_else(|| "-".into(), |a| a.to_string()),
+        args.shm_socket
+            .as_ref()
+            .map_or_else(|| "-".into(), |p| p.display().to_string()),
         args.region
     );
     let signal = signals.forever().next();

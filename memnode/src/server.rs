@@ -12,6 +12,7 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -44,6 +45,8 @@ pub struct NodeConfig {
     pub shm_socket: Option<PathBuf>,
     pub region_len: u64,
     pub secret: Secret,
+    /// Adaptive-polling budget of NIC threads before they sleep in `read`.
+    pub poll: Duration,
 }
 
 /// Why a node could not start.
@@ -106,8 +109,9 @@ impl MemNode {
         let len = cfg.region_len.next_multiple_of(4096);
         let data = Region::create_memfd("rackfs-region", len, random_rkey(), Access::ALL)
             .map_err(|err| StartError::Region { len, err })?;
-        let info = Region::create_memfd("rackfs-info", INFO_REGION_LEN, random_rkey(), Access::READ)
-            .map_err(|err| StartError::Region { len, err })?;
+        let info =
+            Region::create_memfd("rackfs-info", INFO_REGION_LEN, random_rkey(), Access::READ)
+                .map_err(|err| StartError::Region { len, err })?;
         let mut page = INFO_MAGIC.to_vec();
         page.extend_from_slice(&(cfg.node_id as u64).to_le_bytes());
         page.extend_from_slice(&len.to_le_bytes());
@@ -215,7 +219,12 @@ impl Shared {
     fn stats(&self) -> NodeStats {
         let a = self.allocator.lock().expect("allocator lock").stats();
         let mut verbs = *self.counters_retired.lock().expect("counter totals lock");
-        for (_, c) in self.counters_live.lock().expect("counter blocks lock").iter() {
+        for (_, c) in self
+            .counters_live
+            .lock()
+            .expect("counter blocks lock")
+            .iter()
+        {
             verbs.add(&c.snapshot());
         }
         NodeStats {
@@ -238,10 +247,20 @@ impl Shared {
 
     /// Runs `f` with a fresh counter block registered as live, then folds it into the totals.
     fn with_counters<T>(&self, counters: VerbCounters, f: impl FnOnce(&VerbCounters) -> T) -> T {
-        let key = self.counters_live.lock().expect("counter blocks lock").insert(counters.clone());
+        let key = self
+            .counters_live
+            .lock()
+            .expect("counter blocks lock")
+            .insert(counters.clone());
         let out = f(&counters);
-        self.counters_live.lock().expect("counter blocks lock").remove(key);
-        self.counters_retired.lock().expect("counter totals lock").add(&counters.snapshot());
+        self.counters_live
+            .lock()
+            .expect("counter blocks lock")
+            .remove(key);
+        self.counters_retired
+            .lock()
+            .expect("counter totals lock")
+            .add(&counters.snapshot());
         out
     }
 
@@ -249,9 +268,13 @@ impl Shared {
         self.rpcs[req.kind_index()].fetch_add(1, Ordering::Relaxed);
         match req {
             ControlRequest::Ping => ControlResponse::Pong,
-            ControlRequest::Stats => ControlResponse::Stats(self.stats()),
+            ControlRequest::Stats => ControlResponse::Stats(Box::new(self.stats())),
             ControlRequest::Alloc { len, align } => {
-                let r = self.allocator.lock().expect("allocator lock").alloc(*len, *align);
+                let r = self
+                    .allocator
+                    .lock()
+                    .expect("allocator lock")
+                    .alloc(*len, *align);
                 match r {
                     Ok(offset) => ControlResponse::Allocated {
                         region: self.welcome.regions[0],
@@ -290,7 +313,9 @@ fn accept_tcp(listener: TcpListener, shared: Arc<Shared>) {
         }
         match conn {
             Ok(stream) => {
-                let peer = stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+                let peer = stream
+                    .peer_addr()
+                    .map_or_else(|_| "?".into(), |a| a.to_string());
                 let _ = stream.set_nodelay(true);
                 let s = shared.clone();
                 spawn_conn(peer.clone(), move || serve_tcp(stream, peer, s));
@@ -316,21 +341,35 @@ fn accept_unix(listener: UnixListener, shared: Arc<Shared>) {
 }
 
 fn spawn_conn(peer: String, f: impl FnOnce() + Send + 'static) {
-    if let Err(e) = std::thread::Builder::new().name(format!("conn-{peer}")).spawn(f) {
+    if let Err(e) = std::thread::Builder::new()
+        .name(format!("conn-{peer}"))
+        .spawn(f)
+    {
         warn!(%peer, error = %e, "cannot start a connection thread; dropping the connection");
     }
 }
 
 /// Authenticates a fresh connection; logs and counts failures.
-fn handshake<S: Read + Write>(stream: &mut S, peer: &str, shared: &Shared, unix: bool) -> Option<ConnKind> {
+fn handshake<S: Read + Write>(
+    stream: &mut S,
+    peer: &str,
+    shared: &Shared,
+    unix: bool,
+) -> Option<ConnKind> {
     shared.connections_total.fetch_add(1, Ordering::Relaxed);
-    let result = server_handshake(stream, &shared.cfg.secret, &shared.cfg.name, &shared.welcome, |h| {
-        if h.kind == ConnKind::Shm && !unix {
-            Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
-        } else {
-            Ok(())
-        }
-    });
+    let result = server_handshake(
+        stream,
+        &shared.cfg.secret,
+        &shared.cfg.name,
+        &shared.welcome,
+        |h| {
+            if h.kind == ConnKind::Shm && !unix {
+                Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
+            } else {
+                Ok(())
+            }
+        },
+    );
     match result {
         Ok(hello) => {
             debug!(%peer, client = %hello.client_name, kind = ?hello.kind, "client authenticated");
@@ -380,18 +419,28 @@ fn log_end(shared: &Shared, peer: &str, what: &str, r: Result<(), WireError>) {
 
 fn serve_tcp(mut stream: TcpStream, peer: String, shared: Arc<Shared>) {
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let Some(kind) = handshake(&mut stream, &peer, &shared, false) else { return };
+    let Some(kind) = handshake(&mut stream, &peer, &shared, false) else {
+        return;
+    };
     let _ = stream.set_read_timeout(None);
     let _open = OpenGuard::new(&shared, kind);
-    let Ok(clone) = stream.try_clone() else { return };
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
     match kind {
         ConnKind::Verbs => {
+            let fd = (stream.as_raw_fd(), shared.cfg.poll);
             let r = shared.with_counters(VerbCounters::local(), |c| {
-                rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, c)
+                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &shared.table, c)
             });
             log_end(&shared, &peer, "verbs", r);
         }
-        ConnKind::Control => log_end(&shared, &peer, "control", serve_control(clone, stream, &shared)),
+        ConnKind::Control => log_end(
+            &shared,
+            &peer,
+            "control",
+            serve_control(clone, stream, &shared),
+        ),
         ConnKind::Shm => unreachable!("refused in the handshake"),
     }
 }
@@ -399,30 +448,41 @@ fn serve_tcp(mut stream: TcpStream, peer: String, shared: Arc<Shared>) {
 fn serve_unix(mut stream: UnixStream, shared: Arc<Shared>) {
     let peer = "unix";
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let Some(kind) = handshake(&mut stream, peer, &shared, true) else { return };
+    let Some(kind) = handshake(&mut stream, peer, &shared, true) else {
+        return;
+    };
     let _ = stream.set_read_timeout(None);
     let _open = OpenGuard::new(&shared, kind);
-    let Ok(clone) = stream.try_clone() else { return };
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
     match kind {
         ConnKind::Verbs => {
+            let fd = (stream.as_raw_fd(), shared.cfg.poll);
             let r = shared.with_counters(VerbCounters::local(), |c| {
-                rackfs_verbs::tcp::serve_verbs(clone, stream, &shared.table, c)
+                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &shared.table, c)
             });
             log_end(&shared, peer, "verbs", r);
         }
-        ConnKind::Control => log_end(&shared, peer, "control", serve_control(clone, stream, &shared)),
+        ConnKind::Control => log_end(
+            &shared,
+            peer,
+            "control",
+            serve_control(clone, stream, &shared),
+        ),
         ConnKind::Shm => serve_shm(stream, &shared),
     }
 }
 
 fn serve_shm(mut stream: UnixStream, shared: &Shared) {
-    let counters = match Region::create_memfd("rackfs-shm-counters", COUNTER_BLOCK_LEN, 0, Access::ALL) {
-        Ok(r) => VerbCounters::in_region(Arc::new(r)),
-        Err(e) => {
-            warn!(error = %e, "cannot create an shm counter block; dropping the client");
-            return;
-        }
-    };
+    let counters =
+        match Region::create_memfd("rackfs-shm-counters", COUNTER_BLOCK_LEN, 0, Access::ALL) {
+            Ok(r) => VerbCounters::in_region(Arc::new(r)),
+            Err(e) => {
+                warn!(error = %e, "cannot create an shm counter block; dropping the client");
+                return;
+            }
+        };
     if let Err(e) = rackfs_verbs::shm::send_regions(&stream, &shared.table, counters.region()) {
         warn!(error = %e, "cannot send regions to an shm client");
         return;

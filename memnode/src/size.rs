@@ -8,8 +8,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    if num.is_empty() || num.matches('.').count() > 1 || num.starts_with('.') || num.ends_with('.') {
-        return Err(format!("invalid size {s:?}: expected a number with an optional unit, like 512M or 64G"));
+    if num.is_empty() || num.matches('.').count() > 1 || num.starts_with('.') || num.ends_with('.')
+    {
+        return Err(format!(
+            "invalid size {s:?}: expected a number with an optional unit, like 512M or 64G"
+        ));
     }
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
@@ -18,7 +21,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "g" | "gb" | "gi" | "gib" => 30,
         "t" | "tb" | "ti" | "tib" => 40,
         "p" | "pb" | "pi" | "pib" => 50,
-        other => return Err(format!("invalid size {s:?}: unknown unit {other:?} (use K, M, G, T or P)")),
+        other => {
+            return Err(format!(
+                "invalid size {s:?}: unknown unit {other:?} (use K, M, G, T or P)"
+            ))
+        }
     };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
     let too_big = || format!("invalid size {s:?}: too large");
@@ -65,7 +72,17 @@ mod tests {
         assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert_eq!(parse_size(" 2KiB ").unwrap(), 2048);
-        for bad in ["", "G", "12X", "1..5G", ".5G", "5.G", "-1G", "99999999999P", "1.5.5"] {
+        for bad in [
+            "",
+            "G",
+            "12X",
+            "1..5G",
+            ".5G",
+            "5.G",
+            "-1G",
+            "99999999999P",
+            "1.5.5",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad:?} should not parse");
         }
         assert_eq!(format_size(1536 << 20), "1.50 GiB");

@@ -1,12 +1,12 @@
 //! Test harness: real memory-node processes, and one environment trait under which the verbs
 //! conformance cases run on every transport.
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::rc::Rc;
-use std::cell::RefCell;
 use std::time::Duration;
 
 use rackfs_verbs::sim::{Sim, SimConfig, SIM_RKEY, SIM_RO_RKEY};
@@ -19,9 +19,17 @@ pub fn bin_path(name: &str) -> PathBuf {
     }
     let exe = std::env::current_exe().expect("test executable path");
     let dir = exe.parent().expect("deps dir");
-    let dir = if dir.ends_with("deps") { dir.parent().expect("profile dir") } else { dir };
+    let dir = if dir.ends_with("deps") {
+        dir.parent().expect("profile dir")
+    } else {
+        dir
+    };
     let p = dir.join(name);
-    assert!(p.exists(), "{} not built: run `cargo build --workspace --bins` first", p.display());
+    assert!(
+        p.exists(),
+        "{} not built: run `cargo build --workspace --bins` first",
+        p.display()
+    );
     p
 }
 
@@ -71,7 +79,13 @@ impl MemNodeProcess {
         let shm = dir.path().join("mn.sock");
         let stderr_log = dir.path().join("stderr.log");
         let mut child = Command::new(bin_path("rackfs-memnode"))
-            .args(["--listen", "127.0.0.1:0", "--region", region, "--secret-file"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--region",
+                region,
+                "--secret-file",
+            ])
             .arg(&secret_file)
             .arg("--shm-socket")
             .arg(&shm)
@@ -88,8 +102,12 @@ impl MemNodeProcess {
         let tcp = line
             .split_whitespace()
             .find_map(|w| w.strip_prefix("tcp="))
-            .unwrap_or_else(|| panic!("no ready line from rackfs-memnode: {line:?}; stderr: {}",
-                std::fs::read_to_string(&stderr_log).unwrap_or_default()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no ready line from rackfs-memnode: {line:?}; stderr: {}",
+                    std::fs::read_to_string(&stderr_log).unwrap_or_default()
+                )
+            })
             .to_string();
         MemNodeProcess {
             child,
@@ -111,7 +129,8 @@ impl MemNodeProcess {
     }
 
     pub fn control(&self) -> rackfs_memnode::ControlClient {
-        rackfs_memnode::ControlClient::connect_tcp(&self.tcp, &self.secret, "test").expect("control connect")
+        rackfs_memnode::ControlClient::connect_tcp(&self.tcp, &self.secret, "test")
+            .expect("control connect")
     }
 
     pub fn stderr(&self) -> String {
@@ -191,10 +210,18 @@ impl NodeEnv {
 
 impl Env for NodeEnv {
     fn name(&self) -> &'static str {
-        if self.shm { "shm" } else { "tcp" }
+        if self.shm {
+            "shm"
+        } else {
+            "tcp"
+        }
     }
     fn qp(&mut self) -> QueuePair {
-        if self.shm { self.node.shm_qp() } else { self.node.tcp_qp() }
+        if self.shm {
+            self.node.shm_qp()
+        } else {
+            self.node.tcp_qp()
+        }
     }
     fn data_region(&self) -> RegionInfo {
         self.data
@@ -250,10 +277,18 @@ impl Env for SimEnv {
         self.sim.handle().connect(c)
     }
     fn data_region(&self) -> RegionInfo {
-        RegionInfo { rkey: SIM_RKEY, len: 16 << 20, access: rackfs_verbs::Access::ALL }
+        RegionInfo {
+            rkey: SIM_RKEY,
+            len: 16 << 20,
+            access: rackfs_verbs::Access::ALL,
+        }
     }
     fn ro_region(&self) -> RegionInfo {
-        RegionInfo { rkey: SIM_RO_RKEY, len: 4096, access: rackfs_verbs::Access::READ }
+        RegionInfo {
+            rkey: SIM_RO_RKEY,
+            len: 4096,
+            access: rackfs_verbs::Access::READ,
+        }
     }
     fn run<T: 'static, F: Future<Output = T> + 'static>(&mut self, f: F) -> T {
         let out = Rc::new(RefCell::new(None));

@@ -8,7 +8,9 @@ use rackfs_verbs::{Batch, Opcode, RemoteAddr, VerbsError, WrId, MAX_BATCH_REQUES
 
 /// Deterministic pattern bytes for a (seed, index).
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8)
+        .collect()
 }
 
 fn round_trips<E: Env>(env: &mut E) {
@@ -24,7 +26,11 @@ fn round_trips<E: Env>(env: &mut E) {
                 let rd = b.read(RemoteAddr::new(r.rkey, off), size as u32);
                 let done = qp.post(b).await.expect("batch");
                 done.status(w).expect("write");
-                assert_eq!(done.data(rd).expect("read"), &data[..], "size {size} at {off}");
+                assert_eq!(
+                    done.data(rd).expect("read"),
+                    &data[..],
+                    "size {size} at {off}"
+                );
             }
         }
         // The region's very first and last bytes.
@@ -54,7 +60,11 @@ fn atomics_in_a_batch<E: Env>(env: &mut E) {
         let rd = b.read(a, 8);
         let done = qp.post(b).await.expect("batch");
         assert_eq!(done.value(faa).unwrap(), 100);
-        assert_eq!(done.value(cas_fail).unwrap(), 105, "failed CAS returns the current value");
+        assert_eq!(
+            done.value(cas_fail).unwrap(),
+            105,
+            "failed CAS returns the current value"
+        );
         assert_eq!(done.value(cas_ok).unwrap(), 105);
         assert_eq!(done.value(mcas).unwrap(), 7);
         assert_eq!(done.value(mfaa).unwrap(), 0xF7);
@@ -87,23 +97,88 @@ fn errors_are_specific<E: Env>(env: &mut E) {
         };
         let err = |d: rackfs_verbs::Completions| d.status(WrId(0)).unwrap_err();
 
-        let e = err(one(read8, RemoteAddr::new(r.rkey, r.len - 4)).await.unwrap());
-        assert_eq!(e, VerbsError::OutOfBounds { op: Opcode::Read, rkey: r.rkey, offset: r.len - 4, len: 8, region_len: r.len });
-        let e = err(one(write8, RemoteAddr::new(r.rkey, u64::MAX - 2)).await.unwrap());
-        assert!(matches!(e, VerbsError::OutOfBounds { op: Opcode::Write, .. }), "{e}");
+        let e = err(one(read8, RemoteAddr::new(r.rkey, r.len - 4))
+            .await
+            .unwrap());
+        assert_eq!(
+            e,
+            VerbsError::OutOfBounds {
+                op: Opcode::Read,
+                rkey: r.rkey,
+                offset: r.len - 4,
+                len: 8,
+                region_len: r.len
+            }
+        );
+        let e = err(one(write8, RemoteAddr::new(r.rkey, u64::MAX - 2))
+            .await
+            .unwrap());
+        assert!(
+            matches!(
+                e,
+                VerbsError::OutOfBounds {
+                    op: Opcode::Write,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = err(one(faa, RemoteAddr::new(r.rkey, r.len)).await.unwrap());
-        assert!(matches!(e, VerbsError::OutOfBounds { op: Opcode::Faa, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                VerbsError::OutOfBounds {
+                    op: Opcode::Faa,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = err(one(read8, RemoteAddr::new(0xdead_beef, 0)).await.unwrap());
         assert_eq!(e, VerbsError::BadKey { rkey: 0xdead_beef });
         let e = err(one(write8, RemoteAddr::new(ro.rkey, 0)).await.unwrap());
-        assert!(matches!(e, VerbsError::AccessDenied { op: Opcode::Write, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                VerbsError::AccessDenied {
+                    op: Opcode::Write,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = err(one(faa, RemoteAddr::new(ro.rkey, 0)).await.unwrap());
-        assert!(matches!(e, VerbsError::AccessDenied { op: Opcode::Faa, .. }), "{e}");
-        one(read8, RemoteAddr::new(ro.rkey, 0)).await.unwrap().check().expect("reading a read-only region works");
+        assert!(
+            matches!(
+                e,
+                VerbsError::AccessDenied {
+                    op: Opcode::Faa,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        one(read8, RemoteAddr::new(ro.rkey, 0))
+            .await
+            .unwrap()
+            .check()
+            .expect("reading a read-only region works");
         let e = err(one(cas, RemoteAddr::new(r.rkey, 4)).await.unwrap());
-        assert_eq!(e, VerbsError::Misaligned { op: Opcode::Cas, offset: 4 });
+        assert_eq!(
+            e,
+            VerbsError::Misaligned {
+                op: Opcode::Cas,
+                offset: 4
+            }
+        );
         let e = err(one(faa, RemoteAddr::new(r.rkey, 12)).await.unwrap());
-        assert_eq!(e, VerbsError::Misaligned { op: Opcode::Faa, offset: 12 });
+        assert_eq!(
+            e,
+            VerbsError::Misaligned {
+                op: Opcode::Faa,
+                offset: 12
+            }
+        );
         assert!(e.to_string().contains("not 8-byte aligned"));
 
         // A failure flushes the rest of its batch, and only its batch.
@@ -114,19 +189,35 @@ fn errors_are_specific<E: Env>(env: &mut E) {
         let flushed = b.write(target, &[2u8; 8]);
         let done = qp.post(b).await.unwrap();
         done.status(ok).unwrap();
-        assert!(matches!(done.status(bad), Err(VerbsError::OutOfBounds { .. })));
+        assert!(matches!(
+            done.status(bad),
+            Err(VerbsError::OutOfBounds { .. })
+        ));
         assert_eq!(done.status(flushed), Err(VerbsError::Flushed));
         let mut b = Batch::new();
         let rd = b.read(target, 8);
-        let done = qp.post(b).await.expect("the queue pair still works after an error");
-        assert_eq!(done.data(rd).unwrap(), [1u8; 8], "the flushed write did not happen");
+        let done = qp
+            .post(b)
+            .await
+            .expect("the queue pair still works after an error");
+        assert_eq!(
+            done.data(rd).unwrap(),
+            [1u8; 8],
+            "the flushed write did not happen"
+        );
 
         let mut b = Batch::new();
         for _ in 0..=MAX_BATCH_REQUESTS {
             b.read(target, 8);
         }
-        assert!(matches!(qp.post(b).await, Err(VerbsError::BatchTooLarge { .. })));
-        let done = qp.post(Batch::new()).await.expect("an empty batch completes");
+        assert!(matches!(
+            qp.post(b).await,
+            Err(VerbsError::BatchTooLarge { .. })
+        ));
+        let done = qp
+            .post(Batch::new())
+            .await
+            .expect("an empty batch completes");
         assert!(done.is_empty());
     });
 }
@@ -158,8 +249,16 @@ fn masked_atomics_match_the_model<E: Env>(env: &mut E) {
             let rd = b.read(a, 8);
             let done = qp.post(b).await.unwrap();
             assert_eq!(done.value(op).unwrap(), init);
-            let expect = if i % 3 == 0 { masked_faa(init, v2, v3) } else { masked_cas(init, compare, v4 | v2, v3, v4) };
-            assert_eq!(u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap()), expect, "case {i}");
+            let expect = if i % 3 == 0 {
+                masked_faa(init, v2, v3)
+            } else {
+                masked_cas(init, compare, v4 | v2, v3, v4)
+            };
+            assert_eq!(
+                u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap()),
+                expect,
+                "case {i}"
+            );
         }
     });
 }
@@ -182,7 +281,11 @@ fn contended_faa_is_exact<E: Env>(env: &mut E) {
         for i in 0..m {
             // Mix single FAAs and masked FAAs (a 64-bit field) to check they are atomic together.
             let mut b = Batch::new();
-            if i % 2 == 0 { b.faa(addr, 1) } else { b.masked_faa(addr, 1, 0) };
+            if i % 2 == 0 {
+                b.faa(addr, 1)
+            } else {
+                b.masked_faa(addr, 1, 0)
+            };
             qp.post(b).await.unwrap().check().unwrap();
         }
     });
@@ -228,10 +331,18 @@ fn requests_execute_in_order<E: Env>(env: &mut E) {
         let mut results = Vec::new();
         while let Some((i, rd, p)) = posted.pop() {
             let done = p.await.unwrap();
-            results.push((i, u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap())));
+            results.push((
+                i,
+                u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap()),
+            ));
         }
         for (i, seen) in results {
-            assert_eq!(seen, i as u64, "batch {i} saw the write of batch {}", i as i64 - 1);
+            assert_eq!(
+                seen,
+                i as u64,
+                "batch {i} saw the write of batch {}",
+                i as i64 - 1
+            );
         }
         // Within one batch: a FAA sees the write just before it.
         let mut b = Batch::new();
@@ -248,19 +359,33 @@ macro_rules! conformance {
         mod $modname {
             use super::*;
             #[test]
-            fn round_trips_of_many_sizes_and_offsets() { round_trips(&mut $make); }
+            fn round_trips_of_many_sizes_and_offsets() {
+                round_trips(&mut $make);
+            }
             #[test]
-            fn atomics_in_one_batch() { atomics_in_a_batch(&mut $make); }
+            fn atomics_in_one_batch() {
+                atomics_in_a_batch(&mut $make);
+            }
             #[test]
-            fn bounds_key_access_and_alignment_errors() { errors_are_specific(&mut $make); }
+            fn bounds_key_access_and_alignment_errors() {
+                errors_are_specific(&mut $make);
+            }
             #[test]
-            fn masked_atomics_match_the_reference_model() { masked_atomics_match_the_model(&mut $make); }
+            fn masked_atomics_match_the_reference_model() {
+                masked_atomics_match_the_model(&mut $make);
+            }
             #[test]
-            fn contended_faa_total_is_exact() { contended_faa_is_exact(&mut $make); }
+            fn contended_faa_total_is_exact() {
+                contended_faa_is_exact(&mut $make);
+            }
             #[test]
-            fn cas_spin_counter_total_is_exact() { cas_spin_counter_is_exact(&mut $make); }
+            fn cas_spin_counter_total_is_exact() {
+                cas_spin_counter_is_exact(&mut $make);
+            }
             #[test]
-            fn requests_on_a_queue_pair_execute_in_order() { requests_execute_in_order(&mut $make); }
+            fn requests_on_a_queue_pair_execute_in_order() {
+                requests_execute_in_order(&mut $make);
+            }
         }
     };
 }
@@ -280,7 +405,13 @@ fn shm_and_tcp_clients_share_atomics() {
     let threads: Vec<_> = qps
         .iter()
         .cloned()
-        .map(|qp| std::thread::spawn(move || (0..m).for_each(|_| { qp.faa(addr, 1).unwrap(); })))
+        .map(|qp| {
+            std::thread::spawn(move || {
+                (0..m).for_each(|_| {
+                    qp.faa(addr, 1).unwrap();
+                })
+            })
+        })
         .collect();
     threads.into_iter().for_each(|t| t.join().unwrap());
     let total = u64::from_le_bytes(node.tcp_qp().read(addr, 8).unwrap().try_into().unwrap());

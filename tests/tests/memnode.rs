@@ -23,9 +23,13 @@ fn wrong_secret_is_refused_clearly_on_both_sides() {
     assert!(err.to_string().contains("wrong cluster secret"), "{err}");
     let stats = node.control().stats().unwrap();
     assert_eq!(stats.auth_failures, 2);
-    assert!(wait_for(Duration::from_secs(5), || node.stderr().contains("wrong cluster secret")));
+    assert!(wait_for(Duration::from_secs(5), || node
+        .stderr()
+        .contains("wrong cluster secret")));
     // The right secret still works.
-    node.tcp_qp().faa(RemoteAddr::new(node.tcp_qp().regions()[0].rkey, 0), 1).unwrap();
+    node.tcp_qp()
+        .faa(RemoteAddr::new(node.tcp_qp().regions()[0].rkey, 0), 1)
+        .unwrap();
 }
 
 #[test]
@@ -61,21 +65,60 @@ fn allocation_reuses_space_and_reports_full_nodes() {
     assert_eq!((s.used, s.extents), (2 << 20, 2));
     // The extent is real memory: write it with verbs and read it back.
     let qp = node.tcp_qp();
-    qp.write(RemoteAddr::new(region.rkey, a + 100), b"hello").unwrap();
-    assert_eq!(node.shm_qp().read(RemoteAddr::new(region.rkey, a + 100), 5).unwrap(), b"hello");
+    qp.write(RemoteAddr::new(region.rkey, a + 100), b"hello")
+        .unwrap();
+    assert_eq!(
+        node.shm_qp()
+            .read(RemoteAddr::new(region.rkey, a + 100), 5)
+            .unwrap(),
+        b"hello"
+    );
 
     let err = ctl.alloc(3 << 20, 4096).unwrap_err();
     match &err {
-        RpcError::Refused { code: ErrorCode::OutOfMemory, message } => {
-            assert!(message.starts_with("out of memory on node mn0: requested 3.00 MiB, largest free extent 2.00 MiB"), "{message}");
+        RpcError::Refused {
+            code: ErrorCode::OutOfMemory,
+            message,
+        } => {
+            assert!(
+                message.starts_with(
+                    "out of memory on node mn0: requested 3.00 MiB, largest free extent 2.00 MiB"
+                ),
+                "{message}"
+            );
         }
         other => panic!("expected out of memory, got {other:?}"),
     }
     assert_eq!(ctl.free(a).unwrap(), 1 << 20);
-    assert!(matches!(ctl.free(a), Err(RpcError::Refused { code: ErrorCode::NotFound, .. })), "double free is refused");
-    assert_eq!(ctl.alloc(1 << 20, 4096).unwrap().1, a, "freed space is reused");
-    assert!(matches!(ctl.alloc(0, 64), Err(RpcError::Refused { code: ErrorCode::Invalid, .. })));
-    assert!(matches!(ctl.alloc(64, 3), Err(RpcError::Refused { code: ErrorCode::Invalid, .. })));
+    assert!(
+        matches!(
+            ctl.free(a),
+            Err(RpcError::Refused {
+                code: ErrorCode::NotFound,
+                ..
+            })
+        ),
+        "double free is refused"
+    );
+    assert_eq!(
+        ctl.alloc(1 << 20, 4096).unwrap().1,
+        a,
+        "freed space is reused"
+    );
+    assert!(matches!(
+        ctl.alloc(0, 64),
+        Err(RpcError::Refused {
+            code: ErrorCode::Invalid,
+            ..
+        })
+    ));
+    assert!(matches!(
+        ctl.alloc(64, 3),
+        Err(RpcError::Refused {
+            code: ErrorCode::Invalid,
+            ..
+        })
+    ));
     let s = ctl.stats().unwrap();
     assert_eq!(s.rpcs[2], 6, "alloc RPCs counted: {:?}", s.rpcs);
 }
@@ -159,7 +202,15 @@ fn malformed_frames_close_only_their_connection() {
         // The node is alive and correct for a well-behaved client after every bad one.
         good.faa(RemoteAddr::new(rkey, 4096), 1).unwrap();
     }
-    assert_eq!(u64::from_le_bytes(good.read(RemoteAddr::new(rkey, 4096), 8).unwrap().try_into().unwrap()), 60);
+    assert_eq!(
+        u64::from_le_bytes(
+            good.read(RemoteAddr::new(rkey, 4096), 8)
+                .unwrap()
+                .try_into()
+                .unwrap()
+        ),
+        60
+    );
     let s = node.control().stats().unwrap();
     assert!(s.protocol_errors > 0, "malformed input is counted: {s:?}");
     // An oversized length prefix is refused without allocating it.
@@ -167,7 +218,9 @@ fn malformed_frames_close_only_their_connection() {
     huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
     send_garbage(&node, true, &huge);
     good.faa(RemoteAddr::new(rkey, 4096), 1).unwrap();
-    assert!(wait_for(Duration::from_secs(5), || node.stderr().contains("exceeds the limit")));
+    assert!(wait_for(Duration::from_secs(5), || node
+        .stderr()
+        .contains("exceeds the limit")));
 }
 
 #[test]
@@ -185,17 +238,27 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
     }
     // A separate process mapping the region over shm and hammering it, killed with SIGKILL.
     let mut child = std::process::Command::new(bin_path("rackfs-verbs-client"))
-        .args(["--shm", node.shm.to_str().unwrap(), "--secret-file", node.secret_file.to_str().unwrap()])
+        .args([
+            "--shm",
+            node.shm.to_str().unwrap(),
+            "--secret-file",
+            node.secret_file.to_str().unwrap(),
+        ])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut line = [0u8; 6];
     child.stdout.take().unwrap().read_exact(&mut line).unwrap(); // "ready\n"
-    assert!(wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open[2] == baseline[2] + 1));
+    assert!(wait_for(Duration::from_secs(5), || ctl
+        .stats()
+        .unwrap()
+        .open[2]
+        == baseline[2] + 1));
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
-        wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open == baseline),
+        wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open
+            == baseline),
         "connections of dead clients are closed: {:?} vs {:?}",
         ctl.stats().unwrap().open,
         baseline
@@ -209,7 +272,10 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
 #[test]
 fn daemon_rejects_bad_arguments_with_clear_messages() {
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(bin_path("rackfs-memnode")).args(args).output().unwrap();
+        let out = std::process::Command::new(bin_path("rackfs-memnode"))
+            .args(args)
+            .output()
+            .unwrap();
         assert!(!out.status.success(), "{args:?} should fail");
         String::from_utf8_lossy(&out.stderr).to_string()
     };
@@ -219,12 +285,52 @@ fn daemon_rejects_bad_arguments_with_clear_messages() {
     let empty = dir.path().join("empty");
     std::fs::write(&empty, "  \n").unwrap();
     let sf = secret.to_str().unwrap();
-    assert!(run(&["--region", "12Q", "--secret-file", sf, "--listen", "127.0.0.1:0"]).contains("unknown unit"));
-    assert!(run(&["--region", "100K", "--secret-file", sf, "--listen", "127.0.0.1:0"]).contains("at least 1 MiB"));
-    assert!(run(&["--region", "8M", "--secret-file", "/nonexistent/s", "--listen", "127.0.0.1:0"]).contains("cannot read secret file"));
-    assert!(run(&["--region", "8M", "--secret-file", empty.to_str().unwrap(), "--listen", "127.0.0.1:0"]).contains("secret is empty"));
+    assert!(run(&[
+        "--region",
+        "12Q",
+        "--secret-file",
+        sf,
+        "--listen",
+        "127.0.0.1:0"
+    ])
+    .contains("unknown unit"));
+    assert!(run(&[
+        "--region",
+        "100K",
+        "--secret-file",
+        sf,
+        "--listen",
+        "127.0.0.1:0"
+    ])
+    .contains("at least 1 MiB"));
+    assert!(run(&[
+        "--region",
+        "8M",
+        "--secret-file",
+        "/nonexistent/s",
+        "--listen",
+        "127.0.0.1:0"
+    ])
+    .contains("cannot read secret file"));
+    assert!(run(&[
+        "--region",
+        "8M",
+        "--secret-file",
+        empty.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0"
+    ])
+    .contains("secret is empty"));
     assert!(run(&["--region", "8M", "--secret-file", sf]).contains("nothing to listen on"));
-    assert!(run(&["--region", "8M", "--secret-file", sf, "--listen", "256.0.0.1:1"]).contains("cannot listen on"));
+    assert!(run(&[
+        "--region",
+        "8M",
+        "--secret-file",
+        sf,
+        "--listen",
+        "256.0.0.1:1"
+    ])
+    .contains("cannot listen on"));
 }
 
 #[test]

@@ -10,7 +10,10 @@ use rackfs_verbs::{Batch, RemoteAddr};
 
 /// Runs 4 clients racing CAS increments and returns the order in which they won.
 fn race(seed: u64) -> Vec<usize> {
-    let mut sim = Sim::new(SimConfig { seed, ..SimConfig::default() });
+    let mut sim = Sim::new(SimConfig {
+        seed,
+        ..SimConfig::default()
+    });
     let log = Rc::new(RefCell::new(Vec::new()));
     let addr = RemoteAddr::new(SIM_RKEY, 0);
     for i in 0..4 {
@@ -45,7 +48,11 @@ fn a_seed_replays_exactly_and_seeds_differ() {
     assert_eq!(a.len(), 100);
     assert_eq!(a, race(7), "same seed, same interleaving");
     let distinct: std::collections::HashSet<Vec<usize>> = (0..8).map(race).collect();
-    assert!(distinct.len() >= 6, "different seeds interleave differently ({} distinct of 8)", distinct.len());
+    assert!(
+        distinct.len() >= 6,
+        "different seeds interleave differently ({} distinct of 8)",
+        distinct.len()
+    );
 }
 
 #[test]
@@ -73,12 +80,19 @@ fn requests_are_delayed_in_virtual_time() {
         assert_eq!(h.now() - before, Duration::from_millis(3));
     });
     assert_eq!(sim.run(Duration::from_secs(1)), RunOutcome::Finished);
-    assert_eq!(*took.borrow(), Duration::from_micros(20), "one delay out, one back");
+    assert_eq!(
+        *took.borrow(),
+        Duration::from_micros(20),
+        "one delay out, one back"
+    );
 }
 
 #[test]
 fn killed_clients_stop_and_their_unexecuted_requests_vanish() {
-    let mut sim = Sim::new(SimConfig { seed: 3, ..SimConfig::default() });
+    let mut sim = Sim::new(SimConfig {
+        seed: 3,
+        ..SimConfig::default()
+    });
     let addr = RemoteAddr::new(SIM_RKEY, 64);
     let victim = sim.add_client();
     let qp = sim.handle().connect(victim);
@@ -103,20 +117,33 @@ fn killed_clients_stop_and_their_unexecuted_requests_vanish() {
         h.clock_sleep(Duration::from_micros(500)).await;
         h.kill(victim);
     });
-    assert_eq!(sim.run(Duration::from_secs(1)), RunOutcome::Finished, "the victim's task is dropped");
+    assert_eq!(
+        sim.run(Duration::from_secs(1)),
+        RunOutcome::Finished,
+        "the victim's task is dropped"
+    );
     let mut word = [0u8; 8];
     sim.handle().region().read(64, &mut word).unwrap();
     let executed = u64::from_le_bytes(word);
     let acknowledged = *progress.borrow();
     assert!(acknowledged > 0);
-    assert!(executed >= acknowledged, "acknowledged requests were executed");
-    assert!(executed < acknowledged + 100, "requests queued at the kill did not all run");
+    assert!(
+        executed >= acknowledged,
+        "acknowledged requests were executed"
+    );
+    assert!(
+        executed < acknowledged + 100,
+        "requests queued at the kill did not all run"
+    );
     assert!(sim.handle().is_killed(victim));
 }
 
 #[test]
 fn paused_clients_resume_and_stalls_are_detected() {
-    let mut sim = Sim::new(SimConfig { seed: 5, ..SimConfig::default() });
+    let mut sim = Sim::new(SimConfig {
+        seed: 5,
+        ..SimConfig::default()
+    });
     let c = sim.add_client();
     let h = sim.handle();
     let woke_at = Rc::new(RefCell::new(Duration::ZERO));
@@ -128,7 +155,10 @@ fn paused_clients_resume_and_stalls_are_detected() {
     });
     h.pause(c, Duration::from_millis(50));
     assert_eq!(sim.run(Duration::from_secs(1)), RunOutcome::Finished);
-    assert!(*woke_at.borrow() >= Duration::from_millis(50), "a paused task does not run");
+    assert!(
+        *woke_at.borrow() >= Duration::from_millis(50),
+        "a paused task does not run"
+    );
 
     // A task waiting on something that never happens is a stall, not a hang.
     let c = sim.add_client();
@@ -139,7 +169,10 @@ fn paused_clients_resume_and_stalls_are_detected() {
 #[test]
 fn throughput_of_simulated_verbs() {
     // Reported, not asserted against a figure: the run must simply complete its bounded work.
-    let mut sim = Sim::new(SimConfig { seed: 9, ..SimConfig::default() });
+    let mut sim = Sim::new(SimConfig {
+        seed: 9,
+        ..SimConfig::default()
+    });
     let addr = RemoteAddr::new(SIM_RKEY, 0);
     for _ in 0..8 {
         let c = sim.add_client();
@@ -158,5 +191,9 @@ fn throughput_of_simulated_verbs() {
     assert_eq!(sim.run(Duration::from_secs(100)), RunOutcome::Finished);
     let n = sim.handle().verbs_executed();
     assert_eq!(n, 8 * 2500 * 8);
-    eprintln!("sim: {n} verbs in {:?} = {:.0} verbs/s", t.elapsed(), n as f64 / t.elapsed().as_secs_f64());
+    eprintln!(
+        "sim: {n} verbs in {:?} = {:.0} verbs/s",
+        t.elapsed(),
+        n as f64 / t.elapsed().as_secs_f64()
+    );
 }

@@ -16,7 +16,9 @@ use std::path::Path;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::wire::{self, Challenge, ConnKind, FrameKind, Hello, Welcome, WireError, NONCE_LEN, PROOF_LEN};
+use crate::wire::{
+    self, Challenge, ConnKind, FrameKind, Hello, Welcome, WireError, NONCE_LEN, PROOF_LEN,
+};
 use crate::VerbsError;
 
 /// The cluster secret shared by memory nodes and mounts.
@@ -50,7 +52,12 @@ impl Secret {
     pub fn generate() -> Secret {
         let mut raw = [0u8; 32];
         getrandom::getrandom(&mut raw).expect("the OS random source works");
-        Secret(raw.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes())
+        Secret(
+            raw.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+                .into_bytes(),
+        )
     }
 
     /// The secret's bytes, for writing a secret file.
@@ -97,7 +104,10 @@ fn wire_err(peer: &str, e: WireError) -> VerbsError {
             peer: peer.into(),
             reason: "closed during the handshake".into(),
         },
-        WireError::Malformed { what: "handshake", why } => VerbsError::Auth {
+        WireError::Malformed {
+            what: "handshake",
+            why,
+        } => VerbsError::Auth {
             peer: peer.into(),
             reason: why,
         },
@@ -127,7 +137,12 @@ pub fn client_handshake<S: Read + Write>(
     let challenge = Challenge::decode(&body).map_err(|e| wire_err(peer, e))?;
     let proof = secret.prove(CLIENT_LABEL, &challenge.nonce, &hello.nonce);
     wire::write_frame(stream, FrameKind::Proof, &proof).map_err(io)?;
-    let server_ok = secret.verify(SERVER_LABEL, &hello.nonce, &challenge.nonce, &challenge.proof);
+    let server_ok = secret.verify(
+        SERVER_LABEL,
+        &hello.nonce,
+        &challenge.nonce,
+        &challenge.proof,
+    );
     let body = wire::expect_frame(stream, FrameKind::Welcome).map_err(|e| wire_err(peer, e))?;
     if !server_ok {
         return Err(VerbsError::Auth {
@@ -193,7 +208,9 @@ pub fn server_handshake<S: Read + Write>(
     if !secret.verify(CLIENT_LABEL, &server_nonce, &hello.nonce, &proof) {
         refuse(
             stream,
-            &format!("wrong cluster secret: memory node {node_name} could not verify the client's proof"),
+            &format!(
+                "wrong cluster secret: memory node {node_name} could not verify the client's proof"
+            ),
         );
         return Err(HandshakeError::WrongSecret {
             client: hello.client_name,

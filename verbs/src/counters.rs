@@ -100,7 +100,9 @@ impl VerbCounters {
 
     pub fn snapshot(&self) -> VerbTotals {
         let mut words = [0u8; (WORDS * 8) as usize];
-        self.region.read(0, &mut words).expect("counter block in bounds");
+        self.region
+            .read(0, &mut words)
+            .expect("counter block in bounds");
         let w = |i: usize| u64::from_le_bytes(words[i * 8..i * 8 + 8].try_into().expect("8"));
         let mut t = VerbTotals::default();
         for i in 0..6 {

@@ -16,7 +16,11 @@ pub enum VerbsError {
         region_len: u64,
     },
     #[error("{op} is not permitted on region {rkey:#x} (registered with access {access})")]
-    AccessDenied { op: Opcode, rkey: u32, access: Access },
+    AccessDenied {
+        op: Opcode,
+        rkey: u32,
+        access: Access,
+    },
     #[error("atomic {op} at offset {offset:#x} is not 8-byte aligned")]
     Misaligned { op: Opcode, offset: u64 },
     #[error("not executed: an earlier work request in the same batch failed")]

@@ -32,5 +32,6 @@ pub use error::VerbsError;
 pub use qp::{block_on, Clock, Posted, QueuePair, Sleep};
 pub use region::{Region, RegionInfo, RegionTable};
 pub use wr::{
-    Access, Batch, Completions, Opcode, RemoteAddr, WorkRequest, WrId, MAX_BATCH_BYTES, MAX_BATCH_REQUESTS,
+    Access, Batch, Completions, Opcode, RemoteAddr, WorkRequest, WrId, MAX_BATCH_BYTES,
+    MAX_BATCH_REQUESTS,
 };

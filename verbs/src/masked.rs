@@ -53,7 +53,11 @@ mod tests {
                 hi += 1;
             }
             let width = hi - lo;
-            let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
+            let mask = if width == 64 {
+                u64::MAX
+            } else {
+                (1u64 << width) - 1
+            };
             let field = ((old >> lo) & mask).wrapping_add((add >> lo) & mask) & mask;
             result |= field << lo;
             lo = hi;

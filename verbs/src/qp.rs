@@ -144,7 +144,10 @@ impl Posted {
     /// Blocks the calling thread until the batch completes. Not for `sim` queue pairs, whose
     /// batches complete only while [`crate::sim::Sim::run`] drives virtual time.
     pub fn wait(self) -> Result<Completions, VerbsError> {
-        block_on(self)
+        match self.0 {
+            PostedState::Ready(Some(r)) => r,
+            _ => block_on(self),
+        }
     }
 }
 
@@ -238,8 +241,11 @@ impl Wake for ThreadWaker {
 ///
 /// This is how blocking callers (FUSE worker threads, CLIs) drive the async protocol code.
 pub fn block_on<F: Future>(fut: F) -> F::Output {
+    thread_local! {
+        static WAKER: Waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    }
     let mut fut = std::pin::pin!(fut);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let waker = WAKER.with(Waker::clone);
     let mut cx = Context::from_waker(&waker);
     loop {
         if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {

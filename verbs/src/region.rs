@@ -49,7 +49,12 @@ unsafe impl Sync for Region {}
 
 impl Region {
     /// Creates a zeroed region backed by a fresh memfd (pages are allocated on first touch).
-    pub fn create_memfd(name: &str, len: u64, rkey: u32, access: Access) -> std::io::Result<Region> {
+    pub fn create_memfd(
+        name: &str,
+        len: u64,
+        rkey: u32,
+        access: Access,
+    ) -> std::io::Result<Region> {
         let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
         // SAFETY: `cname` is a valid NUL-terminated string; the flags are plain constants.
         let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
@@ -65,7 +70,7 @@ impl Region {
     /// Maps a region's memfd received from a memory node (`shm` transport).
     pub fn map_fd(fd: OwnedFd, len: u64, rkey: u32, access: Access) -> std::io::Result<Region> {
         let actual = File::from(fd.try_clone()?).metadata()?.len();
-        if actual < len || len == 0 || len % 8 != 0 {
+        if actual < len || len == 0 || !len.is_multiple_of(8) {
             return Err(std::io::Error::other(format!(
                 "region memfd is {actual} bytes, expected a multiple of 8 of at least {len}"
             )));
@@ -156,7 +161,7 @@ impl Region {
                 region_len: self.len as u64,
             });
         }
-        if op.is_atomic() && offset % 8 != 0 {
+        if op.is_atomic() && !offset.is_multiple_of(8) {
             return Err(VerbsError::Misaligned { op, offset });
         }
         Ok(())
@@ -178,6 +183,30 @@ impl Region {
         Ok(())
     }
 
+    /// Appends `len` bytes at `offset` to `out` without zero-filling them first.
+    pub fn read_append(
+        &self,
+        offset: u64,
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Read, offset, len as u64)?;
+        out.reserve(len);
+        let spare = &mut out.spare_capacity_mut()[..len];
+        // SAFETY: `check_bounds` proved the source range lies inside the live region, `spare` is
+        // `len` bytes of `out`'s own allocation (disjoint from the region), and the copy writes
+        // every one of them, so the `len` new bytes are initialised before `set_len`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                spare.as_mut_ptr() as *mut u8,
+                len,
+            );
+            out.set_len(out.len() + len);
+        }
+        Ok(())
+    }
+
     /// Copies `data` into the region at `offset` (local access).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), VerbsError> {
         self.check_bounds(Opcode::Write, offset, data.len() as u64)?;
@@ -194,7 +223,7 @@ impl Region {
 
     /// The 8-byte word at `offset` as an atomic (the caller has run `check` for an atomic op).
     fn word(&self, offset: u64) -> &AtomicU64 {
-        debug_assert!(offset % 8 == 0 && offset + 8 <= self.len as u64);
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.len as u64);
         // SAFETY: `check` proved the word is in bounds and 8-byte aligned (the base of a mapping or
         // of a `[AtomicU64]` is aligned), and region memory is only ever accessed atomically or by
         // raw copies, never through a conflicting Rust reference.
@@ -211,7 +240,12 @@ impl Region {
     }
 
     /// Applies `f` to the word at `offset` atomically and returns the old value.
-    fn atomic_update(&self, op: Opcode, offset: u64, f: impl Fn(u64) -> u64) -> Result<u64, VerbsError> {
+    fn atomic_update(
+        &self,
+        op: Opcode,
+        offset: u64,
+        f: impl Fn(u64) -> u64,
+    ) -> Result<u64, VerbsError> {
         self.check(op, offset, 8)?;
         let word = self.word(offset);
         let mut old = word.load(Ordering::Acquire);
@@ -233,8 +267,11 @@ impl Region {
         let value = match wr {
             WorkRequest::Read { len, .. } => {
                 self.check(Opcode::Read, off, *len as u64)?;
-                out.push_read_with(*len as usize, |buf| {
-                    self.read(off, buf).expect("checked above");
+                let start = out.data.len();
+                self.read_append(off, *len as usize, &mut out.data)?;
+                out.push(Outcome::Data {
+                    start,
+                    len: *len as usize,
                 });
                 return Ok(());
             }
@@ -246,7 +283,12 @@ impl Region {
             }
             WorkRequest::Cas { compare, swap, .. } => {
                 self.check(Opcode::Cas, off, 8)?;
-                match self.word(off).compare_exchange(*compare, *swap, Ordering::AcqRel, Ordering::Acquire) {
+                match self.word(off).compare_exchange(
+                    *compare,
+                    *swap,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
                     Ok(v) | Err(v) => v,
                 }
             }
@@ -264,7 +306,9 @@ impl Region {
                 masked_cas(old, *compare, *compare_mask, *swap, *swap_mask)
             })?,
             WorkRequest::MaskedFaa { add, boundary, .. } => {
-                self.atomic_update(Opcode::MaskedFaa, off, |old| masked_faa(old, *add, *boundary))?
+                self.atomic_update(Opcode::MaskedFaa, off, |old| {
+                    masked_faa(old, *add, *boundary)
+                })?
             }
         };
         out.push(Outcome::Value(value));
@@ -320,7 +364,9 @@ impl RegionTable {
             }
             let result = match self.get(wr.addr().rkey) {
                 Some(region) => region.execute(wr, out),
-                None => Err(VerbsError::BadKey { rkey: wr.addr().rkey }),
+                None => Err(VerbsError::BadKey {
+                    rkey: wr.addr().rkey,
+                }),
             };
             on_exec(wr, result.is_ok());
             if let Err(e) = result {

@@ -36,7 +36,8 @@ pub(crate) struct ShmQp {
 impl ShmQp {
     pub(crate) fn execute(&self, batch: &Batch<'_>) -> Completions {
         let mut done = Completions::with_capacity(batch.len(), batch.read_bytes() as usize);
-        self.table.execute_batch(batch.requests(), &mut done, |_, _| {});
+        self.table
+            .execute_batch(batch.requests(), &mut done, |_, _| {});
         self.counters.record_batch(batch, &done);
         done
     }
@@ -84,10 +85,18 @@ pub fn connect(socket: &Path, secret: &Secret, client_name: &str) -> Result<Queu
 }
 
 /// Node side: sends the regions' memfds and a counter block to an authenticated shm client.
-pub fn send_regions(stream: &UnixStream, table: &RegionTable, counters: &Region) -> std::io::Result<()> {
+pub fn send_regions(
+    stream: &UnixStream,
+    table: &RegionTable,
+    counters: &Region,
+) -> std::io::Result<()> {
     let mut body = Vec::new();
     let mut fds: Vec<RawFd> = Vec::new();
-    let shared: Vec<_> = table.regions().iter().filter(|r| r.memfd().is_some()).collect();
+    let shared: Vec<_> = table
+        .regions()
+        .iter()
+        .filter(|r| r.memfd().is_some())
+        .collect();
     body.extend_from_slice(&(shared.len() as u16).to_le_bytes());
     for r in shared.iter().take(MAX_FDS - 1) {
         let info = r.info();
@@ -106,7 +115,9 @@ pub fn send_regions(stream: &UnixStream, table: &RegionTable, counters: &Region)
     frame.extend_from_slice(&body);
     let sent = stream.send_with_fd(&frame, &fds)?;
     if sent != frame.len() {
-        return Err(std::io::Error::other("short send of the region descriptors"));
+        return Err(std::io::Error::other(
+            "short send of the region descriptors",
+        ));
     }
     Ok(())
 }
@@ -119,13 +130,22 @@ fn recv_regions(stream: &UnixStream) -> Result<Received, WireError> {
     let (n, nfds) = stream.recv_with_fd(&mut buf, &mut raw)?;
     // SAFETY: the kernel installed these `nfds` descriptors for us in this recvmsg; nothing else
     // owns them, and wrapping each once hands ownership to `OwnedFd`.
-    let mut fds: Vec<OwnedFd> = raw[..nfds].iter().map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
+    let mut fds: Vec<OwnedFd> = raw[..nfds]
+        .iter()
+        .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect();
     if n < wire::HEADER_LEN {
-        return Err(WireError::malformed("region descriptors", format!("only {n} bytes")));
+        return Err(WireError::malformed(
+            "region descriptors",
+            format!("only {n} bytes"),
+        ));
     }
     let (kind, len) = wire::decode_header(buf[..wire::HEADER_LEN].try_into().expect("8"))?;
     if kind != FrameKind::ShmRegions || len as usize != n - wire::HEADER_LEN {
-        return Err(WireError::malformed("region descriptors", format!("{kind:?} frame of {len} bytes")));
+        return Err(WireError::malformed(
+            "region descriptors",
+            format!("{kind:?} frame of {len} bytes"),
+        ));
     }
     let mut c = Cursor::new(&buf[wire::HEADER_LEN..n], "region descriptors");
     let count = c.u16()? as usize;

@@ -191,7 +191,9 @@ impl World {
     }
 
     fn exec_next(&mut self, qp: usize) {
-        let Some(&b) = self.qps[qp].queue.front() else { return };
+        let Some(&b) = self.qps[qp].queue.front() else {
+            return;
+        };
         let batch = &mut self.batches[b];
         if batch.next < batch.requests.len() {
             let i = batch.next;
@@ -202,7 +204,9 @@ impl World {
                 let wr = &batch.requests[i];
                 let result = match self.table.get(wr.addr().rkey) {
                     Some(r) => r.execute(wr, &mut batch.done),
-                    None => Err(VerbsError::BadKey { rkey: wr.addr().rkey }),
+                    None => Err(VerbsError::BadKey {
+                        rkey: wr.addr().rkey,
+                    }),
                 };
                 self.executed += 1;
                 if let Err(e) = result {
@@ -212,7 +216,9 @@ impl World {
             }
         }
         if batch.next < batch.requests.len() {
-            let gap = self.rng.below(self.cfg.intra_batch_delay.as_nanos() as u64 + 1);
+            let gap = self
+                .rng
+                .below(self.cfg.intra_batch_delay.as_nanos() as u64 + 1);
             self.schedule(self.now + gap, EventKind::Exec { qp });
             return;
         }
@@ -259,7 +265,8 @@ impl SimHandle {
     }
 
     pub(crate) fn wake_at(&self, at: Duration, waker: Waker) {
-        self.world().schedule(at.as_nanos() as u64, EventKind::Wake(waker));
+        self.world()
+            .schedule(at.as_nanos() as u64, EventKind::Wake(waker));
     }
 
     /// Opens a new queue pair for `client`.
@@ -307,7 +314,11 @@ impl SimHandle {
 
     /// The simulated read-write region, for oracles that inspect memory directly.
     pub fn region(&self) -> Arc<Region> {
-        self.world().table.get(SIM_RKEY).expect("sim region").clone()
+        self.world()
+            .table
+            .get(SIM_RKEY)
+            .expect("sim region")
+            .clone()
     }
 
     /// Work requests executed so far.
@@ -341,7 +352,11 @@ impl SimQp {
         let n = batch.len();
         let read_bytes = batch.read_bytes() as usize;
         let b = w.batches.insert(InFlightBatch {
-            requests: batch.requests.into_iter().map(WorkRequest::into_owned).collect(),
+            requests: batch
+                .requests
+                .into_iter()
+                .map(WorkRequest::into_owned)
+                .collect(),
             next: 0,
             failed: false,
             done: Completions::with_capacity(n, read_bytes),
@@ -401,7 +416,7 @@ impl Sim {
         let world = World {
             now: 0,
             seq: 0,
-            rng: Rng(cfg.seed ^ 0x5EED_0F_5111),
+            rng: Rng(cfg.seed ^ 0x005E_ED0F_5111),
             cfg,
             events: BinaryHeap::new(),
             table,
@@ -453,7 +468,10 @@ impl Sim {
     /// Runs until every task has finished, virtual time passes `limit`, or nothing can progress.
     pub fn run(&mut self, limit: Duration) -> RunOutcome {
         let limit = limit.as_nanos() as u64;
-        assert!(!IN_SIM.with(|f| f.replace(true)), "Sim::run is not reentrant");
+        assert!(
+            !IN_SIM.with(|f| f.replace(true)),
+            "Sim::run is not reentrant"
+        );
         let outcome = self.run_inner(limit);
         IN_SIM.with(|f| f.set(false));
         outcome
@@ -494,7 +512,9 @@ impl Sim {
     }
 
     fn poll_task(&mut self, id: usize) {
-        let Some(task) = self.tasks[id].as_mut() else { return };
+        let Some(task) = self.tasks[id].as_mut() else {
+            return;
+        };
         task.waker.queued.store(false, Ordering::Release);
         let (killed, paused_until, now) = {
             let w = self.handle.world();
@@ -508,7 +528,9 @@ impl Sim {
         }
         if paused_until > now {
             let waker = Waker::from(task.waker.clone());
-            self.handle.world().schedule(paused_until, EventKind::Wake(waker));
+            self.handle
+                .world()
+                .schedule(paused_until, EventKind::Wake(waker));
             return;
         }
         let waker = Waker::from(task.waker.clone());

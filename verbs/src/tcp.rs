@@ -10,13 +10,19 @@
 //! lock free reads responses itself and hands each to its slot until its own has arrived, then
 //! wakes another waiter to take over. On this kind of machine a thread wake-up costs tens of
 //! microseconds, so having the waiting thread read its own response saves one per round trip.
+//!
+//! **Adaptive polling**: before blocking in `read`, both sides poll the socket for a short,
+//! bounded time ([`TcpOptions::poll`], `rackfs-memnode --poll-us`): back-to-back requests then
+//! find their peer awake instead of paying a sleeping CPU's wake-up. An idle connection costs
+//! that budget once, then sleeps in the kernel. Zero disables it.
 
 use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::auth::{client_handshake, Secret};
 use crate::counters::VerbCounters;
@@ -49,6 +55,43 @@ struct Reader {
     stream: BufReader<TcpStream>,
 }
 
+/// Client-side knobs of the tcp transport.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpOptions {
+    /// How long a waiting thread polls the socket before sleeping in `read`.
+    pub poll: Duration,
+}
+
+/// Default polling budget on both sides of a connection.
+pub const DEFAULT_POLL: Duration = Duration::from_micros(50);
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions { poll: DEFAULT_POLL }
+    }
+}
+
+/// Busy-polls `fd` until it is readable or `budget` has passed.
+pub fn poll_readable(fd: RawFd, budget: Duration) {
+    if budget.is_zero() {
+        return;
+    }
+    let end = Instant::now() + budget;
+    loop {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid, initialised pollfd and a zero timeout: poll only inspects `fd`.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if n != 0 || Instant::now() >= end {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 pub(crate) struct TcpConn {
     peer: String,
     node_id: u32,
@@ -57,12 +100,25 @@ pub(crate) struct TcpConn {
     reader: Mutex<Reader>,
     in_flight: Mutex<VecDeque<InFlight>>,
     failure: Mutex<Option<VerbsError>>,
+    options: TcpOptions,
+    fd: RawFd,
 }
 
 /// Connects to a memory node's verbs service at `addr` (host:port).
 pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<QueuePair, VerbsError> {
+    connect_with(addr, secret, client_name, TcpOptions::default())
+}
+
+/// [`connect`] with explicit options.
+pub fn connect_with(
+    addr: &str,
+    secret: &Secret,
+    client_name: &str,
+    options: TcpOptions,
+) -> Result<QueuePair, VerbsError> {
     let mut stream = dial(addr)?;
     let accepted = client_handshake(&mut stream, ConnKind::Verbs, secret, client_name, addr)?;
+    let fd = stream.as_raw_fd();
     let conn = TcpConn {
         peer: format!("{} ({addr})", accepted.node_name),
         node_id: accepted.welcome.node_id,
@@ -77,6 +133,8 @@ pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<QueuePa
         }),
         in_flight: Mutex::new(VecDeque::new()),
         failure: Mutex::new(None),
+        options,
+        fd,
     };
     Ok(QueuePair(Arc::new(Transport::Tcp(Arc::new(conn)))))
 }
@@ -135,8 +193,18 @@ impl TcpConn {
             })
             .clone()
         };
-        let _ = self.writer.lock().expect("writer lock").stream.shutdown(std::net::Shutdown::Both);
-        let drained: Vec<_> = self.in_flight.lock().expect("in-flight lock").drain(..).collect();
+        let _ = self
+            .writer
+            .lock()
+            .expect("writer lock")
+            .stream
+            .shutdown(std::net::Shutdown::Both);
+        let drained: Vec<_> = self
+            .in_flight
+            .lock()
+            .expect("in-flight lock")
+            .drain(..)
+            .collect();
         for f in drained {
             f.slot.complete(Err(err.clone()));
         }
@@ -165,11 +233,14 @@ impl TcpConn {
         wire::encode_verbs_request(&mut w.buf, seq, batch.requests());
         let header = wire::encode_header(FrameKind::VerbsRequest, w.buf.len() - wire::HEADER_LEN);
         w.buf[..wire::HEADER_LEN].copy_from_slice(&header);
-        self.in_flight.lock().expect("in-flight lock").push_back(InFlight {
-            seq,
-            shapes,
-            slot: slot.clone(),
-        });
+        self.in_flight
+            .lock()
+            .expect("in-flight lock")
+            .push_back(InFlight {
+                seq,
+                shapes,
+                slot: slot.clone(),
+            });
         let sent = w.stream.write_all(&w.buf);
         if w.buf.capacity() > 1 << 20 {
             w.buf = Vec::with_capacity(64 << 10);
@@ -182,7 +253,11 @@ impl TcpConn {
     }
 
     /// Drives the connection until `slot` completes (see the module docs).
-    pub(crate) fn poll_slot(&self, slot: &Slot, cx: &mut Context<'_>) -> Poll<Result<Completions, VerbsError>> {
+    pub(crate) fn poll_slot(
+        &self,
+        slot: &Slot,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Completions, VerbsError>> {
         let mut registered = false;
         let mut was_reader = false;
         loop {
@@ -197,6 +272,9 @@ impl TcpConn {
                     was_reader = true;
                     if slot.is_done() {
                         continue; // completed by the previous reader: release the lock first
+                    }
+                    if reader.stream.buffer().is_empty() {
+                        poll_readable(self.fd, self.options.poll);
                     }
                     if let Err(reason) = self.read_one(&mut reader) {
                         drop(reader);
@@ -262,7 +340,11 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
     if seq != f.seq || count != f.shapes.len() {
         return Err(WireError::malformed(
             what,
-            format!("answers batch {seq} with {count} completions; expected batch {} with {}", f.seq, f.shapes.len()),
+            format!(
+                "answers batch {seq} with {count} completions; expected batch {} with {}",
+                f.seq,
+                f.shapes.len()
+            ),
         ));
     }
     let mut data_at = RESPONSE_PREFIX + OUTCOME_LEN * count;
@@ -274,7 +356,10 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
             match s.op {
                 Opcode::Read => {
                     if value != s.len as u64 {
-                        return Err(WireError::malformed(what, format!("READ of {} bytes returned {value}", s.len)));
+                        return Err(WireError::malformed(
+                            what,
+                            format!("READ of {} bytes returned {value}", s.len),
+                        ));
                     }
                     let start = data_at;
                     data_at += s.len as usize;
@@ -287,27 +372,45 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
                 _ => Outcome::Value(value),
             }
         } else {
-            let e = VerbsError::from_status(status, value, s.op, s.addr.rkey, s.addr.offset, s.len as u64)
-                .ok_or_else(|| WireError::malformed(what, format!("unknown status {status}")))?;
+            let e = VerbsError::from_status(
+                status,
+                value,
+                s.op,
+                s.addr.rkey,
+                s.addr.offset,
+                s.len as u64,
+            )
+            .ok_or_else(|| WireError::malformed(what, format!("unknown status {status}")))?;
             Outcome::Failed(e)
         });
     }
     if data_at != body.len() {
         return Err(WireError::malformed(
             what,
-            format!("carries {} bytes of READ data, expected {}", body.len() as i64 - c.position() as i64, data_at - c.position()),
+            format!(
+                "carries {} bytes of READ data, expected {}",
+                body.len() as i64 - c.position() as i64,
+                data_at - c.position()
+            ),
         ));
     }
-    Ok(Completions { outcomes, data: body })
+    Ok(Completions {
+        outcomes,
+        data: body,
+    })
 }
 
 /// Serves work requests on an authenticated verbs connection until the peer closes it.
 ///
 /// Returns `Ok` on an orderly close and the reason otherwise (a malformed frame closes the
 /// connection: the caller logs why).
+///
+/// `poll` is the adaptive-polling budget on `fd` (the connection's socket) before each
+/// blocking read.
 pub fn serve_verbs(
     input: impl Read,
     output: impl Write,
+    (fd, poll): (RawFd, Duration),
     table: &RegionTable,
     counters: &VerbCounters,
 ) -> Result<(), WireError> {
@@ -315,6 +418,9 @@ pub fn serve_verbs(
     let mut writer = BufWriter::with_capacity(256 << 10, output);
     let mut body = Vec::new();
     loop {
+        if reader.buffer().is_empty() {
+            poll_readable(fd, poll);
+        }
         let kind = match wire::read_frame(&mut reader, &mut body) {
             Ok(k) => k,
             Err(WireError::Closed) => return Ok(()),
@@ -346,7 +452,9 @@ pub fn serve_verbs(
         counters.add_totals(&totals);
 
         let body_len = RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len() + done.data.len();
-        let mut head = Vec::with_capacity(wire::HEADER_LEN + RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len());
+        let mut head = Vec::with_capacity(
+            wire::HEADER_LEN + RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len(),
+        );
         head.extend_from_slice(&wire::encode_header(FrameKind::VerbsResponse, body_len));
         head.extend_from_slice(&seq.to_le_bytes());
         head.extend_from_slice(&(done.outcomes.len() as u16).to_le_bytes());

@@ -126,7 +126,12 @@ pub fn read_frame<R: Read + ?Sized>(r: &mut R, body: &mut Vec<u8>) -> Result<Fra
     while got < HEADER_LEN {
         match r.read(&mut h[got..]) {
             Ok(0) if got == 0 => return Err(WireError::Closed),
-            Ok(0) => return Err(WireError::malformed("frame header", "truncated by end of stream")),
+            Ok(0) => {
+                return Err(WireError::malformed(
+                    "frame header",
+                    "truncated by end of stream",
+                ))
+            }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
@@ -136,27 +141,42 @@ pub fn read_frame<R: Read + ?Sized>(r: &mut R, body: &mut Vec<u8>) -> Result<Fra
     body.clear();
     body.resize(len as usize, 0);
     r.read_exact(body).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => WireError::malformed("frame body", "truncated by end of stream"),
+        std::io::ErrorKind::UnexpectedEof => {
+            WireError::malformed("frame body", "truncated by end of stream")
+        }
         _ => WireError::Io(e),
     })?;
     Ok(kind)
 }
 
 /// Reads one frame and insists on its kind; a `Refused` frame becomes its reason.
-pub fn expect_frame<R: Read + ?Sized>(r: &mut R, expected: FrameKind) -> Result<Vec<u8>, WireError> {
+pub fn expect_frame<R: Read + ?Sized>(
+    r: &mut R,
+    expected: FrameKind,
+) -> Result<Vec<u8>, WireError> {
     let mut body = Vec::new();
     let kind = read_frame(r, &mut body)?;
     if kind != expected {
         if kind == FrameKind::Refused {
             let reason = Cursor::new(&body, "refusal").str()?;
-            return Err(WireError::malformed("handshake", format!("refused by peer: {reason}")));
+            return Err(WireError::malformed(
+                "handshake",
+                format!("refused by peer: {reason}"),
+            ));
         }
-        return Err(WireError::Unexpected { expected, got: kind });
+        return Err(WireError::Unexpected {
+            expected,
+            got: kind,
+        });
     }
     Ok(body)
 }
 
-pub fn write_frame<W: Write + ?Sized>(w: &mut W, kind: FrameKind, body: &[u8]) -> std::io::Result<()> {
+pub fn write_frame<W: Write + ?Sized>(
+    w: &mut W,
+    kind: FrameKind,
+    body: &[u8],
+) -> std::io::Result<()> {
     w.write_all(&encode_header(kind, body.len()))?;
     w.write_all(body)
 }
@@ -185,7 +205,11 @@ impl<'a> Cursor<'a> {
         if self.remaining() < n {
             return Err(WireError::malformed(
                 self.what,
-                format!("needs {n} more bytes at offset {}, has {}", self.pos, self.remaining()),
+                format!(
+                    "needs {n} more bytes at offset {}, has {}",
+                    self.pos,
+                    self.remaining()
+                ),
             ));
         }
         let s = &self.buf[self.pos..self.pos + n];
@@ -212,7 +236,8 @@ impl<'a> Cursor<'a> {
     pub fn str(&mut self) -> Result<String, WireError> {
         let n = self.u16()? as usize;
         let b = self.bytes(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| WireError::malformed(self.what, "string is not UTF-8"))
+        String::from_utf8(b.to_vec())
+            .map_err(|_| WireError::malformed(self.what, "string is not UTF-8"))
     }
     /// Fails unless every byte was consumed.
     pub fn finish(&self) -> Result<(), WireError> {
@@ -287,8 +312,9 @@ pub fn decode_verbs_request(body: &[u8]) -> Result<(u64, Vec<WorkRequest<'_>>), 
     let mut read_bytes = 0u64;
     for _ in 0..count {
         let op_byte = c.u8()?;
-        let op = Opcode::from_u8(op_byte)
-            .ok_or_else(|| WireError::malformed("verbs request", format!("unknown opcode {op_byte}")))?;
+        let op = Opcode::from_u8(op_byte).ok_or_else(|| {
+            WireError::malformed("verbs request", format!("unknown opcode {op_byte}"))
+        })?;
         let addr = RemoteAddr::new(c.u32()?, c.u64()?);
         requests.push(match op {
             Opcode::Read => {
@@ -308,7 +334,10 @@ pub fn decode_verbs_request(body: &[u8]) -> Result<(u64, Vec<WorkRequest<'_>>), 
                 compare: c.u64()?,
                 swap: c.u64()?,
             },
-            Opcode::Faa => WorkRequest::Faa { addr, add: c.u64()? },
+            Opcode::Faa => WorkRequest::Faa {
+                addr,
+                add: c.u64()?,
+            },
             Opcode::MaskedCas => WorkRequest::MaskedCas {
                 addr,
                 compare: c.u64()?,
@@ -454,15 +483,38 @@ mod tests {
     fn arb_wr() -> impl Strategy<Value = WorkRequest<'static>> {
         let addr = (any::<u32>(), any::<u64>()).prop_map(|(k, o)| RemoteAddr::new(k, o));
         prop_oneof![
-            (addr.clone(), any::<u32>()).prop_map(|(addr, len)| WorkRequest::Read { addr, len: len % 100_000 }),
-            (addr.clone(), proptest::collection::vec(any::<u8>(), 0..64))
-                .prop_map(|(addr, d)| WorkRequest::Write { addr, data: Cow::Owned(d) }),
-            (addr.clone(), any::<u64>(), any::<u64>()).prop_map(|(addr, compare, swap)| WorkRequest::Cas { addr, compare, swap }),
+            (addr.clone(), any::<u32>()).prop_map(|(addr, len)| WorkRequest::Read {
+                addr,
+                len: len % 100_000
+            }),
+            (addr.clone(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(addr, d)| {
+                WorkRequest::Write {
+                    addr,
+                    data: Cow::Owned(d),
+                }
+            }),
+            (addr.clone(), any::<u64>(), any::<u64>()).prop_map(|(addr, compare, swap)| {
+                WorkRequest::Cas {
+                    addr,
+                    compare,
+                    swap,
+                }
+            }),
             (addr.clone(), any::<u64>()).prop_map(|(addr, add)| WorkRequest::Faa { addr, add }),
             (addr.clone(), any::<[u64; 4]>()).prop_map(|(addr, w)| WorkRequest::MaskedCas {
-                addr, compare: w[0], compare_mask: w[1], swap: w[2], swap_mask: w[3]
+                addr,
+                compare: w[0],
+                compare_mask: w[1],
+                swap: w[2],
+                swap_mask: w[3]
             }),
-            (addr, any::<u64>(), any::<u64>()).prop_map(|(addr, add, boundary)| WorkRequest::MaskedFaa { addr, add, boundary }),
+            (addr, any::<u64>(), any::<u64>()).prop_map(|(addr, add, boundary)| {
+                WorkRequest::MaskedFaa {
+                    addr,
+                    add,
+                    boundary,
+                }
+            }),
         ]
     }
 
@@ -504,11 +556,20 @@ mod tests {
         assert!(matches!(decode_header(&bad), Err(WireError::BadMagic(_))));
         let mut bad = h;
         bad[2] = 9;
-        assert!(matches!(decode_header(&bad), Err(WireError::UnsupportedVersion { got: 9 })));
+        assert!(matches!(
+            decode_header(&bad),
+            Err(WireError::UnsupportedVersion { got: 9 })
+        ));
         let mut bad = h;
         bad[3] = 200;
-        assert!(matches!(decode_header(&bad), Err(WireError::UnknownKind(200))));
+        assert!(matches!(
+            decode_header(&bad),
+            Err(WireError::UnknownKind(200))
+        ));
         let big = encode_header(FrameKind::Hello, (MAX_FRAME_BODY + 1) as usize);
-        assert!(matches!(decode_header(&big), Err(WireError::TooLarge { .. })));
+        assert!(matches!(
+            decode_header(&big),
+            Err(WireError::TooLarge { .. })
+        ));
     }
 }

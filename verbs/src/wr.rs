@@ -57,7 +57,11 @@ impl Access {
 
 impl fmt::Display for Access {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names = [(Access::READ, "read"), (Access::WRITE, "write"), (Access::ATOMIC, "atomic")];
+        let names = [
+            (Access::READ, "read"),
+            (Access::WRITE, "write"),
+            (Access::ATOMIC, "atomic"),
+        ];
         let parts: Vec<&str> = names
             .iter()
             .filter(|(a, _)| self.contains(*a))
@@ -386,7 +390,10 @@ impl<'a> Batch<'a> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// READ data: a range of [`Completions::data`].
-    Data { start: usize, len: usize },
+    Data {
+        start: usize,
+        len: usize,
+    },
     /// The old value returned by an atomic.
     Value(u64),
     Written,
@@ -457,14 +464,6 @@ impl Completions {
     /// Takes the READ data buffer (all READs of the batch, concatenated in posting order).
     pub fn into_data(self) -> Vec<u8> {
         self.data
-    }
-
-    /// Appends a READ result whose bytes are filled by `fill` (which writes exactly `len` bytes).
-    pub(crate) fn push_read_with(&mut self, len: usize, fill: impl FnOnce(&mut [u8])) {
-        let start = self.data.len();
-        self.data.resize(start + len, 0);
-        fill(&mut self.data[start..]);
-        self.outcomes.push(Outcome::Data { start, len });
     }
 
     pub(crate) fn push(&mut self, outcome: Outcome) {

@@ -8,8 +8,13 @@ use rackfs_verbs::{RemoteAddr, Secret};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |flag: &str| args.iter().position(|a| a == flag).map(|i| args[i + 1].clone());
-    let secret = Secret::from_file(get("--secret-file").expect("--secret-file").as_ref()).expect("secret");
+    let get = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .map(|i| args[i + 1].clone())
+    };
+    let secret =
+        Secret::from_file(get("--secret-file").expect("--secret-file").as_ref()).expect("secret");
     let qp = match (get("--shm"), get("--tcp")) {
         (Some(p), _) => rackfs_verbs::shm::connect(p.as_ref(), &secret, "verbs-client"),
         (_, Some(a)) => rackfs_verbs::tcp::connect(&a, &secret, "verbs-client"),
