@@ -475,3 +475,75 @@ pub fn serve_verbs(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{decode_header, decode_verbs_request, Challenge, Hello, Welcome, HEADER_LEN};
+    use proptest::prelude::*;
+
+    fn in_flight(ops: &[(u8, u32)]) -> InFlight {
+        InFlight {
+            seq: 7,
+            shapes: ops
+                .iter()
+                .map(|&(op, len)| Shape {
+                    op: Opcode::from_u8(op % 6 + 1).expect("valid"),
+                    addr: RemoteAddr::new(1, 0),
+                    len: len % 64,
+                })
+                .collect(),
+            slot: Arc::new(Slot::default()),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Every decoder of the tcp transport takes arbitrary bytes without panicking.
+        #[test]
+        fn decoders_take_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300),
+                                         ops in proptest::collection::vec((any::<u8>(), any::<u32>()), 0..6)) {
+            if bytes.len() >= HEADER_LEN {
+                let _ = decode_header(bytes[..HEADER_LEN].try_into().unwrap());
+            }
+            let _ = wire::read_frame(&mut &bytes[..], &mut Vec::new());
+            let _ = decode_verbs_request(&bytes);
+            let _ = decode_response(bytes.clone(), &in_flight(&ops));
+            let _ = Hello::decode(&bytes);
+            let _ = Challenge::decode(&bytes);
+            let _ = Welcome::decode(&bytes);
+        }
+
+        /// Valid responses, mutated: decoding fails cleanly or yields consistent completions.
+        #[test]
+        fn mutated_responses_are_rejected_or_consistent(
+            ops in proptest::collection::vec((any::<u8>(), any::<u32>()), 1..6),
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+            cut in any::<Option<usize>>(),
+        ) {
+            let f = in_flight(&ops);
+            let mut body = f.seq.to_le_bytes().to_vec();
+            body.extend_from_slice(&(f.shapes.len() as u16).to_le_bytes());
+            let mut data = Vec::new();
+            for s in &f.shapes {
+                body.push(0);
+                let v = if s.op == Opcode::Read { s.len as u64 } else { 0 };
+                body.extend_from_slice(&v.to_le_bytes());
+                if s.op == Opcode::Read { data.extend(std::iter::repeat_n(0xEE, s.len as usize)); }
+            }
+            body.extend_from_slice(&data);
+            prop_assert!(decode_response(body.clone(), &f).is_ok());
+            for (i, b) in flips { let n = body.len(); body[i % n] = b; }
+            if let Some(c) = cut { body.truncate(c % (body.len() + 1)); }
+            if let Ok(done) = decode_response(body, &f) {
+                prop_assert_eq!(done.len(), f.shapes.len());
+                for (i, s) in f.shapes.iter().enumerate() {
+                    if s.op == Opcode::Read {
+                        if let Ok(d) = done.data(crate::WrId(i)) { prop_assert_eq!(d.len(), s.len as usize); }
+                    }
+                }
+            }
+        }
+    }
+}
