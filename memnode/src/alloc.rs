@@ -46,7 +46,8 @@ pub struct ExtentAllocator {
     capacity: u64,
     by_offset: BTreeMap<u64, u64>,
     by_size: BTreeSet<(u64, u64)>,
-    allocated: BTreeMap<u64, u64>,
+    /// Allocated extents: offset -> (length, tagged as a file stripe).
+    allocated: BTreeMap<u64, (u64, bool)>,
     used: u64,
 }
 
@@ -81,6 +82,11 @@ impl ExtentAllocator {
 
     /// Allocates `len` bytes aligned to `align` (a power of two; at least the granule).
     pub fn alloc(&mut self, len: u64, align: u64) -> Result<u64, AllocError> {
+        self.alloc_tagged(len, align, false)
+    }
+
+    /// [`ExtentAllocator::alloc`], remembering whether the extent is a tagged file stripe.
+    pub fn alloc_tagged(&mut self, len: u64, align: u64, tagged: bool) -> Result<u64, AllocError> {
         if len == 0 {
             return Err(AllocError::Invalid("zero-length extent".into()));
         }
@@ -115,14 +121,14 @@ impl ExtentAllocator {
         if tail > 0 {
             self.insert_free(start + len, tail);
         }
-        self.allocated.insert(start, len);
+        self.allocated.insert(start, (len, tagged));
         self.used += len;
         Ok(start)
     }
 
     /// Frees the extent starting at `offset`; returns its length.
     pub fn free(&mut self, offset: u64) -> Result<u64, AllocError> {
-        let len = self
+        let (len, _) = self
             .allocated
             .remove(&offset)
             .ok_or(AllocError::NotAllocated { offset })?;
@@ -143,9 +149,22 @@ impl ExtentAllocator {
         Ok(len)
     }
 
-    /// Length of the allocated extent at `offset`, if there is one.
-    pub fn extent_len(&self, offset: u64) -> Option<u64> {
+    /// Length and taggedness of the allocated extent at `offset`, if there is one.
+    pub fn extent(&self, offset: u64) -> Option<(u64, bool)> {
         self.allocated.get(&offset).copied()
+    }
+
+    /// Marks an extent as no longer a live file stripe (freed into quarantine).
+    pub fn mark_untagged(&mut self, offset: u64) {
+        if let Some(e) = self.allocated.get_mut(&offset) {
+            e.1 = false;
+        }
+    }
+
+    /// The allocated extent that contains `[offset, offset + len)`, if one does.
+    pub fn containing(&self, offset: u64, len: u64) -> Option<u64> {
+        let (&start, &(elen, _)) = self.allocated.range(..=offset).next_back()?;
+        (offset + len <= start + elen).then_some(start)
     }
 
     pub fn stats(&self) -> AllocStats {
@@ -164,7 +183,7 @@ impl ExtentAllocator {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut all: Vec<(u64, u64, bool)> =
             self.by_offset.iter().map(|(&o, &l)| (o, l, true)).collect();
-        all.extend(self.allocated.iter().map(|(&o, &l)| (o, l, false)));
+        all.extend(self.allocated.iter().map(|(&o, &(l, _))| (o, l, false)));
         all.sort();
         let mut covered = 0;
         for w in all.windows(2) {

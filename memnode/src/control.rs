@@ -2,35 +2,43 @@
 //!
 //! Requests and responses travel in `ControlRequest`/`ControlResponse` frames of the verbs wire
 //! protocol ([`rackfs_verbs::wire`]) on an authenticated control connection, one response per
-//! request, in order. Body: `id u64, op u8` and the op's fields; decoding is strict (every length
-//! checked, no trailing bytes) so a malformed body closes the connection instead of panicking.
+//! request, in order. A body is a request id and the message, encoded with `postcard` (compact,
+//! versioned by the frame header); decoding is strict — unknown variants, short input and
+//! trailing bytes are errors — so a malformed body closes the connection instead of panicking.
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Mutex;
 
 use rackfs_verbs::auth::{client_handshake, Secret};
-use rackfs_verbs::wire::{self, put_str, ConnKind, Cursor, FrameKind, WireError};
-use rackfs_verbs::{RegionInfo, VerbTotals, VerbsError};
+use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
+use rackfs_verbs::{Access, RegionInfo, VerbTotals, VerbsError};
+use serde::{Deserialize, Serialize};
 
-/// Kinds of control RPC, for counters.
-pub const RPC_KINDS: [&str; 4] = ["ping", "stats", "alloc", "free"];
+use crate::meta::{Attr, DirEntry, MetaRequest, StripeExtent};
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
+pub const RPC_KINDS: [&str; 8] = ["ping", "stats", "alloc", "free", "cluster", "join", "zero", "meta"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlRequest {
     Ping,
     Stats,
-    /// Allocate an extent of the data region.
-    Alloc {
-        len: u64,
-        align: u64,
-    },
+    /// Allocate an extent of the data region. With a `tag`, the extent is a file stripe: its
+    /// first 8 bytes hold the owner tag and the data starts [`crate::server::TAG_SPACE`] later;
+    /// freeing it tombstones the tag and quarantines the memory before reuse.
+    Alloc { len: u64, align: u64, tag: Option<u64> },
     /// Free the extent that starts at `offset`.
-    Free {
-        offset: u64,
-    },
+    Free { offset: u64 },
+    /// The cluster's nodes (answered by every node; only the primary knows them all).
+    Cluster,
+    /// A node offers its region to the cluster (sent to the primary).
+    Join { node: NodeAddr },
+    /// Zero `len` bytes at `offset` of an allocated extent (truncate's partial stripe).
+    Zero { offset: u64, len: u64 },
+    /// A namespace operation (primary only).
+    Meta(MetaRequest),
 }
 
 impl ControlRequest {
@@ -40,44 +48,86 @@ impl ControlRequest {
             ControlRequest::Stats => 1,
             ControlRequest::Alloc { .. } => 2,
             ControlRequest::Free { .. } => 3,
+            ControlRequest::Cluster => 4,
+            ControlRequest::Join { .. } => 5,
+            ControlRequest::Zero { .. } => 6,
+            ControlRequest::Meta(_) => 7,
         }
     }
 }
 
-/// Error classes a node reports; each response error also carries a full message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
+/// Where a node can be reached.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddr {
+    pub node_id: u32,
+    pub name: String,
+    /// `host:port` of its TCP listener.
+    pub tcp: Option<String>,
+    /// Path of its Unix socket (usable only on the same host).
+    pub shm: Option<String>,
+    pub capacity: u64,
+}
+
+/// The cluster as a node knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterInfo {
+    /// The primary (metadata service); `None` when asked node is itself the primary.
+    pub primary: NodeAddr,
+    /// Every data node, the primary included, by id.
+    pub nodes: Vec<NodeAddr>,
+}
+
+/// Error classes a node reports; each error response also carries a full message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorCode {
-    OutOfMemory = 1,
-    Invalid = 2,
-    NotFound = 3,
-    Internal = 4,
+    OutOfMemory,
+    Invalid,
+    NotFound,
+    Exists,
+    NotEmpty,
+    NotDir,
+    IsDir,
+    NameTooLong,
+    TooBig,
+    Permission,
+    NotPrimary,
+    Unavailable,
+    Internal,
 }
 
 impl ErrorCode {
-    fn from_u8(v: u8) -> Option<ErrorCode> {
-        [
-            ErrorCode::OutOfMemory,
-            ErrorCode::Invalid,
-            ErrorCode::NotFound,
-            ErrorCode::Internal,
-        ]
-        .into_iter()
-        .find(|c| *c as u8 == v)
+    /// The errno a filesystem returns for this error.
+    pub fn errno(self) -> i32 {
+        match self {
+            ErrorCode::OutOfMemory => libc::ENOSPC,
+            ErrorCode::Invalid => libc::EINVAL,
+            ErrorCode::NotFound => libc::ENOENT,
+            ErrorCode::Exists => libc::EEXIST,
+            ErrorCode::NotEmpty => libc::ENOTEMPTY,
+            ErrorCode::NotDir => libc::ENOTDIR,
+            ErrorCode::IsDir => libc::EISDIR,
+            ErrorCode::NameTooLong => libc::ENAMETOOLONG,
+            ErrorCode::TooBig => libc::EFBIG,
+            ErrorCode::Permission => libc::EPERM,
+            ErrorCode::NotPrimary | ErrorCode::Unavailable | ErrorCode::Internal => libc::EIO,
+        }
     }
 }
 
 /// Everything a node reports about itself.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeStats {
     pub node_id: u32,
     pub name: String,
     pub uptime_ms: u64,
     pub capacity: u64,
+    /// Bytes allocated, including extents waiting in quarantine.
     pub used: u64,
     pub free: u64,
     pub largest_free: u64,
     pub extents: u64,
+    /// Bytes freed but held back from reuse (quarantine) until stale readers are gone.
+    pub quarantined: u64,
     /// Verbs served by NIC threads and executed by shm clients, by opcode.
     pub verbs: VerbTotals,
     /// Control RPCs served, by kind ([`RPC_KINDS`]).
@@ -89,203 +139,70 @@ pub struct NodeStats {
     pub protocol_errors: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ControlResponse {
-    Pong,
-    Stats(Box<NodeStats>),
-    Allocated {
-        region: RegionInfo,
-        offset: u64,
-        len: u64,
-    },
-    Freed {
-        len: u64,
-    },
-    Error {
-        code: ErrorCode,
-        message: String,
-    },
+/// Filesystem-wide capacity, for `statfs`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsStat {
+    pub capacity: u64,
+    pub free: u64,
+    pub files: u64,
 }
 
-fn put_u64s(out: &mut Vec<u8>, words: &[u64]) {
-    for w in words {
-        out.extend_from_slice(&w.to_le_bytes());
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlResponse {
+    Ok,
+    Pong,
+    Stats(Box<NodeStats>),
+    Allocated { rkey: u32, region_len: u64, offset: u64, len: u64 },
+    Freed { len: u64 },
+    Cluster(ClusterInfo),
+    Attr(Attr),
+    Entries(Vec<DirEntry>),
+    Target(Vec<u8>),
+    Stripe(StripeExtent),
+    FsStat(FsStat),
+    Error { code: ErrorCode, message: String },
+}
+
+fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {
+    let mut b = id.to_le_bytes().to_vec();
+    b.extend(postcard::to_stdvec(msg).expect("control messages serialize"));
+    b
+}
+
+fn decode<'a, T: Deserialize<'a>>(body: &'a [u8], what: &'static str) -> Result<(u64, T), WireError> {
+    if body.len() < 8 {
+        return Err(WireError::malformed(what, "shorter than its request id"));
     }
+    let id = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
+    let (msg, rest) = postcard::take_from_bytes(&body[8..]).map_err(|e| WireError::malformed(what, e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(WireError::malformed(what, format!("{} trailing bytes", rest.len())));
+    }
+    Ok((id, msg))
 }
 
 impl ControlRequest {
     pub fn encode(&self, id: u64) -> Vec<u8> {
-        let mut b = id.to_le_bytes().to_vec();
-        match self {
-            ControlRequest::Ping => b.push(0),
-            ControlRequest::Stats => b.push(1),
-            ControlRequest::Alloc { len, align } => {
-                b.push(2);
-                put_u64s(&mut b, &[*len, *align]);
-            }
-            ControlRequest::Free { offset } => {
-                b.push(3);
-                put_u64s(&mut b, &[*offset]);
-            }
-        }
-        b
+        encode(id, self)
     }
-
     pub fn decode(body: &[u8]) -> Result<(u64, ControlRequest), WireError> {
-        let mut c = Cursor::new(body, "control request");
-        let id = c.u64()?;
-        let op = c.u8()?;
-        let req = match op {
-            0 => ControlRequest::Ping,
-            1 => ControlRequest::Stats,
-            2 => ControlRequest::Alloc {
-                len: c.u64()?,
-                align: c.u64()?,
-            },
-            3 => ControlRequest::Free { offset: c.u64()? },
-            other => {
-                return Err(WireError::malformed(
-                    "control request",
-                    format!("unknown op {other}"),
-                ))
-            }
-        };
-        c.finish()?;
-        Ok((id, req))
+        decode(body, "control request")
     }
 }
 
 impl ControlResponse {
     pub fn encode(&self, id: u64) -> Vec<u8> {
-        let mut b = id.to_le_bytes().to_vec();
-        match self {
-            ControlResponse::Pong => b.push(0),
-            ControlResponse::Stats(s) => {
-                b.push(1);
-                b.extend_from_slice(&s.node_id.to_le_bytes());
-                put_str(&mut b, &s.name);
-                put_u64s(
-                    &mut b,
-                    &[
-                        s.uptime_ms,
-                        s.capacity,
-                        s.used,
-                        s.free,
-                        s.largest_free,
-                        s.extents,
-                    ],
-                );
-                put_u64s(&mut b, &s.verbs.ops);
-                put_u64s(&mut b, &s.verbs.bytes);
-                put_u64s(&mut b, &[s.verbs.errors, s.verbs.batches]);
-                put_u64s(&mut b, &s.rpcs);
-                put_u64s(&mut b, &s.open);
-                put_u64s(
-                    &mut b,
-                    &[s.connections_total, s.auth_failures, s.protocol_errors],
-                );
-            }
-            ControlResponse::Allocated {
-                region,
-                offset,
-                len,
-            } => {
-                b.push(2);
-                b.extend_from_slice(&region.rkey.to_le_bytes());
-                put_u64s(&mut b, &[region.len]);
-                b.push(region.access.bits());
-                put_u64s(&mut b, &[*offset, *len]);
-            }
-            ControlResponse::Freed { len } => {
-                b.push(3);
-                put_u64s(&mut b, &[*len]);
-            }
-            ControlResponse::Error { code, message } => {
-                b.push(255);
-                b.push(*code as u8);
-                put_str(&mut b, message);
-            }
-        }
-        b
+        encode(id, self)
+    }
+    pub fn decode(body: &[u8]) -> Result<(u64, ControlResponse), WireError> {
+        decode(body, "control response")
     }
 
-    pub fn decode(body: &[u8]) -> Result<(u64, ControlResponse), WireError> {
-        let mut c = Cursor::new(body, "control response");
-        let id = c.u64()?;
-        let op = c.u8()?;
-        fn arr<const N: usize>(c: &mut Cursor<'_>) -> Result<[u64; N], WireError> {
-            let mut a = [0u64; N];
-            for x in a.iter_mut() {
-                *x = c.u64()?;
-            }
-            Ok(a)
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
+        ControlResponse::Error {
+            code,
+            message: message.into(),
         }
-        let resp = match op {
-            0 => ControlResponse::Pong,
-            1 => {
-                let node_id = c.u32()?;
-                let name = c.str()?;
-                let [uptime_ms, capacity, used, free, largest_free, extents] = arr::<6>(&mut c)?;
-                let ops = arr::<6>(&mut c)?;
-                let bytes = arr::<6>(&mut c)?;
-                let [errors, batches] = arr::<2>(&mut c)?;
-                let rpcs = arr::<{ RPC_KINDS.len() }>(&mut c)?;
-                let open = arr::<3>(&mut c)?;
-                let [connections_total, auth_failures, protocol_errors] = arr::<3>(&mut c)?;
-                ControlResponse::Stats(Box::new(NodeStats {
-                    node_id,
-                    name,
-                    uptime_ms,
-                    capacity,
-                    used,
-                    free,
-                    largest_free,
-                    extents,
-                    verbs: VerbTotals {
-                        ops,
-                        bytes,
-                        errors,
-                        batches,
-                    },
-                    rpcs,
-                    open,
-                    connections_total,
-                    auth_failures,
-                    protocol_errors,
-                }))
-            }
-            2 => ControlResponse::Allocated {
-                region: RegionInfo {
-                    rkey: c.u32()?,
-                    len: c.u64()?,
-                    access: rackfs_verbs::Access::from_bits(c.u8()?),
-                },
-                offset: c.u64()?,
-                len: c.u64()?,
-            },
-            3 => ControlResponse::Freed { len: c.u64()? },
-            255 => {
-                let code_byte = c.u8()?;
-                let code = ErrorCode::from_u8(code_byte).ok_or_else(|| {
-                    WireError::malformed(
-                        "control response",
-                        format!("unknown error code {code_byte}"),
-                    )
-                })?;
-                ControlResponse::Error {
-                    code,
-                    message: c.str()?,
-                }
-            }
-            other => {
-                return Err(WireError::malformed(
-                    "control response",
-                    format!("unknown op {other}"),
-                ))
-            }
-        };
-        c.finish()?;
-        Ok((id, resp))
     }
 }
 
@@ -301,18 +218,19 @@ pub enum RpcError {
     Unexpected { peer: String, what: String },
 }
 
-enum Stream {
-    Tcp(BufReader<TcpStream>, BufWriter<TcpStream>),
-    Unix(BufReader<UnixStream>, BufWriter<UnixStream>),
-}
-
-impl Stream {
-    fn parts(&mut self) -> (&mut dyn Read, &mut dyn Write) {
+impl RpcError {
+    /// The errno a filesystem returns for this failure (EIO for a lost or confused node).
+    pub fn errno(&self) -> i32 {
         match self {
-            Stream::Tcp(r, w) => (r, w),
-            Stream::Unix(r, w) => (r, w),
+            RpcError::Refused { code, .. } => code.errno(),
+            _ => libc::EIO,
         }
     }
+}
+
+struct Stream {
+    reader: BufReader<Box<dyn Read + Send>>,
+    writer: BufWriter<Box<dyn Write + Send>>,
 }
 
 /// A blocking control-RPC client of one memory node.
@@ -325,27 +243,27 @@ pub struct ControlClient {
 }
 
 impl ControlClient {
+    /// Connects to `addr`: `host:port`, or `unix:PATH` for the node's Unix socket.
+    pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
+        match addr.strip_prefix("unix:") {
+            Some(path) => Self::connect_unix(Path::new(path), secret, client_name),
+            None => Self::connect_tcp(addr, secret, client_name),
+        }
+    }
+
     /// Connects over TCP (`host:port`).
     pub fn connect_tcp(addr: &str, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
         let mut s = rackfs_verbs::tcp::dial(addr)?;
         let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, addr)?;
-        let io = |e: std::io::Error| VerbsError::Connect {
+        let r = s.try_clone().map_err(|e| VerbsError::Connect {
             peer: addr.into(),
             reason: e.to_string(),
-        };
-        let stream = Stream::Tcp(
-            BufReader::new(s.try_clone().map_err(io)?),
-            BufWriter::new(s),
-        );
-        Ok(Self::new(addr.into(), acc, stream))
+        })?;
+        Ok(Self::new(addr.into(), acc, Box::new(r), Box::new(s)))
     }
 
     /// Connects over the node's Unix socket.
-    pub fn connect_unix(
-        path: &Path,
-        secret: &Secret,
-        client_name: &str,
-    ) -> Result<Self, VerbsError> {
+    pub fn connect_unix(path: &Path, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
         let peer = format!("unix:{}", path.display());
         let io = |e: std::io::Error| VerbsError::Connect {
             peer: peer.clone(),
@@ -353,34 +271,46 @@ impl ControlClient {
         };
         let mut s = UnixStream::connect(path).map_err(io)?;
         let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, &peer)?;
-        let stream = Stream::Unix(
-            BufReader::new(s.try_clone().map_err(io)?),
-            BufWriter::new(s),
-        );
-        Ok(Self::new(peer, acc, stream))
+        let r = s.try_clone().map_err(io)?;
+        Ok(Self::new(peer, acc, Box::new(r), Box::new(s)))
     }
 
-    fn new(peer: String, acc: rackfs_verbs::auth::Accepted, stream: Stream) -> Self {
+    fn new(
+        peer: String,
+        acc: rackfs_verbs::auth::Accepted,
+        r: Box<dyn Read + Send>,
+        w: Box<dyn Write + Send>,
+    ) -> Self {
         ControlClient {
             peer,
             node_id: acc.welcome.node_id,
             node_name: acc.node_name,
             regions: acc.welcome.regions,
-            conn: Mutex::new((stream, 0)),
+            conn: Mutex::new((
+                Stream {
+                    reader: BufReader::new(r),
+                    writer: BufWriter::new(w),
+                },
+                0,
+            )),
         }
     }
 
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
     pub fn node_id(&self) -> u32 {
         self.node_id
     }
     pub fn node_name(&self) -> &str {
         &self.node_name
     }
+    /// The node's regions; the first is its data region.
     pub fn regions(&self) -> &[RegionInfo] {
         &self.regions
     }
 
-    /// Sends one request and waits for its response.
+    /// Sends one request and waits for its response; an error response becomes `Refused`.
     pub fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
         let lost = |reason: String| {
             RpcError::Connection(VerbsError::ConnectionLost {
@@ -392,12 +322,11 @@ impl ControlClient {
         let (stream, next_id) = &mut *guard;
         let id = *next_id;
         *next_id += 1;
-        let (r, w) = stream.parts();
-        wire::write_frame(w, FrameKind::ControlRequest, &req.encode(id))
-            .and_then(|_| w.flush())
+        wire::write_frame(&mut stream.writer, FrameKind::ControlRequest, &req.encode(id))
+            .and_then(|_| stream.writer.flush())
             .map_err(|e| lost(e.to_string()))?;
         let mut body = Vec::new();
-        let kind = wire::read_frame(r, &mut body).map_err(|e| lost(e.to_string()))?;
+        let kind = wire::read_frame(&mut stream.reader, &mut body).map_err(|e| lost(e.to_string()))?;
         let unexpected = |what: String| RpcError::Unexpected {
             peer: self.peer.clone(),
             what,
@@ -415,6 +344,13 @@ impl ControlClient {
         }
     }
 
+    fn mismatch(&self, got: ControlResponse) -> RpcError {
+        RpcError::Unexpected {
+            peer: self.peer.clone(),
+            what: format!("{got:?}"),
+        }
+    }
+
     pub fn stats(&self) -> Result<NodeStats, RpcError> {
         match self.call(&ControlRequest::Stats)? {
             ControlResponse::Stats(s) => Ok(*s),
@@ -424,13 +360,30 @@ impl ControlClient {
 
     /// Allocates an extent; returns its region and offset.
     pub fn alloc(&self, len: u64, align: u64) -> Result<(RegionInfo, u64), RpcError> {
-        match self.call(&ControlRequest::Alloc { len, align })? {
-            ControlResponse::Allocated { region, offset, .. } => Ok((region, offset)),
+        self.alloc_tagged(len, align, None)
+    }
+
+    /// Allocates an extent, optionally tagged as a file stripe (see [`ControlRequest::Alloc`]).
+    pub fn alloc_tagged(&self, len: u64, align: u64, tag: Option<u64>) -> Result<(RegionInfo, u64), RpcError> {
+        match self.call(&ControlRequest::Alloc { len, align, tag })? {
+            ControlResponse::Allocated {
+                rkey,
+                region_len,
+                offset,
+                ..
+            } => Ok((
+                RegionInfo {
+                    rkey,
+                    len: region_len,
+                    access: Access::ALL,
+                },
+                offset,
+            )),
             other => Err(self.mismatch(other)),
         }
     }
 
-    /// Frees the extent at `offset`; returns how many bytes came back.
+    /// Frees the extent at `offset`; returns how many bytes come back.
     pub fn free(&self, offset: u64) -> Result<u64, RpcError> {
         match self.call(&ControlRequest::Free { offset })? {
             ControlResponse::Freed { len } => Ok(len),
@@ -438,11 +391,16 @@ impl ControlClient {
         }
     }
 
-    fn mismatch(&self, got: ControlResponse) -> RpcError {
-        RpcError::Unexpected {
-            peer: self.peer.clone(),
-            what: format!("{got:?}"),
+    pub fn cluster(&self) -> Result<ClusterInfo, RpcError> {
+        match self.call(&ControlRequest::Cluster)? {
+            ControlResponse::Cluster(c) => Ok(c),
+            other => Err(self.mismatch(other)),
         }
+    }
+
+    /// A namespace operation on the primary.
+    pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
+        self.call(&ControlRequest::Meta(req))
     }
 }
 
@@ -453,12 +411,13 @@ mod tests {
 
     proptest! {
         #[test]
-        fn requests_round_trip(id: u64, len: u64, align: u64, which in 0u8..4) {
+        fn requests_round_trip(id: u64, len: u64, align: u64, tag: Option<u64>, which in 0u8..5) {
             let req = match which {
                 0 => ControlRequest::Ping,
                 1 => ControlRequest::Stats,
-                2 => ControlRequest::Alloc { len, align },
-                _ => ControlRequest::Free { offset: len },
+                2 => ControlRequest::Alloc { len, align, tag },
+                3 => ControlRequest::Free { offset: len },
+                _ => ControlRequest::Meta(MetaRequest::Lookup { parent: len, name: align.to_le_bytes().to_vec() }),
             };
             prop_assert_eq!(ControlRequest::decode(&req.encode(id)).unwrap(), (id, req));
         }
@@ -467,10 +426,10 @@ mod tests {
         fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 40), name in ".{0,30}") {
             let s = NodeStats {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
-                free: words[4], largest_free: words[5], extents: words[6],
+                free: words[4], largest_free: words[5], extents: words[6], quarantined: words[31],
                 verbs: VerbTotals { ops: words[7..13].try_into().unwrap(), bytes: words[13..19].try_into().unwrap(), errors: words[19], batches: words[20] },
-                rpcs: words[21..25].try_into().unwrap(), open: words[25..28].try_into().unwrap(),
-                connections_total: words[28], auth_failures: words[29], protocol_errors: words[30],
+                rpcs: words[21..29].try_into().unwrap(), open: words[29..32].try_into().unwrap(),
+                connections_total: words[32], auth_failures: words[33], protocol_errors: words[34],
             };
             let r = ControlResponse::Stats(Box::new(s));
             prop_assert_eq!(ControlResponse::decode(&r.encode(id)).unwrap(), (id, r));
@@ -481,5 +440,13 @@ mod tests {
             let _ = ControlRequest::decode(&bytes);
             let _ = ControlResponse::decode(&bytes);
         }
+    }
+
+    #[test]
+    fn trailing_bytes_are_rejected() {
+        let mut b = ControlRequest::Ping.encode(1);
+        b.push(0);
+        assert!(ControlRequest::decode(&b).is_err());
+        assert!(ControlRequest::decode(&[1, 2, 3]).is_err());
     }
 }

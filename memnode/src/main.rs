@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use rackfs_memnode::size::{format_size, parse_size};
-use rackfs_memnode::{MemNode, NodeConfig};
+use rackfs_memnode::{MemNode, NodeConfig, Role};
 use rackfs_verbs::Secret;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -36,6 +36,15 @@ struct Args {
     /// Microseconds a NIC thread polls its connection before sleeping (0: never poll).
     #[arg(long, default_value_t = 50)]
     poll_us: u64,
+    /// Run the cluster's metadata service (one node per cluster).
+    #[arg(long, conflicts_with = "join")]
+    primary: bool,
+    /// Join the cluster whose primary is at ADDR (host:port or unix:PATH).
+    #[arg(long, value_name = "ADDR")]
+    join: Option<String>,
+    /// Milliseconds freed file data is held back before reuse (protects stale readers).
+    #[arg(long, default_value_t = 2000)]
+    quarantine_ms: u64,
 }
 
 fn main() -> ExitCode {
@@ -67,6 +76,12 @@ fn run(args: Args) -> Result<(), String> {
         region_len: args.region,
         secret,
         poll: std::time::Duration::from_micros(args.poll_us),
+        role: match (args.primary, args.join) {
+            (true, _) => Role::Primary,
+            (false, Some(addr)) => Role::Join(addr),
+            (false, None) => Role::Standalone,
+        },
+        quarantine: std::time::Duration::from_millis(args.quarantine_ms),
     })
     .map_err(|e| e.to_string())?;
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.

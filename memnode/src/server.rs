@@ -16,6 +16,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,10 @@ use slab::Slab;
 use tracing::{debug, info, warn};
 
 use crate::alloc::{AllocError, ExtentAllocator};
-use crate::control::{ControlRequest, ControlResponse, ErrorCode, NodeStats, RPC_KINDS};
+use crate::control::{
+    ClusterInfo, ControlClient, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeAddr, NodeStats, RPC_KINDS,
+};
+use crate::meta::{Namespace, Storage};
 
 /// Magic at offset 0 of the read-only info region.
 pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
@@ -47,6 +51,20 @@ pub struct NodeConfig {
     pub secret: Secret,
     /// Adaptive-polling budget of NIC threads before they sleep in `read`.
     pub poll: Duration,
+    pub role: Role,
+    /// How long freed file stripes are held back before their memory is reused.
+    pub quarantine: Duration,
+}
+
+/// A node's place in the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Runs the metadata service; other nodes join it.
+    Primary,
+    /// Offers its region to the primary at this address (`host:port` or `unix:PATH`).
+    Join(String),
+    /// Serves verbs and allocation only (no namespace).
+    Standalone,
 }
 
 /// Why a node could not start.
@@ -60,6 +78,17 @@ pub enum StartError {
     Region { len: u64, err: std::io::Error },
     #[error("cannot listen on {addr}: {err}")]
     Listen { addr: String, err: std::io::Error },
+    #[error("cannot join the primary at {addr}: {reason}")]
+    Join { addr: String, reason: String },
+}
+
+/// Bytes before a tagged (file stripe) extent's data: its tag lives in the first 8.
+pub const TAG_SPACE: u64 = 4096;
+
+/// Another node of the cluster, as the primary knows it.
+struct Peer {
+    addr: NodeAddr,
+    control: Option<Arc<ControlClient>>,
 }
 
 struct Shared {
@@ -78,6 +107,15 @@ struct Shared {
     protocol_errors: AtomicU64,
     started: Instant,
     stopping: AtomicBool,
+    /// Where clients reach this node (filled in once the listeners are bound).
+    me: Mutex<NodeAddr>,
+    /// The primary's address (a joined node's view) and, on the primary, every other node.
+    primary: Mutex<Option<NodeAddr>>,
+    peers: Mutex<BTreeMap<u32, Peer>>,
+    /// Tagged extents freed and not yet reusable: (reusable at, offset, length).
+    quarantine: Mutex<Vec<(Instant, u64, u64)>>,
+    namespace: Option<Mutex<Namespace>>,
+    next_session: AtomicU64,
 }
 
 /// A running memory node.
@@ -143,6 +181,15 @@ impl MemNode {
             None => None,
         };
         let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+        let me = NodeAddr {
+            node_id: cfg.node_id,
+            name: cfg.name.clone(),
+            tcp: tcp_addr.map(|a| a.to_string()),
+            shm: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
+            capacity: len,
+        };
+        let is_primary = cfg.role == Role::Primary;
+        let namespace = is_primary.then(|| Mutex::new(Namespace::new()));
         let shared = Arc::new(Shared {
             allocator: Mutex::new(ExtentAllocator::new(&cfg.name, 0, len)),
             cfg,
@@ -157,7 +204,20 @@ impl MemNode {
             protocol_errors: AtomicU64::new(0),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
+            primary: Mutex::new(is_primary.then(|| me.clone())),
+            me: Mutex::new(me),
+            peers: Mutex::new(BTreeMap::new()),
+            quarantine: Mutex::new(Vec::new()),
+            namespace,
+            next_session: AtomicU64::new(1),
         });
+        {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("quarantine".into())
+                .spawn(move || reap_quarantine(s))
+                .expect("spawn quarantine thread");
+        }
         if let Some(l) = tcp {
             let s = shared.clone();
             std::thread::Builder::new()
@@ -172,8 +232,15 @@ impl MemNode {
                 .spawn(move || accept_unix(l, s))
                 .expect("spawn accept thread");
         }
+        if let Role::Join(addr) = &shared.cfg.role {
+            join(&shared, addr).map_err(|reason| StartError::Join {
+                addr: addr.clone(),
+                reason,
+            })?;
+        }
         info!(
             node = shared.cfg.node_id,
+            role = ?shared.cfg.role,
             name = %shared.cfg.name,
             region = len,
             tcp = ?tcp_addr,
@@ -236,6 +303,7 @@ impl Shared {
             free: a.free,
             largest_free: a.largest_free,
             extents: a.extents,
+            quarantined: self.quarantine.lock().expect("quarantine lock").iter().map(|q| q.2).sum(),
             verbs,
             rpcs: std::array::from_fn(|i| self.rpcs[i].load(Ordering::Relaxed)),
             open: std::array::from_fn(|i| self.open[i].load(Ordering::Relaxed)),
@@ -264,31 +332,223 @@ impl Shared {
         out
     }
 
-    fn control(&self, req: &ControlRequest) -> ControlResponse {
+    fn control(&self, session: u64, req: ControlRequest) -> ControlResponse {
         self.rpcs[req.kind_index()].fetch_add(1, Ordering::Relaxed);
         match req {
             ControlRequest::Ping => ControlResponse::Pong,
             ControlRequest::Stats => ControlResponse::Stats(Box::new(self.stats())),
-            ControlRequest::Alloc { len, align } => {
-                let r = self
+            ControlRequest::Alloc { len, align, tag } => match self.alloc_local(len, align, tag) {
+                Ok(offset) => ControlResponse::Allocated {
+                    rkey: self.welcome.regions[0].rkey,
+                    region_len: self.welcome.regions[0].len,
+                    offset,
+                    len: len.next_multiple_of(crate::alloc::GRANULE),
+                },
+                Err(e) => alloc_error(e),
+            },
+            ControlRequest::Free { offset } => match self.free_local(offset) {
+                Ok(len) => ControlResponse::Freed { len },
+                Err(e) => alloc_error(e),
+            },
+            ControlRequest::Zero { offset, len } => {
+                let inside = self
                     .allocator
                     .lock()
                     .expect("allocator lock")
-                    .alloc(*len, *align);
-                match r {
-                    Ok(offset) => ControlResponse::Allocated {
-                        region: self.welcome.regions[0],
-                        offset,
-                        len: len.next_multiple_of(crate::alloc::GRANULE),
-                    },
-                    Err(e) => alloc_error(e),
+                    .containing(offset, len)
+                    .is_some();
+                if !inside {
+                    return ControlResponse::error(ErrorCode::Invalid, format!("{len} bytes at {offset:#x} are not inside one allocated extent"));
                 }
+                self.data_region().discard(offset, len).expect("extent inside the region");
+                ControlResponse::Ok
             }
-            ControlRequest::Free { offset } => {
-                match self.allocator.lock().expect("allocator lock").free(*offset) {
-                    Ok(len) => ControlResponse::Freed { len },
-                    Err(e) => alloc_error(e),
-                }
+            ControlRequest::Cluster => match self.cluster_info() {
+                Some(c) => ControlResponse::Cluster(c),
+                None => ControlResponse::error(ErrorCode::Unavailable, "this node has not joined a cluster"),
+            },
+            ControlRequest::Join { node } => self.accept_join(node),
+            ControlRequest::Meta(m) => match &self.namespace {
+                Some(ns) => ns.lock().expect("namespace lock").handle(session, m, self),
+                None => ControlResponse::error(ErrorCode::NotPrimary, format!("node {} is not the primary; namespace operations go to the primary", self.cfg.name)),
+            },
+        }
+    }
+
+    fn data_region(&self) -> &Region {
+        &self.table.regions()[0]
+    }
+
+    /// Allocates here; a tagged extent gets its tag written before it is handed out.
+    fn alloc_local(&self, len: u64, align: u64, tag: Option<u64>) -> Result<u64, AllocError> {
+        let (len, align) = match tag {
+            Some(_) => (len.checked_add(TAG_SPACE).ok_or_else(|| AllocError::Invalid("length overflows".into()))?, align.max(TAG_SPACE)),
+            None => (len, align),
+        };
+        let offset = self.allocator.lock().expect("allocator lock").alloc_tagged(len, align, tag.is_some())?;
+        if let Some(t) = tag {
+            self.data_region().store(offset, t).expect("tag inside the region");
+        }
+        Ok(offset)
+    }
+
+    /// Frees here: plain extents are zeroed and reusable at once; tagged ones are tombstoned
+    /// and quarantined first (see [`crate::meta`]). Returns the extent's length.
+    fn free_local(&self, offset: u64) -> Result<u64, AllocError> {
+        let mut a = self.allocator.lock().expect("allocator lock");
+        let (len, tagged) = a.extent(offset).ok_or(AllocError::NotAllocated { offset })?;
+        if tagged {
+            self.data_region().store(offset, 0).expect("tag inside the region");
+            a.mark_untagged(offset);
+            drop(a);
+            self.quarantine.lock().expect("quarantine lock").push((Instant::now() + self.cfg.quarantine, offset, len));
+            Ok(len)
+        } else {
+            self.data_region().discard(offset, len).expect("extent inside the region");
+            a.free(offset)
+        }
+    }
+
+    fn cluster_info(&self) -> Option<ClusterInfo> {
+        let primary = self.primary.lock().expect("primary lock").clone()?;
+        let mut nodes = vec![self.me.lock().expect("me lock").clone()];
+        nodes.extend(self.peers.lock().expect("peers lock").values().map(|p| p.addr.clone()));
+        nodes.sort_by_key(|n| n.node_id);
+        Some(ClusterInfo { primary, nodes })
+    }
+
+    fn accept_join(&self, node: NodeAddr) -> ControlResponse {
+        if self.namespace.is_none() {
+            return ControlResponse::error(ErrorCode::NotPrimary, format!("node {} is not the primary", self.cfg.name));
+        }
+        if node.node_id == self.cfg.node_id {
+            return ControlResponse::error(ErrorCode::Exists, format!("node id {} is the primary's own id", node.node_id));
+        }
+        if let Some(p) = self.peers.lock().expect("peers lock").get(&node.node_id) {
+            if p.addr.name != node.name || p.addr.tcp != node.tcp {
+                return ControlResponse::error(ErrorCode::Exists, format!("node id {} is already in the cluster as {}", node.node_id, p.addr.name));
+            }
+        }
+        let addr = match (&node.tcp, &node.shm) {
+            (Some(t), _) => t.clone(),
+            (None, Some(p)) => format!("unix:{p}"),
+            (None, None) => return ControlResponse::error(ErrorCode::Invalid, "a joining node must listen somewhere"),
+        };
+        let control = match ControlClient::connect(&addr, &self.cfg.secret, &format!("primary-{}", self.cfg.name)) {
+            Ok(c) => Arc::new(c),
+            Err(e) => return ControlResponse::error(ErrorCode::Unavailable, format!("cannot reach joining node {} at {addr}: {e}", node.name)),
+        };
+        info!(node = node.node_id, name = %node.name, %addr, "node joined");
+        self.peers.lock().expect("peers lock").insert(node.node_id, Peer { addr: node, control: Some(control) });
+        ControlResponse::Cluster(self.cluster_info().expect("the primary knows itself"))
+    }
+
+    fn peer(&self, node: u32) -> Result<Arc<ControlClient>, (ErrorCode, String)> {
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .get(&node)
+            .and_then(|p| p.control.clone())
+            .ok_or((ErrorCode::Unavailable, format!("node {node} is not in the cluster")))
+    }
+}
+
+fn rpc_err(e: crate::control::RpcError) -> (ErrorCode, String) {
+    match e {
+        crate::control::RpcError::Refused { code, message } => (code, message),
+        other => (ErrorCode::Unavailable, other.to_string()),
+    }
+}
+
+impl Storage for Shared {
+    fn data_nodes(&self) -> Vec<u32> {
+        let mut v = vec![self.cfg.node_id];
+        v.extend(self.peers.lock().expect("peers lock").keys());
+        v.sort_unstable();
+        v
+    }
+
+    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, (ErrorCode, String)> {
+        if node == self.cfg.node_id {
+            let align = if tag.is_some() { TAG_SPACE } else { crate::alloc::GRANULE };
+            return self.alloc_local(len, align, tag).map_err(|e| match alloc_error(e) {
+                ControlResponse::Error { code, message } => (code, message),
+                _ => unreachable!("alloc_error builds errors"),
+            });
+        }
+        self.peer(node)?.alloc_tagged(len, TAG_SPACE, tag).map(|(_, off)| off).map_err(rpc_err)
+    }
+
+    fn free(&self, node: u32, offset: u64) -> Result<(), (ErrorCode, String)> {
+        if node == self.cfg.node_id {
+            return self.free_local(offset).map(|_| ()).map_err(|e| (ErrorCode::Internal, e.to_string()));
+        }
+        self.peer(node)?.free(offset).map(|_| ()).map_err(rpc_err)
+    }
+
+    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), (ErrorCode, String)> {
+        let req = ControlRequest::Zero { offset, len };
+        let resp = if node == self.cfg.node_id {
+            self.control(0, req)
+        } else {
+            self.peer(node)?.call(&req).map_err(rpc_err)?
+        };
+        match resp {
+            ControlResponse::Error { code, message } => Err((code, message)),
+            _ => Ok(()),
+        }
+    }
+
+    fn local(&self) -> (u32, &Region) {
+        (self.cfg.node_id, self.data_region())
+    }
+
+    fn fs_stat(&self) -> FsStat {
+        let mut s = FsStat::default();
+        let mine = self.stats();
+        s.capacity += mine.capacity;
+        s.free += mine.free;
+        let peers: Vec<_> = self.peers.lock().expect("peers lock").values().filter_map(|p| p.control.clone()).collect();
+        for p in peers {
+            if let Ok(st) = p.stats() {
+                s.capacity += st.capacity;
+                s.free += st.free;
+            }
+        }
+        s
+    }
+}
+
+/// Offers this node to the primary.
+fn join(shared: &Shared, addr: &str) -> Result<(), String> {
+    let c = ControlClient::connect(addr, &shared.cfg.secret, &format!("node-{}", shared.cfg.name)).map_err(|e| e.to_string())?;
+    let me = shared.me.lock().expect("me lock").clone();
+    match c.call(&ControlRequest::Join { node: me }) {
+        Ok(ControlResponse::Cluster(info)) => {
+            info!(primary = %info.primary.name, nodes = info.nodes.len(), "joined the cluster");
+            *shared.primary.lock().expect("primary lock") = Some(info.primary);
+            Ok(())
+        }
+        Ok(other) => Err(format!("unexpected reply {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Returns quarantined extents to the allocator once their time is up, zeroed.
+fn reap_quarantine(shared: Arc<Shared>) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100).min(shared.cfg.quarantine.max(Duration::from_millis(1))));
+        let now = Instant::now();
+        let due: Vec<_> = {
+            let mut q = shared.quarantine.lock().expect("quarantine lock");
+            let (due, keep): (Vec<_>, Vec<_>) = q.drain(..).partition(|e| e.0 <= now);
+            *q = keep;
+            due
+        };
+        for (_, offset, len) in due {
+            shared.data_region().discard(offset, len).expect("extent inside the region");
+            if let Err(e) = shared.allocator.lock().expect("allocator lock").free(offset) {
+                warn!(error = %e, "quarantined extent vanished");
             }
         }
     }
@@ -499,7 +759,17 @@ fn serve_shm(mut stream: UnixStream, shared: &Shared) {
     debug!("shm client disconnected");
 }
 
+/// Serves control RPCs; the connection is one client session (its opens end with it).
 fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), WireError> {
+    let session = shared.next_session.fetch_add(1, Ordering::Relaxed);
+    let result = serve_session(r, w, shared, session);
+    if let Some(ns) = &shared.namespace {
+        ns.lock().expect("namespace lock").end_session(session, shared);
+    }
+    result
+}
+
+fn serve_session(r: impl Read, w: impl Write, shared: &Shared, session: u64) -> Result<(), WireError> {
     let mut reader = BufReader::new(r);
     let mut writer = BufWriter::new(w);
     let mut body = Vec::new();
@@ -512,7 +782,7 @@ fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), Wir
             });
         }
         let (id, req) = ControlRequest::decode(&body)?;
-        let resp = shared.control(&req);
+        let resp = shared.control(session, req);
         wire::write_frame(&mut writer, FrameKind::ControlResponse, &resp.encode(id))?;
         writer.flush()?;
     }

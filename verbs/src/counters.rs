@@ -18,7 +18,7 @@ const WORDS: u64 = 14;
 pub const COUNTER_BLOCK_LEN: u64 = 4096;
 
 /// A snapshot of counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VerbTotals {
     pub ops: [u64; 6],
     pub bytes: [u64; 6],

@@ -230,6 +230,59 @@ impl Region {
         unsafe { &*(self.ptr.as_ptr().add(offset as usize) as *const AtomicU64) }
     }
 
+    /// Atomically loads the 8-byte word at `offset` (local access by the owner).
+    pub fn load(&self, offset: u64) -> Result<u64, VerbsError> {
+        self.check_bounds(Opcode::Cas, offset, 8)?;
+        Ok(self.word(offset).load(Ordering::Acquire))
+    }
+
+    /// Atomically stores the 8-byte word at `offset` (local access by the owner).
+    pub fn store(&self, offset: u64, v: u64) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Cas, offset, 8)?;
+        self.word(offset).store(v, Ordering::Release);
+        Ok(())
+    }
+
+    /// Zeroes `[offset, offset + len)`; whole pages of a memfd region are given back to the
+    /// kernel (they read as zeros and stop counting as the node's resident memory).
+    pub fn discard(&self, offset: u64, len: u64) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Write, offset, len)?;
+        const PAGE: u64 = 4096;
+        let (start, end) = (offset.next_multiple_of(PAGE), (offset + len) / PAGE * PAGE);
+        let punched = match &self.backing {
+            Backing::Mapped { fd } if end > start => {
+                // SAFETY: fallocate on our own memfd, within its size (checked above); punching a
+                // hole only replaces those pages with zero pages, which is what we want.
+                let r = unsafe {
+                    libc::fallocate(
+                        fd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        start as libc::off_t,
+                        (end - start) as libc::off_t,
+                    )
+                };
+                r == 0
+            }
+            _ => false,
+        };
+        let zeros = vec![0u8; 64 << 10];
+        let zero = |from: u64, to: u64| {
+            let mut at = from;
+            while at < to {
+                let n = (to - at).min(zeros.len() as u64);
+                self.write(at, &zeros[..n as usize]).expect("checked above");
+                at += n;
+            }
+        };
+        if punched {
+            zero(offset, start);
+            zero(end, offset + len);
+        } else {
+            zero(offset, offset + len);
+        }
+        Ok(())
+    }
+
     /// Adds to a word that only the caller writes (a counter block): a plain load and store,
     /// no locked instruction. Concurrent readers see either the old or the new value.
     pub fn add_owned_counter(&self, offset: u64, v: u64) -> Result<(), VerbsError> {
