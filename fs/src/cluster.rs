@@ -1,0 +1,151 @@
+//! A mount's connections: one control connection to the primary, one queue pair per node.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use rackfs_memnode::control::{ClusterInfo, ControlClient, NodeAddr};
+use rackfs_memnode::RpcError;
+use rackfs_verbs::{QueuePair, Secret, VerbsError};
+use tracing::{info, warn};
+
+use crate::options::TransportChoice;
+
+/// Why a mount could not reach its cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("no cluster address given")]
+    NoAddress,
+    #[error("cannot reach any of {addrs}: {last}")]
+    Unreachable { addrs: String, last: String },
+    #[error("{0}")]
+    Rpc(#[from] RpcError),
+    #[error("{0}")]
+    Verbs(#[from] VerbsError),
+}
+
+/// A data node as the mount reaches it.
+pub struct Node {
+    pub qp: QueuePair,
+    pub rkey: u32,
+}
+
+pub struct Cluster {
+    pub primary: ControlClient,
+    pub primary_id: u32,
+    info: RwLock<ClusterInfo>,
+    nodes: RwLock<HashMap<u32, Arc<Node>>>,
+    secret: Secret,
+    transport: TransportChoice,
+    name: String,
+}
+
+fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
+    match transport {
+        TransportChoice::Tcp => None,
+        _ => addr.shm.as_deref().filter(|p| Path::new(p).exists()),
+    }
+}
+
+impl Cluster {
+    /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`).
+    pub fn connect(addrs: &[String], secret: Secret, transport: TransportChoice, name: &str) -> Result<Cluster, ConnectError> {
+        if addrs.is_empty() {
+            return Err(ConnectError::NoAddress);
+        }
+        let mut last = String::new();
+        for addr in addrs {
+            let first = match ControlClient::connect(addr, &secret, name) {
+                Ok(c) => c,
+                Err(e @ VerbsError::Auth { .. }) => return Err(e.into()),
+                Err(e) => {
+                    last = e.to_string();
+                    continue;
+                }
+            };
+            let info = first.cluster()?;
+            let primary = if info.primary.node_id == first.node_id() {
+                first
+            } else {
+                let p = &info.primary;
+                let via = match (local_socket(p, transport), &p.tcp) {
+                    (Some(sock), _) => format!("unix:{sock}"),
+                    (None, Some(tcp)) => tcp.clone(),
+                    (None, None) => return Err(ConnectError::Unreachable { addrs: p.name.clone(), last: "the primary has no address".into() }),
+                };
+                ControlClient::connect(&via, &secret, name)?
+            };
+            info!(primary = %info.primary.name, nodes = info.nodes.len(), "connected to the cluster");
+            return Ok(Cluster {
+                primary_id: primary.node_id(),
+                primary,
+                info: RwLock::new(info),
+                nodes: RwLock::new(HashMap::new()),
+                secret,
+                transport,
+                name: name.into(),
+            });
+        }
+        Err(ConnectError::Unreachable {
+            addrs: addrs.join(","),
+            last,
+        })
+    }
+
+    pub fn info(&self) -> ClusterInfo {
+        self.info.read().expect("cluster info lock").clone()
+    }
+
+    /// The queue pair to node `id`, connecting on first use.
+    pub fn node(&self, id: u32) -> Result<Arc<Node>, VerbsError> {
+        if let Some(n) = self.nodes.read().expect("nodes lock").get(&id) {
+            return Ok(n.clone());
+        }
+        let mut addr = self.info().nodes.into_iter().find(|n| n.node_id == id);
+        if addr.is_none() {
+            if let Ok(info) = self.primary.cluster() {
+                addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
+                *self.info.write().expect("cluster info lock") = info;
+            }
+        }
+        let addr = addr.ok_or_else(|| VerbsError::Connect {
+            peer: format!("node {id}"),
+            reason: "not in the cluster".into(),
+        })?;
+        let qp = match (local_socket(&addr, self.transport), &addr.tcp, self.transport) {
+            (Some(sock), _, _) => rackfs_verbs::shm::connect(Path::new(sock), &self.secret, &self.name)?,
+            (None, _, TransportChoice::Shm) => {
+                return Err(VerbsError::Connect {
+                    peer: addr.name.clone(),
+                    reason: "transport=shm but the node's socket is not on this host".into(),
+                })
+            }
+            (None, Some(tcp), _) => rackfs_verbs::tcp::connect(tcp, &self.secret, &self.name)?,
+            (None, None, _) => {
+                return Err(VerbsError::Connect {
+                    peer: addr.name.clone(),
+                    reason: "the node has no reachable address".into(),
+                })
+            }
+        };
+        let rkey = qp.regions().first().map(|r| r.rkey).ok_or_else(|| VerbsError::Protocol {
+            peer: addr.name.clone(),
+            reason: "node registered no region".into(),
+        })?;
+        let node = Arc::new(Node { qp, rkey });
+        self.nodes.write().expect("nodes lock").insert(id, node.clone());
+        Ok(node)
+    }
+
+    /// Forgets a node's connection after it failed, so the next use reconnects.
+    pub fn drop_node(&self, id: u32, why: &VerbsError) {
+        if self.nodes.write().expect("nodes lock").remove(&id).is_some() {
+            warn!(node = id, error = %why, "lost a memory node; files with data there return EIO");
+        }
+    }
+
+    /// The transport in use to node `id`, if connected.
+    pub fn transport_of(&self, id: u32) -> Option<&'static str> {
+        self.nodes.read().expect("nodes lock").get(&id).map(|n| n.qp.transport())
+    }
+}

@@ -1,0 +1,319 @@
+//! The data path of one regular file: one-sided reads and writes straight to its stripes.
+//!
+//! A mount caches a file's layout (the extent table's address and the stripes it has seen).
+//! Every batch that touches a stripe reads the stripe's owner tag first, on the same queue pair,
+//! so the tag check executes before the data ops; a mismatch means the stripe was freed by a
+//! truncate or unlink elsewhere, and the operation is redone with a fresh layout (see
+//! `rackfs_memnode::meta`). The file size lives in the file record on the primary and only
+//! grows by CAS-max, so concurrent extending writes from different mounts never lose size.
+//! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rackfs_memnode::meta::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE, REC_MTIME, REC_SIZE};
+use rackfs_memnode::server::TAG_SPACE;
+use rackfs_memnode::control::ControlResponse;
+use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
+
+use crate::cluster::Cluster;
+use crate::layout::{pieces, Piece};
+
+/// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
+const MAX_ATTEMPTS: usize = 16;
+const LOCATION_MASK: u64 = (1 << 48) - 1;
+
+#[derive(Default)]
+struct Layout {
+    table: u64,
+    cap: u64,
+    stripes: HashMap<u64, StripeExtent>,
+}
+
+/// What a mount knows about one regular file.
+pub struct FileData {
+    pub ino: u64,
+    record: u64,
+    primary: u32,
+    unit: u64,
+    layout: RwLock<Layout>,
+    size_hint: AtomicU64,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn word(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+}
+
+impl FileData {
+    pub fn new(ino: u64, layout: FileLayout) -> FileData {
+        FileData {
+            ino,
+            record: layout.record,
+            primary: layout.node,
+            unit: layout.stripe_unit,
+            layout: RwLock::new(Layout::default()),
+            size_hint: AtomicU64::new(0),
+        }
+    }
+
+    /// Forgets the cached layout (after this mount truncated the file).
+    pub fn invalidate(&self) {
+        *self.layout.write().expect("layout lock") = Layout::default();
+    }
+
+    fn verbs_err(&self, cl: &Cluster, node: u32, e: VerbsError) -> i32 {
+        if matches!(e, VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }) {
+            cl.drop_node(node, &e);
+        }
+        tracing::debug!(ino = self.ino, node, error = %e, "I/O failed");
+        libc::EIO
+    }
+
+    /// Reads the file record (and the table entries of `wanted` stripes not cached), updating
+    /// the cache. Returns the current size.
+    pub fn refresh(&self, cl: &Cluster, wanted: &[u64]) -> Result<u64, i32> {
+        let p = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        for _ in 0..MAX_ATTEMPTS {
+            let (table, cap) = {
+                let l = self.layout.read().expect("layout lock");
+                (l.table, l.cap)
+            };
+            let mut b = Batch::new();
+            let rec = b.read(RemoteAddr::new(p.rkey, self.record), 32);
+            let entries: Vec<(u64, WrId)> = wanted
+                .iter()
+                .filter(|&&k| k < cap)
+                .map(|&k| (k, b.read(RemoteAddr::new(p.rkey, table + k * 16), 16)))
+                .collect();
+            let done = p.qp.execute(b).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            let r = done.data(rec).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            let (size, ntable, ncap) = (word(r, 0), word(r, 2), word(r, 3));
+            self.size_hint.store(size, Ordering::Relaxed);
+            let mut l = self.layout.write().expect("layout lock");
+            if (ntable, ncap) != (table, cap) {
+                // The table grew (or first sight): entries read from the old copy may miss
+                // recent allocations, so read again from the new one.
+                l.table = ntable;
+                l.cap = ncap;
+                continue;
+            }
+            for (k, id) in entries {
+                let e = done.data(id).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                let (loc, tag) = (word(e, 0), word(e, 1));
+                if tag != 0 && loc != 0 {
+                    l.stripes.insert(
+                        k,
+                        StripeExtent {
+                            node: (loc >> 48) as u32,
+                            offset: loc & LOCATION_MASK,
+                            tag,
+                        },
+                    );
+                }
+            }
+            return Ok(size);
+        }
+        Err(libc::EIO)
+    }
+
+    /// Stripes of `ps` this mount has no extent for.
+    fn uncached(&self, ps: &[Piece]) -> Vec<u64> {
+        let l = self.layout.read().expect("layout lock");
+        let mut v: Vec<u64> = ps.iter().map(|p| p.stripe).filter(|k| !l.stripes.contains_key(k)).collect();
+        v.dedup();
+        v
+    }
+
+    fn cached(&self, stripe: u64) -> Option<StripeExtent> {
+        self.layout.read().expect("layout lock").stripes.get(&stripe).copied()
+    }
+
+    fn evict(&self, stripes: &[u64]) {
+        let mut l = self.layout.write().expect("layout lock");
+        for k in stripes {
+            l.stripes.remove(k);
+        }
+    }
+
+    /// Posts one batch per node and waits for all; returns completions by node.
+    fn run<'a>(&self, cl: &Cluster, batches: BTreeMap<u32, Batch<'a>>) -> Result<BTreeMap<u32, Completions>, i32> {
+        let mut posted: Vec<(u32, Posted)> = Vec::with_capacity(batches.len());
+        for (node, b) in batches {
+            let n = cl.node(node).map_err(|e| self.verbs_err(cl, node, e))?;
+            posted.push((node, n.qp.post(b)));
+        }
+        let mut out = BTreeMap::new();
+        let mut failed = None;
+        for (node, p) in posted {
+            match p.wait().and_then(|d| d.check().map(|_| d)) {
+                Ok(d) => {
+                    out.insert(node, d);
+                }
+                Err(e) => failed = Some(self.verbs_err(cl, node, e)),
+            }
+        }
+        match failed {
+            Some(errno) => Err(errno),
+            None => Ok(out),
+        }
+    }
+
+    /// Reads up to `len` bytes at `offset`; short at end of file.
+    pub fn read(&self, cl: &Cluster, offset: u64, len: u32) -> Result<Vec<u8>, i32> {
+        // Near the end of the file, learn the size first rather than fetch bytes beyond it.
+        let mut len = len as u64;
+        if offset + len > self.size_hint.load(Ordering::Relaxed) {
+            let size = self.refresh(cl, &[])?;
+            len = len.min(size.saturating_sub(offset));
+        }
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let len = len as u32;
+        let ps = pieces(offset, len as u64, self.unit);
+        for _ in 0..MAX_ATTEMPTS {
+            let missing = self.uncached(&ps);
+            let mut size = if missing.is_empty() { None } else { Some(self.refresh(cl, &missing)?) };
+            let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
+            let mut tags: Vec<(u32, u64, u64, WrId)> = Vec::new(); // node, stripe, tag, id
+            let mut reads: Vec<(usize, u32, WrId)> = Vec::new(); // piece, node, id
+            for (i, p) in ps.iter().enumerate() {
+                let Some(e) = self.cached(p.stripe) else { continue }; // a hole
+                let node = cl.node(e.node).map_err(|err| self.verbs_err(cl, e.node, err))?;
+                let b = batches.entry(e.node).or_default();
+                if !tags.iter().any(|t| t.1 == p.stripe) {
+                    let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
+                    tags.push((e.node, p.stripe, e.tag, id));
+                }
+                reads.push((i, e.node, b.read(RemoteAddr::new(node.rkey, e.offset + p.offset), p.len as u32)));
+            }
+            let size_id = if size.is_none() {
+                let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                Some(batches.entry(self.primary).or_default().read(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), 8))
+            } else {
+                None
+            };
+            let done = self.run(cl, batches)?;
+            let stale: Vec<u64> = tags
+                .iter()
+                .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+                .map(|t| t.1)
+                .collect();
+            if !stale.is_empty() {
+                self.evict(&stale);
+                continue;
+            }
+            if let Some(id) = size_id {
+                let s = word(done[&self.primary].data(id).map_err(|_| libc::EIO)?, 0);
+                self.size_hint.store(s, Ordering::Relaxed);
+                size = Some(s);
+            }
+            let size = size.expect("size read one way or the other");
+            let mut out = vec![0u8; len as usize];
+            for (i, node, id) in reads {
+                let p = &ps[i];
+                let d = done[&node].data(id).map_err(|_| libc::EIO)?;
+                out[p.buf_offset as usize..(p.buf_offset + p.len) as usize].copy_from_slice(d);
+            }
+            out.truncate(size.saturating_sub(offset).min(len as u64) as usize);
+            return Ok(out);
+        }
+        Err(libc::EIO)
+    }
+
+    /// Writes `data` at `offset`; visible to every mount when this returns.
+    pub fn write(&self, cl: &Cluster, offset: u64, data: &[u8]) -> Result<(), i32> {
+        let end = offset.checked_add(data.len() as u64).ok_or(libc::EFBIG)?;
+        if end > MAX_FILE_SIZE {
+            return Err(libc::EFBIG);
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        let ps = pieces(offset, data.len() as u64, self.unit);
+        let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        for _ in 0..MAX_ATTEMPTS {
+            let missing = self.uncached(&ps);
+            if !missing.is_empty() {
+                self.refresh(cl, &missing)?;
+                for k in self.uncached(&ps) {
+                    let s = match cl.primary.meta(MetaRequest::AllocStripe { ino: self.ino, stripe: k }) {
+                        Ok(ControlResponse::Stripe(s)) => s,
+                        Ok(_) => return Err(libc::EIO),
+                        Err(e) => return Err(e.errno()),
+                    };
+                    self.layout.write().expect("layout lock").stripes.insert(k, s);
+                }
+            }
+            let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
+            let mut tags: Vec<(u32, u64, u64, WrId)> = Vec::new();
+            let mut complete = true;
+            for p in &ps {
+                let Some(e) = self.cached(p.stripe) else {
+                    complete = false; // evicted by a concurrent operation: start over
+                    break;
+                };
+                let node = cl.node(e.node).map_err(|err| self.verbs_err(cl, e.node, err))?;
+                let b = batches.entry(e.node).or_default();
+                if !tags.iter().any(|t| t.1 == p.stripe) {
+                    let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
+                    tags.push((e.node, p.stripe, e.tag, id));
+                }
+                b.write(
+                    RemoteAddr::new(node.rkey, e.offset + p.offset),
+                    &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize],
+                );
+            }
+            if !complete {
+                continue;
+            }
+            // The record: mtime, and the size grown by CAS-max when this write extends it.
+            let hint = self.size_hint.load(Ordering::Relaxed);
+            let b = batches.entry(self.primary).or_default();
+            b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
+            let cas = (end > hint).then(|| b.cas(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), hint, end));
+            let done = self.run(cl, batches)?;
+            let stale: Vec<u64> = tags
+                .iter()
+                .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+                .map(|t| t.1)
+                .collect();
+            if let Some(id) = cas {
+                let old = done[&self.primary].value(id).map_err(|_| libc::EIO)?;
+                self.grow_size(cl, hint, old, end)?;
+            }
+            if !stale.is_empty() {
+                // Some data went to freed (quarantined) memory: write it again.
+                self.evict(&stale);
+                continue;
+            }
+            return Ok(());
+        }
+        Err(libc::EIO)
+    }
+
+    /// Finishes a CAS-max of the size to at least `end`, given a CAS(`compare` -> `end`) that
+    /// returned `old`.
+    fn grow_size(&self, cl: &Cluster, compare: u64, old: u64, end: u64) -> Result<(), i32> {
+        let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
+        let mut seen = if old == compare { end } else { old };
+        while seen < end {
+            let old = pr.qp.cas(addr, seen, end).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            seen = if old == seen { end } else { old };
+        }
+        self.size_hint.fetch_max(seen, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The file's current size, read one-sidedly from its record.
+    pub fn size(&self, cl: &Cluster) -> Result<u64, i32> {
+        self.refresh(cl, &[])
+    }
+}

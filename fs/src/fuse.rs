@@ -1,0 +1,500 @@
+//! The FUSE filesystem: kernel requests mapped onto the metadata service and the data path.
+//!
+//! Namespace operations are control RPCs to the primary; reads and writes go through
+//! [`FileData`] with one-sided verbs. Files open with direct I/O and parallel direct writes
+//! (unless `cache=writeback`), so every mount sees a write as soon as `write()` returns.
+//! Permission checks are the kernel's (`default_permissions`).
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
+    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+};
+use rackfs_memnode::control::ControlResponse;
+use rackfs_memnode::meta::{Attr, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE};
+use rackfs_memnode::RpcError;
+
+use crate::cluster::Cluster;
+use crate::file::FileData;
+use crate::options::{CacheMode, MountOptions};
+
+/// A mounted RackFS.
+pub struct RackFs {
+    cluster: Arc<Cluster>,
+    opts: MountOptions,
+    files: Mutex<HashMap<u64, Arc<FileData>>>,
+    /// Open handles: whether each was opened with O_APPEND.
+    handles: Mutex<HashMap<u64, bool>>,
+    next_fh: AtomicU64,
+}
+
+fn errno(e: i32) -> Errno {
+    Errno::from_i32(e)
+}
+
+fn rpc(e: RpcError) -> Errno {
+    tracing::debug!(error = %e, "metadata request failed");
+    errno(e.errno())
+}
+
+fn to_time(ns: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_nanos(ns)
+}
+
+fn to_ns(t: TimeOrNow) -> u64 {
+    let t = match t {
+        TimeOrNow::SpecificTime(t) => t,
+        TimeOrNow::Now => SystemTime::now(),
+    };
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn kind(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Socket => FileType::Socket,
+        Kind::CharDev => FileType::CharDevice,
+        Kind::BlockDev => FileType::BlockDevice,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: to_time(a.atime_ns),
+        mtime: to_time(a.mtime_ns),
+        ctime: to_time(a.ctime_ns),
+        crtime: to_time(a.ctime_ns),
+        kind: kind(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+impl RackFs {
+    pub fn new(cluster: Arc<Cluster>, opts: MountOptions) -> RackFs {
+        RackFs {
+            cluster,
+            opts,
+            files: Mutex::new(HashMap::new()),
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+        self.cluster.primary.meta(req).map_err(rpc)
+    }
+
+    fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {
+        match self.meta(req)? {
+            ControlResponse::Attr(a) => Ok(a),
+            _ => Err(Errno::EIO),
+        }
+    }
+
+    fn ttl(&self) -> Duration {
+        self.opts.attr_timeout
+    }
+
+    fn file(&self, a: &Attr) -> Result<Arc<FileData>, Errno> {
+        let layout = a.layout.ok_or(Errno::EISDIR)?;
+        Ok(self
+            .files
+            .lock()
+            .expect("files lock")
+            .entry(a.ino)
+            .or_insert_with(|| Arc::new(FileData::new(a.ino, layout)))
+            .clone())
+    }
+
+    fn cached_file(&self, ino: u64) -> Option<Arc<FileData>> {
+        self.files.lock().expect("files lock").get(&ino).cloned()
+    }
+
+    fn open_flags(&self) -> FopenFlags {
+        match self.opts.cache {
+            CacheMode::None => FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
+            CacheMode::Writeback => FopenFlags::FOPEN_KEEP_CACHE,
+        }
+    }
+
+    /// Registers an open with the metadata service and returns a new handle.
+    fn open_handle(&self, a: &Attr, flags: i32) -> Result<u64, Errno> {
+        if a.kind == Kind::File {
+            self.file(a)?;
+        }
+        self.meta(MetaRequest::Open { ino: a.ino })?;
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles
+            .lock()
+            .expect("handles lock")
+            .insert(fh, flags & libc::O_APPEND != 0);
+        Ok(fh)
+    }
+
+    fn create_node(&self, req: &Request, parent: INodeNo, name: &OsStr, kind: NewKind, perm: u16) -> Result<Attr, Errno> {
+        if self.opts.read_only {
+            return Err(Errno::EROFS);
+        }
+        self.attr_of(MetaRequest::Create {
+            parent: parent.0,
+            name: name.as_bytes().to_vec(),
+            kind,
+            perm,
+            uid: req.uid(),
+            gid: req.gid(),
+        })
+    }
+
+    fn writable(&self) -> Result<(), Errno> {
+        if self.opts.read_only {
+            Err(Errno::EROFS)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Filesystem for RackFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.attr_of(MetaRequest::Lookup {
+            parent: parent.0,
+            name: name.as_bytes().to_vec(),
+        }) {
+            Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.attr_of(MetaRequest::GetAttr { ino: ino.0 }) {
+            Ok(a) => reply.attr(&self.ttl(), &file_attr(&a)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let set = SetAttr {
+            perm: mode.map(|m| (m & 0o7777) as u16),
+            uid,
+            gid,
+            size,
+            atime_ns: atime.map(to_ns),
+            mtime_ns: mtime.map(to_ns),
+        };
+        match self.attr_of(MetaRequest::SetAttr { ino: ino.0, set }) {
+            Ok(a) => {
+                if size.is_some() {
+                    if let Some(f) = self.cached_file(ino.0) {
+                        f.invalidate();
+                    }
+                }
+                reply.attr(&self.ttl(), &file_attr(&a))
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.meta(MetaRequest::ReadLink { ino: ino.0 }) {
+            Ok(ControlResponse::Target(t)) => reply.data(&t),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+        let perm = (mode & !umask & 0o7777) as u16;
+        let kind = match mode & libc::S_IFMT {
+            libc::S_IFREG | 0 => NewKind::File {
+                stripe_unit: self.opts.stripe_unit,
+            },
+            libc::S_IFIFO => NewKind::Special { kind: Kind::Fifo, rdev },
+            libc::S_IFSOCK => NewKind::Special { kind: Kind::Socket, rdev },
+            libc::S_IFCHR => NewKind::Special { kind: Kind::CharDev, rdev },
+            libc::S_IFBLK => NewKind::Special { kind: Kind::BlockDev, rdev },
+            _ => return reply.error(Errno::EINVAL),
+        };
+        match self.create_node(req, parent, name, kind, perm) {
+            Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        match self.create_node(req, parent, name, NewKind::Dir, (mode & !umask & 0o7777) as u16) {
+            Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        match self.meta(MetaRequest::Unlink {
+            parent: parent.0,
+            name: name.as_bytes().to_vec(),
+        }) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        match self.meta(MetaRequest::Rmdir {
+            parent: parent.0,
+            name: name.as_bytes().to_vec(),
+        }) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        let kind = NewKind::Symlink(target.as_os_str().as_bytes().to_vec());
+        match self.create_node(req, parent, link_name, kind, 0o777) {
+            Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let mut f = 0;
+        if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+            f |= RENAME_NOREPLACE;
+        }
+        if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+            f |= RENAME_EXCHANGE;
+        }
+        if flags.bits() & !(RenameFlags::RENAME_NOREPLACE | RenameFlags::RENAME_EXCHANGE).bits() != 0 {
+            return reply.error(Errno::EINVAL);
+        }
+        match self.meta(MetaRequest::Rename {
+            parent: parent.0,
+            name: name.as_bytes().to_vec(),
+            new_parent: newparent.0,
+            new_name: newname.as_bytes().to_vec(),
+            flags: f,
+        }) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        match self.attr_of(MetaRequest::Link {
+            ino: ino.0,
+            parent: newparent.0,
+            name: newname.as_bytes().to_vec(),
+        }) {
+            Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let f = flags.0;
+        if self.opts.read_only && f & libc::O_ACCMODE != libc::O_RDONLY {
+            return reply.error(Errno::EROFS);
+        }
+        let a = match self.attr_of(MetaRequest::GetAttr { ino: ino.0 }) {
+            Ok(a) => a,
+            Err(e) => return reply.error(e),
+        };
+        match self.open_handle(&a, f) {
+            Ok(fh) => reply.opened(FileHandle(fh), self.open_flags()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+        let kind = NewKind::File {
+            stripe_unit: self.opts.stripe_unit,
+        };
+        let a = match self.create_node(req, parent, name, kind, (mode & !umask & 0o7777) as u16) {
+            Ok(a) => a,
+            Err(e) => return reply.error(e),
+        };
+        match self.open_handle(&a, flags) {
+            Ok(fh) => reply.created(&self.ttl(), &file_attr(&a), Generation(0), FileHandle(fh), self.open_flags()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        match f.read(&self.cluster, offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let append = self.handles.lock().expect("handles lock").get(&fh.0).copied().unwrap_or(false);
+        // O_APPEND: the end of the file as the cluster knows it, not the kernel's cached size.
+        let offset = if append {
+            match f.size(&self.cluster) {
+                Ok(s) => s,
+                Err(e) => return reply.error(errno(e)),
+            }
+        } else {
+            offset
+        };
+        match f.write(&self.cluster, offset, data) {
+            Ok(()) => reply.written(data.len() as u32),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        reply.ok(); // writes are in remote memory when write() returns
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.handles.lock().expect("handles lock").remove(&fh.0);
+        match self.meta(MetaRequest::Release { ino: ino.0 }) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let mut after = offset;
+        loop {
+            let entries = match self.meta(MetaRequest::ReadDir {
+                ino: ino.0,
+                after,
+                max: 256,
+            }) {
+                Ok(ControlResponse::Entries(e)) => e,
+                Ok(_) => return reply.error(Errno::EIO),
+                Err(e) => return reply.error(e),
+            };
+            if entries.is_empty() {
+                return reply.ok();
+            }
+            for e in entries {
+                if reply.add(INodeNo(e.ino), e.cookie, kind(e.kind), OsStr::from_bytes(&e.name)) {
+                    return reply.ok();
+                }
+                after = e.cookie;
+            }
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match self.meta(MetaRequest::StatFs) {
+            Ok(ControlResponse::FsStat(s)) => {
+                reply.statfs(s.capacity / 4096, s.free / 4096, s.free / 4096, s.files, u32::MAX as u64, 4096, 255, 4096)
+            }
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(e),
+        }
+    }
+}

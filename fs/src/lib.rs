@@ -1,0 +1,15 @@
+//! The RackFS client: a FUSE filesystem whose file data lives on memory nodes and is read and
+//! written with one-sided verbs.
+//!
+//! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
+//! * [`file`]: the data path of one file (layout cache, tag checks, size CAS-max).
+//! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
+//! * [`layout`]: stripe arithmetic. [`options`]: mount options.
+
+pub mod cluster;
+pub mod file;
+pub mod fuse;
+pub mod layout;
+pub mod mount;
+pub mod options;
+pub mod up;

@@ -1,0 +1,189 @@
+//! Mounting: from a cluster address and options to a live FUSE session, in the foreground or
+//! as a background daemon that `mount` returns from once the filesystem is visible.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fuser::{Config, MountOption, SessionACL};
+use rackfs_verbs::Secret;
+use tracing::info;
+
+use crate::cluster::Cluster;
+use crate::fuse::RackFs;
+use crate::options::MountOptions;
+
+/// Whether `dir` is currently a mount point: its filesystem type and source.
+pub fn mount_type(dir: &Path) -> Option<(String, String)> {
+    let dir = std::fs::canonicalize(dir).ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        (Path::new(&unescape(f.get(4)?)) == dir).then(|| Some((f.get(sep + 1)?.to_string(), unescape(f.get(sep + 2)?))))?
+    })
+}
+
+/// Whether `dir` is a RackFS mount (a FUSE mount whose source is `rackfs:...`).
+pub fn is_rackfs_mount(dir: &Path) -> bool {
+    mount_type(dir).is_some_and(|(t, src)| t.starts_with("fuse") && src.starts_with("rackfs:"))
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+}
+
+/// The cluster addresses in a mount source: `HOST:PORT[,HOST:PORT...]`, `unix:PATH`.
+pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
+    let addrs: Vec<String> = source.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+    if addrs.is_empty() {
+        return Err(format!("invalid cluster address {source:?}: expected HOST:PORT[,HOST:PORT...]"));
+    }
+    for a in &addrs {
+        if a.starts_with("unix:") {
+            continue;
+        }
+        match a.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
+            _ => return Err(format!("invalid cluster address {a:?}: expected HOST:PORT or unix:PATH")),
+        }
+    }
+    Ok(addrs)
+}
+
+/// Checks the mount point before anything connects.
+pub fn check_mount_point(dir: &Path) -> Result<PathBuf, String> {
+    let meta = std::fs::metadata(dir).map_err(|e| format!("mount point {}: {e}", dir.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("mount point {} is not a directory", dir.display()));
+    }
+    if let Some((t, src)) = mount_type(dir) {
+        return Err(format!("mount point {} is busy: already mounted ({src}, {t})", dir.display()));
+    }
+    std::fs::canonicalize(dir).map_err(|e| format!("mount point {}: {e}", dir.display()))
+}
+
+/// Connects to the cluster and builds the FUSE configuration for a mount.
+pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<(RackFs, Config, PathBuf), String> {
+    let addrs = parse_source(source)?;
+    let dir = check_mount_point(dir)?;
+    let secret = Secret::from_file(&opts.secret_file)?;
+    let name = format!("mount:{}", dir.display());
+    let cluster = Cluster::connect(&addrs, secret, opts.transport, &name).map_err(|e| e.to_string())?;
+    let mut config = Config::default();
+    config.mount_options = vec![
+        MountOption::FSName(format!("rackfs:{source}")),
+        MountOption::Subtype("rackfs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+    ];
+    if opts.read_only {
+        config.mount_options.push(MountOption::RO);
+    }
+    config.acl = if opts.allow_other { SessionACL::All } else { SessionACL::Owner };
+    config.n_threads = Some(opts.threads);
+    config.clone_fd = true;
+    Ok((RackFs::new(Arc::new(cluster), opts.clone()), config, dir))
+}
+
+/// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).
+pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), String> {
+    let (fs, config, dir) = prepare(source, dir, opts)?;
+    let mut session = fuser::Session::new(fs, &dir, &config).map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+    let mut unmounter = session.unmount_callable();
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
+        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let handle = signals.handle();
+    let shown = dir.clone();
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            info!(signal = sig, mount = %shown.display(), "unmounting");
+            let _ = unmounter.unmount();
+        }
+    });
+    info!(mount = %dir.display(), %source, "mounted");
+    let r = session.run().map_err(|e| format!("FUSE session ended with an error: {e}"));
+    handle.close();
+    r
+}
+
+/// Starts `program args` as a detached daemon logging to `log`, and waits until `dir` shows up
+/// as a RackFS mount (or the daemon fails, whose log is then returned as the error).
+pub fn spawn_daemon(program: &Path, args: &[String], dir: &Path, log: &Path) -> Result<u32, String> {
+    use std::os::unix::process::CommandExt;
+    let logf = std::fs::File::create(log).map_err(|e| format!("cannot create log {}: {e}", log.display()))?;
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone().map_err(|e| e.to_string())?)
+        .stderr(logf)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", program.display()))?;
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if let Ok(Some(status)) = child.try_wait() {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+            return Err(format!("mount failed ({status}): {last}"));
+        }
+        if is_rackfs_mount(dir) {
+            return Ok(child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    Err(format!("mount did not appear within 20 s; see {}", log.display()))
+}
+
+/// Where `rackfs` keeps runtime state (logs, `rackfs up` instances).
+pub fn state_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/run/rackfs");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => Path::new(&d).join("rackfs"),
+        // SAFETY: as above.
+        None => std::env::temp_dir().join(format!("rackfs-{}", unsafe { libc::geteuid() })),
+    }
+}
+
+/// A file-name-safe rendering of a path.
+pub fn path_tag(p: &Path) -> String {
+    let s: String = p
+        .display()
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    s.trim_matches('-').to_string()
+}
+
+/// `rackfs mount` / `mount.rackfs`: mount in the foreground, or daemonize by re-running
+/// `program` with `foreground_args` and wait for the mount to appear.
+pub fn mount_command(
+    source: &str,
+    dir: &Path,
+    opts_text: &str,
+    foreground: bool,
+    program: &Path,
+    foreground_args: Vec<String>,
+) -> Result<(), String> {
+    let opts = MountOptions::parse(opts_text)?;
+    if foreground {
+        return run_foreground(source, dir, &opts);
+    }
+    // Fail fast, with the real reason, on what can be checked without mounting.
+    parse_source(source)?;
+    let canon = check_mount_point(dir)?;
+    Secret::from_file(&opts.secret_file)?;
+    let logs = state_dir();
+    std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+    let log = logs.join(format!("mount-{}.log", path_tag(&canon)));
+    let pid = spawn_daemon(program, &foreground_args, &canon, &log)?;
+    println!("mounted {source} on {} (pid {pid}, log {})", canon.display(), log.display());
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! Mount options: what `-o` accepts, with a clear error for anything else.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rackfs_memnode::size::parse_size;
+
+/// Which transport a mount uses to reach memory nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// shm where the node's socket is on this host, tcp elsewhere.
+    Auto,
+    Shm,
+    Tcp,
+}
+
+/// Client-side data caching.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheMode {
+    /// Direct I/O: every read and write goes to the memory nodes; other mounts see a write as
+    /// soon as `write()` returns.
+    None,
+    /// The kernel page cache keeps data between opens (`keep_cache`) and writes back lazily:
+    /// fast for one writer, but other mounts may see stale data. Single-writer workloads only.
+    Writeback,
+}
+
+/// Everything `-o` can set.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MountOptions {
+    pub secret_file: PathBuf,
+    pub transport: TransportChoice,
+    pub cache: CacheMode,
+    /// Stripe unit of files this mount creates.
+    pub stripe_unit: u64,
+    pub threads: usize,
+    pub allow_other: bool,
+    pub read_only: bool,
+    /// How long the kernel may cache attributes and names.
+    pub attr_timeout: Duration,
+    /// Options accepted for compatibility with mount(8)/fstab and ignored.
+    pub ignored: Vec<String>,
+}
+
+pub const DEFAULT_SECRET_FILE: &str = "/etc/rackfs/secret";
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            secret_file: PathBuf::from(DEFAULT_SECRET_FILE),
+            transport: TransportChoice::Auto,
+            cache: CacheMode::None,
+            stripe_unit: 1 << 20,
+            threads: 4,
+            allow_other: false,
+            read_only: false,
+            attr_timeout: Duration::from_secs(1),
+            ignored: Vec::new(),
+        }
+    }
+}
+
+/// Options mount(8) and fstab pass that mean nothing to RackFS.
+const IGNORED: &[&str] = &[
+    "_netdev", "defaults", "auto", "noauto", "user", "nouser", "users", "rw", "nofail", "dev", "nodev", "suid",
+    "nosuid", "exec", "noexec", "atime", "noatime", "relatime", "default_permissions", "async",
+];
+
+impl MountOptions {
+    /// Parses a comma-separated option string (`-o` syntax). Repeated options: the last wins.
+    pub fn parse(s: &str) -> Result<MountOptions, String> {
+        let mut o = MountOptions::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (key, value) = match item.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (item, None),
+            };
+            fn need<'v>(key: &str, v: Option<&'v str>) -> Result<&'v str, String> {
+                v.filter(|v| !v.is_empty())
+                    .ok_or(format!("mount option {key} needs a value ({key}=...)"))
+            }
+            match key {
+                "secret_file" => o.secret_file = PathBuf::from(need(key, value)?),
+                "transport" => {
+                    o.transport = match need(key, value)? {
+                        "auto" => TransportChoice::Auto,
+                        "shm" => TransportChoice::Shm,
+                        "tcp" => TransportChoice::Tcp,
+                        v => return Err(format!("transport={v}: expected auto, shm or tcp")),
+                    }
+                }
+                "cache" => {
+                    o.cache = match need(key, value)? {
+                        "none" => CacheMode::None,
+                        "writeback" => CacheMode::Writeback,
+                        v => return Err(format!("cache={v}: expected none or writeback")),
+                    }
+                }
+                "stripe_unit" => {
+                    let v = parse_size(need(key, value)?).map_err(|e| format!("stripe_unit: {e}"))?;
+                    if v == 0 || v % 4096 != 0 || v > 64 << 20 {
+                        return Err(format!("stripe_unit={v}: must be a multiple of 4K up to 64M"));
+                    }
+                    o.stripe_unit = v;
+                }
+                "threads" => {
+                    let v = need(key, value)?;
+                    o.threads = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=64).contains(n))
+                        .ok_or(format!("threads={v}: expected a number from 1 to 64"))?;
+                }
+                "attr_timeout" => {
+                    let v = need(key, value)?;
+                    let secs: f64 = v
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| s.is_finite() && (0.0..=3600.0).contains(s))
+                        .ok_or(format!("attr_timeout={v}: expected seconds from 0 to 3600"))?;
+                    o.attr_timeout = Duration::from_secs_f64(secs);
+                }
+                "allow_other" if value.is_none() => o.allow_other = true,
+                "ro" if value.is_none() => o.read_only = true,
+                k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
+                "reservation" | "limit" | "weight" => {
+                    return Err(format!("mount option {key}: QoS is not available in this version of RackFS"));
+                }
+                _ => return Err(format!("unknown mount option {item:?}")),
+            }
+        }
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn examples() {
+        let o = MountOptions::parse("_netdev,secret_file=/s,transport=tcp,stripe_unit=4M,threads=8,allow_other,attr_timeout=0.5").unwrap();
+        assert_eq!(o.secret_file, PathBuf::from("/s"));
+        assert_eq!(o.transport, TransportChoice::Tcp);
+        assert_eq!(o.stripe_unit, 4 << 20);
+        assert_eq!(o.threads, 8);
+        assert!(o.allow_other);
+        assert_eq!(o.attr_timeout, Duration::from_millis(500));
+        assert_eq!(o.ignored, vec!["_netdev"]);
+        assert_eq!(MountOptions::parse("").unwrap(), MountOptions::default());
+        for (bad, says) in [
+            ("bogus", "unknown mount option \"bogus\""),
+            ("transport=udp", "expected auto, shm or tcp"),
+            ("stripe_unit=1000", "multiple of 4K"),
+            ("stripe_unit=12Q", "unknown unit"),
+            ("threads=0", "from 1 to 64"),
+            ("secret_file=", "needs a value"),
+            ("attr_timeout=-1", "seconds"),
+            ("cache=always", "none or writeback"),
+            ("reservation=100", "QoS is not available"),
+            ("ro=1", "unknown mount option"),
+        ] {
+            let e = MountOptions::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(s in "[a-z_=,0-9./]{0,40}") {
+            let _ = MountOptions::parse(&s);
+        }
+
+        #[test]
+        fn ignored_options_are_accepted_in_any_order(picks in proptest::collection::vec(0usize..IGNORED.len(), 0..8)) {
+            let s: Vec<&str> = picks.iter().map(|&i| IGNORED[i]).collect();
+            let o = MountOptions::parse(&s.join(",")).unwrap();
+            prop_assert_eq!(o.ignored.len(), s.len());
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! `rackfs up` / `rackfs down`: a whole local cluster and a mount, for trying RackFS out.
+//!
+//! `up` starts memory nodes as child processes (shm transport, a generated secret), mounts
+//! the filesystem in-process, prints where everything is, and runs until Ctrl-C, SIGTERM
+//! (`rackfs down`) or an external `umount`; then it unmounts, stops the nodes and removes its
+//! state. The nodes die with it even if it is killed (PR_SET_PDEATHSIG).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rackfs_memnode::size::format_size;
+use rackfs_verbs::Secret;
+
+use crate::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};
+use crate::options::{MountOptions, TransportChoice};
+
+/// Default mount point of `rackfs up`.
+pub const DEFAULT_DIR: &str = "/tmp/rackfs";
+
+pub struct UpConfig {
+    pub dir: PathBuf,
+    pub nodes: u32,
+    pub region: u64,
+    pub transport: TransportChoice,
+}
+
+/// The files of one `rackfs up` instance.
+pub fn instance_dir(mount: &Path) -> PathBuf {
+    state_dir().join(format!("up-{}", path_tag(mount)))
+}
+
+fn memnode_binary() -> PathBuf {
+    let next_to_us = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("rackfs-memnode")));
+    match next_to_us {
+        Some(p) if p.exists() => p,
+        _ => PathBuf::from("rackfs-memnode"),
+    }
+}
+
+struct NodeProc {
+    child: Child,
+    tcp: String,
+}
+
+fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, String> {
+    let secret = inst.join("secret");
+    let mut cmd = Command::new(memnode_binary());
+    cmd.args(["--listen", "127.0.0.1:0", "--region", &region.to_string(), "--node-id", &id.to_string()])
+        .arg("--name")
+        .arg(format!("mn{id}"))
+        .arg("--secret-file")
+        .arg(&secret)
+        .arg("--shm-socket")
+        .arg(inst.join(format!("mn{id}.sock")));
+    match join {
+        Some(p) => cmd.args(["--join", p]),
+        None => cmd.arg("--primary"),
+    };
+    let log = std::fs::File::create(inst.join(format!("mn{id}.log"))).map_err(|e| e.to_string())?;
+    // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e} (build it with cargo build --release)", memnode_binary().display()))?;
+    let mut line = String::new();
+    let _ = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
+    let tcp = line.split_whitespace().find_map(|w| w.strip_prefix("tcp=")).map(String::from);
+    match tcp {
+        Some(tcp) => Ok(NodeProc { child, tcp }),
+        None => {
+            let _ = child.kill();
+            let log = std::fs::read_to_string(inst.join(format!("mn{id}.log"))).unwrap_or_default();
+            Err(format!("memory node mn{id} did not start: {}", log.lines().last().unwrap_or("no output")))
+        }
+    }
+}
+
+fn stop_nodes(nodes: &mut [NodeProc]) {
+    for n in nodes.iter() {
+        // SAFETY: kill(2) on our own, not yet reaped, child.
+        unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
+    }
+    for n in nodes.iter_mut() {
+        let end = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < end && matches!(n.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = n.child.kill();
+        let _ = n.child.wait();
+    }
+}
+
+/// Whether `pid` is a live (not zombie) process.
+pub fn pid_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let exists = unsafe { libc::kill(pid, 0) == 0 };
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('Z')))
+        .unwrap_or(false);
+    exists && !zombie
+}
+
+/// Reads `key=value` lines of an instance's state file.
+pub fn read_state(inst: &Path) -> Option<Vec<(String, String)>> {
+    let text = std::fs::read_to_string(inst.join("up.state")).ok()?;
+    Some(
+        text.lines()
+            .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect(),
+    )
+}
+
+pub fn state_value(state: &[(String, String)], key: &str) -> Option<String> {
+    state.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+}
+
+/// Runs `rackfs up` in the foreground until stopped.
+pub fn up(cfg: UpConfig) -> Result<(), String> {
+    std::fs::create_dir_all(&cfg.dir).map_err(|e| format!("cannot create {}: {e}", cfg.dir.display()))?;
+    let dir = std::fs::canonicalize(&cfg.dir).map_err(|e| e.to_string())?;
+    let inst = instance_dir(&dir);
+    if let Some(pid) = read_state(&inst).and_then(|s| state_value(&s, "pid")).and_then(|p| p.parse().ok()) {
+        if pid_alive(pid) {
+            return Err(format!("RackFS is already up at {} (pid {pid}); run `rackfs down {}` first", dir.display(), dir.display()));
+        }
+    }
+    if let Some((t, src)) = mount_type(&dir) {
+        return Err(format!("{} is busy: already mounted ({src}, {t})", dir.display()));
+    }
+    let _ = std::fs::remove_dir_all(&inst);
+    std::fs::create_dir_all(&inst).map_err(|e| format!("cannot create {}: {e}", inst.display()))?;
+    std::fs::set_permissions(&inst, std::fs::Permissions::from_mode(0o700)).map_err(|e| e.to_string())?;
+    let secret_file = inst.join("secret");
+    std::fs::write(&secret_file, Secret::generate().expose()).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(|e| e.to_string())?;
+    }
+    let mut nodes: Vec<NodeProc> = Vec::new();
+    let result = (|| {
+        let primary_sock = format!("unix:{}", inst.join("mn0.sock").display());
+        for id in 0..cfg.nodes {
+            let join = (id > 0).then_some(primary_sock.as_str());
+            nodes.push(start_node(&inst, id, cfg.region, join)?);
+        }
+        let opts = MountOptions {
+            secret_file: secret_file.clone(),
+            transport: cfg.transport,
+            ..MountOptions::default()
+        };
+        let source = nodes[0].tcp.clone();
+        let (fs, config, _) = prepare(&source, &dir, &opts)?;
+        let session = fuser::spawn_mount(fs, &dir, &config).map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+        let state = format!(
+            "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
+            std::process::id(),
+            dir.display(),
+            secret_file.display(),
+            cfg.nodes
+        );
+        std::fs::write(inst.join("up.state"), state).map_err(|e| e.to_string())?;
+        println!("RackFS is up.");
+        println!("  mount point : {}", dir.display());
+        println!(
+            "  cluster     : {source} (primary mn0), {} memory node(s) x {}, transport {}",
+            cfg.nodes,
+            format_size(cfg.region),
+            match cfg.transport {
+                TransportChoice::Tcp => "tcp",
+                _ => "shm",
+            }
+        );
+        println!("  secret file : {}", secret_file.display());
+        println!("  try it      : echo hello > {}/hello && cat {}/hello && rackfs status", dir.display(), dir.display());
+        println!("  stop it     : rackfs down {}   (or Ctrl-C here)", dir.display());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        while !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            if !is_rackfs_mount(&dir) {
+                println!("{} was unmounted", dir.display());
+                break;
+            }
+            if let Some(i) = nodes.iter_mut().position(|n| !matches!(n.child.try_wait(), Ok(None))) {
+                eprintln!("memory node mn{i} exited; see {}", inst.join(format!("mn{i}.log")).display());
+                break;
+            }
+        }
+        if mount_type(&dir).is_some() {
+            let _ = session.umount_and_join();
+        }
+        Ok(())
+    })();
+    stop_nodes(&mut nodes);
+    let _ = std::fs::remove_dir_all(&inst);
+    if result.is_ok() {
+        println!("RackFS at {} is down.", dir.display());
+    }
+    result
+}
+
+/// Starts `rackfs up` in the background and returns once it is ready.
+pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let dir = std::fs::canonicalize(dir).map_err(|e| e.to_string())?;
+    let inst = instance_dir(&dir);
+    std::fs::create_dir_all(state_dir()).map_err(|e| e.to_string())?;
+    let log = state_dir().join(format!("up-{}.log", path_tag(&dir)));
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let logf = std::fs::File::create(&log).map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args(forward)
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone().map_err(|e| e.to_string())?)
+        .stderr(logf)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let end = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < end {
+        if let Ok(Some(st)) = child.try_wait() {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!("rackfs up failed ({st}): {}", text.lines().last().unwrap_or("")));
+        }
+        if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
+            print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
+            println!("  (running in the background, pid {}; log {})", child.id(), log.display());
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    Err(format!("rackfs up did not become ready within 30 s; see {}", log.display()))
+}
+
+/// Stops the `rackfs up` instance mounted at `dir`.
+pub fn down(dir: &Path) -> Result<(), String> {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let inst = instance_dir(&dir);
+    let state = read_state(&inst).ok_or_else(|| format!("no RackFS started by `rackfs up` at {}", dir.display()))?;
+    let pid: i32 = state_value(&state, "pid").and_then(|p| p.parse().ok()).ok_or("corrupt state file")?;
+    if !pid_alive(pid) {
+        let _ = std::fs::remove_dir_all(&inst);
+        return Err(format!("the rackfs up process {pid} for {} is gone; cleaned its state", dir.display()));
+    }
+    // SAFETY: sending SIGTERM to the pid recorded by `rackfs up`.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if !pid_alive(pid) || !inst.exists() {
+            while pid_alive(pid) && Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            println!("RackFS at {} is down.", dir.display());
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("rackfs up (pid {pid}) did not stop within 20 s"))
+}
