@@ -273,21 +273,29 @@ impl FileData {
             if !complete {
                 continue;
             }
-            // The record: mtime, and the size grown by CAS-max when this write extends it.
+            // The record: mtime, and the size. A write that extends what this mount believes is
+            // the size tries CAS-max at once; every write also reads the size, because another
+            // mount may have truncated the file below this mount's belief.
             let hint = self.size_hint.load(Ordering::Relaxed);
+            let size_addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
             let b = batches.entry(self.primary).or_default();
             b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
-            let cas = (end > hint).then(|| b.cas(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), hint, end));
+            let size_id = b.read(size_addr, 8);
+            let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
             let done = self.run(cl, batches)?;
             let stale: Vec<u64> = tags
                 .iter()
                 .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
                 .map(|t| t.1)
                 .collect();
-            if let Some(id) = cas {
-                let old = done[&self.primary].value(id).map_err(|_| libc::EIO)?;
-                self.grow_size(cl, hint, old, end)?;
-            }
+            let seen = match cas {
+                Some(id) => match done[&self.primary].value(id).map_err(|_| libc::EIO)? {
+                    old if old == hint => end, // our CAS won
+                    old => old,
+                },
+                None => word(done[&self.primary].data(size_id).map_err(|_| libc::EIO)?, 0),
+            };
+            self.grow_size(cl, seen, end)?;
             if !stale.is_empty() {
                 // Some data went to freed (quarantined) memory: write it again.
                 self.evict(&stale);
@@ -298,17 +306,15 @@ impl FileData {
         Err(libc::EIO)
     }
 
-    /// Finishes a CAS-max of the size to at least `end`, given a CAS(`compare` -> `end`) that
-    /// returned `old`.
-    fn grow_size(&self, cl: &Cluster, compare: u64, old: u64, end: u64) -> Result<(), i32> {
+    /// CAS-max of the size to at least `end`, starting from a last seen value.
+    fn grow_size(&self, cl: &Cluster, mut seen: u64, end: u64) -> Result<(), i32> {
         let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
         let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
-        let mut seen = if old == compare { end } else { old };
         while seen < end {
             let old = pr.qp.cas(addr, seen, end).map_err(|e| self.verbs_err(cl, self.primary, e))?;
             seen = if old == seen { end } else { old };
         }
-        self.size_hint.fetch_max(seen, Ordering::Relaxed);
+        self.size_hint.store(seen, Ordering::Relaxed);
         Ok(())
     }
 

@@ -316,3 +316,135 @@ impl Env for SimEnv {
         assert_eq!(outcome, rackfs_verbs::sim::RunOutcome::Finished);
     }
 }
+
+/// A cluster of memory-node processes: node 0 is the primary, the others join it.
+pub struct TestCluster {
+    pub nodes: Vec<Option<MemNodeProcess>>,
+    pub secret_file: PathBuf,
+    _dir: TempDir,
+}
+
+impl TestCluster {
+    /// `n` nodes of `region` each; freed file data is quarantined for 200 ms.
+    pub fn start(n: usize, region: &str) -> TestCluster {
+        let secret = Secret::generate();
+        let dir = TempDir::new("cluster");
+        let secret_file = dir.path().join("secret");
+        std::fs::write(&secret_file, secret.expose()).expect("write secret");
+        let mut nodes = Vec::new();
+        let first = MemNodeProcess::start_with(
+            region,
+            secret.clone(),
+            &["--primary", "--node-id", "0", "--name", "mn0", "--quarantine-ms", "200"],
+        );
+        let primary = first.tcp.clone();
+        nodes.push(Some(first));
+        for i in 1..n {
+            let id = i.to_string();
+            let name = format!("mn{i}");
+            nodes.push(Some(MemNodeProcess::start_with(
+                region,
+                secret.clone(),
+                &["--join", &primary, "--node-id", &id, "--name", &name, "--quarantine-ms", "200"],
+            )));
+        }
+        TestCluster { nodes, secret_file, _dir: dir }
+    }
+
+    /// The primary's TCP address (a mount source).
+    pub fn addr(&self) -> String {
+        self.nodes[0].as_ref().expect("primary running").tcp.clone()
+    }
+
+    pub fn control(&self, i: usize) -> rackfs_memnode::ControlClient {
+        self.nodes[i].as_ref().expect("node running").control()
+    }
+
+    /// SIGKILLs node `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut n) = self.nodes[i].take() {
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+        }
+    }
+}
+
+/// A real FUSE mount served by a `rackfs mount --foreground` child process.
+pub struct Mount {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub log: PathBuf,
+    _tmp: TempDir,
+}
+
+impl Mount {
+    /// Mounts `cluster` with extra `-o` options (the secret file is added).
+    pub fn new(cluster: &TestCluster, opts: &str) -> Mount {
+        Self::try_new(&cluster.addr(), &cluster.secret_file, opts).unwrap_or_else(|e| panic!("mount failed: {e}"))
+    }
+
+    pub fn try_new(source: &str, secret_file: &Path, opts: &str) -> Result<Mount, String> {
+        let tmp = TempDir::new("mnt");
+        let dir = tmp.path().join("m");
+        std::fs::create_dir(&dir).expect("mount dir");
+        let log = tmp.path().join("mount.log");
+        let mut all = format!("secret_file={}", secret_file.display());
+        if !opts.is_empty() {
+            all.push(',');
+            all.push_str(opts);
+        }
+        let child = Command::new(bin_path("rackfs"))
+            .args(["mount", "--foreground", source])
+            .arg(&dir)
+            .args(["-o", &all])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn rackfs mount");
+        let mut m = Mount { child, dir, log, _tmp: tmp };
+        let ok = wait_for(Duration::from_secs(15), || {
+            rackfs_fs::mount::is_rackfs_mount(&m.dir) || !matches!(m.child.try_wait(), Ok(None))
+        });
+        if !ok || !rackfs_fs::mount::is_rackfs_mount(&m.dir) {
+            let _ = m.child.kill();
+            return Err(std::fs::read_to_string(&m.log).unwrap_or_default());
+        }
+        Ok(m)
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let c = std::ffi::CString::new(self.dir.as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: umount2 on a NUL-terminated path we mounted; MNT_DETACH never blocks.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        let _ = wait_for(Duration::from_secs(5), || !matches!(self.child.try_wait(), Ok(None)));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A small deterministic random generator for workload tests (SplitMix64).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let seed = self.next();
+        (0..n).map(|i| (seed.wrapping_mul(i as u64 + 1) >> 24) as u8).collect()
+    }
+}

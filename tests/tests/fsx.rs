@@ -1,0 +1,156 @@
+//! fsx-style random operations on real mounts, checked against an in-memory model after every
+//! operation. A failure prints its seed; `RACKFS_FSX_SEED=N` replays just that seed.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::io::Write;
+
+use rackfs_tests::{Mount, Rng, TestCluster};
+
+const OPS: usize = 2500;
+const MAX_LEN: u64 = 160 << 10;
+const MAX_SIZE: u64 = 6 << 20;
+
+struct Handles {
+    rw: File,
+    append: File,
+}
+
+fn open(m: &Mount, create: bool) -> Handles {
+    let p = m.path("fsx.bin");
+    Handles {
+        rw: OpenOptions::new().read(true).write(true).create(create).truncate(false).open(&p).unwrap(),
+        append: OpenOptions::new().append(true).open(&p).unwrap(),
+    }
+}
+
+fn read_all_at(f: &File, off: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    while got < len {
+        let n = f.read_at(&mut buf[got..], off + got as u64).unwrap();
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    buf.truncate(got);
+    buf
+}
+
+fn check(h: &Handles, model: &[u8], off: u64, len: u64, ctx: &str) {
+    let got = read_all_at(&h.rw, off, len as usize);
+    let end = (off + len).min(model.len() as u64);
+    let want = if off >= model.len() as u64 { &[][..] } else { &model[off as usize..end as usize] };
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        panic!("{ctx}: read of {len} at {off}: got {} bytes, want {}; first difference at {first:?}", got.len(), want.len());
+    }
+    let size = h.rw.metadata().unwrap().len();
+    assert_eq!(size, model.len() as u64, "{ctx}: file size");
+}
+
+fn run(seed: u64, mounts: &[&Mount]) {
+    let mut rng = Rng(seed);
+    let handles: Vec<Handles> = mounts.iter().enumerate().map(|(i, m)| open(m, i == 0)).collect();
+    handles[0].rw.set_len(0).unwrap();
+    let mut model: Vec<u8> = Vec::new();
+    let mut log: Vec<String> = Vec::new();
+    for op in 0..OPS {
+        let h = &handles[rng.below(handles.len() as u64) as usize];
+        let size = model.len() as u64;
+        let what = rng.below(100);
+        let desc;
+        match what {
+            0..=39 => {
+                let off = rng.below(size + (256 << 10)).min(MAX_SIZE);
+                let len = 1 + rng.below(MAX_LEN);
+                let data = rng.bytes(len as usize);
+                h.rw.write_all_at(&data, off).unwrap();
+                let end = (off + len) as usize;
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[off as usize..end].copy_from_slice(&data);
+                desc = format!("write {len} at {off}");
+            }
+            40..=64 => {
+                let off = rng.below(size + 4096);
+                let len = 1 + rng.below(MAX_LEN);
+                desc = format!("read {len} at {off}");
+                log.push(desc.clone());
+                check(h, &model, off, len, &format!("seed {seed} op {op} ({desc})"));
+                continue;
+            }
+            65..=79 => {
+                let new = match rng.below(3) {
+                    0 => 0,
+                    1 => rng.below(size + 1),
+                    _ => rng.below(MAX_SIZE),
+                };
+                h.rw.set_len(new).unwrap();
+                model.resize(new as usize, 0);
+                desc = format!("truncate to {new}");
+            }
+            80..=91 => {
+                let len = 1 + rng.below(MAX_LEN / 4);
+                let data = rng.bytes(len as usize);
+                (&h.append).write_all(&data).unwrap();
+                model.extend_from_slice(&data);
+                desc = format!("append {len}");
+            }
+            _ => {
+                // A hole: a small write well past the end.
+                let off = (size + rng.below(2 << 20)).min(MAX_SIZE);
+                let n = 1 + rng.below(100) as usize;
+                let data = rng.bytes(n);
+                h.rw.write_all_at(&data, off).unwrap();
+                let end = off as usize + data.len();
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[off as usize..end].copy_from_slice(&data);
+                desc = format!("hole write {} at {off}", data.len());
+            }
+        }
+        log.push(desc.clone());
+        // Read back around what changed, from a random mount.
+        let other = &handles[rng.below(handles.len() as u64) as usize];
+        let size = model.len() as u64;
+        let off = rng.below(size + 1).saturating_sub(4096);
+        let ctx = format!("seed {seed} op {op} after {desc} (last ops: {:?})", &log[log.len().saturating_sub(5)..]);
+        check(other, &model, off, 64 << 10, &ctx);
+        if op % 250 == 249 {
+            check(other, &model, 0, size + 1, &ctx);
+        }
+    }
+    for h in &handles {
+        check(h, &model, 0, model.len() as u64 + 1, &format!("seed {seed} final"));
+    }
+}
+
+fn seeds() -> Vec<u64> {
+    match std::env::var("RACKFS_FSX_SEED") {
+        Ok(s) => vec![s.parse().expect("RACKFS_FSX_SEED is a number")],
+        Err(_) => vec![1, 2, 3],
+    }
+}
+
+#[test]
+fn fsx_one_mount() {
+    let cluster = TestCluster::start(2, "64M");
+    let m = Mount::new(&cluster, "attr_timeout=0,stripe_unit=64K");
+    for seed in seeds() {
+        run(seed, &[&m]);
+    }
+}
+
+#[test]
+fn fsx_two_mounts_taking_turns() {
+    let cluster = TestCluster::start(2, "64M");
+    let a = Mount::new(&cluster, "attr_timeout=0,stripe_unit=64K");
+    let b = Mount::new(&cluster, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    for seed in seeds() {
+        run(seed + 100, &[&a, &b]);
+    }
+}
