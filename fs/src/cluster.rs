@@ -49,7 +49,12 @@ fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
 
 impl Cluster {
     /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`).
-    pub fn connect(addrs: &[String], secret: Secret, transport: TransportChoice, name: &str) -> Result<Cluster, ConnectError> {
+    pub fn connect(
+        addrs: &[String],
+        secret: Secret,
+        transport: TransportChoice,
+        name: &str,
+    ) -> Result<Cluster, ConnectError> {
         if addrs.is_empty() {
             return Err(ConnectError::NoAddress);
         }
@@ -71,7 +76,12 @@ impl Cluster {
                 let via = match (local_socket(p, transport), &p.tcp) {
                     (Some(sock), _) => format!("unix:{sock}"),
                     (None, Some(tcp)) => tcp.clone(),
-                    (None, None) => return Err(ConnectError::Unreachable { addrs: p.name.clone(), last: "the primary has no address".into() }),
+                    (None, None) => {
+                        return Err(ConnectError::Unreachable {
+                            addrs: p.name.clone(),
+                            last: "the primary has no address".into(),
+                        })
+                    }
                 };
                 ControlClient::connect(&via, &secret, name)?
             };
@@ -112,8 +122,14 @@ impl Cluster {
             peer: format!("node {id}"),
             reason: "not in the cluster".into(),
         })?;
-        let qp = match (local_socket(&addr, self.transport), &addr.tcp, self.transport) {
-            (Some(sock), _, _) => rackfs_verbs::shm::connect(Path::new(sock), &self.secret, &self.name)?,
+        let qp = match (
+            local_socket(&addr, self.transport),
+            &addr.tcp,
+            self.transport,
+        ) {
+            (Some(sock), _, _) => {
+                rackfs_verbs::shm::connect(Path::new(sock), &self.secret, &self.name)?
+            }
             (None, _, TransportChoice::Shm) => {
                 return Err(VerbsError::Connect {
                     peer: addr.name.clone(),
@@ -128,24 +144,41 @@ impl Cluster {
                 })
             }
         };
-        let rkey = qp.regions().first().map(|r| r.rkey).ok_or_else(|| VerbsError::Protocol {
-            peer: addr.name.clone(),
-            reason: "node registered no region".into(),
-        })?;
+        let rkey = qp
+            .regions()
+            .first()
+            .map(|r| r.rkey)
+            .ok_or_else(|| VerbsError::Protocol {
+                peer: addr.name.clone(),
+                reason: "node registered no region".into(),
+            })?;
         let node = Arc::new(Node { qp, rkey });
-        self.nodes.write().expect("nodes lock").insert(id, node.clone());
+        self.nodes
+            .write()
+            .expect("nodes lock")
+            .insert(id, node.clone());
         Ok(node)
     }
 
     /// Forgets a node's connection after it failed, so the next use reconnects.
     pub fn drop_node(&self, id: u32, why: &VerbsError) {
-        if self.nodes.write().expect("nodes lock").remove(&id).is_some() {
+        if self
+            .nodes
+            .write()
+            .expect("nodes lock")
+            .remove(&id)
+            .is_some()
+        {
             warn!(node = id, error = %why, "lost a memory node; files with data there return EIO");
         }
     }
 
     /// The transport in use to node `id`, if connected.
     pub fn transport_of(&self, id: u32) -> Option<&'static str> {
-        self.nodes.read().expect("nodes lock").get(&id).map(|n| n.qp.transport())
+        self.nodes
+            .read()
+            .expect("nodes lock")
+            .get(&id)
+            .map(|n| n.qp.transport())
     }
 }

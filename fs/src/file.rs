@@ -13,9 +13,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rackfs_memnode::meta::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE, REC_MTIME, REC_SIZE};
-use rackfs_memnode::server::TAG_SPACE;
 use rackfs_memnode::control::ControlResponse;
+use rackfs_memnode::meta::{
+    FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE, REC_MTIME, REC_SIZE,
+};
+use rackfs_memnode::server::TAG_SPACE;
 use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 
 use crate::cluster::Cluster;
@@ -43,7 +45,9 @@ pub struct FileData {
 }
 
 fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn word(b: &[u8], i: usize) -> u64 {
@@ -68,7 +72,10 @@ impl FileData {
     }
 
     fn verbs_err(&self, cl: &Cluster, node: u32, e: VerbsError) -> i32 {
-        if matches!(e, VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }) {
+        if matches!(
+            e,
+            VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
+        ) {
             cl.drop_node(node, &e);
         }
         tracing::debug!(ino = self.ino, node, error = %e, "I/O failed");
@@ -78,7 +85,9 @@ impl FileData {
     /// Reads the file record (and the table entries of `wanted` stripes not cached), updating
     /// the cache. Returns the current size.
     pub fn refresh(&self, cl: &Cluster, wanted: &[u64]) -> Result<u64, i32> {
-        let p = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        let p = cl
+            .node(self.primary)
+            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
             let (table, cap) = {
                 let l = self.layout.read().expect("layout lock");
@@ -91,8 +100,12 @@ impl FileData {
                 .filter(|&&k| k < cap)
                 .map(|&k| (k, b.read(RemoteAddr::new(p.rkey, table + k * 16), 16)))
                 .collect();
-            let done = p.qp.execute(b).map_err(|e| self.verbs_err(cl, self.primary, e))?;
-            let r = done.data(rec).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            let done =
+                p.qp.execute(b)
+                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            let r = done
+                .data(rec)
+                .map_err(|e| self.verbs_err(cl, self.primary, e))?;
             let (size, ntable, ncap) = (word(r, 0), word(r, 2), word(r, 3));
             self.size_hint.store(size, Ordering::Relaxed);
             let mut l = self.layout.write().expect("layout lock");
@@ -104,7 +117,9 @@ impl FileData {
                 continue;
             }
             for (k, id) in entries {
-                let e = done.data(id).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                let e = done
+                    .data(id)
+                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
                 let (loc, tag) = (word(e, 0), word(e, 1));
                 if tag != 0 && loc != 0 {
                     l.stripes.insert(
@@ -125,13 +140,22 @@ impl FileData {
     /// Stripes of `ps` this mount has no extent for.
     fn uncached(&self, ps: &[Piece]) -> Vec<u64> {
         let l = self.layout.read().expect("layout lock");
-        let mut v: Vec<u64> = ps.iter().map(|p| p.stripe).filter(|k| !l.stripes.contains_key(k)).collect();
+        let mut v: Vec<u64> = ps
+            .iter()
+            .map(|p| p.stripe)
+            .filter(|k| !l.stripes.contains_key(k))
+            .collect();
         v.dedup();
         v
     }
 
     fn cached(&self, stripe: u64) -> Option<StripeExtent> {
-        self.layout.read().expect("layout lock").stripes.get(&stripe).copied()
+        self.layout
+            .read()
+            .expect("layout lock")
+            .stripes
+            .get(&stripe)
+            .copied()
     }
 
     fn evict(&self, stripes: &[u64]) {
@@ -142,7 +166,11 @@ impl FileData {
     }
 
     /// Posts one batch per node and waits for all; returns completions by node.
-    fn run<'a>(&self, cl: &Cluster, batches: BTreeMap<u32, Batch<'a>>) -> Result<BTreeMap<u32, Completions>, i32> {
+    fn run<'a>(
+        &self,
+        cl: &Cluster,
+        batches: BTreeMap<u32, Batch<'a>>,
+    ) -> Result<BTreeMap<u32, Completions>, i32> {
         let mut posted: Vec<(u32, Posted)> = Vec::with_capacity(batches.len());
         for (node, b) in batches {
             let n = cl.node(node).map_err(|e| self.verbs_err(cl, node, e))?;
@@ -179,30 +207,54 @@ impl FileData {
         let ps = pieces(offset, len as u64, self.unit);
         for _ in 0..MAX_ATTEMPTS {
             let missing = self.uncached(&ps);
-            let mut size = if missing.is_empty() { None } else { Some(self.refresh(cl, &missing)?) };
+            let mut size = if missing.is_empty() {
+                None
+            } else {
+                Some(self.refresh(cl, &missing)?)
+            };
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
             let mut tags: Vec<(u32, u64, u64, WrId)> = Vec::new(); // node, stripe, tag, id
             let mut reads: Vec<(usize, u32, WrId)> = Vec::new(); // piece, node, id
             for (i, p) in ps.iter().enumerate() {
-                let Some(e) = self.cached(p.stripe) else { continue }; // a hole
-                let node = cl.node(e.node).map_err(|err| self.verbs_err(cl, e.node, err))?;
+                let Some(e) = self.cached(p.stripe) else {
+                    continue;
+                }; // a hole
+                let node = cl
+                    .node(e.node)
+                    .map_err(|err| self.verbs_err(cl, e.node, err))?;
                 let b = batches.entry(e.node).or_default();
                 if !tags.iter().any(|t| t.1 == p.stripe) {
                     let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
                     tags.push((e.node, p.stripe, e.tag, id));
                 }
-                reads.push((i, e.node, b.read(RemoteAddr::new(node.rkey, e.offset + p.offset), p.len as u32)));
+                reads.push((
+                    i,
+                    e.node,
+                    b.read(
+                        RemoteAddr::new(node.rkey, e.offset + p.offset),
+                        p.len as u32,
+                    ),
+                ));
             }
             let size_id = if size.is_none() {
-                let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
-                Some(batches.entry(self.primary).or_default().read(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), 8))
+                let pr = cl
+                    .node(self.primary)
+                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                Some(
+                    batches
+                        .entry(self.primary)
+                        .or_default()
+                        .read(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), 8),
+                )
             } else {
                 None
             };
             let done = self.run(cl, batches)?;
             let stale: Vec<u64> = tags
                 .iter()
-                .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+                .filter(|(node, _, tag, id)| {
+                    done[node].data(*id).map_or(true, |d| word(d, 0) != *tag)
+                })
                 .map(|t| t.1)
                 .collect();
             if !stale.is_empty() {
@@ -237,18 +289,27 @@ impl FileData {
             return Ok(());
         }
         let ps = pieces(offset, data.len() as u64, self.unit);
-        let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        let pr = cl
+            .node(self.primary)
+            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
             let missing = self.uncached(&ps);
             if !missing.is_empty() {
                 self.refresh(cl, &missing)?;
                 for k in self.uncached(&ps) {
-                    let s = match cl.primary.meta(MetaRequest::AllocStripe { ino: self.ino, stripe: k }) {
+                    let s = match cl.primary.meta(MetaRequest::AllocStripe {
+                        ino: self.ino,
+                        stripe: k,
+                    }) {
                         Ok(ControlResponse::Stripe(s)) => s,
                         Ok(_) => return Err(libc::EIO),
                         Err(e) => return Err(e.errno()),
                     };
-                    self.layout.write().expect("layout lock").stripes.insert(k, s);
+                    self.layout
+                        .write()
+                        .expect("layout lock")
+                        .stripes
+                        .insert(k, s);
                 }
             }
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
@@ -259,7 +320,9 @@ impl FileData {
                     complete = false; // evicted by a concurrent operation: start over
                     break;
                 };
-                let node = cl.node(e.node).map_err(|err| self.verbs_err(cl, e.node, err))?;
+                let node = cl
+                    .node(e.node)
+                    .map_err(|err| self.verbs_err(cl, e.node, err))?;
                 let b = batches.entry(e.node).or_default();
                 if !tags.iter().any(|t| t.1 == p.stripe) {
                     let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
@@ -285,7 +348,9 @@ impl FileData {
             let done = self.run(cl, batches)?;
             let stale: Vec<u64> = tags
                 .iter()
-                .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+                .filter(|(node, _, tag, id)| {
+                    done[node].data(*id).map_or(true, |d| word(d, 0) != *tag)
+                })
                 .map(|t| t.1)
                 .collect();
             let seen = match cas {
@@ -308,10 +373,15 @@ impl FileData {
 
     /// CAS-max of the size to at least `end`, starting from a last seen value.
     fn grow_size(&self, cl: &Cluster, mut seen: u64, end: u64) -> Result<(), i32> {
-        let pr = cl.node(self.primary).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        let pr = cl
+            .node(self.primary)
+            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
         while seen < end {
-            let old = pr.qp.cas(addr, seen, end).map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            let old = pr
+                .qp
+                .cas(addr, seen, end)
+                .map_err(|e| self.verbs_err(cl, self.primary, e))?;
             seen = if old == seen { end } else { old };
         }
         self.size_hint.store(seen, Ordering::Relaxed);

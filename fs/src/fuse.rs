@@ -14,12 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
-    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
+    WriteFlags,
 };
 use rackfs_memnode::control::ControlResponse;
-use rackfs_memnode::meta::{Attr, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE};
+use rackfs_memnode::meta::{
+    Attr, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE,
+};
 use rackfs_memnode::RpcError;
 
 use crate::cluster::Cluster;
@@ -54,7 +57,8 @@ fn to_ns(t: TimeOrNow) -> u64 {
         TimeOrNow::SpecificTime(t) => t,
         TimeOrNow::Now => SystemTime::now(),
     };
-    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn kind(k: Kind) -> FileType {
@@ -132,7 +136,9 @@ impl RackFs {
 
     fn open_flags(&self) -> FopenFlags {
         match self.opts.cache {
-            CacheMode::None => FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
+            CacheMode::None => {
+                FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
+            }
             CacheMode::Writeback => FopenFlags::FOPEN_KEEP_CACHE,
         }
     }
@@ -151,7 +157,14 @@ impl RackFs {
         Ok(fh)
     }
 
-    fn create_node(&self, req: &Request, parent: INodeNo, name: &OsStr, kind: NewKind, perm: u16) -> Result<Attr, Errno> {
+    fn create_node(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        kind: NewKind,
+        perm: u16,
+    ) -> Result<Attr, Errno> {
         if self.opts.read_only {
             return Err(Errno::EROFS);
         }
@@ -248,16 +261,37 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
         let perm = (mode & !umask & 0o7777) as u16;
         let kind = match mode & libc::S_IFMT {
             libc::S_IFREG | 0 => NewKind::File {
                 stripe_unit: self.opts.stripe_unit,
             },
-            libc::S_IFIFO => NewKind::Special { kind: Kind::Fifo, rdev },
-            libc::S_IFSOCK => NewKind::Special { kind: Kind::Socket, rdev },
-            libc::S_IFCHR => NewKind::Special { kind: Kind::CharDev, rdev },
-            libc::S_IFBLK => NewKind::Special { kind: Kind::BlockDev, rdev },
+            libc::S_IFIFO => NewKind::Special {
+                kind: Kind::Fifo,
+                rdev,
+            },
+            libc::S_IFSOCK => NewKind::Special {
+                kind: Kind::Socket,
+                rdev,
+            },
+            libc::S_IFCHR => NewKind::Special {
+                kind: Kind::CharDev,
+                rdev,
+            },
+            libc::S_IFBLK => NewKind::Special {
+                kind: Kind::BlockDev,
+                rdev,
+            },
             _ => return reply.error(Errno::EINVAL),
         };
         match self.create_node(req, parent, name, kind, perm) {
@@ -266,8 +300,22 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
-        match self.create_node(req, parent, name, NewKind::Dir, (mode & !umask & 0o7777) as u16) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        match self.create_node(
+            req,
+            parent,
+            name,
+            NewKind::Dir,
+            (mode & !umask & 0o7777) as u16,
+        ) {
             Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
             Err(e) => reply.error(e),
         }
@@ -299,7 +347,14 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
         let kind = NewKind::Symlink(target.as_os_str().as_bytes().to_vec());
         match self.create_node(req, parent, link_name, kind, 0o777) {
             Ok(a) => reply.entry(&self.ttl(), &file_attr(&a), Generation(0)),
@@ -327,7 +382,9 @@ impl Filesystem for RackFs {
         if flags.contains(RenameFlags::RENAME_EXCHANGE) {
             f |= RENAME_EXCHANGE;
         }
-        if flags.bits() & !(RenameFlags::RENAME_NOREPLACE | RenameFlags::RENAME_EXCHANGE).bits() != 0 {
+        if flags.bits() & !(RenameFlags::RENAME_NOREPLACE | RenameFlags::RENAME_EXCHANGE).bits()
+            != 0
+        {
             return reply.error(Errno::EINVAL);
         }
         match self.meta(MetaRequest::Rename {
@@ -342,7 +399,14 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         if let Err(e) = self.writable() {
             return reply.error(e);
         }
@@ -371,7 +435,16 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
         let kind = NewKind::File {
             stripe_unit: self.opts.stripe_unit,
         };
@@ -380,7 +453,13 @@ impl Filesystem for RackFs {
             Err(e) => return reply.error(e),
         };
         match self.open_handle(&a, flags) {
-            Ok(fh) => reply.created(&self.ttl(), &file_attr(&a), Generation(0), FileHandle(fh), self.open_flags()),
+            Ok(fh) => reply.created(
+                &self.ttl(),
+                &file_attr(&a),
+                Generation(0),
+                FileHandle(fh),
+                self.open_flags(),
+            ),
             Err(e) => reply.error(e),
         }
     }
@@ -423,7 +502,13 @@ impl Filesystem for RackFs {
         let Some(f) = self.cached_file(ino.0) else {
             return reply.error(Errno::EBADF);
         };
-        let append = self.handles.lock().expect("handles lock").get(&fh.0).copied().unwrap_or(false);
+        let append = self
+            .handles
+            .lock()
+            .expect("handles lock")
+            .get(&fh.0)
+            .copied()
+            .unwrap_or(false);
         // O_APPEND: the end of the file as the cluster knows it, not the kernel's cached size.
         let offset = if append {
             match f.size(&self.cluster) {
@@ -439,11 +524,25 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         reply.ok(); // writes are in remote memory when write() returns
     }
 
-    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         reply.ok();
     }
 
@@ -464,7 +563,14 @@ impl Filesystem for RackFs {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let mut after = offset;
         loop {
             let entries = match self.meta(MetaRequest::ReadDir {
@@ -480,7 +586,12 @@ impl Filesystem for RackFs {
                 return reply.ok();
             }
             for e in entries {
-                if reply.add(INodeNo(e.ino), e.cookie, kind(e.kind), OsStr::from_bytes(&e.name)) {
+                if reply.add(
+                    INodeNo(e.ino),
+                    e.cookie,
+                    kind(e.kind),
+                    OsStr::from_bytes(&e.name),
+                ) {
                     return reply.ok();
                 }
                 after = e.cookie;
@@ -490,9 +601,16 @@ impl Filesystem for RackFs {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         match self.meta(MetaRequest::StatFs) {
-            Ok(ControlResponse::FsStat(s)) => {
-                reply.statfs(s.capacity / 4096, s.free / 4096, s.free / 4096, s.files, u32::MAX as u64, 4096, 255, 4096)
-            }
+            Ok(ControlResponse::FsStat(s)) => reply.statfs(
+                s.capacity / 4096,
+                s.free / 4096,
+                s.free / 4096,
+                s.files,
+                u32::MAX as u64,
+                4096,
+                255,
+                4096,
+            ),
             Ok(_) => reply.error(Errno::EIO),
             Err(e) => reply.error(e),
         }

@@ -12,7 +12,11 @@ use rackfs_memnode::size::{format_size, parse_size};
 use rackfs_verbs::{Opcode, Secret};
 
 #[derive(Parser)]
-#[command(name = "rackfs", version, about = "RackFS: a POSIX filesystem in disaggregated memory")]
+#[command(
+    name = "rackfs",
+    version,
+    about = "RackFS: a POSIX filesystem in disaggregated memory"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -68,7 +72,10 @@ enum Cmd {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,rackfs=info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,rackfs=info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().cmd {
@@ -96,7 +103,11 @@ fn main() -> ExitCode {
                     dir,
                     nodes,
                     region,
-                    transport: if transport == "tcp" { TransportChoice::Tcp } else { TransportChoice::Auto },
+                    transport: if transport == "tcp" {
+                        TransportChoice::Tcp
+                    } else {
+                        TransportChoice::Auto
+                    },
                 })
             }
         }
@@ -118,7 +129,10 @@ fn main() -> ExitCode {
             ];
             mount_command(&source, &dir, &options, foreground, &exe, fwd)
         }
-        Cmd::Status { cluster, secret_file } => status(cluster, secret_file),
+        Cmd::Status {
+            cluster,
+            secret_file,
+        } => status(cluster, secret_file),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -131,7 +145,10 @@ fn main() -> ExitCode {
 
 fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let ours: Vec<&str> = mounts.lines().filter(|l| l.starts_with("rackfs:")).collect();
+    let ours: Vec<&str> = mounts
+        .lines()
+        .filter(|l| l.starts_with("rackfs:"))
+        .collect();
     println!("mounts:");
     if ours.is_empty() {
         println!("  (none)");
@@ -146,7 +163,9 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
     } else if let Ok(rd) = std::fs::read_dir(state_dir()) {
         for e in rd.flatten() {
             if let Some(s) = read_state(&e.path()) {
-                if let (Some(p), Some(f)) = (state_value(&s, "primary"), state_value(&s, "secret_file")) {
+                if let (Some(p), Some(f)) =
+                    (state_value(&s, "primary"), state_value(&s, "secret_file"))
+                {
                     clusters.push((p, PathBuf::from(f)));
                 }
             }
@@ -154,13 +173,25 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
     }
     for (addr, secret_file) in clusters {
         let secret = Secret::from_file(&secret_file)?;
-        let c = ControlClient::connect(&addr, &secret, "rackfs-status").map_err(|e| e.to_string())?;
+        let c =
+            ControlClient::connect(&addr, &secret, "rackfs-status").map_err(|e| e.to_string())?;
         let info = c.cluster().map_err(|e| e.to_string())?;
         println!("cluster {addr} (primary {}):", info.primary.name);
-        println!("  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}", "node", "address", "capacity", "used", "quarantine", "verbs", "bytes", "ctl rpcs");
+        println!(
+            "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
+            "node", "address", "capacity", "used", "quarantine", "verbs", "bytes", "ctl rpcs"
+        );
         for n in &info.nodes {
-            let target = n.tcp.clone().unwrap_or_else(|| format!("unix:{}", n.shm.clone().unwrap_or_default()));
-            match ControlClient::connect(&target, &secret, "rackfs-status").and_then(|c| c.stats().map_err(|e| rackfs_verbs::VerbsError::Protocol { peer: target.clone(), reason: e.to_string() })) {
+            let target = n
+                .tcp
+                .clone()
+                .unwrap_or_else(|| format!("unix:{}", n.shm.clone().unwrap_or_default()));
+            match ControlClient::connect(&target, &secret, "rackfs-status").and_then(|c| {
+                c.stats().map_err(|e| rackfs_verbs::VerbsError::Protocol {
+                    peer: target.clone(),
+                    reason: e.to_string(),
+                })
+            }) {
                 Ok(s) => println!(
                     "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
                     n.name,
@@ -176,7 +207,10 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
             }
         }
         let s = c.stats().map_err(|e| e.to_string())?;
-        let by_op: Vec<String> = Opcode::ALL.iter().map(|o| format!("{}={}", o.name(), s.verbs.ops[o.index()])).collect();
+        let by_op: Vec<String> = Opcode::ALL
+            .iter()
+            .map(|o| format!("{}={}", o.name(), s.verbs.ops[o.index()]))
+            .collect();
         println!("  primary verbs by opcode: {}", by_op.join(" "));
     }
     Ok(())

@@ -21,7 +21,8 @@ pub fn mount_type(dir: &Path) -> Option<(String, String)> {
     info.lines().rev().find_map(|l| {
         let f: Vec<&str> = l.split(' ').collect();
         let sep = f.iter().position(|x| *x == "-")?;
-        (Path::new(&unescape(f.get(4)?)) == dir).then(|| Some((f.get(sep + 1)?.to_string(), unescape(f.get(sep + 2)?))))?
+        (Path::new(&unescape(f.get(4)?)) == dir)
+            .then(|| Some((f.get(sep + 1)?.to_string(), unescape(f.get(sep + 2)?))))?
     })
 }
 
@@ -31,14 +32,24 @@ pub fn is_rackfs_mount(dir: &Path) -> bool {
 }
 
 fn unescape(s: &str) -> String {
-    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
 }
 
 /// The cluster addresses in a mount source: `HOST:PORT[,HOST:PORT...]`, `unix:PATH`.
 pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
-    let addrs: Vec<String> = source.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+    let addrs: Vec<String> = source
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
     if addrs.is_empty() {
-        return Err(format!("invalid cluster address {source:?}: expected HOST:PORT[,HOST:PORT...]"));
+        return Err(format!(
+            "invalid cluster address {source:?}: expected HOST:PORT[,HOST:PORT...]"
+        ));
     }
     for a in &addrs {
         if a.starts_with("unix:") {
@@ -46,7 +57,11 @@ pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
         }
         match a.rsplit_once(':') {
             Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
-            _ => return Err(format!("invalid cluster address {a:?}: expected HOST:PORT or unix:PATH")),
+            _ => {
+                return Err(format!(
+                    "invalid cluster address {a:?}: expected HOST:PORT or unix:PATH"
+                ))
+            }
         }
     }
     Ok(addrs)
@@ -59,18 +74,26 @@ pub fn check_mount_point(dir: &Path) -> Result<PathBuf, String> {
         return Err(format!("mount point {} is not a directory", dir.display()));
     }
     if let Some((t, src)) = mount_type(dir) {
-        return Err(format!("mount point {} is busy: already mounted ({src}, {t})", dir.display()));
+        return Err(format!(
+            "mount point {} is busy: already mounted ({src}, {t})",
+            dir.display()
+        ));
     }
     std::fs::canonicalize(dir).map_err(|e| format!("mount point {}: {e}", dir.display()))
 }
 
 /// Connects to the cluster and builds the FUSE configuration for a mount.
-pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<(RackFs, Config, PathBuf), String> {
+pub fn prepare(
+    source: &str,
+    dir: &Path,
+    opts: &MountOptions,
+) -> Result<(RackFs, Config, PathBuf), String> {
     let addrs = parse_source(source)?;
     let dir = check_mount_point(dir)?;
     let secret = Secret::from_file(&opts.secret_file)?;
     let name = format!("mount:{}", dir.display());
-    let cluster = Cluster::connect(&addrs, secret, opts.transport, &name).map_err(|e| e.to_string())?;
+    let cluster =
+        Cluster::connect(&addrs, secret, opts.transport, &name).map_err(|e| e.to_string())?;
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(format!("rackfs:{source}")),
@@ -82,7 +105,11 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<(RackFs,
     if opts.read_only {
         config.mount_options.push(MountOption::RO);
     }
-    config.acl = if opts.allow_other { SessionACL::All } else { SessionACL::Owner };
+    config.acl = if opts.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
     config.n_threads = Some(opts.threads);
     config.clone_fd = true;
     Ok((RackFs::new(Arc::new(cluster), opts.clone()), config, dir))
@@ -91,10 +118,12 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<(RackFs,
 /// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).
 pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), String> {
     let (fs, config, dir) = prepare(source, dir, opts)?;
-    let mut session = fuser::Session::new(fs, &dir, &config).map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+    let mut session = fuser::Session::new(fs, &dir, &config)
+        .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
     let mut unmounter = session.unmount_callable();
-    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
-        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
+            .map_err(|e| format!("cannot install signal handlers: {e}"))?;
     let handle = signals.handle();
     let shown = dir.clone();
     std::thread::spawn(move || {
@@ -104,16 +133,24 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         }
     });
     info!(mount = %dir.display(), %source, "mounted");
-    let r = session.run().map_err(|e| format!("FUSE session ended with an error: {e}"));
+    let r = session
+        .run()
+        .map_err(|e| format!("FUSE session ended with an error: {e}"));
     handle.close();
     r
 }
 
 /// Starts `program args` as a detached daemon logging to `log`, and waits until `dir` shows up
 /// as a RackFS mount (or the daemon fails, whose log is then returned as the error).
-pub fn spawn_daemon(program: &Path, args: &[String], dir: &Path, log: &Path) -> Result<u32, String> {
+pub fn spawn_daemon(
+    program: &Path,
+    args: &[String],
+    dir: &Path,
+    log: &Path,
+) -> Result<u32, String> {
     use std::os::unix::process::CommandExt;
-    let logf = std::fs::File::create(log).map_err(|e| format!("cannot create log {}: {e}", log.display()))?;
+    let logf = std::fs::File::create(log)
+        .map_err(|e| format!("cannot create log {}: {e}", log.display()))?;
     let mut child = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
@@ -126,7 +163,11 @@ pub fn spawn_daemon(program: &Path, args: &[String], dir: &Path, log: &Path) -> 
     while Instant::now() < end {
         if let Ok(Some(status)) = child.try_wait() {
             let text = std::fs::read_to_string(log).unwrap_or_default();
-            let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+            let last = text
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no output");
             return Err(format!("mount failed ({status}): {last}"));
         }
         if is_rackfs_mount(dir) {
@@ -135,7 +176,10 @@ pub fn spawn_daemon(program: &Path, args: &[String], dir: &Path, log: &Path) -> 
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = child.kill();
-    Err(format!("mount did not appear within 20 s; see {}", log.display()))
+    Err(format!(
+        "mount did not appear within 20 s; see {}",
+        log.display()
+    ))
 }
 
 /// Where `rackfs` keeps runtime state (logs, `rackfs up` instances).
@@ -184,6 +228,10 @@ pub fn mount_command(
     std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
     let log = logs.join(format!("mount-{}.log", path_tag(&canon)));
     let pid = spawn_daemon(program, &foreground_args, &canon, &log)?;
-    println!("mounted {source} on {} (pid {pid}, log {})", canon.display(), log.display());
+    println!(
+        "mounted {source} on {} (pid {pid}, log {})",
+        canon.display(),
+        log.display()
+    );
     Ok(())
 }

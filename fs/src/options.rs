@@ -62,8 +62,26 @@ impl Default for MountOptions {
 
 /// Options mount(8) and fstab pass that mean nothing to RackFS.
 const IGNORED: &[&str] = &[
-    "_netdev", "defaults", "auto", "noauto", "user", "nouser", "users", "rw", "nofail", "dev", "nodev", "suid",
-    "nosuid", "exec", "noexec", "atime", "noatime", "relatime", "default_permissions", "async",
+    "_netdev",
+    "defaults",
+    "auto",
+    "noauto",
+    "user",
+    "nouser",
+    "users",
+    "rw",
+    "nofail",
+    "dev",
+    "nodev",
+    "suid",
+    "nosuid",
+    "exec",
+    "noexec",
+    "atime",
+    "noatime",
+    "relatime",
+    "default_permissions",
+    "async",
 ];
 
 impl MountOptions {
@@ -97,9 +115,12 @@ impl MountOptions {
                     }
                 }
                 "stripe_unit" => {
-                    let v = parse_size(need(key, value)?).map_err(|e| format!("stripe_unit: {e}"))?;
-                    if v == 0 || v % 4096 != 0 || v > 64 << 20 {
-                        return Err(format!("stripe_unit={v}: must be a multiple of 4K up to 64M"));
+                    let v =
+                        parse_size(need(key, value)?).map_err(|e| format!("stripe_unit: {e}"))?;
+                    if v == 0 || !v.is_multiple_of(4096) || v > 64 << 20 {
+                        return Err(format!(
+                            "stripe_unit={v}: must be a multiple of 4K up to 64M"
+                        ));
                     }
                     o.stripe_unit = v;
                 }
@@ -124,7 +145,9 @@ impl MountOptions {
                 "ro" if value.is_none() => o.read_only = true,
                 k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
                 "reservation" | "limit" | "weight" => {
-                    return Err(format!("mount option {key}: QoS is not available in this version of RackFS"));
+                    return Err(format!(
+                        "mount option {key}: QoS is not available in this version of RackFS"
+                    ));
                 }
                 _ => return Err(format!("unknown mount option {item:?}")),
             }

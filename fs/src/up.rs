@@ -53,13 +53,20 @@ struct NodeProc {
 fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, String> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
-    cmd.args(["--listen", "127.0.0.1:0", "--region", &region.to_string(), "--node-id", &id.to_string()])
-        .arg("--name")
-        .arg(format!("mn{id}"))
-        .arg("--secret-file")
-        .arg(&secret)
-        .arg("--shm-socket")
-        .arg(inst.join(format!("mn{id}.sock")));
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--region",
+        &region.to_string(),
+        "--node-id",
+        &id.to_string(),
+    ])
+    .arg("--name")
+    .arg(format!("mn{id}"))
+    .arg("--secret-file")
+    .arg(&secret)
+    .arg("--shm-socket")
+    .arg(inst.join(format!("mn{id}.sock")));
     match join {
         Some(p) => cmd.args(["--join", p]),
         None => cmd.arg("--primary"),
@@ -78,16 +85,27 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .map_err(|e| format!("cannot start {}: {e} (build it with cargo build --release)", memnode_binary().display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot start {}: {e} (build it with cargo build --release)",
+                memnode_binary().display()
+            )
+        })?;
     let mut line = String::new();
     let _ = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
-    let tcp = line.split_whitespace().find_map(|w| w.strip_prefix("tcp=")).map(String::from);
+    let tcp = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("tcp="))
+        .map(String::from);
     match tcp {
         Some(tcp) => Ok(NodeProc { child, tcp }),
         None => {
             let _ = child.kill();
             let log = std::fs::read_to_string(inst.join(format!("mn{id}.log"))).unwrap_or_default();
-            Err(format!("memory node mn{id} did not start: {}", log.lines().last().unwrap_or("no output")))
+            Err(format!(
+                "memory node mn{id} did not start: {}",
+                log.lines().last().unwrap_or("no output")
+            ))
         }
     }
 }
@@ -123,7 +141,10 @@ pub fn read_state(inst: &Path) -> Option<Vec<(String, String)>> {
     let text = std::fs::read_to_string(inst.join("up.state")).ok()?;
     Some(
         text.lines()
-            .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+            .filter_map(|l| {
+                l.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+            })
             .collect(),
     )
 }
@@ -134,23 +155,36 @@ pub fn state_value(state: &[(String, String)], key: &str) -> Option<String> {
 
 /// Runs `rackfs up` in the foreground until stopped.
 pub fn up(cfg: UpConfig) -> Result<(), String> {
-    std::fs::create_dir_all(&cfg.dir).map_err(|e| format!("cannot create {}: {e}", cfg.dir.display()))?;
+    std::fs::create_dir_all(&cfg.dir)
+        .map_err(|e| format!("cannot create {}: {e}", cfg.dir.display()))?;
     let dir = std::fs::canonicalize(&cfg.dir).map_err(|e| e.to_string())?;
     let inst = instance_dir(&dir);
-    if let Some(pid) = read_state(&inst).and_then(|s| state_value(&s, "pid")).and_then(|p| p.parse().ok()) {
+    if let Some(pid) = read_state(&inst)
+        .and_then(|s| state_value(&s, "pid"))
+        .and_then(|p| p.parse().ok())
+    {
         if pid_alive(pid) {
-            return Err(format!("RackFS is already up at {} (pid {pid}); run `rackfs down {}` first", dir.display(), dir.display()));
+            return Err(format!(
+                "RackFS is already up at {} (pid {pid}); run `rackfs down {}` first",
+                dir.display(),
+                dir.display()
+            ));
         }
     }
     if let Some((t, src)) = mount_type(&dir) {
-        return Err(format!("{} is busy: already mounted ({src}, {t})", dir.display()));
+        return Err(format!(
+            "{} is busy: already mounted ({src}, {t})",
+            dir.display()
+        ));
     }
     let _ = std::fs::remove_dir_all(&inst);
     std::fs::create_dir_all(&inst).map_err(|e| format!("cannot create {}: {e}", inst.display()))?;
-    std::fs::set_permissions(&inst, std::fs::Permissions::from_mode(0o700)).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&inst, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| e.to_string())?;
     let secret_file = inst.join("secret");
     std::fs::write(&secret_file, Secret::generate().expose()).map_err(|e| e.to_string())?;
-    std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| e.to_string())?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
@@ -170,7 +204,8 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
         };
         let source = nodes[0].tcp.clone();
         let (fs, config, _) = prepare(&source, &dir, &opts)?;
-        let session = fuser::spawn_mount(fs, &dir, &config).map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+        let session = fuser::spawn_mount(fs, &dir, &config)
+            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
             std::process::id(),
@@ -191,8 +226,15 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
             }
         );
         println!("  secret file : {}", secret_file.display());
-        println!("  try it      : echo hello > {}/hello && cat {}/hello && rackfs status", dir.display(), dir.display());
-        println!("  stop it     : rackfs down {}   (or Ctrl-C here)", dir.display());
+        println!(
+            "  try it      : echo hello > {}/hello && cat {}/hello && rackfs status",
+            dir.display(),
+            dir.display()
+        );
+        println!(
+            "  stop it     : rackfs down {}   (or Ctrl-C here)",
+            dir.display()
+        );
         use std::io::Write;
         let _ = std::io::stdout().flush();
         while !stop.load(Ordering::Relaxed) {
@@ -201,8 +243,14 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
                 println!("{} was unmounted", dir.display());
                 break;
             }
-            if let Some(i) = nodes.iter_mut().position(|n| !matches!(n.child.try_wait(), Ok(None))) {
-                eprintln!("memory node mn{i} exited; see {}", inst.join(format!("mn{i}.log")).display());
+            if let Some(i) = nodes
+                .iter_mut()
+                .position(|n| !matches!(n.child.try_wait(), Ok(None)))
+            {
+                eprintln!(
+                    "memory node mn{i} exited; see {}",
+                    inst.join(format!("mn{i}.log")).display()
+                );
                 break;
             }
         }
@@ -240,28 +288,48 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), String> {
     while Instant::now() < end {
         if let Ok(Some(st)) = child.try_wait() {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!("rackfs up failed ({st}): {}", text.lines().last().unwrap_or("")));
+            return Err(format!(
+                "rackfs up failed ({st}): {}",
+                text.lines().last().unwrap_or("")
+            ));
         }
         if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
             print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
-            println!("  (running in the background, pid {}; log {})", child.id(), log.display());
+            println!(
+                "  (running in the background, pid {}; log {})",
+                child.id(),
+                log.display()
+            );
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = child.kill();
-    Err(format!("rackfs up did not become ready within 30 s; see {}", log.display()))
+    Err(format!(
+        "rackfs up did not become ready within 30 s; see {}",
+        log.display()
+    ))
 }
 
 /// Stops the `rackfs up` instance mounted at `dir`.
 pub fn down(dir: &Path) -> Result<(), String> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let inst = instance_dir(&dir);
-    let state = read_state(&inst).ok_or_else(|| format!("no RackFS started by `rackfs up` at {}", dir.display()))?;
-    let pid: i32 = state_value(&state, "pid").and_then(|p| p.parse().ok()).ok_or("corrupt state file")?;
+    let state = read_state(&inst)
+        .ok_or_else(|| format!("no RackFS started by `rackfs up` at {}", dir.display()))?;
+    let pid: i32 = state_value(&state, "pid")
+        .and_then(|p| p.parse().ok())
+        .ok_or("corrupt state file")?;
     if !pid_alive(pid) {
+        // It was killed: its nodes died with it (PDEATHSIG); detach the dead mount.
+        if mount_type(&dir).is_some() {
+            let _ = Command::new("umount").arg("-l").arg(&dir).status();
+        }
         let _ = std::fs::remove_dir_all(&inst);
-        return Err(format!("the rackfs up process {pid} for {} is gone; cleaned its state", dir.display()));
+        return Err(format!(
+            "the rackfs up process {pid} for {} is gone; cleaned up its mount and state",
+            dir.display()
+        ));
     }
     // SAFETY: sending SIGTERM to the pid recorded by `rackfs up`.
     unsafe { libc::kill(pid, libc::SIGTERM) };

@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::meta::{Attr, DirEntry, MetaRequest, StripeExtent};
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 8] = ["ping", "stats", "alloc", "free", "cluster", "join", "zero", "meta"];
+pub const RPC_KINDS: [&str; 8] = [
+    "ping", "stats", "alloc", "free", "cluster", "join", "zero", "meta",
+];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlRequest {
@@ -28,15 +30,26 @@ pub enum ControlRequest {
     /// Allocate an extent of the data region. With a `tag`, the extent is a file stripe: its
     /// first 8 bytes hold the owner tag and the data starts [`crate::server::TAG_SPACE`] later;
     /// freeing it tombstones the tag and quarantines the memory before reuse.
-    Alloc { len: u64, align: u64, tag: Option<u64> },
+    Alloc {
+        len: u64,
+        align: u64,
+        tag: Option<u64>,
+    },
     /// Free the extent that starts at `offset`.
-    Free { offset: u64 },
+    Free {
+        offset: u64,
+    },
     /// The cluster's nodes (answered by every node; only the primary knows them all).
     Cluster,
     /// A node offers its region to the cluster (sent to the primary).
-    Join { node: NodeAddr },
+    Join {
+        node: NodeAddr,
+    },
     /// Zero `len` bytes at `offset` of an allocated extent (truncate's partial stripe).
-    Zero { offset: u64, len: u64 },
+    Zero {
+        offset: u64,
+        len: u64,
+    },
     /// A namespace operation (primary only).
     Meta(MetaRequest),
 }
@@ -152,15 +165,25 @@ pub enum ControlResponse {
     Ok,
     Pong,
     Stats(Box<NodeStats>),
-    Allocated { rkey: u32, region_len: u64, offset: u64, len: u64 },
-    Freed { len: u64 },
+    Allocated {
+        rkey: u32,
+        region_len: u64,
+        offset: u64,
+        len: u64,
+    },
+    Freed {
+        len: u64,
+    },
     Cluster(ClusterInfo),
     Attr(Attr),
     Entries(Vec<DirEntry>),
     Target(Vec<u8>),
     Stripe(StripeExtent),
     FsStat(FsStat),
-    Error { code: ErrorCode, message: String },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {
@@ -169,14 +192,21 @@ fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {
     b
 }
 
-fn decode<'a, T: Deserialize<'a>>(body: &'a [u8], what: &'static str) -> Result<(u64, T), WireError> {
+fn decode<'a, T: Deserialize<'a>>(
+    body: &'a [u8],
+    what: &'static str,
+) -> Result<(u64, T), WireError> {
     if body.len() < 8 {
         return Err(WireError::malformed(what, "shorter than its request id"));
     }
     let id = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
-    let (msg, rest) = postcard::take_from_bytes(&body[8..]).map_err(|e| WireError::malformed(what, e.to_string()))?;
+    let (msg, rest) = postcard::take_from_bytes(&body[8..])
+        .map_err(|e| WireError::malformed(what, e.to_string()))?;
     if !rest.is_empty() {
-        return Err(WireError::malformed(what, format!("{} trailing bytes", rest.len())));
+        return Err(WireError::malformed(
+            what,
+            format!("{} trailing bytes", rest.len()),
+        ));
     }
     Ok((id, msg))
 }
@@ -263,7 +293,11 @@ impl ControlClient {
     }
 
     /// Connects over the node's Unix socket.
-    pub fn connect_unix(path: &Path, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
+    pub fn connect_unix(
+        path: &Path,
+        secret: &Secret,
+        client_name: &str,
+    ) -> Result<Self, VerbsError> {
         let peer = format!("unix:{}", path.display());
         let io = |e: std::io::Error| VerbsError::Connect {
             peer: peer.clone(),
@@ -322,11 +356,16 @@ impl ControlClient {
         let (stream, next_id) = &mut *guard;
         let id = *next_id;
         *next_id += 1;
-        wire::write_frame(&mut stream.writer, FrameKind::ControlRequest, &req.encode(id))
-            .and_then(|_| stream.writer.flush())
-            .map_err(|e| lost(e.to_string()))?;
+        wire::write_frame(
+            &mut stream.writer,
+            FrameKind::ControlRequest,
+            &req.encode(id),
+        )
+        .and_then(|_| stream.writer.flush())
+        .map_err(|e| lost(e.to_string()))?;
         let mut body = Vec::new();
-        let kind = wire::read_frame(&mut stream.reader, &mut body).map_err(|e| lost(e.to_string()))?;
+        let kind =
+            wire::read_frame(&mut stream.reader, &mut body).map_err(|e| lost(e.to_string()))?;
         let unexpected = |what: String| RpcError::Unexpected {
             peer: self.peer.clone(),
             what,
@@ -364,7 +403,12 @@ impl ControlClient {
     }
 
     /// Allocates an extent, optionally tagged as a file stripe (see [`ControlRequest::Alloc`]).
-    pub fn alloc_tagged(&self, len: u64, align: u64, tag: Option<u64>) -> Result<(RegionInfo, u64), RpcError> {
+    pub fn alloc_tagged(
+        &self,
+        len: u64,
+        align: u64,
+        tag: Option<u64>,
+    ) -> Result<(RegionInfo, u64), RpcError> {
         match self.call(&ControlRequest::Alloc { len, align, tag })? {
             ControlResponse::Allocated {
                 rkey,

@@ -117,22 +117,66 @@ pub const RENAME_EXCHANGE: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaRequest {
-    Lookup { parent: u64, name: Vec<u8> },
-    GetAttr { ino: u64 },
-    SetAttr { ino: u64, set: SetAttr },
-    Create { parent: u64, name: Vec<u8>, kind: NewKind, perm: u16, uid: u32, gid: u32 },
-    Link { ino: u64, parent: u64, name: Vec<u8> },
-    Unlink { parent: u64, name: Vec<u8> },
-    Rmdir { parent: u64, name: Vec<u8> },
-    Rename { parent: u64, name: Vec<u8>, new_parent: u64, new_name: Vec<u8>, flags: u32 },
+    Lookup {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    GetAttr {
+        ino: u64,
+    },
+    SetAttr {
+        ino: u64,
+        set: SetAttr,
+    },
+    Create {
+        parent: u64,
+        name: Vec<u8>,
+        kind: NewKind,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+    },
+    Link {
+        ino: u64,
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Unlink {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rmdir {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rename {
+        parent: u64,
+        name: Vec<u8>,
+        new_parent: u64,
+        new_name: Vec<u8>,
+        flags: u32,
+    },
     /// Entries with cookies greater than `after`, at most `max`.
-    ReadDir { ino: u64, after: u64, max: u32 },
-    ReadLink { ino: u64 },
+    ReadDir {
+        ino: u64,
+        after: u64,
+        max: u32,
+    },
+    ReadLink {
+        ino: u64,
+    },
     /// A mount opened the file: it is kept, even unlinked, until released.
-    Open { ino: u64 },
-    Release { ino: u64 },
+    Open {
+        ino: u64,
+    },
+    Release {
+        ino: u64,
+    },
     /// Allocate stripe `stripe` of a file if it is a hole; returns its extent either way.
-    AllocStripe { ino: u64, stripe: u64 },
+    AllocStripe {
+        ino: u64,
+        stripe: u64,
+    },
     StatFs,
 }
 
@@ -156,7 +200,9 @@ fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
 }
 
 fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 struct FileState {
@@ -241,7 +287,9 @@ impl Namespace {
     /// Handles one request on behalf of client session `session`.
     pub fn handle(&mut self, session: u64, req: MetaRequest, st: &dyn Storage) -> ControlResponse {
         let r = match req {
-            MetaRequest::Lookup { parent, name } => self.lookup(parent, &name).and_then(|ino| self.attr(ino, st)),
+            MetaRequest::Lookup { parent, name } => self
+                .lookup(parent, &name)
+                .and_then(|ino| self.attr(ino, st)),
             MetaRequest::GetAttr { ino } => self.attr(ino, st),
             MetaRequest::SetAttr { ino, set } => self.setattr(ino, set, st),
             MetaRequest::Create {
@@ -253,8 +301,12 @@ impl Namespace {
                 gid,
             } => self.create(parent, &name, kind, perm, uid, gid, st),
             MetaRequest::Link { ino, parent, name } => self.link(ino, parent, &name, st),
-            MetaRequest::Unlink { parent, name } => self.remove(parent, &name, false, st).map(|_| ControlResponse::Ok),
-            MetaRequest::Rmdir { parent, name } => self.remove(parent, &name, true, st).map(|_| ControlResponse::Ok),
+            MetaRequest::Unlink { parent, name } => self
+                .remove(parent, &name, false, st)
+                .map(|_| ControlResponse::Ok),
+            MetaRequest::Rmdir { parent, name } => self
+                .remove(parent, &name, true, st)
+                .map(|_| ControlResponse::Ok),
             MetaRequest::Rename {
                 parent,
                 name,
@@ -274,7 +326,9 @@ impl Namespace {
                 self.release(session, ino, st);
                 Ok(ControlResponse::Ok)
             }
-            MetaRequest::AllocStripe { ino, stripe } => self.alloc_stripe(ino, stripe, st).map(ControlResponse::Stripe),
+            MetaRequest::AllocStripe { ino, stripe } => self
+                .alloc_stripe(ino, stripe, st)
+                .map(ControlResponse::Stripe),
             MetaRequest::StatFs => {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
@@ -310,10 +364,10 @@ impl Namespace {
     }
 
     fn dir(&self, ino: u64) -> MetaResult<&DirState> {
-        self.get(ino)?
-            .dir
-            .as_ref()
-            .map_or_else(|| err(ErrorCode::NotDir, format!("inode {ino} is not a directory")), Ok)
+        self.get(ino)?.dir.as_ref().map_or_else(
+            || err(ErrorCode::NotDir, format!("inode {ino} is not a directory")),
+            Ok,
+        )
     }
 
     fn dir_mut(&mut self, ino: u64) -> MetaResult<&mut DirState> {
@@ -333,7 +387,10 @@ impl Namespace {
         check_name(name)?;
         match d.by_name.get(name) {
             Some(c) => Ok(d.entries[c].1),
-            None => err(ErrorCode::NotFound, format!("{} not found", String::from_utf8_lossy(name))),
+            None => err(
+                ErrorCode::NotFound,
+                format!("{} not found", String::from_utf8_lossy(name)),
+            ),
         }
     }
 
@@ -389,7 +446,10 @@ impl Namespace {
     ) -> MetaResult<ControlResponse> {
         check_name(name)?;
         if self.dir(parent)?.by_name.contains_key(name) || name == b"." || name == b".." {
-            return err(ErrorCode::Exists, format!("{} exists", String::from_utf8_lossy(name)));
+            return err(
+                ErrorCode::Exists,
+                format!("{} exists", String::from_utf8_lossy(name)),
+            );
         }
         let t = now_ns();
         let ino = self.next_ino;
@@ -410,8 +470,16 @@ impl Namespace {
         };
         match kind {
             NewKind::File { stripe_unit } => {
-                if stripe_unit == 0 || stripe_unit % 4096 != 0 || stripe_unit > MAX_STRIPE_UNIT {
-                    return err(ErrorCode::Invalid, format!("stripe unit {stripe_unit} is not a multiple of 4 KiB up to 64 MiB"));
+                if stripe_unit == 0
+                    || !stripe_unit.is_multiple_of(4096)
+                    || stripe_unit > MAX_STRIPE_UNIT
+                {
+                    return err(
+                        ErrorCode::Invalid,
+                        format!(
+                            "stripe unit {stripe_unit} is not a multiple of 4 KiB up to 64 MiB"
+                        ),
+                    );
                 }
                 let (me, region) = st.local();
                 let record = st.alloc(me, RECORD_LEN, None)?;
@@ -476,21 +544,39 @@ impl Namespace {
 
     fn remove_entry(&mut self, parent: u64, name: &[u8], t: u64) -> MetaResult<u64> {
         let d = self.dir_mut(parent)?;
-        let cookie = d.by_name.remove(name).ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
-        let (_, ino) = d.entries.remove(&cookie).expect("by_name and entries agree");
+        let cookie = d
+            .by_name
+            .remove(name)
+            .ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
+        let (_, ino) = d
+            .entries
+            .remove(&cookie)
+            .expect("by_name and entries agree");
         let p = self.get_mut(parent)?;
         p.mtime = t;
         p.ctime = t;
         Ok(ino)
     }
 
-    fn link(&mut self, ino: u64, parent: u64, name: &[u8], st: &dyn Storage) -> MetaResult<ControlResponse> {
+    fn link(
+        &mut self,
+        ino: u64,
+        parent: u64,
+        name: &[u8],
+        st: &dyn Storage,
+    ) -> MetaResult<ControlResponse> {
         check_name(name)?;
         if self.get(ino)?.kind == Kind::Dir {
-            return err(ErrorCode::Permission, "hard links to directories are not allowed");
+            return err(
+                ErrorCode::Permission,
+                "hard links to directories are not allowed",
+            );
         }
         if self.dir(parent)?.by_name.contains_key(name) {
-            return err(ErrorCode::Exists, format!("{} exists", String::from_utf8_lossy(name)));
+            return err(
+                ErrorCode::Exists,
+                format!("{} exists", String::from_utf8_lossy(name)),
+            );
         }
         let t = now_ns();
         self.add_entry(parent, name, ino, t)?;
@@ -500,7 +586,13 @@ impl Namespace {
         self.attr(ino, st)
     }
 
-    fn remove(&mut self, parent: u64, name: &[u8], want_dir: bool, st: &dyn Storage) -> MetaResult<()> {
+    fn remove(
+        &mut self,
+        parent: u64,
+        name: &[u8],
+        want_dir: bool,
+        st: &dyn Storage,
+    ) -> MetaResult<()> {
         check_name(name)?;
         if name == b"." || name == b".." {
             return err(ErrorCode::Invalid, "cannot remove . or ..");
@@ -523,7 +615,9 @@ impl Namespace {
 
     /// One name of `ino` (in `parent`) went away.
     fn drop_link(&mut self, ino: u64, parent: u64, t: u64, st: &dyn Storage) {
-        let Some(i) = self.inodes.get_mut(&ino) else { return };
+        let Some(i) = self.inodes.get_mut(&ino) else {
+            return;
+        };
         i.ctime = t;
         if i.kind == Kind::Dir {
             i.nlink = 0;
@@ -538,7 +632,9 @@ impl Namespace {
 
     /// Deletes an inode with no names and no opens, returning its memory.
     fn maybe_delete(&mut self, ino: u64, st: &dyn Storage) {
-        let Some(i) = self.inodes.get(&ino) else { return };
+        let Some(i) = self.inodes.get(&ino) else {
+            return;
+        };
         if i.nlink > 0 || i.opens > 0 || ino == ROOT_INO {
             return;
         }
@@ -548,7 +644,11 @@ impl Namespace {
             for (_, s) in f.stripes {
                 let _ = st.free(s.node, s.offset - crate::server::TAG_SPACE);
             }
-            for t in f.retired_tables.into_iter().chain((f.table != 0).then_some(f.table)) {
+            for t in f
+                .retired_tables
+                .into_iter()
+                .chain((f.table != 0).then_some(f.table))
+            {
                 let _ = st.free(me, t);
             }
             let _ = st.free(me, f.record);
@@ -566,8 +666,13 @@ impl Namespace {
     ) -> MetaResult<()> {
         check_name(name)?;
         check_name(new_name)?;
-        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 || flags == RENAME_NOREPLACE | RENAME_EXCHANGE {
-            return err(ErrorCode::Invalid, format!("unsupported rename flags {flags:#x}"));
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+            || flags == RENAME_NOREPLACE | RENAME_EXCHANGE
+        {
+            return err(
+                ErrorCode::Invalid,
+                format!("unsupported rename flags {flags:#x}"),
+            );
         }
         for n in [name, new_name] {
             if n == b"." || n == b".." {
@@ -576,7 +681,11 @@ impl Namespace {
         }
         let src = self.lookup(parent, name)?;
         self.dir(new_parent)?;
-        let dst = self.dir(new_parent)?.by_name.get(new_name).map(|c| self.dir(new_parent).expect("dir").entries[c].1);
+        let dst = self
+            .dir(new_parent)?
+            .by_name
+            .get(new_name)
+            .map(|c| self.dir(new_parent).expect("dir").entries[c].1);
         if parent == new_parent && name == new_name {
             return Ok(());
         }
@@ -596,7 +705,10 @@ impl Namespace {
         }
         let t = now_ns();
         if flags & RENAME_EXCHANGE != 0 {
-            let dst = dst.ok_or((ErrorCode::NotFound, "exchange target does not exist".to_string()))?;
+            let dst = dst.ok_or((
+                ErrorCode::NotFound,
+                "exchange target does not exist".to_string(),
+            ))?;
             let dst_is_dir = self.get(dst)?.kind == Kind::Dir;
             if dst_is_dir {
                 let mut p = parent;
@@ -648,12 +760,21 @@ impl Namespace {
     /// Points an existing entry at another inode (exchange), keeping its cookie.
     fn set_entry(&mut self, parent: u64, name: &[u8], ino: u64) -> MetaResult<()> {
         let d = self.dir_mut(parent)?;
-        let c = *d.by_name.get(name).ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
+        let c = *d
+            .by_name
+            .get(name)
+            .ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
         d.entries.get_mut(&c).expect("agree").1 = ino;
         Ok(())
     }
 
-    fn reparent(&mut self, ino: u64, new_parent: u64, is_dir: bool, old_parent: u64) -> MetaResult<()> {
+    fn reparent(
+        &mut self,
+        ino: u64,
+        new_parent: u64,
+        is_dir: bool,
+        old_parent: u64,
+    ) -> MetaResult<()> {
         if is_dir && new_parent != old_parent {
             self.dir_mut(ino)?.parent = new_parent;
             self.get_mut(old_parent)?.nlink -= 1;
@@ -666,29 +787,51 @@ impl Namespace {
         let d = self.dir(ino)?;
         let mut out = Vec::new();
         if after < 1 {
-            out.push(DirEntry { cookie: 1, ino, kind: Kind::Dir, name: b".".to_vec() });
+            out.push(DirEntry {
+                cookie: 1,
+                ino,
+                kind: Kind::Dir,
+                name: b".".to_vec(),
+            });
         }
         if after < 2 {
-            out.push(DirEntry { cookie: 2, ino: d.parent, kind: Kind::Dir, name: b"..".to_vec() });
+            out.push(DirEntry {
+                cookie: 2,
+                ino: d.parent,
+                kind: Kind::Dir,
+                name: b"..".to_vec(),
+            });
         }
         for (&cookie, (name, child)) in d.entries.range(after.max(2) + 1..) {
             if out.len() >= max.max(1) as usize {
                 break;
             }
             let kind = self.inodes.get(child).map_or(Kind::File, |i| i.kind);
-            out.push(DirEntry { cookie, ino: *child, kind, name: name.clone() });
+            out.push(DirEntry {
+                cookie,
+                ino: *child,
+                kind,
+                name: name.clone(),
+            });
         }
         Ok(ControlResponse::Entries(out))
     }
 
     fn open(&mut self, session: u64, ino: u64) -> MetaResult<()> {
         self.get_mut(ino)?.opens += 1;
-        *self.sessions.entry(session).or_default().entry(ino).or_default() += 1;
+        *self
+            .sessions
+            .entry(session)
+            .or_default()
+            .entry(ino)
+            .or_default() += 1;
         Ok(())
     }
 
     fn release(&mut self, session: u64, ino: u64, st: &dyn Storage) {
-        let Some(s) = self.sessions.get_mut(&session) else { return };
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
         let Some(n) = s.get_mut(&ino) else { return };
         *n -= 1;
         if *n == 0 {
@@ -731,13 +874,23 @@ impl Namespace {
 
     fn truncate(&mut self, ino: u64, size: u64, st: &dyn Storage) -> MetaResult<()> {
         if size > MAX_FILE_SIZE {
-            return err(ErrorCode::TooBig, format!("size {size} exceeds the maximum file size {MAX_FILE_SIZE}"));
+            return err(
+                ErrorCode::TooBig,
+                format!("size {size} exceeds the maximum file size {MAX_FILE_SIZE}"),
+            );
         }
         let (_, region) = st.local();
         let t = now_ns();
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
-            return err(if i.kind == Kind::Dir { ErrorCode::IsDir } else { ErrorCode::Invalid }, "not a regular file");
+            return err(
+                if i.kind == Kind::Dir {
+                    ErrorCode::IsDir
+                } else {
+                    ErrorCode::Invalid
+                },
+                "not a regular file",
+            );
         };
         let old = read_word(region, f.record + REC_SIZE);
         write_word(region, f.record + REC_SIZE, size);
@@ -747,7 +900,7 @@ impl Namespace {
             let unit = f.stripe_unit;
             let keep = size.div_ceil(unit);
             // Zero the cut-off tail of the last kept stripe, so a later extension reads zeros.
-            if size % unit != 0 {
+            if !size.is_multiple_of(unit) {
                 if let Some(s) = f.stripes.get(&(size / unit)) {
                     st.zero(s.node, s.offset + size % unit, unit - size % unit)?;
                 }
@@ -764,7 +917,12 @@ impl Namespace {
         Ok(())
     }
 
-    fn alloc_stripe(&mut self, ino: u64, stripe: u64, st: &dyn Storage) -> MetaResult<StripeExtent> {
+    fn alloc_stripe(
+        &mut self,
+        ino: u64,
+        stripe: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<StripeExtent> {
         let tag = self.next_tag;
         let (me, region) = st.local();
         let nodes = st.data_nodes();
@@ -814,7 +972,10 @@ fn check_name(name: &[u8]) -> MetaResult<()> {
         return err(ErrorCode::Invalid, "invalid file name");
     }
     if name.len() > MAX_NAME {
-        return err(ErrorCode::NameTooLong, format!("name of {} bytes exceeds {MAX_NAME}", name.len()));
+        return err(
+            ErrorCode::NameTooLong,
+            format!("name of {} bytes exceeds {MAX_NAME}", name.len()),
+        );
     }
     Ok(())
 }

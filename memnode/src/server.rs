@@ -10,13 +10,13 @@
 //! read-only info region at start-up; everything else in the data region is written by clients
 //! through verbs, into extents the allocator handed out.
 
+use std::collections::BTreeMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,8 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::{AllocError, ExtentAllocator};
 use crate::control::{
-    ClusterInfo, ControlClient, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeAddr, NodeStats, RPC_KINDS,
+    ClusterInfo, ControlClient, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeAddr,
+    NodeStats, RPC_KINDS,
 };
 use crate::meta::{Namespace, Storage};
 
@@ -303,7 +304,13 @@ impl Shared {
             free: a.free,
             largest_free: a.largest_free,
             extents: a.extents,
-            quarantined: self.quarantine.lock().expect("quarantine lock").iter().map(|q| q.2).sum(),
+            quarantined: self
+                .quarantine
+                .lock()
+                .expect("quarantine lock")
+                .iter()
+                .map(|q| q.2)
+                .sum(),
             verbs,
             rpcs: std::array::from_fn(|i| self.rpcs[i].load(Ordering::Relaxed)),
             open: std::array::from_fn(|i| self.open[i].load(Ordering::Relaxed)),
@@ -358,19 +365,33 @@ impl Shared {
                     .containing(offset, len)
                     .is_some();
                 if !inside {
-                    return ControlResponse::error(ErrorCode::Invalid, format!("{len} bytes at {offset:#x} are not inside one allocated extent"));
+                    return ControlResponse::error(
+                        ErrorCode::Invalid,
+                        format!("{len} bytes at {offset:#x} are not inside one allocated extent"),
+                    );
                 }
-                self.data_region().discard(offset, len).expect("extent inside the region");
+                self.data_region()
+                    .discard(offset, len)
+                    .expect("extent inside the region");
                 ControlResponse::Ok
             }
             ControlRequest::Cluster => match self.cluster_info() {
                 Some(c) => ControlResponse::Cluster(c),
-                None => ControlResponse::error(ErrorCode::Unavailable, "this node has not joined a cluster"),
+                None => ControlResponse::error(
+                    ErrorCode::Unavailable,
+                    "this node has not joined a cluster",
+                ),
             },
             ControlRequest::Join { node } => self.accept_join(node),
             ControlRequest::Meta(m) => match &self.namespace {
                 Some(ns) => ns.lock().expect("namespace lock").handle(session, m, self),
-                None => ControlResponse::error(ErrorCode::NotPrimary, format!("node {} is not the primary; namespace operations go to the primary", self.cfg.name)),
+                None => ControlResponse::error(
+                    ErrorCode::NotPrimary,
+                    format!(
+                        "node {} is not the primary; namespace operations go to the primary",
+                        self.cfg.name
+                    ),
+                ),
             },
         }
     }
@@ -382,12 +403,22 @@ impl Shared {
     /// Allocates here; a tagged extent gets its tag written before it is handed out.
     fn alloc_local(&self, len: u64, align: u64, tag: Option<u64>) -> Result<u64, AllocError> {
         let (len, align) = match tag {
-            Some(_) => (len.checked_add(TAG_SPACE).ok_or_else(|| AllocError::Invalid("length overflows".into()))?, align.max(TAG_SPACE)),
+            Some(_) => (
+                len.checked_add(TAG_SPACE)
+                    .ok_or_else(|| AllocError::Invalid("length overflows".into()))?,
+                align.max(TAG_SPACE),
+            ),
             None => (len, align),
         };
-        let offset = self.allocator.lock().expect("allocator lock").alloc_tagged(len, align, tag.is_some())?;
+        let offset = self
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .alloc_tagged(len, align, tag.is_some())?;
         if let Some(t) = tag {
-            self.data_region().store(offset, t).expect("tag inside the region");
+            self.data_region()
+                .store(offset, t)
+                .expect("tag inside the region");
         }
         Ok(offset)
     }
@@ -396,15 +427,25 @@ impl Shared {
     /// and quarantined first (see [`crate::meta`]). Returns the extent's length.
     fn free_local(&self, offset: u64) -> Result<u64, AllocError> {
         let mut a = self.allocator.lock().expect("allocator lock");
-        let (len, tagged) = a.extent(offset).ok_or(AllocError::NotAllocated { offset })?;
+        let (len, tagged) = a
+            .extent(offset)
+            .ok_or(AllocError::NotAllocated { offset })?;
         if tagged {
-            self.data_region().store(offset, 0).expect("tag inside the region");
+            self.data_region()
+                .store(offset, 0)
+                .expect("tag inside the region");
             a.mark_untagged(offset);
             drop(a);
-            self.quarantine.lock().expect("quarantine lock").push((Instant::now() + self.cfg.quarantine, offset, len));
+            self.quarantine.lock().expect("quarantine lock").push((
+                Instant::now() + self.cfg.quarantine,
+                offset,
+                len,
+            ));
             Ok(len)
         } else {
-            self.data_region().discard(offset, len).expect("extent inside the region");
+            self.data_region()
+                .discard(offset, len)
+                .expect("extent inside the region");
             a.free(offset)
         }
     }
@@ -412,34 +453,72 @@ impl Shared {
     fn cluster_info(&self) -> Option<ClusterInfo> {
         let primary = self.primary.lock().expect("primary lock").clone()?;
         let mut nodes = vec![self.me.lock().expect("me lock").clone()];
-        nodes.extend(self.peers.lock().expect("peers lock").values().map(|p| p.addr.clone()));
+        nodes.extend(
+            self.peers
+                .lock()
+                .expect("peers lock")
+                .values()
+                .map(|p| p.addr.clone()),
+        );
         nodes.sort_by_key(|n| n.node_id);
         Some(ClusterInfo { primary, nodes })
     }
 
     fn accept_join(&self, node: NodeAddr) -> ControlResponse {
         if self.namespace.is_none() {
-            return ControlResponse::error(ErrorCode::NotPrimary, format!("node {} is not the primary", self.cfg.name));
+            return ControlResponse::error(
+                ErrorCode::NotPrimary,
+                format!("node {} is not the primary", self.cfg.name),
+            );
         }
         if node.node_id == self.cfg.node_id {
-            return ControlResponse::error(ErrorCode::Exists, format!("node id {} is the primary's own id", node.node_id));
+            return ControlResponse::error(
+                ErrorCode::Exists,
+                format!("node id {} is the primary's own id", node.node_id),
+            );
         }
         if let Some(p) = self.peers.lock().expect("peers lock").get(&node.node_id) {
             if p.addr.name != node.name || p.addr.tcp != node.tcp {
-                return ControlResponse::error(ErrorCode::Exists, format!("node id {} is already in the cluster as {}", node.node_id, p.addr.name));
+                return ControlResponse::error(
+                    ErrorCode::Exists,
+                    format!(
+                        "node id {} is already in the cluster as {}",
+                        node.node_id, p.addr.name
+                    ),
+                );
             }
         }
         let addr = match (&node.tcp, &node.shm) {
             (Some(t), _) => t.clone(),
             (None, Some(p)) => format!("unix:{p}"),
-            (None, None) => return ControlResponse::error(ErrorCode::Invalid, "a joining node must listen somewhere"),
+            (None, None) => {
+                return ControlResponse::error(
+                    ErrorCode::Invalid,
+                    "a joining node must listen somewhere",
+                )
+            }
         };
-        let control = match ControlClient::connect(&addr, &self.cfg.secret, &format!("primary-{}", self.cfg.name)) {
+        let control = match ControlClient::connect(
+            &addr,
+            &self.cfg.secret,
+            &format!("primary-{}", self.cfg.name),
+        ) {
             Ok(c) => Arc::new(c),
-            Err(e) => return ControlResponse::error(ErrorCode::Unavailable, format!("cannot reach joining node {} at {addr}: {e}", node.name)),
+            Err(e) => {
+                return ControlResponse::error(
+                    ErrorCode::Unavailable,
+                    format!("cannot reach joining node {} at {addr}: {e}", node.name),
+                )
+            }
         };
         info!(node = node.node_id, name = %node.name, %addr, "node joined");
-        self.peers.lock().expect("peers lock").insert(node.node_id, Peer { addr: node, control: Some(control) });
+        self.peers.lock().expect("peers lock").insert(
+            node.node_id,
+            Peer {
+                addr: node,
+                control: Some(control),
+            },
+        );
         ControlResponse::Cluster(self.cluster_info().expect("the primary knows itself"))
     }
 
@@ -449,7 +528,10 @@ impl Shared {
             .expect("peers lock")
             .get(&node)
             .and_then(|p| p.control.clone())
-            .ok_or((ErrorCode::Unavailable, format!("node {node} is not in the cluster")))
+            .ok_or((
+                ErrorCode::Unavailable,
+                format!("node {node} is not in the cluster"),
+            ))
     }
 }
 
@@ -470,18 +552,30 @@ impl Storage for Shared {
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, (ErrorCode, String)> {
         if node == self.cfg.node_id {
-            let align = if tag.is_some() { TAG_SPACE } else { crate::alloc::GRANULE };
-            return self.alloc_local(len, align, tag).map_err(|e| match alloc_error(e) {
-                ControlResponse::Error { code, message } => (code, message),
-                _ => unreachable!("alloc_error builds errors"),
-            });
+            let align = if tag.is_some() {
+                TAG_SPACE
+            } else {
+                crate::alloc::GRANULE
+            };
+            return self
+                .alloc_local(len, align, tag)
+                .map_err(|e| match alloc_error(e) {
+                    ControlResponse::Error { code, message } => (code, message),
+                    _ => unreachable!("alloc_error builds errors"),
+                });
         }
-        self.peer(node)?.alloc_tagged(len, TAG_SPACE, tag).map(|(_, off)| off).map_err(rpc_err)
+        self.peer(node)?
+            .alloc_tagged(len, TAG_SPACE, tag)
+            .map(|(_, off)| off)
+            .map_err(rpc_err)
     }
 
     fn free(&self, node: u32, offset: u64) -> Result<(), (ErrorCode, String)> {
         if node == self.cfg.node_id {
-            return self.free_local(offset).map(|_| ()).map_err(|e| (ErrorCode::Internal, e.to_string()));
+            return self
+                .free_local(offset)
+                .map(|_| ())
+                .map_err(|e| (ErrorCode::Internal, e.to_string()));
         }
         self.peer(node)?.free(offset).map(|_| ()).map_err(rpc_err)
     }
@@ -508,7 +602,13 @@ impl Storage for Shared {
         let mine = self.stats();
         s.capacity += mine.capacity;
         s.free += mine.free;
-        let peers: Vec<_> = self.peers.lock().expect("peers lock").values().filter_map(|p| p.control.clone()).collect();
+        let peers: Vec<_> = self
+            .peers
+            .lock()
+            .expect("peers lock")
+            .values()
+            .filter_map(|p| p.control.clone())
+            .collect();
         for p in peers {
             if let Ok(st) = p.stats() {
                 s.capacity += st.capacity;
@@ -521,7 +621,12 @@ impl Storage for Shared {
 
 /// Offers this node to the primary.
 fn join(shared: &Shared, addr: &str) -> Result<(), String> {
-    let c = ControlClient::connect(addr, &shared.cfg.secret, &format!("node-{}", shared.cfg.name)).map_err(|e| e.to_string())?;
+    let c = ControlClient::connect(
+        addr,
+        &shared.cfg.secret,
+        &format!("node-{}", shared.cfg.name),
+    )
+    .map_err(|e| e.to_string())?;
     let me = shared.me.lock().expect("me lock").clone();
     match c.call(&ControlRequest::Join { node: me }) {
         Ok(ControlResponse::Cluster(info)) => {
@@ -537,7 +642,9 @@ fn join(shared: &Shared, addr: &str) -> Result<(), String> {
 /// Returns quarantined extents to the allocator once their time is up, zeroed.
 fn reap_quarantine(shared: Arc<Shared>) {
     while !shared.stopping.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(100).min(shared.cfg.quarantine.max(Duration::from_millis(1))));
+        std::thread::sleep(
+            Duration::from_millis(100).min(shared.cfg.quarantine.max(Duration::from_millis(1))),
+        );
         let now = Instant::now();
         let due: Vec<_> = {
             let mut q = shared.quarantine.lock().expect("quarantine lock");
@@ -546,8 +653,16 @@ fn reap_quarantine(shared: Arc<Shared>) {
             due
         };
         for (_, offset, len) in due {
-            shared.data_region().discard(offset, len).expect("extent inside the region");
-            if let Err(e) = shared.allocator.lock().expect("allocator lock").free(offset) {
+            shared
+                .data_region()
+                .discard(offset, len)
+                .expect("extent inside the region");
+            if let Err(e) = shared
+                .allocator
+                .lock()
+                .expect("allocator lock")
+                .free(offset)
+            {
                 warn!(error = %e, "quarantined extent vanished");
             }
         }
@@ -764,12 +879,19 @@ fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), Wir
     let session = shared.next_session.fetch_add(1, Ordering::Relaxed);
     let result = serve_session(r, w, shared, session);
     if let Some(ns) = &shared.namespace {
-        ns.lock().expect("namespace lock").end_session(session, shared);
+        ns.lock()
+            .expect("namespace lock")
+            .end_session(session, shared);
     }
     result
 }
 
-fn serve_session(r: impl Read, w: impl Write, shared: &Shared, session: u64) -> Result<(), WireError> {
+fn serve_session(
+    r: impl Read,
+    w: impl Write,
+    shared: &Shared,
+    session: u64,
+) -> Result<(), WireError> {
     let mut reader = BufReader::new(r);
     let mut writer = BufWriter::new(w);
     let mut body = Vec::new();

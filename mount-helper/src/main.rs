@@ -31,7 +31,10 @@ fn parse(args: &[String]) -> Result<Invocation, String> {
             }
             "--foreground" => foreground = true,
             s if s.starts_with("-o") && s.len() > 2 => options.push(s[2..].to_string()),
-            s if s.starts_with('-') && s.len() > 1 && s[1..].chars().all(|c| "sfnvrw".contains(c)) => {
+            s if s.starts_with('-')
+                && s.len() > 1
+                && s[1..].chars().all(|c| "sfnvrw".contains(c)) =>
+            {
                 fake |= s.contains('f');
                 if s.contains('r') {
                     options.push("ro".into());
@@ -73,7 +76,14 @@ fn main() -> ExitCode {
         inv.options.clone(),
         "--foreground".into(),
     ];
-    match rackfs_fs::mount::mount_command(&inv.source, &inv.dir, &inv.options, inv.foreground, &exe, fwd) {
+    match rackfs_fs::mount::mount_command(
+        &inv.source,
+        &inv.dir,
+        &inv.options,
+        inv.foreground,
+        &exe,
+        fwd,
+    ) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mount.rackfs: {e}");
@@ -103,7 +113,9 @@ mod tests {
         assert!(parse(&args("a:1 /m -f")).unwrap().fake);
         assert!(parse(&args("a:1 /m -r")).unwrap().options.contains("ro"));
         assert!(parse(&args("a:1")).is_err());
-        assert!(parse(&args("a:1 /m -Z")).unwrap_err().contains("unknown flag"));
+        assert!(parse(&args("a:1 /m -Z"))
+            .unwrap_err()
+            .contains("unknown flag"));
         assert!(parse(&args("a:1 /m -o")).is_err());
     }
 }

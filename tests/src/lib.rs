@@ -335,7 +335,15 @@ impl TestCluster {
         let first = MemNodeProcess::start_with(
             region,
             secret.clone(),
-            &["--primary", "--node-id", "0", "--name", "mn0", "--quarantine-ms", "200"],
+            &[
+                "--primary",
+                "--node-id",
+                "0",
+                "--name",
+                "mn0",
+                "--quarantine-ms",
+                "200",
+            ],
         );
         let primary = first.tcp.clone();
         nodes.push(Some(first));
@@ -345,10 +353,23 @@ impl TestCluster {
             nodes.push(Some(MemNodeProcess::start_with(
                 region,
                 secret.clone(),
-                &["--join", &primary, "--node-id", &id, "--name", &name, "--quarantine-ms", "200"],
+                &[
+                    "--join",
+                    &primary,
+                    "--node-id",
+                    &id,
+                    "--name",
+                    &name,
+                    "--quarantine-ms",
+                    "200",
+                ],
             )));
         }
-        TestCluster { nodes, secret_file, _dir: dir }
+        TestCluster {
+            nodes,
+            secret_file,
+            _dir: dir,
+        }
     }
 
     /// The primary's TCP address (a mount source).
@@ -380,7 +401,8 @@ pub struct Mount {
 impl Mount {
     /// Mounts `cluster` with extra `-o` options (the secret file is added).
     pub fn new(cluster: &TestCluster, opts: &str) -> Mount {
-        Self::try_new(&cluster.addr(), &cluster.secret_file, opts).unwrap_or_else(|e| panic!("mount failed: {e}"))
+        Self::try_new(&cluster.addr(), &cluster.secret_file, opts)
+            .unwrap_or_else(|e| panic!("mount failed: {e}"))
     }
 
     pub fn try_new(source: &str, secret_file: &Path, opts: &str) -> Result<Mount, String> {
@@ -402,7 +424,12 @@ impl Mount {
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
             .expect("spawn rackfs mount");
-        let mut m = Mount { child, dir, log, _tmp: tmp };
+        let mut m = Mount {
+            child,
+            dir,
+            log,
+            _tmp: tmp,
+        };
         let ok = wait_for(Duration::from_secs(15), || {
             rackfs_fs::mount::is_rackfs_mount(&m.dir) || !matches!(m.child.try_wait(), Ok(None))
         });
@@ -423,7 +450,9 @@ impl Drop for Mount {
         let c = std::ffi::CString::new(self.dir.as_os_str().as_encoded_bytes()).expect("path");
         // SAFETY: umount2 on a NUL-terminated path we mounted; MNT_DETACH never blocks.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        let _ = wait_for(Duration::from_secs(5), || !matches!(self.child.try_wait(), Ok(None)));
+        let _ = wait_for(Duration::from_secs(5), || {
+            !matches!(self.child.try_wait(), Ok(None))
+        });
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -433,7 +462,7 @@ impl Drop for Mount {
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -441,10 +470,12 @@ impl Rng {
         z ^ (z >> 31)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let seed = self.next();
-        (0..n).map(|i| (seed.wrapping_mul(i as u64 + 1) >> 24) as u8).collect()
+        let seed = self.next_u64();
+        (0..n)
+            .map(|i| (seed.wrapping_mul(i as u64 + 1) >> 24) as u8)
+            .collect()
     }
 }

@@ -2,8 +2,8 @@
 //! operation. A failure prints its seed; `RACKFS_FSX_SEED=N` replays just that seed.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 
 use rackfs_tests::{Mount, Rng, TestCluster};
 
@@ -19,7 +19,13 @@ struct Handles {
 fn open(m: &Mount, create: bool) -> Handles {
     let p = m.path("fsx.bin");
     Handles {
-        rw: OpenOptions::new().read(true).write(true).create(create).truncate(false).open(&p).unwrap(),
+        rw: OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .open(&p)
+            .unwrap(),
         append: OpenOptions::new().append(true).open(&p).unwrap(),
     }
 }
@@ -41,10 +47,18 @@ fn read_all_at(f: &File, off: u64, len: usize) -> Vec<u8> {
 fn check(h: &Handles, model: &[u8], off: u64, len: u64, ctx: &str) {
     let got = read_all_at(&h.rw, off, len as usize);
     let end = (off + len).min(model.len() as u64);
-    let want = if off >= model.len() as u64 { &[][..] } else { &model[off as usize..end as usize] };
+    let want = if off >= model.len() as u64 {
+        &[][..]
+    } else {
+        &model[off as usize..end as usize]
+    };
     if got != want {
         let first = got.iter().zip(want).position(|(a, b)| a != b);
-        panic!("{ctx}: read of {len} at {off}: got {} bytes, want {}; first difference at {first:?}", got.len(), want.len());
+        panic!(
+            "{ctx}: read of {len} at {off}: got {} bytes, want {}; first difference at {first:?}",
+            got.len(),
+            want.len()
+        );
     }
     let size = h.rw.metadata().unwrap().len();
     assert_eq!(size, model.len() as u64, "{ctx}: file size");
@@ -52,7 +66,11 @@ fn check(h: &Handles, model: &[u8], off: u64, len: u64, ctx: &str) {
 
 fn run(seed: u64, mounts: &[&Mount]) {
     let mut rng = Rng(seed);
-    let handles: Vec<Handles> = mounts.iter().enumerate().map(|(i, m)| open(m, i == 0)).collect();
+    let handles: Vec<Handles> = mounts
+        .iter()
+        .enumerate()
+        .map(|(i, m)| open(m, i == 0))
+        .collect();
     handles[0].rw.set_len(0).unwrap();
     let mut model: Vec<u8> = Vec::new();
     let mut log: Vec<String> = Vec::new();
@@ -60,8 +78,7 @@ fn run(seed: u64, mounts: &[&Mount]) {
         let h = &handles[rng.below(handles.len() as u64) as usize];
         let size = model.len() as u64;
         let what = rng.below(100);
-        let desc;
-        match what {
+        let desc = match what {
             0..=39 => {
                 let off = rng.below(size + (256 << 10)).min(MAX_SIZE);
                 let len = 1 + rng.below(MAX_LEN);
@@ -72,14 +89,20 @@ fn run(seed: u64, mounts: &[&Mount]) {
                     model.resize(end, 0);
                 }
                 model[off as usize..end].copy_from_slice(&data);
-                desc = format!("write {len} at {off}");
+                format!("write {len} at {off}")
             }
             40..=64 => {
                 let off = rng.below(size + 4096);
                 let len = 1 + rng.below(MAX_LEN);
-                desc = format!("read {len} at {off}");
+                let desc = format!("read {len} at {off}");
                 log.push(desc.clone());
-                check(h, &model, off, len, &format!("seed {seed} op {op} ({desc})"));
+                check(
+                    h,
+                    &model,
+                    off,
+                    len,
+                    &format!("seed {seed} op {op} ({desc})"),
+                );
                 continue;
             }
             65..=79 => {
@@ -90,14 +113,14 @@ fn run(seed: u64, mounts: &[&Mount]) {
                 };
                 h.rw.set_len(new).unwrap();
                 model.resize(new as usize, 0);
-                desc = format!("truncate to {new}");
+                format!("truncate to {new}")
             }
             80..=91 => {
                 let len = 1 + rng.below(MAX_LEN / 4);
                 let data = rng.bytes(len as usize);
                 (&h.append).write_all(&data).unwrap();
                 model.extend_from_slice(&data);
-                desc = format!("append {len}");
+                format!("append {len}")
             }
             _ => {
                 // A hole: a small write well past the end.
@@ -110,22 +133,31 @@ fn run(seed: u64, mounts: &[&Mount]) {
                     model.resize(end, 0);
                 }
                 model[off as usize..end].copy_from_slice(&data);
-                desc = format!("hole write {} at {off}", data.len());
+                format!("hole write {} at {off}", data.len())
             }
-        }
+        };
         log.push(desc.clone());
         // Read back around what changed, from a random mount.
         let other = &handles[rng.below(handles.len() as u64) as usize];
         let size = model.len() as u64;
         let off = rng.below(size + 1).saturating_sub(4096);
-        let ctx = format!("seed {seed} op {op} after {desc} (last ops: {:?})", &log[log.len().saturating_sub(5)..]);
+        let ctx = format!(
+            "seed {seed} op {op} after {desc} (last ops: {:?})",
+            &log[log.len().saturating_sub(5)..]
+        );
         check(other, &model, off, 64 << 10, &ctx);
         if op % 250 == 249 {
             check(other, &model, 0, size + 1, &ctx);
         }
     }
     for h in &handles {
-        check(h, &model, 0, model.len() as u64 + 1, &format!("seed {seed} final"));
+        check(
+            h,
+            &model,
+            0,
+            model.len() as u64 + 1,
+            &format!("seed {seed} final"),
+        );
     }
 }
 

@@ -37,7 +37,7 @@ impl QueuePair {
             return Posted::ready(Err(e));
         }
         match &*self.0 {
-            Transport::Shm(qp) => Posted::ready(Ok(qp.execute(&batch))),
+            Transport::Shm(qp) => Posted::ready(qp.execute(&batch)),
             Transport::Tcp(conn) => conn.post(&batch),
             Transport::Sim(qp) => qp.post(batch),
         }

@@ -3,13 +3,16 @@
 //! The client connects to the node's Unix socket, authenticates, and receives the regions'
 //! memfds (SCM_RIGHTS) plus a counter block of its own. Verbs are then CPU copies and atomics on
 //! the shared mapping, executed synchronously in `post` (so batches trivially run in order). The
-//! Unix connection stays open only as a liveness signal: when it closes the node knows the
-//! client is gone. Atomics are CPU atomics on the same physical memory the node's NIC threads
+//! Unix connection stays open only as a liveness signal in both directions: when it closes the
+//! node knows the client is gone, and the client knows the node is — from then on its queue
+//! pair fails every batch with `ConnectionLost`, although the mapping would still work: the
+//! memory of a dead node is no longer part of the cluster, and nobody else can see it. Atomics are CPU atomics on the same physical memory the node's NIC threads
 //! use, so `shm` and `tcp` clients of one node are atomic with respect to each other.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use sendfd::{RecvWithFd, SendWithFd};
@@ -30,16 +33,31 @@ pub(crate) struct ShmQp {
     counters: VerbCounters,
     node_id: u32,
     peer: String,
-    _liveness: UnixStream,
+    /// Set by the watcher thread when the node closes the liveness connection.
+    node_gone: Arc<AtomicBool>,
+    liveness: UnixStream,
+}
+
+impl Drop for ShmQp {
+    fn drop(&mut self) {
+        // Wakes the watcher thread (its read returns) so it exits.
+        let _ = self.liveness.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl ShmQp {
-    pub(crate) fn execute(&self, batch: &Batch<'_>) -> Completions {
+    pub(crate) fn execute(&self, batch: &Batch<'_>) -> Result<Completions, VerbsError> {
+        if self.node_gone.load(Ordering::Acquire) {
+            return Err(VerbsError::ConnectionLost {
+                peer: self.peer.clone(),
+                reason: "the memory node closed its shm connection (it stopped or died)".into(),
+            });
+        }
         let mut done = Completions::with_capacity(batch.len(), batch.read_bytes() as usize);
         self.table
             .execute_batch(batch.requests(), &mut done, |_, _| {});
         self.counters.record_batch(batch, &done);
-        done
+        Ok(done)
     }
     pub(crate) fn regions(&self) -> &[RegionInfo] {
         &self.infos
@@ -74,13 +92,32 @@ pub fn connect(socket: &Path, secret: &Secret, client_name: &str) -> Result<Queu
     }
     let counters = Region::map_fd(counter_fd, COUNTER_BLOCK_LEN, 0, Access::ALL)
         .map_err(|e| proto(format!("cannot map the counter block: {e}")))?;
+    let node_gone = Arc::new(AtomicBool::new(false));
+    let mut watch = stream
+        .try_clone()
+        .map_err(|e| proto(format!("cannot watch the connection: {e}")))?;
+    let flag = node_gone.clone();
+    std::thread::Builder::new()
+        .name("shm-liveness".into())
+        .spawn(move || {
+            let mut buf = [0u8; 16];
+            // The node never sends anything: the read returns when the connection closes.
+            while let Ok(n) = std::io::Read::read(&mut watch, &mut buf) {
+                if n == 0 {
+                    break;
+                }
+            }
+            flag.store(true, Ordering::Release);
+        })
+        .map_err(|e| proto(format!("cannot start the liveness watcher: {e}")))?;
     Ok(QueuePair(Arc::new(Transport::Shm(ShmQp {
         table: RegionTable::new(regions),
         infos,
         counters: VerbCounters::in_region(Arc::new(counters)),
         node_id: accepted.welcome.node_id,
         peer: format!("{} ({peer})", accepted.node_name),
-        _liveness: stream,
+        node_gone,
+        liveness: stream,
     }))))
 }
 

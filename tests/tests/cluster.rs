@@ -1,0 +1,367 @@
+//! Whole-cluster behaviour: several mounts, dying nodes, the CLI's lifecycle and its errors.
+
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::process::Command;
+use std::time::Duration;
+
+use rackfs_fs::mount::is_rackfs_mount;
+use rackfs_tests::{bin_path, wait_for, Mount, TempDir, TestCluster};
+
+#[test]
+fn writes_are_visible_on_another_mount_when_write_returns() {
+    let c = TestCluster::start(2, "32M");
+    let a = Mount::new(&c, "");
+    let b = Mount::new(&c, "transport=tcp");
+    let fa = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(a.path("shared"))
+        .unwrap();
+    let fb = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(b.path("shared"))
+        .unwrap();
+    for i in 0..200u64 {
+        let data = format!("round {i:05}");
+        let (w, r) = if i % 2 == 0 { (&fa, &fb) } else { (&fb, &fa) };
+        w.write_all_at(data.as_bytes(), i * 4096 + 17).unwrap();
+        let mut back = vec![0u8; data.len()];
+        r.read_exact_at(&mut back, i * 4096 + 17).unwrap();
+        assert_eq!(back, data.as_bytes(), "round {i}");
+    }
+    // Namespace changes too.
+    fs::create_dir(a.path("dir")).unwrap();
+    fs::write(a.path("dir/x"), b"x").unwrap();
+    assert_eq!(fs::read(b.path("dir/x")).unwrap(), b"x");
+}
+
+#[test]
+fn steady_state_io_makes_no_control_rpc() {
+    let c = TestCluster::start(2, "32M");
+    let m = Mount::new(&c, "stripe_unit=64K");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(m.path("hot"))
+        .unwrap();
+    f.write_all_at(&vec![1u8; 256 << 10], 0).unwrap(); // allocates the stripes
+    let mut buf = vec![0u8; 4096];
+    f.read_exact_at(&mut buf, 0).unwrap();
+    let rpcs = |c: &TestCluster| -> u64 {
+        (0..2)
+            .map(|i| c.control(i).stats().unwrap().rpcs.iter().sum::<u64>())
+            .sum()
+    };
+    let verbs = |c: &TestCluster| -> u64 {
+        (0..2)
+            .map(|i| c.control(i).stats().unwrap().verbs.total_ops())
+            .sum()
+    };
+    let (r0, v0) = (rpcs(&c), verbs(&c));
+    for i in 0..500u64 {
+        f.write_all_at(&[i as u8; 4096], (i % 64) * 4096).unwrap();
+        f.read_exact_at(&mut buf, ((i * 7) % 64) * 4096).unwrap();
+    }
+    let (r1, v1) = (rpcs(&c), verbs(&c));
+    // The only RPCs in between are the 4 stats calls made by this measurement itself.
+    assert_eq!(r1 - r0, 4, "control RPCs during 1000 reads and writes");
+    assert!(v1 - v0 >= 2000, "every I/O was verbs: {} verbs", v1 - v0);
+}
+
+#[test]
+fn a_dead_memory_node_fails_its_files_only_over_shm() {
+    dead_node_case("");
+}
+
+#[test]
+fn a_dead_memory_node_fails_its_files_only_over_tcp() {
+    dead_node_case("transport=tcp");
+}
+
+fn dead_node_case(transport: &str) {
+    let mut c = TestCluster::start(2, "32M");
+    let m = Mount::new(&c, &format!("attr_timeout=0,stripe_unit=64K,{transport}"));
+    // Small files: stripe 0 of inode i lands on node (i % 2), so some live on each node.
+    for i in 0..6 {
+        fs::write(m.path(&format!("f{i}")), format!("file {i}")).unwrap();
+    }
+    c.kill(1);
+    let mut ok = 0;
+    let mut eio = 0;
+    for i in 0..6 {
+        match fs::read(m.path(&format!("f{i}"))) {
+            Ok(d) => {
+                assert_eq!(d, format!("file {i}").as_bytes());
+                ok += 1;
+            }
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EIO), "f{i}: {e}");
+                eio += 1;
+            }
+        }
+    }
+    assert!(
+        ok > 0 && eio > 0,
+        "some files on each node: {ok} ok, {eio} EIO"
+    );
+    // The mount stays up: the namespace and the surviving node keep working.
+    assert!(is_rackfs_mount(&m.dir));
+    assert_eq!(fs::read_dir(&m.dir).unwrap().count(), 6);
+    fs::create_dir(m.path("still-works")).unwrap();
+}
+
+fn run_rackfs(args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("rackfs"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn mount_rejects_bad_input_clearly() {
+    let c = TestCluster::start(1, "16M");
+    let dir = TempDir::new("badmnt");
+    let d = dir.path().to_str().unwrap();
+    let sf = format!("secret_file={}", c.secret_file.display());
+    let addr = c.addr();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                addr.clone(),
+                d.into(),
+                "-o".into(),
+                format!("{sf},frobnicate"),
+            ],
+            "unknown mount option",
+        ),
+        (
+            vec![
+                addr.clone(),
+                d.into(),
+                "-o".into(),
+                format!("{sf},stripe_unit=12Q"),
+            ],
+            "unknown unit",
+        ),
+        (
+            vec!["127.0.0.1:1".into(), d.into(), "-o".into(), sf.clone()],
+            "cannot reach",
+        ),
+        (
+            vec!["nonsense".into(), d.into(), "-o".into(), sf.clone()],
+            "invalid cluster address",
+        ),
+        (
+            vec![
+                addr.clone(),
+                "/nonexistent/dir".into(),
+                "-o".into(),
+                sf.clone(),
+            ],
+            "No such file",
+        ),
+        (
+            vec![
+                addr.clone(),
+                d.into(),
+                "-o".into(),
+                "secret_file=/nonexistent".into(),
+            ],
+            "cannot read secret file",
+        ),
+    ];
+    for (args, says) in cases {
+        let mut all = vec!["mount"];
+        all.extend(args.iter().map(String::as_str));
+        let out = run_rackfs(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(err.contains(says), "{args:?}: expected {says:?} in {err:?}");
+    }
+    // Wrong secret.
+    let wrong = dir.path().join("wrong");
+    fs::write(&wrong, "not-it").unwrap();
+    let mnt = TempDir::new("m2");
+    let out = run_rackfs(&[
+        "mount",
+        &addr,
+        mnt.path().to_str().unwrap(),
+        "-o",
+        &format!("secret_file={}", wrong.display()),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("wrong cluster secret"),
+        "{out:?}"
+    );
+    // Busy mount point.
+    let m = Mount::new(&c, "");
+    let out = run_rackfs(&["mount", &addr, m.dir.to_str().unwrap(), "-o", &sf]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("busy"),
+        "{out:?}"
+    );
+    // Daemonized mount, then umount(8).
+    let out = run_rackfs(&["mount", &addr, d, "-o", &sf]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(is_rackfs_mount(dir.path()));
+    fs::write(dir.path().join("x"), b"1").unwrap();
+    assert!(Command::new("umount").arg(d).status().unwrap().success());
+    assert!(wait_for(Duration::from_secs(5), || !is_rackfs_mount(
+        dir.path()
+    )));
+}
+
+/// `mount -t rackfs` and an fstab line, through the installed helper.
+#[test]
+fn mount_helper_and_fstab() {
+    let helper = std::path::Path::new("/sbin/mount.rackfs");
+    let installed_here = !helper.exists();
+    if installed_here {
+        std::os::unix::fs::symlink(bin_path("mount-rackfs"), helper)
+            .expect("install /sbin/mount.rackfs (tests run as root)");
+    }
+    let c = TestCluster::start(1, "16M");
+    let dir = TempDir::new("helper");
+    let d = dir.path().to_str().unwrap();
+    let opts = format!(
+        "_netdev,secret_file={},transport=tcp",
+        c.secret_file.display()
+    );
+    let out = Command::new("mount")
+        .args(["-t", "rackfs", &c.addr(), d, "-o", &opts])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "mount -t rackfs: {out:?}");
+    fs::write(dir.path().join("via-mount"), b"ok").unwrap();
+    assert!(Command::new("umount").arg(d).status().unwrap().success());
+    assert!(wait_for(Duration::from_secs(5), || !is_rackfs_mount(
+        dir.path()
+    )));
+
+    let fstab = dir.path().with_extension("fstab");
+    fs::write(
+        &fstab,
+        format!("# test fstab\n{} {d} rackfs {opts} 0 0\n", c.addr()),
+    )
+    .unwrap();
+    let out = Command::new("mount")
+        .args(["-T", fstab.to_str().unwrap(), d])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "mount from fstab: {out:?}");
+    assert_eq!(
+        fs::read(dir.path().join("via-mount")).unwrap(),
+        b"ok",
+        "same cluster, same data"
+    );
+    assert!(Command::new("umount").arg(d).status().unwrap().success());
+    let _ = fs::remove_file(&fstab);
+    // A bad option through the helper fails with mount's failure code and a message.
+    let out = Command::new("mount")
+        .args(["-t", "rackfs", &c.addr(), d, "-o", "bogus=1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(32));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown mount option"),
+        "{out:?}"
+    );
+    if installed_here {
+        let _ = fs::remove_file(helper);
+    }
+}
+
+#[test]
+fn rackfs_up_and_down_leave_nothing_behind() {
+    let dir = TempDir::new("up");
+    let d = dir.path().join("m");
+    let ds = d.to_str().unwrap();
+    let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("RackFS is up") && text.contains("rackfs down"),
+        "{text}"
+    );
+    assert!(is_rackfs_mount(&d));
+    fs::write(d.join("hello"), b"hello").unwrap();
+    assert_eq!(fs::read(d.join("hello")).unwrap(), b"hello");
+    let status = run_rackfs(&["status"]);
+    assert!(
+        String::from_utf8_lossy(&status.stdout).contains("mn1"),
+        "{status:?}"
+    );
+    let inst = rackfs_fs::up::instance_dir(&fs::canonicalize(&d).unwrap());
+    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let node_pids = child_pids(up_pid);
+    assert_eq!(node_pids.len(), 2, "two memory nodes");
+
+    let out = run_rackfs(&["down", ds]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!is_rackfs_mount(&d), "unmounted");
+    assert!(!inst.exists(), "state removed");
+    for p in node_pids.iter().chain([&up_pid]) {
+        assert!(
+            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
+            "pid {p} stopped"
+        );
+    }
+    let out = run_rackfs(&["down", ds]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no RackFS"));
+
+    // kill -9 of `rackfs up`: its memory nodes die with it.
+    let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
+    assert!(out.status.success(), "{out:?}");
+    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let node_pids = child_pids(up_pid);
+    // SAFETY: SIGKILL to the `rackfs up` process this test started.
+    unsafe { libc::kill(up_pid, libc::SIGKILL) };
+    for p in &node_pids {
+        assert!(
+            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
+            "node {p} died with its parent"
+        );
+    }
+    let out = run_rackfs(&["down", ds]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is gone"),
+        "{out:?}"
+    );
+    assert!(!is_rackfs_mount(&d), "stale mount cleaned up");
+}
+
+fn child_pids(parent: i32) -> Vec<i32> {
+    let mut v = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let ppid: i32 = rest
+            .split(' ')
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        if ppid == parent {
+            v.push(pid);
+        }
+    }
+    v
+}

@@ -1,0 +1,378 @@
+//! POSIX behaviour through a real mount, with the errno Linux users expect.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::process::Command;
+use std::time::{Duration, SystemTime};
+
+use rackfs_tests::{Mount, TestCluster};
+
+fn errno(e: std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+fn setup() -> (TestCluster, Mount) {
+    let c = TestCluster::start(2, "32M");
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,allow_other");
+    (c, m)
+}
+
+#[test]
+fn files_directories_and_their_errors() {
+    let (_c, m) = setup();
+    let p = |s: &str| m.path(s);
+    // create, O_EXCL, write, read back, stat
+    fs::write(p("a"), b"hello world").unwrap();
+    assert_eq!(fs::read(p("a")).unwrap(), b"hello world");
+    let e = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(p("a"))
+        .unwrap_err();
+    assert_eq!(errno(e), libc::EEXIST);
+    assert_eq!(errno(File::open(p("missing")).unwrap_err()), libc::ENOENT);
+    let md = fs::metadata(p("a")).unwrap();
+    assert_eq!((md.len(), md.nlink(), md.uid(), md.gid()), (11, 1, 0, 0));
+    assert!(md.is_file());
+
+    // O_TRUNC
+    OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(p("a"))
+        .unwrap()
+        .write_all(b"xy")
+        .unwrap();
+    assert_eq!(fs::read(p("a")).unwrap(), b"xy");
+
+    // directories
+    fs::create_dir(p("d")).unwrap();
+    assert_eq!(errno(fs::create_dir(p("d")).unwrap_err()), libc::EEXIST);
+    fs::write(p("d/f"), b"1").unwrap();
+    assert_eq!(errno(fs::remove_dir(p("d")).unwrap_err()), libc::ENOTEMPTY);
+    assert_eq!(errno(fs::remove_file(p("d")).unwrap_err()), libc::EISDIR);
+    assert_eq!(errno(fs::remove_dir(p("a")).unwrap_err()), libc::ENOTDIR);
+    assert_eq!(
+        errno(fs::create_dir(p("a/sub")).unwrap_err()),
+        libc::ENOTDIR
+    );
+    assert_eq!(
+        errno(OpenOptions::new().write(true).open(p("d")).unwrap_err()),
+        libc::EISDIR
+    );
+    assert_eq!(fs::metadata(p("d")).unwrap().nlink(), 2);
+    fs::create_dir(p("d/e")).unwrap();
+    assert_eq!(fs::metadata(p("d")).unwrap().nlink(), 3);
+    let long = "x".repeat(256);
+    assert_eq!(
+        errno(fs::write(p(&long), b"").unwrap_err()),
+        libc::ENAMETOOLONG
+    );
+    fs::write(p(&"y".repeat(255)), b"ok").unwrap();
+
+    // rename: overwrite, across directories, directories, into itself
+    fs::write(p("b"), b"bbb").unwrap();
+    fs::rename(p("b"), p("a")).unwrap();
+    assert_eq!(fs::read(p("a")).unwrap(), b"bbb");
+    assert_eq!(errno(fs::metadata(p("b")).unwrap_err()), libc::ENOENT);
+    fs::rename(p("a"), p("d/e/a2")).unwrap();
+    assert_eq!(fs::read(p("d/e/a2")).unwrap(), b"bbb");
+    fs::create_dir(p("empty")).unwrap();
+    fs::create_dir(p("full")).unwrap();
+    fs::write(p("full/x"), b"").unwrap();
+    fs::rename(p("empty"), p("d/e/moved")).unwrap();
+    assert_eq!(
+        errno(fs::rename(p("d"), p("d/e/inside")).unwrap_err()),
+        libc::EINVAL
+    );
+    fs::create_dir(p("target")).unwrap();
+    assert_eq!(
+        errno(fs::rename(p("d"), p("full")).unwrap_err()),
+        libc::ENOTEMPTY
+    );
+    fs::rename(p("d"), p("target")).unwrap(); // over an empty directory
+    assert_eq!(fs::read(p("target/f")).unwrap(), b"1");
+    assert_eq!(
+        errno(fs::rename(p("full/x"), p("target")).unwrap_err()),
+        libc::EISDIR
+    );
+    assert_eq!(
+        errno(fs::rename(p("target"), p("full/x")).unwrap_err()),
+        libc::ENOTDIR
+    );
+
+    // symlinks and hard links
+    std::os::unix::fs::symlink("target/f", p("ln")).unwrap();
+    assert_eq!(
+        fs::read_link(p("ln")).unwrap().to_str().unwrap(),
+        "target/f"
+    );
+    assert_eq!(fs::read(p("ln")).unwrap(), b"1");
+    assert!(fs::symlink_metadata(p("ln"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    fs::hard_link(p("target/f"), p("hard")).unwrap();
+    assert_eq!(fs::metadata(p("hard")).unwrap().nlink(), 2);
+    assert_eq!(
+        fs::metadata(p("hard")).unwrap().ino(),
+        fs::metadata(p("target/f")).unwrap().ino()
+    );
+    fs::remove_file(p("target/f")).unwrap();
+    assert_eq!(fs::metadata(p("hard")).unwrap().nlink(), 1);
+    assert_eq!(fs::read(p("hard")).unwrap(), b"1");
+    assert_eq!(
+        errno(fs::hard_link(p("target"), p("dirlink")).unwrap_err()),
+        libc::EPERM
+    );
+}
+
+#[test]
+fn attributes_permissions_and_times() {
+    let (_c, m) = setup();
+    let f = m.path("f");
+    fs::write(&f, b"data").unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o640)).unwrap();
+    assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, 0o640);
+    std::os::unix::fs::chown(&f, Some(1234), Some(5678)).unwrap();
+    let md = fs::metadata(&f).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+    File::options()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_times(fs::FileTimes::new().set_accessed(t).set_modified(t))
+        .unwrap();
+    let md = fs::metadata(&f).unwrap();
+    assert_eq!((md.mtime(), md.atime()), (1_000_000_000, 1_000_000_000));
+    // A write moves mtime forward.
+    std::os::unix::fs::chown(&f, Some(0), Some(0)).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .write_all(b"x")
+        .unwrap();
+    assert!(fs::metadata(&f).unwrap().mtime() > 1_000_000_000);
+
+    // Permission checks for another user (the mount allows other users).
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o600)).unwrap();
+    fs::set_permissions(m.dir.as_path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let as_nobody = |cmd: &str| {
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+                cmd,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&format!("cat {}", f.display()));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{out:?}"
+    );
+    let out = as_nobody(&format!("touch {}/new", m.dir.display()));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{out:?}"
+    );
+    let out = as_nobody(&format!("chown 65534 {}", f.display()));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Operation not permitted"),
+        "{out:?}"
+    );
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o644)).unwrap();
+    let out = as_nobody(&format!("cat {}", f.display()));
+    assert!(out.status.success(), "{out:?}");
+}
+
+#[test]
+fn unlink_while_open_keeps_data_until_last_close() {
+    let (c, m) = setup();
+    let f = m.path("victim");
+    let data = vec![7u8; 300 << 10];
+    fs::write(&f, &data).unwrap();
+    let used_with_file = c.control(0).stats().unwrap().used + c.control(1).stats().unwrap().used;
+    let mut h = File::open(&f).unwrap();
+    fs::remove_file(&f).unwrap();
+    assert_eq!(errno(fs::metadata(&f).unwrap_err()), libc::ENOENT);
+    let mut back = Vec::new();
+    h.read_to_end(&mut back).unwrap();
+    assert_eq!(back, data, "readable after unlink while open");
+    drop(h);
+    // After the last close the memory comes back (after the quarantine).
+    let freed = rackfs_tests::wait_for(Duration::from_secs(5), || {
+        c.control(0).stats().unwrap().used + c.control(1).stats().unwrap().used < used_with_file
+    });
+    assert!(freed, "memory returned after the last close");
+}
+
+#[test]
+fn truncate_returns_memory_and_holes_read_as_zeros() {
+    let (c, m) = setup();
+    let f = m.path("big");
+    let used =
+        |c: &TestCluster| c.control(0).stats().unwrap().used + c.control(1).stats().unwrap().used;
+    let base = used(&c);
+    let h = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&f)
+        .unwrap();
+    h.write_all_at(&vec![1u8; 4 << 20], 0).unwrap();
+    let full = used(&c);
+    assert!(
+        full >= base + (4 << 20),
+        "4 MiB of stripes allocated: {base} -> {full}"
+    );
+    h.set_len(100_000).unwrap();
+    assert!(
+        rackfs_tests::wait_for(Duration::from_secs(5), || used(&c) < base + (1 << 20)),
+        "truncate gives stripes back"
+    );
+    // Growing again reads zeros past the old end, including inside the kept stripe.
+    h.set_len(1 << 20).unwrap();
+    let mut buf = vec![9u8; 1 << 20];
+    h.read_exact_at(&mut buf, 0).unwrap();
+    assert!(buf[..100_000].iter().all(|&b| b == 1));
+    assert!(buf[100_000..].iter().all(|&b| b == 0));
+    // A sparse write far away allocates only its stripe.
+    h.write_all_at(b"end", (1 << 30) - 3).unwrap();
+    assert_eq!(h.metadata().unwrap().len(), 1 << 30);
+    assert!(used(&c) < base + (2 << 20));
+    let mut z = vec![1u8; 4096];
+    h.read_exact_at(&mut z, 512 << 20).unwrap();
+    assert!(z.iter().all(|&b| b == 0));
+    // EFBIG beyond the maximum file size.
+    assert_eq!(
+        errno(h.write_all_at(b"x", 1 << 46).unwrap_err()),
+        libc::EFBIG
+    );
+    assert_eq!(errno(h.set_len((1 << 46) + 1).unwrap_err()), libc::EFBIG);
+}
+
+#[test]
+fn full_cluster_is_enospc_and_loses_nothing() {
+    let c = TestCluster::start(2, "4M");
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    fs::write(m.path("keep"), b"precious").unwrap();
+    let mut f = File::create(m.path("fill")).unwrap();
+    let chunk = vec![3u8; 256 << 10];
+    let mut written = 0u64;
+    let err = loop {
+        match f.write_all(&chunk) {
+            Ok(()) => written += chunk.len() as u64,
+            Err(e) => break e,
+        }
+        assert!(written < 64 << 20, "a 8 MiB cluster cannot take 64 MiB");
+    };
+    assert_eq!(errno(err), libc::ENOSPC);
+    assert_eq!(
+        fs::read(m.path("keep")).unwrap(),
+        b"precious",
+        "other files are intact"
+    );
+    drop(f);
+    fs::remove_file(m.path("fill")).unwrap();
+    // Space comes back after the quarantine; writing works again.
+    let ok = rackfs_tests::wait_for(Duration::from_secs(5), || {
+        fs::write(m.path("again"), vec![1u8; 1 << 20]).is_ok()
+    });
+    assert!(ok);
+}
+
+#[test]
+fn readdir_lists_thousands_and_offsets_are_stable() {
+    let (_c, m) = setup();
+    let d = m.path("many");
+    fs::create_dir(&d).unwrap();
+    for i in 0..2000 {
+        File::create(d.join(format!("f{i:04}"))).unwrap();
+    }
+    let mut names: Vec<String> = fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 2000);
+    assert_eq!(names[1999], "f1999");
+
+    // Reading while others change the directory: entries present throughout are seen exactly once.
+    let mut it = fs::read_dir(&d).unwrap();
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..500 {
+        seen.insert(it.next().unwrap().unwrap().file_name());
+    }
+    for i in 0..100 {
+        fs::remove_file(d.join(format!("f{i:04}"))).ok();
+        File::create(d.join(format!("new{i}"))).unwrap();
+    }
+    for e in it {
+        let n = e.unwrap().file_name();
+        assert!(seen.insert(n.clone()), "{n:?} listed twice");
+    }
+    for i in 100..2000 {
+        assert!(
+            seen.contains(std::ffi::OsStr::new(&format!("f{i:04}"))),
+            "f{i:04} skipped"
+        );
+    }
+}
+
+#[test]
+fn statfs_reports_cluster_capacity() {
+    let (_c, m) = setup();
+    let out = Command::new("stat")
+        .args(["-f", "-c", "%S %b %f"])
+        .arg(&m.dir)
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(v[0], 4096);
+    assert_eq!(v[0] * v[1], 64 << 20, "two 32 MiB nodes");
+    assert!(v[2] <= v[1]);
+}
+
+#[test]
+fn append_and_errors_on_bad_handles() {
+    let (_c, m) = setup();
+    let f = m.path("log");
+    let mut a = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&f)
+        .unwrap();
+    a.write_all(b"one\n").unwrap();
+    // Another writer extends the file behind this handle's back: appends go to the real end.
+    OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .write_all_at(b"two\n", 4)
+        .unwrap();
+    a.write_all(b"three\n").unwrap();
+    assert_eq!(fs::read_to_string(&f).unwrap(), "one\ntwo\nthree\n");
+    let e = File::open(&f).unwrap().write_all(b"x").unwrap_err();
+    assert_eq!(errno(e), libc::EBADF);
+}
+
+#[test]
+fn special_files_and_fifo() {
+    let (_c, m) = setup();
+    let out = Command::new("mkfifo").arg(m.path("pipe")).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(
+        &fs::metadata(m.path("pipe")).unwrap().file_type()
+    ));
+}
