@@ -1,5 +1,6 @@
 //! `rackfs-bench`: RackFS benchmarks, each run side by side with its baseline.
 
+mod fio;
 mod stats;
 mod verbs;
 
@@ -35,6 +36,21 @@ enum Cmd {
         /// Transports to measure.
         #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
         transports: Vec<String>,
+        /// Also write the markdown table to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// fio on tmpfs, the in-memory FUSE baseline, and RackFS over shm and tcp (needs root).
+    Fio {
+        /// A short smoke run (one 1 s run per point).
+        #[arg(long)]
+        quick: bool,
+        /// Runs per point; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Seconds per fio run (after 1 s of ramp).
+        #[arg(long, default_value_t = 4)]
+        runtime: u32,
         /// Also write the markdown table to this file.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -79,10 +95,40 @@ fn main() {
                 md.push_str(&format!("\n- {line}"));
             }
             println!("{md}");
-            if let Some(path) = out {
-                std::fs::write(&path, md)
-                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-            }
+            write_out(out, &md);
         }
+        Cmd::Fio {
+            quick,
+            runs,
+            runtime,
+            out,
+        } => {
+            let cfg = fio::Config {
+                runs: if quick { 1 } else { runs.max(1) },
+                runtime_s: if quick { 1 } else { runtime.max(1) },
+                size_per_job: if quick { "32M" } else { "128M" },
+            };
+            eprintln!("{}", fio::table_header());
+            let rows = fio::run(&cfg);
+            let mut md = format!(
+                "{}\n{}\n",
+                fio::table_header(),
+                rows.iter()
+                    .map(fio::format_row)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            for line in fio::ratios(&rows) {
+                md.push_str(&format!("\n- {line}"));
+            }
+            println!("{md}");
+            write_out(out, &md);
+        }
+    }
+}
+
+fn write_out(out: Option<PathBuf>, md: &str) {
+    if let Some(path) = out {
+        std::fs::write(&path, md).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     }
 }

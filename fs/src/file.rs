@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_memnode::control::ControlResponse;
 use rackfs_memnode::meta::{
@@ -42,6 +42,16 @@ pub struct FileData {
     unit: u64,
     layout: RwLock<Layout>,
     size_hint: AtomicU64,
+    /// When `size_hint` was last read from the record (ns on the process clock).
+    size_read_at: AtomicU64,
+    /// How long reads may trust `size_hint` (the mount's `attr_timeout`).
+    size_ttl: Duration,
+}
+
+/// Monotonic nanoseconds since the first call (never 0 after it).
+fn clock_ns() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
 }
 
 fn now_ns() -> u64 {
@@ -55,7 +65,8 @@ fn word(b: &[u8], i: usize) -> u64 {
 }
 
 impl FileData {
-    pub fn new(ino: u64, layout: FileLayout) -> FileData {
+    /// `size_ttl`: how long reads may trust the last size seen (see [`FileData::read`]).
+    pub fn new(ino: u64, layout: FileLayout, size_ttl: Duration) -> FileData {
         FileData {
             ino,
             record: layout.record,
@@ -63,7 +74,21 @@ impl FileData {
             unit: layout.stripe_unit,
             layout: RwLock::new(Layout::default()),
             size_hint: AtomicU64::new(0),
+            size_read_at: AtomicU64::new(0),
+            size_ttl,
         }
+    }
+
+    fn note_size(&self, size: u64) {
+        self.size_hint.store(size, Ordering::Relaxed);
+        self.size_read_at.store(clock_ns(), Ordering::Relaxed);
+    }
+
+    /// The size, if it was read from the record within `size_ttl`.
+    fn fresh_size(&self) -> Option<u64> {
+        let age = clock_ns().saturating_sub(self.size_read_at.load(Ordering::Relaxed));
+        (self.size_read_at.load(Ordering::Relaxed) != 0 && age < self.size_ttl.as_nanos() as u64)
+            .then(|| self.size_hint.load(Ordering::Relaxed))
     }
 
     /// Forgets the cached layout (after this mount truncated the file).
@@ -107,7 +132,7 @@ impl FileData {
                 .data(rec)
                 .map_err(|e| self.verbs_err(cl, self.primary, e))?;
             let (size, ntable, ncap) = (word(r, 0), word(r, 2), word(r, 3));
-            self.size_hint.store(size, Ordering::Relaxed);
+            self.note_size(size);
             let mut l = self.layout.write().expect("layout lock");
             if (ntable, ncap) != (table, cap) {
                 // The table grew (or first sight): entries read from the old copy may miss
@@ -193,6 +218,11 @@ impl FileData {
     }
 
     /// Reads up to `len` bytes at `offset`; short at end of file.
+    ///
+    /// The end of file is the size read from the record within the last `size_ttl`, else the
+    /// size read in the same round as the data. So growth by other mounts is always seen (a
+    /// read past the known size re-reads it), while a shrink by another mount is seen within
+    /// `size_ttl` — like the kernel's attribute cache; `attr_timeout=0` makes it immediate.
     pub fn read(&self, cl: &Cluster, offset: u64, len: u32) -> Result<Vec<u8>, i32> {
         // Near the end of the file, learn the size first rather than fetch bytes beyond it.
         let mut len = len as u64;
@@ -208,7 +238,7 @@ impl FileData {
         for _ in 0..MAX_ATTEMPTS {
             let missing = self.uncached(&ps);
             let mut size = if missing.is_empty() {
-                None
+                self.fresh_size()
             } else {
                 Some(self.refresh(cl, &missing)?)
             };
@@ -263,7 +293,7 @@ impl FileData {
             }
             if let Some(id) = size_id {
                 let s = word(done[&self.primary].data(id).map_err(|_| libc::EIO)?, 0);
-                self.size_hint.store(s, Ordering::Relaxed);
+                self.note_size(s);
                 size = Some(s);
             }
             let size = size.expect("size read one way or the other");
@@ -384,7 +414,7 @@ impl FileData {
                 .map_err(|e| self.verbs_err(cl, self.primary, e))?;
             seen = if old == seen { end } else { old };
         }
-        self.size_hint.store(seen, Ordering::Relaxed);
+        self.note_size(seen);
         Ok(())
     }
 

@@ -126,7 +126,7 @@ impl RackFs {
             .lock()
             .expect("files lock")
             .entry(a.ino)
-            .or_insert_with(|| Arc::new(FileData::new(a.ino, layout)))
+            .or_insert_with(|| Arc::new(FileData::new(a.ino, layout, self.opts.attr_timeout)))
             .clone())
     }
 
@@ -191,6 +191,17 @@ impl Filesystem for RackFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
+        let _ = config.add_capabilities(fuser::InitFlags::FUSE_PARALLEL_DIROPS);
+        if self.opts.cache == CacheMode::Writeback {
+            // The kernel buffers writes and flushes them later: fast for one writer, but other
+            // mounts see them only after the flush (doc/SEMANTICS.md).
+            if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_WRITEBACK_CACHE) {
+                tracing::warn!(
+                    ?missing,
+                    "the kernel offers no writeback cache; cache=writeback acts as keep_cache"
+                );
+            }
+        }
         Ok(())
     }
 

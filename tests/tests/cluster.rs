@@ -365,3 +365,15 @@ fn child_pids(parent: i32) -> Vec<i32> {
     }
     v
 }
+
+#[test]
+fn writeback_cache_mode_round_trips_data() {
+    let c = TestCluster::start(1, "32M");
+    let m = Mount::new(&c, "cache=writeback");
+    let data: Vec<u8> = (0..(3 << 20)).map(|i| (i % 251) as u8).collect();
+    fs::write(m.path("wb"), &data).unwrap();
+    assert_eq!(fs::read(m.path("wb")).unwrap(), data);
+    // After close the data is on the memory nodes: another (direct I/O) mount reads it.
+    let other = Mount::new(&c, "");
+    assert_eq!(fs::read(other.path("wb")).unwrap(), data);
+}

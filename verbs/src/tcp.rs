@@ -88,7 +88,9 @@ pub fn poll_readable(fd: RawFd, budget: Duration) {
         if n != 0 || Instant::now() >= end {
             return;
         }
-        std::hint::spin_loop();
+        // Yield rather than spin: a thread that shares this CPU (another connection's NIC
+        // thread, the client) runs at once instead of waiting for our time slice to end.
+        std::thread::yield_now();
     }
 }
 

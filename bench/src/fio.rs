@@ -1,0 +1,338 @@
+//! fio on RackFS next to its baselines, measured in the same run.
+//!
+//! Systems: tmpfs (the kernel's own memory filesystem), `rackfs-memfs` (a minimal in-memory
+//! fuser filesystem with RackFS's FUSE configuration: the FUSE ceiling), and RackFS over shm
+//! and over tcp (two memory nodes, 1 MiB stripes). Placement: on this 2-core machine a FUSE
+//! round trip costs ~3 us when fio and the FUSE daemon share a CPU and 10-20x more when a
+//! sleeping CPU must wake, so single-job runs pin fio and every FUSE daemon to CPU 0 and the
+//! memory nodes to CPU 1; 4-job runs let fio and the daemons use both CPUs. Each point runs
+//! `runs` times, the order of systems rotating between runs; the median is reported.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rackfs_tests::{bin_path, wait_for, TempDir, TestCluster};
+
+use crate::stats::{median, rate};
+
+#[derive(Clone, Copy)]
+pub struct Workload {
+    pub name: &'static str,
+    pub rw: &'static str,
+    pub bs: &'static str,
+    pub jobs: u32,
+}
+
+pub const WORKLOADS: [Workload; 6] = [
+    Workload {
+        name: "4K randread, 1 job",
+        rw: "randread",
+        bs: "4k",
+        jobs: 1,
+    },
+    Workload {
+        name: "4K randread, 4 jobs",
+        rw: "randread",
+        bs: "4k",
+        jobs: 4,
+    },
+    Workload {
+        name: "4K randwrite, 1 job",
+        rw: "randwrite",
+        bs: "4k",
+        jobs: 1,
+    },
+    Workload {
+        name: "4K randwrite, 4 jobs",
+        rw: "randwrite",
+        bs: "4k",
+        jobs: 4,
+    },
+    Workload {
+        name: "1M seq read, 1 job",
+        rw: "read",
+        bs: "1M",
+        jobs: 1,
+    },
+    Workload {
+        name: "1M seq write, 1 job",
+        rw: "write",
+        bs: "1M",
+        jobs: 1,
+    },
+];
+
+pub struct Config {
+    pub runs: usize,
+    pub runtime_s: u32,
+    pub size_per_job: &'static str,
+}
+
+/// One result of one fio run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FioResult {
+    pub iops: f64,
+    pub bw: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+struct System {
+    name: &'static str,
+    dir: PathBuf,
+    direct: bool,
+}
+
+/// Everything mounted for a benchmark, unmounted on drop.
+struct Rig {
+    systems: Vec<System>,
+    daemons: Vec<Child>,
+    mounts: Vec<PathBuf>,
+    _cluster: TestCluster,
+    _tmp: TempDir,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        for m in &self.mounts {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        for d in &mut self.daemons {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+fn pinned(cpus: &str, program: &Path) -> Command {
+    let mut c = Command::new("taskset");
+    c.args(["-c", cpus]).arg(program);
+    c
+}
+
+fn mounted(dir: &Path, fstype_prefix: &str) -> bool {
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            f.len() > 2 && Path::new(f[1]) == dir && f[0].starts_with(fstype_prefix)
+        })
+}
+
+fn setup(daemon_cpus: &str) -> Rig {
+    let tmp = TempDir::new("bench");
+    let mk = |n: &str| {
+        let p = tmp.path().join(n);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        p
+    };
+    let (tmpfs, memfs, shm, tcp) = (mk("tmpfs"), mk("memfs"), mk("rackfs-shm"), mk("rackfs-tcp"));
+    assert!(Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2g", "tmpfs"])
+        .arg(&tmpfs)
+        .status()
+        .expect("mount")
+        .success());
+    let mut daemons = Vec::new();
+    daemons.push(
+        pinned(daemon_cpus, &bin_path("rackfs-memfs"))
+            .arg(&memfs)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("memfs"),
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || mounted(&memfs, "memfs")),
+        "memfs mounted"
+    );
+    let cluster = TestCluster::start(2, "1G");
+    // The memory nodes' NIC threads run on CPU 1 (they only matter for tcp).
+    for n in cluster.nodes.iter().flatten() {
+        let _ = Command::new("taskset")
+            .args(["-a", "-p", "-c", "1", &n.child.id().to_string()])
+            .stdout(Stdio::null())
+            .status();
+    }
+    for (dir, transport) in [(&shm, "shm"), (&tcp, "tcp")] {
+        let opts = format!(
+            "secret_file={},transport={transport}",
+            cluster.secret_file.display()
+        );
+        daemons.push(
+            pinned(daemon_cpus, &bin_path("rackfs"))
+                .args(["mount", "--foreground", &cluster.addr()])
+                .arg(dir)
+                .args(["-o", &opts])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("rackfs mount"),
+        );
+        assert!(
+            wait_for(Duration::from_secs(10), || mounted(dir, "rackfs:")),
+            "rackfs mounted over {transport}"
+        );
+    }
+    Rig {
+        systems: vec![
+            System {
+                name: "tmpfs",
+                dir: tmpfs.clone(),
+                direct: false,
+            },
+            System {
+                name: "memfs (FUSE ceiling)",
+                dir: memfs.clone(),
+                direct: true,
+            },
+            System {
+                name: "RackFS shm",
+                dir: shm.clone(),
+                direct: true,
+            },
+            System {
+                name: "RackFS tcp",
+                dir: tcp.clone(),
+                direct: true,
+            },
+        ],
+        daemons,
+        mounts: vec![tmpfs, memfs, shm, tcp],
+        _cluster: cluster,
+        _tmp: tmp,
+    }
+}
+
+fn run_fio(dir: &Path, w: &Workload, direct: bool, cfg: &Config, cpus: &str) -> FioResult {
+    let out = Command::new("fio")
+        .args([
+            "--name=job",
+            &format!("--directory={}", dir.display()),
+            &format!("--rw={}", w.rw),
+            &format!("--bs={}", w.bs),
+            &format!("--size={}", cfg.size_per_job),
+            &format!("--numjobs={}", w.jobs),
+            "--ioengine=psync",
+            &format!("--direct={}", u8::from(direct)),
+            "--time_based",
+            &format!("--runtime={}", cfg.runtime_s),
+            "--ramp_time=1",
+            "--group_reporting",
+            &format!("--cpus_allowed={cpus}"),
+            "--output-format=json",
+        ])
+        .output()
+        .expect("run fio (apt-get install fio)");
+    assert!(
+        out.status.success(),
+        "fio failed on {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
+    let side = if w.rw.contains("read") {
+        "read"
+    } else {
+        "write"
+    };
+    let j = &v["jobs"][0][side];
+    let pct = |p: &str| j["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
+    FioResult {
+        iops: j["iops"].as_f64().unwrap_or(0.0),
+        bw: j["bw_bytes"].as_f64().unwrap_or(0.0),
+        p50_us: pct("50.000000"),
+        p99_us: pct("99.000000"),
+    }
+}
+
+pub struct Row {
+    pub workload: Workload,
+    pub system: &'static str,
+    pub result: FioResult,
+    pub min_iops: f64,
+    pub max_iops: f64,
+}
+
+pub fn run(cfg: &Config) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (cpus, jobs) in [("0", 1), ("0-1", 4)] {
+        let rig = setup(cpus);
+        for w in WORKLOADS.iter().filter(|w| w.jobs == jobs) {
+            let n = rig.systems.len();
+            let mut results: Vec<Vec<FioResult>> = vec![Vec::new(); n];
+            for run in 0..cfg.runs {
+                for k in 0..n {
+                    let i = (k + run) % n;
+                    let s = &rig.systems[i];
+                    results[i].push(run_fio(&s.dir, w, s.direct, cfg, cpus));
+                }
+            }
+            for (i, rs) in results.into_iter().enumerate() {
+                let iops: Vec<f64> = rs.iter().map(|r| r.iops).collect();
+                let r = FioResult {
+                    iops: median(&iops),
+                    bw: median(&rs.iter().map(|r| r.bw).collect::<Vec<_>>()),
+                    p50_us: median(&rs.iter().map(|r| r.p50_us).collect::<Vec<_>>()),
+                    p99_us: median(&rs.iter().map(|r| r.p99_us).collect::<Vec<_>>()),
+                };
+                let row = Row {
+                    workload: *w,
+                    system: rig.systems[i].name,
+                    result: r,
+                    min_iops: iops.iter().cloned().fold(f64::MAX, f64::min),
+                    max_iops: iops.iter().cloned().fold(0.0, f64::max),
+                };
+                eprintln!("{}", format_row(&row));
+                rows.push(row);
+            }
+        }
+    }
+    rows
+}
+
+pub fn table_header() -> String {
+    "| workload | system | IOPS (median) | min–max | MB/s | p50 µs | p99 µs |\n|---|---|---:|---:|---:|---:|---:|".into()
+}
+
+pub fn format_row(r: &Row) -> String {
+    format!(
+        "| {} | {} | {} | {}–{} | {:.0} | {:.1} | {:.1} |",
+        r.workload.name,
+        r.system,
+        rate(r.result.iops),
+        rate(r.min_iops),
+        rate(r.max_iops),
+        r.result.bw / 1e6,
+        r.result.p50_us,
+        r.result.p99_us
+    )
+}
+
+/// RackFS against the FUSE ceiling and shm against tcp, per workload.
+pub fn ratios(rows: &[Row]) -> Vec<String> {
+    let get = |w: &str, s: &str| {
+        rows.iter()
+            .find(|r| r.workload.name == w && r.system == s)
+            .map(|r| r.result)
+    };
+    WORKLOADS
+        .iter()
+        .filter_map(|w| {
+            let (m, shm, tcp) = (
+                get(w.name, "memfs (FUSE ceiling)")?,
+                get(w.name, "RackFS shm")?,
+                get(w.name, "RackFS tcp")?,
+            );
+            let metric = |r: FioResult| if w.bs == "1M" { r.bw } else { r.iops };
+            Some(format!(
+                "{}: RackFS shm = {:.0}% of the FUSE ceiling's {}; tcp = {:.0}% of shm",
+                w.name,
+                100.0 * metric(shm) / metric(m),
+                if w.bs == "1M" { "bandwidth" } else { "IOPS" },
+                100.0 * metric(tcp) / metric(shm)
+            ))
+        })
+        .collect()
+}
