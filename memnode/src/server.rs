@@ -125,15 +125,10 @@ pub struct MemNode {
     tcp_addr: Option<SocketAddr>,
 }
 
+/// A fresh random remote key: a client from before a restart gets `BadKey`, never new memory.
 fn random_rkey() -> u32 {
-    let mut b = [0u8; 4];
-    getrandom_fill(&mut b);
-    u32::from_le_bytes(b) | 1
-}
-
-fn getrandom_fill(b: &mut [u8]) {
     let n = rackfs_verbs::auth::nonce();
-    b.copy_from_slice(&n[..b.len()]);
+    u32::from_le_bytes([n[0], n[1], n[2], n[3]]) | 1
 }
 
 impl MemNode {
