@@ -224,6 +224,18 @@ impl FileData {
     /// read past the known size re-reads it), while a shrink by another mount is seen within
     /// `size_ttl` — like the kernel's attribute cache; `attr_timeout=0` makes it immediate.
     pub fn read(&self, cl: &Cluster, offset: u64, len: u32) -> Result<Vec<u8>, i32> {
+        self.read_with(cl, offset, len, <[u8]>::to_vec)
+    }
+
+    /// [`FileData::read`], handing the bytes to `consume` — straight from the completion when
+    /// the read is one piece of one stripe (the common case), so nothing is copied twice.
+    pub fn read_with<R>(
+        &self,
+        cl: &Cluster,
+        offset: u64,
+        len: u32,
+        consume: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, i32> {
         // Near the end of the file, learn the size first rather than fetch bytes beyond it.
         let mut len = len as u64;
         if offset + len > self.size_hint.load(Ordering::Relaxed) {
@@ -231,7 +243,7 @@ impl FileData {
             len = len.min(size.saturating_sub(offset));
         }
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok(consume(&[]));
         }
         let len = len as u32;
         let ps = pieces(offset, len as u64, self.unit);
@@ -297,14 +309,18 @@ impl FileData {
                 size = Some(s);
             }
             let size = size.expect("size read one way or the other");
+            let valid = size.saturating_sub(offset).min(len as u64) as usize;
+            if let ([_], [(_, node, id)]) = (ps.as_slice(), reads.as_slice()) {
+                let d = done[node].data(*id).map_err(|_| libc::EIO)?;
+                return Ok(consume(&d[..valid]));
+            }
             let mut out = vec![0u8; len as usize];
             for (i, node, id) in reads {
                 let p = &ps[i];
                 let d = done[&node].data(id).map_err(|_| libc::EIO)?;
                 out[p.buf_offset as usize..(p.buf_offset + p.len) as usize].copy_from_slice(d);
             }
-            out.truncate(size.saturating_sub(offset).min(len as u64) as usize);
-            return Ok(out);
+            return Ok(consume(&out[..valid]));
         }
         Err(libc::EIO)
     }

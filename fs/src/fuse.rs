@@ -489,9 +489,14 @@ impl Filesystem for RackFs {
         let Some(f) = self.cached_file(ino.0) else {
             return reply.error(Errno::EBADF);
         };
-        match f.read(&self.cluster, offset, size) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(errno(e)),
+        let mut reply = Some(reply);
+        let result = f.read_with(&self.cluster, offset, size, |d| {
+            if let Some(r) = reply.take() {
+                r.data(d)
+            }
+        });
+        if let (Err(e), Some(r)) = (result, reply.take()) {
+            r.error(errno(e));
         }
     }
 
