@@ -64,6 +64,17 @@ fn word(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
 }
 
+/// A tag check posted with a batch: (node, stripe, expected tag, the tag's READ).
+type TagCheck = (u32, u64, u64, WrId);
+
+/// Stripes whose tag no longer matches: freed (and quarantined) since this mount cached them.
+fn stale_stripes(tags: &[TagCheck], done: &BTreeMap<u32, Completions>) -> Vec<u64> {
+    tags.iter()
+        .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+        .map(|t| t.1)
+        .collect()
+}
+
 impl FileData {
     /// `size_ttl`: how long reads may trust the last size seen (see [`FileData::read`]).
     pub fn new(ino: u64, layout: FileLayout, size_ttl: Duration) -> FileData {
@@ -255,7 +266,7 @@ impl FileData {
                 Some(self.refresh(cl, &missing)?)
             };
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
-            let mut tags: Vec<(u32, u64, u64, WrId)> = Vec::new(); // node, stripe, tag, id
+            let mut tags: Vec<TagCheck> = Vec::new();
             let mut reads: Vec<(usize, u32, WrId)> = Vec::new(); // piece, node, id
             for (i, p) in ps.iter().enumerate() {
                 let Some(e) = self.cached(p.stripe) else {
@@ -292,13 +303,7 @@ impl FileData {
                 None
             };
             let done = self.run(cl, batches)?;
-            let stale: Vec<u64> = tags
-                .iter()
-                .filter(|(node, _, tag, id)| {
-                    done[node].data(*id).map_or(true, |d| word(d, 0) != *tag)
-                })
-                .map(|t| t.1)
-                .collect();
+            let stale = stale_stripes(&tags, &done);
             if !stale.is_empty() {
                 self.evict(&stale);
                 continue;
@@ -359,7 +364,7 @@ impl FileData {
                 }
             }
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
-            let mut tags: Vec<(u32, u64, u64, WrId)> = Vec::new();
+            let mut tags: Vec<TagCheck> = Vec::new();
             let mut complete = true;
             for p in &ps {
                 let Some(e) = self.cached(p.stripe) else {
@@ -392,13 +397,7 @@ impl FileData {
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
             let done = self.run(cl, batches)?;
-            let stale: Vec<u64> = tags
-                .iter()
-                .filter(|(node, _, tag, id)| {
-                    done[node].data(*id).map_or(true, |d| word(d, 0) != *tag)
-                })
-                .map(|t| t.1)
-                .collect();
+            let stale = stale_stripes(&tags, &done);
             let seen = match cas {
                 Some(id) => match done[&self.primary].value(id).map_err(|_| libc::EIO)? {
                     old if old == hint => end, // our CAS won

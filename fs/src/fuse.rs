@@ -178,6 +178,23 @@ impl RackFs {
         })
     }
 
+    /// unlink (`dir` false) or rmdir (`dir` true).
+    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let (parent, name) = (parent.0, name.as_bytes().to_vec());
+        let req = if dir {
+            MetaRequest::Rmdir { parent, name }
+        } else {
+            MetaRequest::Unlink { parent, name }
+        };
+        match self.meta(req) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn writable(&self) -> Result<(), Errno> {
         if self.opts.read_only {
             Err(Errno::EROFS)
@@ -333,29 +350,11 @@ impl Filesystem for RackFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if let Err(e) = self.writable() {
-            return reply.error(e);
-        }
-        match self.meta(MetaRequest::Unlink {
-            parent: parent.0,
-            name: name.as_bytes().to_vec(),
-        }) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.remove(parent, name, false, reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if let Err(e) = self.writable() {
-            return reply.error(e);
-        }
-        match self.meta(MetaRequest::Rmdir {
-            parent: parent.0,
-            name: name.as_bytes().to_vec(),
-        }) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.remove(parent, name, true, reply)
     }
 
     fn symlink(

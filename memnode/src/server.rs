@@ -688,7 +688,7 @@ fn accept_tcp(listener: TcpListener, shared: Arc<Shared>) {
                     .map_or_else(|_| "?".into(), |a| a.to_string());
                 let _ = stream.set_nodelay(true);
                 let s = shared.clone();
-                spawn_conn(peer.clone(), move || serve_tcp(stream, peer, s));
+                spawn_conn(peer.clone(), move || serve_conn(stream, &peer, &s));
             }
             Err(e) => warn!(error = %e, "accept failed"),
         }
@@ -703,7 +703,7 @@ fn accept_unix(listener: UnixListener, shared: Arc<Shared>) {
         match conn {
             Ok(stream) => {
                 let s = shared.clone();
-                spawn_conn("unix".into(), move || serve_unix(stream, s));
+                spawn_conn("unix".into(), move || serve_conn(stream, "unix", &s));
             }
             Err(e) => warn!(error = %e, "accept failed"),
         }
@@ -787,43 +787,48 @@ fn log_end(shared: &Shared, peer: &str, what: &str, r: Result<(), WireError>) {
     }
 }
 
-fn serve_tcp(mut stream: TcpStream, peer: String, shared: Arc<Shared>) {
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let Some(kind) = handshake(&mut stream, &peer, &shared, false) else {
-        return;
-    };
-    let _ = stream.set_read_timeout(None);
-    let _open = OpenGuard::new(&shared, kind);
-    let Ok(clone) = stream.try_clone() else {
-        return;
-    };
-    match kind {
-        ConnKind::Verbs => {
-            let fd = (stream.as_raw_fd(), shared.cfg.poll);
-            let r = shared.with_counters(VerbCounters::local(), |c| {
-                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &shared.table, c)
-            });
-            log_end(&shared, &peer, "verbs", r);
-        }
-        ConnKind::Control => log_end(
-            &shared,
-            &peer,
-            "control",
-            serve_control(clone, stream, &shared),
-        ),
-        ConnKind::Shm => unreachable!("refused in the handshake"),
+/// A stream a client connects over: TCP or Unix.
+trait Conn: Read + Write + AsRawFd + Send + Sized + 'static {
+    fn duplicate(&self) -> std::io::Result<Self>;
+    fn set_timeout(&self, t: Option<Duration>);
+    /// The Unix stream itself, for shm clients (`None` over TCP).
+    fn into_unix(self) -> Option<UnixStream>;
+}
+
+impl Conn for TcpStream {
+    fn duplicate(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn set_timeout(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+    }
+    fn into_unix(self) -> Option<UnixStream> {
+        None
     }
 }
 
-fn serve_unix(mut stream: UnixStream, shared: Arc<Shared>) {
-    let peer = "unix";
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let Some(kind) = handshake(&mut stream, peer, &shared, true) else {
+impl Conn for UnixStream {
+    fn duplicate(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn set_timeout(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+    }
+    fn into_unix(self) -> Option<UnixStream> {
+        Some(self)
+    }
+}
+
+/// Authenticates a connection and serves it as the kind of connection it asked for.
+fn serve_conn<S: Conn>(mut stream: S, peer: &str, shared: &Shared) {
+    stream.set_timeout(Some(HANDSHAKE_TIMEOUT));
+    let unix = std::any::TypeId::of::<S>() == std::any::TypeId::of::<UnixStream>();
+    let Some(kind) = handshake(&mut stream, peer, shared, unix) else {
         return;
     };
-    let _ = stream.set_read_timeout(None);
-    let _open = OpenGuard::new(&shared, kind);
-    let Ok(clone) = stream.try_clone() else {
+    stream.set_timeout(None);
+    let _open = OpenGuard::new(shared, kind);
+    let Ok(clone) = stream.duplicate() else {
         return;
     };
     match kind {
@@ -832,15 +837,18 @@ fn serve_unix(mut stream: UnixStream, shared: Arc<Shared>) {
             let r = shared.with_counters(VerbCounters::local(), |c| {
                 rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &shared.table, c)
             });
-            log_end(&shared, peer, "verbs", r);
+            log_end(shared, peer, "verbs", r);
         }
         ConnKind::Control => log_end(
-            &shared,
+            shared,
             peer,
             "control",
-            serve_control(clone, stream, &shared),
+            serve_control(clone, stream, shared),
         ),
-        ConnKind::Shm => serve_shm(stream, &shared),
+        ConnKind::Shm => match stream.into_unix() {
+            Some(u) => serve_shm(u, shared),
+            None => unreachable!("refused in the handshake"),
+        },
     }
 }
 
