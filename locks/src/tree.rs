@@ -1,0 +1,494 @@
+//! Acquiring and releasing ranges on a lock tree with one-sided verbs.
+//!
+//! Remote memory of a tree, from its base address: `spill_next`, `spill_serving` (the
+//! spillover mutex, a ticket lock for `[N, inf)`), the `maximizer`, then the node words in level
+//! order. Who writes which bits:
+//! * leaf bits: set by the acquirer of exactly those units (masked-CAS 0->1), cleared by it;
+//! * `TMax`: incremented by whoever takes a ticket for that node; `TCnt`: by the ticket's owner
+//!   when it is done with the node (release or give-up);
+//! * `Occ`: toggled on by the current ticket owner (only it may), toggled off by it;
+//! * `DMax`: incremented by a notifier; `DCnt`: by the same notifier when it releases or aborts;
+//! * `Exp`: reserved for scale-up (not yet used);
+//! * `spill_next`/`spill_serving`: ticket taken / passed by spillover lockers; `maximizer`:
+//!   ORed with right bounds beyond `N`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rackfs_verbs::{Batch, Clock, Completions, QueuePair, RemoteAddr, VerbsError, WrId};
+
+use crate::geometry::{word, Geometry, Node};
+use crate::split::{split, Piece};
+
+/// Knobs of the protocol.
+#[derive(Clone, Debug)]
+pub struct LockConfig {
+    /// Most tree nodes one request locks (the split's `k`).
+    pub k: usize,
+    /// Notification depth: nearest ancestors notified, and descendant levels checked.
+    pub m: u32,
+    /// Time budget for one round trip; a notifier that takes more than `3 x` this from its
+    /// ancestor check to its notification aborts and retries. `Twait` is `3 x` this.
+    pub rtt_budget: Duration,
+    /// Pause between polls of a word being waited on.
+    pub poll: Duration,
+}
+
+impl Default for LockConfig {
+    fn default() -> Self {
+        LockConfig {
+            k: 2,
+            m: 4,
+            rtt_budget: Duration::from_micros(20),
+            poll: Duration::from_micros(5),
+        }
+    }
+}
+
+impl LockConfig {
+    /// The time a checker waits for notifiers that passed its `Occ` unseen.
+    pub fn twait(&self) -> Duration {
+        self.rtt_budget * 3
+    }
+
+    /// A budget from round trips measured on `qp`: 4x the 90th percentile, at least 10 us.
+    pub async fn calibrated(qp: &QueuePair, probe: RemoteAddr) -> Result<LockConfig, VerbsError> {
+        let clock = qp.clock();
+        let mut rtts = Vec::new();
+        for _ in 0..32 {
+            let t = clock.now();
+            let mut b = Batch::new();
+            b.read(probe, 8);
+            qp.post(b).await?.check()?;
+            rtts.push(clock.now() - t);
+        }
+        rtts.sort();
+        let p90 = rtts[rtts.len() * 9 / 10];
+        let budget = (p90 * 4).max(Duration::from_micros(10));
+        Ok(LockConfig {
+            rtt_budget: budget,
+            poll: budget / 4,
+            ..LockConfig::default()
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("lock request for the empty range [{0}, {1})")]
+    Empty(u64, u64),
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+}
+
+/// A node this client holds, and the ancestors it notified.
+#[derive(Debug, Clone)]
+struct Held {
+    piece: Piece,
+    notified: Vec<Node>,
+}
+
+/// A held range; give it back with [`LockTree::release`].
+#[derive(Debug)]
+#[must_use = "a range lock is held until released"]
+pub struct RangeGuard {
+    pub range: (u64, u64),
+    held: Vec<Held>,
+    spill: bool,
+}
+
+enum Outcome {
+    Got(Held),
+    /// A later piece met a holder: give everything back and start over.
+    Busy,
+}
+
+/// One client's handle on a lock tree in remote memory.
+pub struct LockTree {
+    qp: QueuePair,
+    clock: Clock,
+    base: RemoteAddr,
+    geo: Geometry,
+    cfg: LockConfig,
+    round_trips: AtomicU64,
+    rng: Mutex<u64>,
+}
+
+const HEADER_WORDS: u64 = 3;
+
+impl LockTree {
+    /// Bytes of remote memory (zeroed) a tree of shape `geo` needs.
+    pub fn memory_len(geo: Geometry) -> u64 {
+        (HEADER_WORDS + geo.nodes()) * 8
+    }
+
+    pub fn new(qp: QueuePair, base: RemoteAddr, geo: Geometry, cfg: LockConfig) -> LockTree {
+        assert!(cfg.k >= 1 && cfg.m >= 1, "k and m must be positive");
+        let clock = qp.clock();
+        LockTree {
+            qp,
+            clock,
+            base,
+            geo,
+            cfg,
+            round_trips: AtomicU64::new(0),
+            rng: Mutex::new(base.offset ^ 0x9E37_79B9_7F4A_7C15),
+        }
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    /// Batches this handle has posted (each one round trip).
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
+    }
+
+    fn node(&self, n: Node) -> RemoteAddr {
+        self.base.add((HEADER_WORDS + self.geo.flat(n)) * 8)
+    }
+    fn spill_next(&self) -> RemoteAddr {
+        self.base
+    }
+    fn spill_serving(&self) -> RemoteAddr {
+        self.base.add(8)
+    }
+    /// The maximizer: ORed with right bounds beyond the tree (for scale-up).
+    pub fn maximizer(&self) -> RemoteAddr {
+        self.base.add(16)
+    }
+
+    async fn exec(&self, b: Batch<'_>) -> Result<Completions, VerbsError> {
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let done = self.qp.post(b).await?;
+        done.check()?;
+        Ok(done)
+    }
+
+    async fn read_word(&self, a: RemoteAddr) -> Result<u64, VerbsError> {
+        let mut b = Batch::new();
+        let id = b.read(a, 8);
+        Ok(word_of(&self.exec(b).await?, id))
+    }
+
+    async fn sleep(&self, d: Duration) {
+        self.clock.sleep(d).await
+    }
+
+    /// A random backoff of up to `max`, so retrying requests do not move in lockstep.
+    fn jitter(&self, max: Duration) -> Duration {
+        let mut s = self.rng.lock().expect("rng lock");
+        *s ^= *s << 13;
+        *s ^= *s >> 7;
+        *s ^= *s << 17;
+        Duration::from_nanos(*s % (max.as_nanos() as u64 + 1))
+    }
+
+    /// Locks units `[l, r)`: the part inside the tree by Citron, the part beyond by the
+    /// spillover mutex. Waits as long as conflicting holders do.
+    pub async fn acquire(&self, l: u64, r: u64) -> Result<RangeGuard, LockError> {
+        if l >= r {
+            return Err(LockError::Empty(l, r));
+        }
+        let n = self.geo.units();
+        let pieces = if l < n {
+            split(&self.geo, l, r.min(n), self.cfg.k)
+        } else {
+            Vec::new()
+        };
+        let spill = r > n;
+        if spill {
+            let mut b = Batch::new();
+            b.masked_cas(self.maximizer(), 0, 0, r, r);
+            self.exec(b).await?;
+        }
+        let mut attempt = 0u32;
+        'attempt: loop {
+            let mut held: Vec<Held> = Vec::with_capacity(pieces.len());
+            for p in &pieces {
+                match self.acquire_piece(*p, held.is_empty()).await? {
+                    Outcome::Got(h) => held.push(h),
+                    Outcome::Busy => {
+                        self.release_held(&held).await?;
+                        attempt += 1;
+                        let max = self.cfg.rtt_budget * attempt.min(16);
+                        let d = self.jitter(max);
+                        self.sleep(d).await;
+                        continue 'attempt;
+                    }
+                }
+            }
+            if spill && !self.acquire_spill(held.is_empty()).await? {
+                self.release_held(&held).await?;
+                attempt += 1;
+                let d = self.jitter(self.cfg.rtt_budget * attempt.min(16));
+                self.sleep(d).await;
+                continue 'attempt;
+            }
+            return Ok(RangeGuard {
+                range: (l, r),
+                held,
+                spill,
+            });
+        }
+    }
+
+    /// Takes the spillover mutex; without `blocking`, only if it is free right now.
+    async fn acquire_spill(&self, blocking: bool) -> Result<bool, VerbsError> {
+        if blocking {
+            let ticket = {
+                let mut b = Batch::new();
+                let id = b.faa(self.spill_next(), 1);
+                self.exec(b).await?.value(id)?
+            };
+            while self.read_word(self.spill_serving()).await? != ticket {
+                self.sleep(self.cfg.poll).await;
+            }
+            return Ok(true);
+        }
+        let mut b = Batch::new();
+        let next = b.read(self.spill_next(), 8);
+        let serving = b.read(self.spill_serving(), 8);
+        let done = self.exec(b).await?;
+        let (n, s) = (word_of(&done, next), word_of(&done, serving));
+        if n != s {
+            return Ok(false);
+        }
+        let mut b = Batch::new();
+        let id = b.cas(self.spill_next(), n, n + 1);
+        Ok(self.exec(b).await?.value(id)? == n)
+    }
+
+    /// Acquires one node. The first node of a request may wait for holders (`blocking`); later
+    /// ones only try, so a request never waits for others while holding part of its range.
+    async fn acquire_piece(&self, p: Piece, blocking: bool) -> Result<Outcome, VerbsError> {
+        let n = p.node;
+        let leaf = self.geo.is_leaf(n);
+        let me = self.node(n);
+        // (a) An internal node is taken through its bakery ticket.
+        if !leaf && !self.take_ticket(me, blocking).await? {
+            return Ok(Outcome::Busy);
+        }
+        let ancestors = self.geo.ancestors(n);
+        let notify = self.geo.notify_set(n, self.cfg.m);
+        let twait = self.cfg.twait();
+        let mut failures = 0u32;
+        loop {
+            // (b)+(c) in one batch: read the ancestors, then lock this node.
+            let start = self.clock.now();
+            let mut b = Batch::new();
+            let reads: Vec<WrId> = ancestors.iter().map(|a| b.read(self.node(*a), 8)).collect();
+            let lock = if leaf {
+                b.masked_cas(me, 0, p.mask, p.mask, p.mask)
+            } else {
+                b.masked_faa(me, 1 << word::OCC_BIT, word::BOUNDARY)
+            };
+            let done = self.exec(b).await?;
+            let locked_at = self.clock.now();
+            let got = !leaf || done.value(lock)? & p.mask == 0;
+            let blocker = ancestors
+                .iter()
+                .zip(&reads)
+                .find(|(_, id)| word::occ(word_of(&done, **id)))
+                .map(|(a, _)| *a);
+            if let Some(a) = blocker {
+                // An ancestor is held: step back, wait for it, try again.
+                if got || !blocking {
+                    let h = Held {
+                        piece: p,
+                        notified: Vec::new(),
+                    };
+                    let mut b = Batch::new();
+                    match (got, leaf) {
+                        (true, _) => self.undo(&mut b, &h, !blocking),
+                        (false, false) => self.pass_ticket(&mut b, me),
+                        (false, true) => {}
+                    }
+                    if !b.is_empty() {
+                        self.exec(b).await?;
+                    }
+                }
+                if !blocking {
+                    return Ok(Outcome::Busy);
+                }
+                while word::occ(self.read_word(self.node(a)).await?) {
+                    self.sleep(self.cfg.poll).await;
+                }
+                continue;
+            }
+            if !got {
+                // Leaf bits held by someone else.
+                if !blocking {
+                    return Ok(Outcome::Busy);
+                }
+                failures += 1;
+                let d = self.jitter(self.cfg.poll * failures.min(16));
+                self.sleep(d).await;
+                continue;
+            }
+            // (d) Notify the ancestors; a notification later than Twait after the ancestor
+            // check could be missed by a checker, so it aborts.
+            let mut b = Batch::new();
+            for a in &notify {
+                b.masked_faa(self.node(*a), 1 << word::DMAX_SHIFT, word::BOUNDARY);
+            }
+            self.exec(b).await?;
+            if self.clock.now() - start > twait {
+                // A blocking request keeps its ticket and retries the node; a trying one gives
+                // the node up entirely.
+                let h = Held {
+                    piece: p,
+                    notified: notify.clone(),
+                };
+                let mut b = Batch::new();
+                self.undo(&mut b, &h, !blocking);
+                self.exec(b).await?;
+                if !blocking {
+                    return Ok(Outcome::Busy);
+                }
+                let d = self.jitter(self.cfg.rtt_budget);
+                self.sleep(d).await;
+                continue;
+            }
+            if !leaf {
+                // Every notifier that passed our Occ unseen has notified within Twait of
+                // `locked_at`: wait that long, then for all of them to drain.
+                let ready = locked_at + twait;
+                let now = self.clock.now();
+                if ready > now {
+                    self.sleep(ready - now).await;
+                }
+                self.wait_descendants(n).await?;
+            }
+            return Ok(Outcome::Got(Held {
+                piece: p,
+                notified: notify,
+            }));
+        }
+    }
+
+    /// Takes a ticket on an internal node; without `blocking`, only if nobody holds or waits.
+    async fn take_ticket(&self, me: RemoteAddr, blocking: bool) -> Result<bool, VerbsError> {
+        if blocking {
+            let mut b = Batch::new();
+            let id = b.masked_faa(me, 1 << word::TMAX_SHIFT, word::BOUNDARY);
+            let old = self.exec(b).await?.value(id)?;
+            let ticket = word::tmax(old);
+            let mut w = old;
+            while word::tcnt(w) != ticket {
+                self.sleep(self.cfg.poll).await;
+                w = self.read_word(me).await?;
+            }
+            return Ok(true);
+        }
+        let w = self.read_word(me).await?;
+        if word::tcnt(w) != word::tmax(w) {
+            return Ok(false);
+        }
+        let bumped = rackfs_verbs::masked::masked_faa(w, 1 << word::TMAX_SHIFT, word::BOUNDARY);
+        let mut b = Batch::new();
+        let id = b.masked_cas(me, w, word::T_MASK, bumped, word::TMAX_MASK);
+        let old = self.exec(b).await?.value(id)?;
+        Ok(old & word::T_MASK == w & word::T_MASK)
+    }
+
+    /// Gives up a ticket (adds 1 to `TCnt`).
+    fn pass_ticket(&self, b: &mut Batch<'_>, me: RemoteAddr) {
+        b.masked_faa(me, 1 << word::TCNT_SHIFT, word::BOUNDARY);
+    }
+
+    /// Appends the ops that undo a held node: clear its leaf bits or toggle `Occ` off (and
+    /// with `pass_ticket`, give up the node's ticket in the same add), and add 1 to the `DCnt`
+    /// of every ancestor it notified.
+    fn undo(&self, b: &mut Batch<'_>, h: &Held, pass_ticket: bool) {
+        let me = self.node(h.piece.node);
+        if self.geo.is_leaf(h.piece.node) {
+            b.masked_cas(me, 0, 0, 0, h.piece.mask);
+        } else {
+            let ticket = if pass_ticket {
+                1 << word::TCNT_SHIFT
+            } else {
+                0
+            };
+            b.masked_faa(me, 1 << word::OCC_BIT | ticket, word::BOUNDARY);
+        }
+        for a in &h.notified {
+            b.masked_faa(self.node(*a), 1 << word::DCNT_SHIFT, word::BOUNDARY);
+        }
+    }
+
+    /// Waits until no notified descendant request remains: this node's own `DCnt == DMax`, and
+    /// the same on every internal node of the `m` levels below it (which include a beacon level).
+    async fn wait_descendants(&self, n: Node) -> Result<(), VerbsError> {
+        let window = self.geo.check_window(n, self.cfg.m);
+        loop {
+            let mut b = Batch::new();
+            let own = b.read(self.node(n), 8);
+            let levels: Vec<(WrId, u64)> = window
+                .iter()
+                .map(|&(level, first, count)| {
+                    (
+                        b.read(
+                            self.node(Node {
+                                level,
+                                index: first,
+                            }),
+                            (count * 8) as u32,
+                        ),
+                        count,
+                    )
+                })
+                .collect();
+            let done = self.exec(b).await?;
+            let mut drained = word::drained(word_of(&done, own));
+            for (id, count) in levels {
+                let d = done.data(id)?;
+                drained &= (0..count as usize).all(|i| {
+                    word::drained(u64::from_le_bytes(
+                        d[i * 8..i * 8 + 8].try_into().expect("8"),
+                    ))
+                });
+            }
+            if drained {
+                return Ok(());
+            }
+            self.sleep(self.cfg.poll).await;
+        }
+    }
+
+    /// Releases held nodes in one batch (tickets passed).
+    async fn release_held(&self, held: &[Held]) -> Result<(), VerbsError> {
+        if held.is_empty() {
+            return Ok(());
+        }
+        let mut b = Batch::new();
+        for h in held {
+            self.undo(&mut b, h, true);
+        }
+        self.exec(b).await.map(|_| ())
+    }
+
+    /// Releases a range: one batch, the spillover mutex's pass included.
+    pub async fn release(&self, g: RangeGuard) -> Result<(), LockError> {
+        let mut b = Batch::new();
+        for h in &g.held {
+            self.undo(&mut b, h, true);
+        }
+        if g.spill {
+            b.faa(self.spill_serving(), 1);
+        }
+        self.exec(b).await?;
+        Ok(())
+    }
+}
+
+fn word_of(done: &Completions, id: WrId) -> u64 {
+    u64::from_le_bytes(
+        done.data(id)
+            .expect("checked batch")
+            .try_into()
+            .expect("8 bytes"),
+    )
+}
