@@ -36,8 +36,10 @@
 //! gives back everything it holds and retries after a random backoff. Phase (d) waits only for
 //! strictly deeper holders, so waits while holding form no cycle.
 //!
-//! Not yet: scale-up and scale-down, escalation to the parent after repeated leaf failures,
-//! leases and recovery from clients that die holding locks.
+//! Starvation: a request whose leaf bits keep being taken (`leaf_retries` attempts) escalates
+//! to the leaf's parent, whose bakery ticket is fair.
+//!
+//! Not yet: scale-up and scale-down, leases and recovery from clients that die holding locks.
 
 pub mod geometry;
 pub mod split;

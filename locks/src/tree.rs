@@ -33,6 +33,9 @@ pub struct LockConfig {
     pub rtt_budget: Duration,
     /// Pause between polls of a word being waited on.
     pub poll: Duration,
+    /// Failed attempts at a leaf's bits before the request escalates to the leaf's parent,
+    /// whose bakery ticket is fair (starvation avoidance).
+    pub leaf_retries: u32,
 }
 
 impl Default for LockConfig {
@@ -42,6 +45,7 @@ impl Default for LockConfig {
             m: 4,
             rtt_budget: Duration::from_micros(20),
             poll: Duration::from_micros(5),
+            leaf_retries: 8,
         }
     }
 }
@@ -102,6 +106,8 @@ enum Outcome {
     Got(Held),
     /// A later piece met a holder: give everything back and start over.
     Busy,
+    /// A leaf kept failing: lock its parent instead.
+    Escalate,
 }
 
 /// One client's handle on a lock tree in remote memory.
@@ -112,6 +118,7 @@ pub struct LockTree {
     geo: Geometry,
     cfg: LockConfig,
     round_trips: AtomicU64,
+    escalations: AtomicU64,
     rng: Mutex<u64>,
 }
 
@@ -133,12 +140,18 @@ impl LockTree {
             geo,
             cfg,
             round_trips: AtomicU64::new(0),
+            escalations: AtomicU64::new(0),
             rng: Mutex::new(base.offset ^ 0x9E37_79B9_7F4A_7C15),
         }
     }
 
     pub fn geometry(&self) -> Geometry {
         self.geo
+    }
+
+    /// Requests this handle escalated from a leaf to its parent.
+    pub fn escalations(&self) -> u64 {
+        self.escalations.load(Ordering::Relaxed)
     }
 
     /// Batches this handle has posted (each one round trip).
@@ -193,7 +206,7 @@ impl LockTree {
             return Err(LockError::Empty(l, r));
         }
         let n = self.geo.units();
-        let pieces = if l < n {
+        let mut pieces = if l < n {
             split(&self.geo, l, r.min(n), self.cfg.k)
         } else {
             Vec::new()
@@ -207,9 +220,26 @@ impl LockTree {
         let mut attempt = 0u32;
         'attempt: loop {
             let mut held: Vec<Held> = Vec::with_capacity(pieces.len());
-            for p in &pieces {
-                match self.acquire_piece(*p, held.is_empty()).await? {
+            for p in pieces.clone() {
+                match self.acquire_piece(p, held.is_empty()).await? {
                     Outcome::Got(h) => held.push(h),
+                    Outcome::Escalate => {
+                        // Lock the parent instead; pieces inside it are covered by it.
+                        self.escalations.fetch_add(1, Ordering::Relaxed);
+                        let parent = self.geo.ancestors(p.node)[0];
+                        let (ps, pe) = self.geo.range(parent);
+                        pieces.retain(|q| {
+                            let (s, e) = self.geo.range(q.node);
+                            !(ps <= s && e <= pe)
+                        });
+                        pieces.push(Piece {
+                            node: parent,
+                            mask: 0,
+                        });
+                        pieces.sort_by_key(|q| self.geo.range(q.node).0);
+                        self.release_held(&held).await?;
+                        continue 'attempt;
+                    }
                     Outcome::Busy => {
                         self.release_held(&held).await?;
                         attempt += 1;
@@ -324,6 +354,9 @@ impl LockTree {
                     return Ok(Outcome::Busy);
                 }
                 failures += 1;
+                if failures >= self.cfg.leaf_retries && n.level > 0 {
+                    return Ok(Outcome::Escalate);
+                }
                 let d = self.jitter(self.cfg.poll * failures.min(16));
                 self.sleep(d).await;
                 continue;

@@ -17,6 +17,7 @@ struct Oracle {
     violations: Vec<String>,
     completed: usize,
     longest_wait: Duration,
+    escalations: u64,
 }
 
 struct Scenario {
@@ -26,6 +27,7 @@ struct Scenario {
     k: usize,
     m: u32,
     pauses: bool,
+    leaf_retries: u32,
 }
 
 /// A random range: aligned to a node, unaligned, tiny, large, or reaching past the tree.
@@ -60,7 +62,7 @@ fn pick_range(h: &rackfs_verbs::sim::SimHandle, n: u64) -> (u64, u64) {
     }
 }
 
-fn run(seed: u64, s: &Scenario) -> Result<(), String> {
+fn run(seed: u64, s: &Scenario) -> Result<u64, String> {
     let mut sim = Sim::new(SimConfig {
         seed,
         region_len: 1 << 20,
@@ -73,6 +75,7 @@ fn run(seed: u64, s: &Scenario) -> Result<(), String> {
         m: s.m,
         rtt_budget: Duration::from_micros(10),
         poll: Duration::from_micros(2),
+        leaf_retries: s.leaf_retries,
     };
     let oracle = Rc::new(RefCell::new(Oracle::default()));
     let base = RemoteAddr::new(SIM_RKEY, 4096);
@@ -106,6 +109,7 @@ fn run(seed: u64, s: &Scenario) -> Result<(), String> {
                 o.borrow_mut().completed += 1;
                 h.clock_sleep(Duration::from_nanos(h.random_below(5_000))).await;
             }
+            o.borrow_mut().escalations += tree.escalations();
         });
     }
     if s.pauses {
@@ -141,7 +145,7 @@ fn run(seed: u64, s: &Scenario) -> Result<(), String> {
             o.longest_wait
         ));
     }
-    Ok(())
+    Ok(o.escalations)
 }
 
 fn seeds(default: u64) -> Vec<u64> {
@@ -151,13 +155,18 @@ fn seeds(default: u64) -> Vec<u64> {
     }
 }
 
-fn check_many(count: u64, s: &Scenario) {
+/// Runs `count` seeds; returns how many escalations happened in all.
+fn check_many(count: u64, s: &Scenario) -> u64 {
     let mut failures = Vec::new();
+    let mut escalations = 0;
     for seed in seeds(count) {
-        if let Err(e) = run(seed, s) {
-            failures.push(e);
-            if failures.len() >= 5 {
-                break;
+        match run(seed, s) {
+            Ok(e) => escalations += e,
+            Err(e) => {
+                failures.push(e);
+                if failures.len() >= 5 {
+                    break;
+                }
             }
         }
     }
@@ -167,6 +176,7 @@ fn check_many(count: u64, s: &Scenario) {
         failures.len(),
         failures.join("\n")
     );
+    escalations
 }
 
 #[test]
@@ -180,6 +190,7 @@ fn no_overlapping_holders_small_tree() {
             k: 2,
             m: 1,
             pauses: true,
+            leaf_retries: 8,
         },
     );
 }
@@ -197,6 +208,7 @@ fn no_overlapping_holders_deep_tree_beyond_2m() {
             k: 2,
             m: 1,
             pauses: true,
+            leaf_retries: 8,
         },
     );
 }
@@ -212,8 +224,41 @@ fn no_overlapping_holders_default_parameters() {
             k: 2,
             m: 4,
             pauses: true,
+            leaf_retries: 8,
         },
     );
+}
+
+#[test]
+fn hot_leaf_escalates_and_stays_exclusive() {
+    // Everyone fights over one leaf with 2 retries before escalating; a lone leaf (height 0)
+    // has no parent to escalate to.
+    let single = check_many(
+        1000,
+        &Scenario {
+            clients: 8,
+            ops: 10,
+            height: 0,
+            k: 2,
+            m: 2,
+            pauses: true,
+            leaf_retries: 2,
+        },
+    );
+    let with_parent = check_many(
+        1000,
+        &Scenario {
+            clients: 8,
+            ops: 10,
+            height: 1,
+            k: 2,
+            m: 1,
+            pauses: true,
+            leaf_retries: 2,
+        },
+    );
+    assert_eq!(single, 0);
+    assert!(with_parent > 0, "contended leaves under a parent escalate");
 }
 
 #[test]
@@ -254,6 +299,7 @@ fn many_seeds_long_run() {
             k: 2,
             m: 2,
             pauses: true,
+            leaf_retries: 8,
         },
     );
 }
