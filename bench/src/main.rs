@@ -1,6 +1,7 @@
 //! `rackfs-bench`: RackFS benchmarks, each run side by side with its baseline.
 
 mod fio;
+mod locks;
 mod stats;
 mod verbs;
 
@@ -36,6 +37,21 @@ enum Cmd {
         /// Transports to measure.
         #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
         transports: Vec<String>,
+        /// Also write the markdown table to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Range locks: Citron vs an RPC lock server on the memory node vs one mutex per segment.
+    Locks {
+        /// A short smoke run.
+        #[arg(long)]
+        quick: bool,
+        /// Measuring time per point and run, in milliseconds.
+        #[arg(long, default_value_t = 300)]
+        duration_ms: u64,
+        /// Runs per point (rotating the systems); the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
         /// Also write the markdown table to this file.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -92,6 +108,48 @@ fn main() {
                     .join("\n")
             );
             for line in verbs::batching_gains(&rows) {
+                md.push_str(&format!("\n- {line}"));
+            }
+            println!("{md}");
+            write_out(out, &md);
+        }
+        Cmd::Locks {
+            quick,
+            duration_ms,
+            runs,
+            out,
+        } => {
+            let cfg = locks::Config {
+                transports: vec!["shm", "tcp"],
+                clients: if quick {
+                    vec![1, 8]
+                } else {
+                    vec![1, 2, 4, 8, 16]
+                },
+                patterns: if quick {
+                    vec![locks::Pattern::Unaligned, locks::Pattern::Variable]
+                } else {
+                    locks::Pattern::ALL.to_vec()
+                },
+                spaces: if quick {
+                    vec![4096]
+                } else {
+                    vec![1 << 20, 4096]
+                },
+                duration: Duration::from_millis(if quick { 100 } else { duration_ms }),
+                runs: if quick { 1 } else { runs.max(1) },
+            };
+            eprintln!("{}", locks::table_header());
+            let rows = locks::run(&cfg);
+            let mut md = format!(
+                "{}\n{}\n",
+                locks::table_header(),
+                rows.iter()
+                    .map(locks::format_row)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            for line in locks::ratios(&rows) {
                 md.push_str(&format!("\n- {line}"));
             }
             println!("{md}");

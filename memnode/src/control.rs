@@ -19,8 +19,17 @@ use serde::{Deserialize, Serialize};
 use crate::meta::{Attr, DirEntry, MetaRequest, StripeExtent};
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 8] = [
-    "ping", "stats", "alloc", "free", "cluster", "join", "zero", "meta",
+pub const RPC_KINDS: [&str; 10] = [
+    "ping",
+    "stats",
+    "alloc",
+    "free",
+    "cluster",
+    "join",
+    "zero",
+    "meta",
+    "range_lock",
+    "range_unlock",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +61,19 @@ pub enum ControlRequest {
     },
     /// A namespace operation (primary only).
     Meta(MetaRequest),
+    /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
+    /// answered when granted. The baseline Citron is measured against: every lock operation
+    /// costs this node's CPU. Ranges a session holds are released when it disconnects.
+    RangeLock {
+        space: u64,
+        l: u64,
+        r: u64,
+    },
+    RangeUnlock {
+        space: u64,
+        l: u64,
+        r: u64,
+    },
 }
 
 impl ControlRequest {
@@ -65,6 +87,8 @@ impl ControlRequest {
             ControlRequest::Join { .. } => 5,
             ControlRequest::Zero { .. } => 6,
             ControlRequest::Meta(_) => 7,
+            ControlRequest::RangeLock { .. } => 8,
+            ControlRequest::RangeUnlock { .. } => 9,
         }
     }
 }
@@ -472,8 +496,8 @@ mod tests {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[31],
                 verbs: VerbTotals { ops: words[7..13].try_into().unwrap(), bytes: words[13..19].try_into().unwrap(), errors: words[19], batches: words[20] },
-                rpcs: words[21..29].try_into().unwrap(), open: words[29..32].try_into().unwrap(),
-                connections_total: words[32], auth_failures: words[33], protocol_errors: words[34],
+                rpcs: words[21..31].try_into().unwrap(), open: words[31..34].try_into().unwrap(),
+                connections_total: words[34], auth_failures: words[35], protocol_errors: words[36],
             };
             let r = ControlResponse::Stats(Box::new(s));
             prop_assert_eq!(ControlResponse::decode(&r.encode(id)).unwrap(), (id, r));

@@ -10,14 +10,14 @@
 //! read-only info region at start-up; everything else in the data region is written by clients
 //! through verbs, into extents the allocator handed out.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{server_handshake, HandshakeError, Secret};
@@ -83,6 +83,9 @@ pub enum StartError {
     Join { addr: String, reason: String },
 }
 
+/// Held ranges by lock space: `(l, r, session)`.
+type RangeTable = HashMap<u64, Vec<(u64, u64, u64)>>;
+
 /// Bytes before a tagged (file stripe) extent's data: its tag lives in the first 8.
 pub const TAG_SPACE: u64 = 4096;
 
@@ -117,6 +120,9 @@ struct Shared {
     quarantine: Mutex<Vec<(Instant, u64, u64)>>,
     namespace: Option<Mutex<Namespace>>,
     next_session: AtomicU64,
+    /// The CPU-based range-lock table (a benchmark baseline).
+    range_locks: Mutex<RangeTable>,
+    range_freed: Condvar,
 }
 
 /// A running memory node.
@@ -206,6 +212,8 @@ impl MemNode {
             quarantine: Mutex::new(Vec::new()),
             namespace,
             next_session: AtomicU64::new(1),
+            range_locks: Mutex::new(HashMap::new()),
+            range_freed: Condvar::new(),
         });
         {
             let s = shared.clone();
@@ -378,6 +386,43 @@ impl Shared {
                 ),
             },
             ControlRequest::Join { node } => self.accept_join(node),
+            ControlRequest::RangeLock { space, l, r } => {
+                if l >= r {
+                    return ControlResponse::error(
+                        ErrorCode::Invalid,
+                        format!("empty range [{l}, {r})"),
+                    );
+                }
+                let mut t = self.range_locks.lock().expect("range locks");
+                while t
+                    .get(&space)
+                    .is_some_and(|v| v.iter().any(|&(a, b, _)| a < r && l < b))
+                {
+                    t = self.range_freed.wait(t).expect("range locks");
+                }
+                t.entry(space).or_default().push((l, r, session));
+                ControlResponse::Ok
+            }
+            ControlRequest::RangeUnlock { space, l, r } => {
+                let mut t = self.range_locks.lock().expect("range locks");
+                let held = t.get_mut(&space).and_then(|v| {
+                    let i = v
+                        .iter()
+                        .position(|&(a, b, s)| (a, b, s) == (l, r, session))?;
+                    Some(v.swap_remove(i))
+                });
+                drop(t);
+                match held {
+                    Some(_) => {
+                        self.range_freed.notify_all();
+                        ControlResponse::Ok
+                    }
+                    None => ControlResponse::error(
+                        ErrorCode::NotFound,
+                        format!("[{l}, {r}) of space {space} is not held by this session"),
+                    ),
+                }
+            }
             ControlRequest::Meta(m) => match &self.namespace {
                 Some(ns) => ns.lock().expect("namespace lock").handle(session, m, self),
                 None => ControlResponse::error(
@@ -886,6 +931,10 @@ fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), Wir
             .expect("namespace lock")
             .end_session(session, shared);
     }
+    for v in shared.range_locks.lock().expect("range locks").values_mut() {
+        v.retain(|e| e.2 != session);
+    }
+    shared.range_freed.notify_all();
     result
 }
 

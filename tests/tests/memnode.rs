@@ -343,3 +343,59 @@ fn sigterm_shuts_down_cleanly() {
     assert_eq!(code, Some(0));
     assert!(!sock.exists(), "the Unix socket is removed");
 }
+
+#[test]
+fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
+    use rackfs_memnode::control::ControlRequest;
+    let node = MemNodeProcess::start("8M");
+    let a = node.control();
+    let b = node.control();
+    a.call(&ControlRequest::RangeLock {
+        space: 7,
+        l: 0,
+        r: 100,
+    })
+    .unwrap();
+    b.call(&ControlRequest::RangeLock {
+        space: 7,
+        l: 100,
+        r: 200,
+    })
+    .unwrap(); // disjoint: granted
+    b.call(&ControlRequest::RangeLock {
+        space: 8,
+        l: 0,
+        r: 100,
+    })
+    .unwrap(); // other space: granted
+    let waiter = std::thread::spawn(move || {
+        b.call(&ControlRequest::RangeLock {
+            space: 7,
+            l: 50,
+            r: 60,
+        })
+        .unwrap();
+        b
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!waiter.is_finished(), "an overlapping request waits");
+    drop(a); // the holder's session ends: its ranges are released
+    let b = waiter.join().unwrap();
+    assert!(matches!(
+        b.call(&ControlRequest::RangeUnlock {
+            space: 7,
+            l: 0,
+            r: 100
+        }),
+        Err(RpcError::Refused {
+            code: ErrorCode::NotFound,
+            ..
+        })
+    ));
+    b.call(&ControlRequest::RangeUnlock {
+        space: 7,
+        l: 50,
+        r: 60,
+    })
+    .unwrap();
+}

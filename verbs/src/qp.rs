@@ -277,7 +277,7 @@ impl Clock {
     }
 
     /// A future that completes after `d`. On the real clock it blocks the polling thread (the
-    /// protocols run one operation per thread under [`block_on`]).
+    /// protocols run one operation per thread under [`block_on`]); waits under 200 us spin.
     pub fn sleep(&self, d: Duration) -> Sleep {
         Sleep {
             clock: self.clone(),
@@ -304,7 +304,16 @@ impl Future for Sleep {
         }
         match &this.clock {
             Clock::Real => {
-                std::thread::sleep(this.deadline - now);
+                // Short waits (lock polls, Twait) spin with yields: the kernel's sleep cannot
+                // wake sooner than ~50 us on this kind of host.
+                let left = this.deadline - now;
+                if left < Duration::from_micros(200) {
+                    while this.clock.now() < this.deadline {
+                        std::thread::yield_now();
+                    }
+                } else {
+                    std::thread::sleep(left);
+                }
                 Poll::Ready(())
             }
             Clock::Sim(h) => {
