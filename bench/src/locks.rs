@@ -92,6 +92,8 @@ pub struct Sample {
     pub per_sec: f64,
     pub p50_ns: f64,
     pub p99_ns: f64,
+    /// Citron: node acquisitions aborted for a late notification, per acquisition.
+    pub abort_rate: f64,
 }
 
 pub struct Row {
@@ -235,14 +237,21 @@ fn measure(
                     lat.push(t.elapsed().as_nanos() as u64);
                     release(&locker);
                 }
-                (lat, start.elapsed())
+                let aborts = if let Locker::Citron(t) = &locker {
+                    t.aborts()
+                } else {
+                    0
+                };
+                (lat, start.elapsed(), aborts)
             })
         })
         .collect();
     let mut all = Vec::new();
     let mut per_sec = 0.0;
+    let mut aborts = 0;
     for h in handles {
-        let (lat, el) = h.join().expect("client thread");
+        let (lat, el, a) = h.join().expect("client thread");
+        aborts += a;
         per_sec += lat.len() as f64 / el.as_secs_f64();
         all.extend(lat);
     }
@@ -254,6 +263,7 @@ fn measure(
         per_sec,
         p50_ns: percentile(&all, 50.0) as f64,
         p99_ns: percentile(&all, 99.0) as f64,
+        abort_rate: aborts as f64 / all.len().max(1) as f64,
     }
 }
 
@@ -295,6 +305,9 @@ pub fn run(cfg: &Config) -> Vec<Row> {
                                 per_sec: median(&s.iter().map(|x| x.per_sec).collect::<Vec<_>>()),
                                 p50_ns: median(&s.iter().map(|x| x.p50_ns).collect::<Vec<_>>()),
                                 p99_ns: median(&s.iter().map(|x| x.p99_ns).collect::<Vec<_>>()),
+                                abort_rate: median(
+                                    &s.iter().map(|x| x.abort_rate).collect::<Vec<_>>(),
+                                ),
                             },
                         };
                         eprintln!("{}", format_row(&row));
@@ -308,7 +321,7 @@ pub fn run(cfg: &Config) -> Vec<Row> {
 }
 
 pub fn table_header() -> String {
-    "| transport | contention | ranges | clients | system | acquisitions/s | p50 µs | p99 µs |\n|---|---|---|---:|---|---:|---:|---:|".into()
+    "| transport | contention | ranges | clients | system | acquisitions/s | p50 µs | p99 µs | Twait aborts per acquisition |\n|---|---|---|---:|---|---:|---:|---:|---:|".into()
 }
 
 fn contention(space: u64) -> String {
@@ -321,7 +334,7 @@ fn contention(space: u64) -> String {
 
 pub fn format_row(r: &Row) -> String {
     format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
         r.transport,
         contention(r.space),
         r.pattern.name(),
@@ -329,7 +342,12 @@ pub fn format_row(r: &Row) -> String {
         r.system.name(),
         rate(r.sample.per_sec),
         micros(r.sample.p50_ns),
-        micros(r.sample.p99_ns)
+        micros(r.sample.p99_ns),
+        if r.system == System::Citron {
+            format!("{:.2}", r.sample.abort_rate)
+        } else {
+            "-".into()
+        }
     )
 }
 

@@ -121,6 +121,7 @@ pub struct LockTree {
     cfg: LockConfig,
     round_trips: AtomicU64,
     escalations: AtomicU64,
+    aborts: AtomicU64,
     rng: Mutex<u64>,
 }
 
@@ -143,6 +144,7 @@ impl LockTree {
             cfg,
             round_trips: AtomicU64::new(0),
             escalations: AtomicU64::new(0),
+            aborts: AtomicU64::new(0),
             rng: Mutex::new(base.offset ^ 0x9E37_79B9_7F4A_7C15),
         }
     }
@@ -154,6 +156,11 @@ impl LockTree {
     /// Requests this handle escalated from a leaf to its parent.
     pub fn escalations(&self) -> u64 {
         self.escalations.load(Ordering::Relaxed)
+    }
+
+    /// Node acquisitions this handle aborted because its notification came later than Twait.
+    pub fn aborts(&self) -> u64 {
+        self.aborts.load(Ordering::Relaxed)
     }
 
     /// Batches this handle has posted (each one round trip).
@@ -371,6 +378,7 @@ impl LockTree {
             }
             self.exec(b).await?;
             if self.clock.now() - start > twait {
+                self.aborts.fetch_add(1, Ordering::Relaxed);
                 // A blocking request keeps its ticket and retries the node; a trying one gives
                 // the node up entirely.
                 let h = Held {

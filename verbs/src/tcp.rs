@@ -20,7 +20,8 @@ use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -71,11 +72,27 @@ impl Default for TcpOptions {
     }
 }
 
-/// Busy-polls `fd` until it is readable or `budget` has passed.
+/// Threads of this process polling right now.
+static POLLERS: AtomicUsize = AtomicUsize::new(0);
+
+/// At most this many threads of one process poll at once (half the CPUs, at least one): with
+/// more, pollers take the CPU from the very threads they wait for. The others sleep in `read`.
+fn max_pollers() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
+}
+
+/// Busy-polls `fd` until it is readable or `budget` has passed (or returns at once when enough
+/// other threads are polling already).
 pub fn poll_readable(fd: RawFd, budget: Duration) {
     if budget.is_zero() {
         return;
     }
+    if POLLERS.fetch_add(1, Ordering::AcqRel) >= max_pollers() {
+        POLLERS.fetch_sub(1, Ordering::AcqRel);
+        return;
+    }
+    let _done = PollerSlot;
     let end = Instant::now() + budget;
     loop {
         let mut pfd = libc::pollfd {
@@ -91,6 +108,15 @@ pub fn poll_readable(fd: RawFd, budget: Duration) {
         // Yield rather than spin: a thread that shares this CPU (another connection's NIC
         // thread, the client) runs at once instead of waiting for our time slice to end.
         std::thread::yield_now();
+    }
+}
+
+/// Gives a polling slot back when dropped.
+struct PollerSlot;
+
+impl Drop for PollerSlot {
+    fn drop(&mut self) {
+        POLLERS.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
