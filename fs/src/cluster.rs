@@ -172,13 +172,4 @@ impl Cluster {
             warn!(node = id, error = %why, "lost a memory node; files with data there return EIO");
         }
     }
-
-    /// The transport in use to node `id`, if connected.
-    pub fn transport_of(&self, id: u32) -> Option<&'static str> {
-        self.nodes
-            .read()
-            .expect("nodes lock")
-            .get(&id)
-            .map(|n| n.qp.transport())
-    }
 }

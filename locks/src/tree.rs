@@ -149,10 +149,6 @@ impl LockTree {
         }
     }
 
-    pub fn geometry(&self) -> Geometry {
-        self.geo
-    }
-
     /// Requests this handle escalated from a leaf to its parent.
     pub fn escalations(&self) -> u64 {
         self.escalations.load(Ordering::Relaxed)

@@ -4,13 +4,13 @@
 //! their own CPU, so the node hands each one a small counter region (a memfd) that the client
 //! increments and the node reads: either way the node can report every verb served on its memory.
 //! Layout, in 8-byte words: `ops[6]`, `bytes[6]`, `errors`, `batches` (opcode order of
-//! [`Opcode::ALL`]). Each block has a single writer (one shm client, or the NIC thread of one
+//! [`crate::Opcode::ALL`]). Each block has a single writer (one shm client, or the NIC thread of one
 //! connection), so increments are plain stores; readers see each word old or new.
 
 use std::sync::Arc;
 
 use crate::region::Region;
-use crate::wr::{Access, Opcode};
+use crate::wr::Access;
 use crate::{Batch, Completions};
 
 const WORDS: u64 = 14;
@@ -113,9 +113,4 @@ impl VerbCounters {
         t.batches = w(13);
         t
     }
-}
-
-/// Opcode names in counter order, for reports.
-pub fn opcode_names() -> [&'static str; 6] {
-    Opcode::ALL.map(|o| o.name())
 }

@@ -460,11 +460,6 @@ impl Sim {
         self.ready.lock().expect("ready queue").push_back(id);
     }
 
-    /// Tasks not yet finished (nor dropped by a kill).
-    pub fn live_tasks(&self) -> usize {
-        self.live
-    }
-
     /// Runs until every task has finished, virtual time passes `limit`, or nothing can progress.
     pub fn run(&mut self, limit: Duration) -> RunOutcome {
         let limit = limit.as_nanos() as u64;

@@ -461,11 +461,6 @@ impl Completions {
         }
     }
 
-    /// Takes the READ data buffer (all READs of the batch, concatenated in posting order).
-    pub fn into_data(self) -> Vec<u8> {
-        self.data
-    }
-
     pub(crate) fn push(&mut self, outcome: Outcome) {
         self.outcomes.push(outcome);
     }
