@@ -377,3 +377,25 @@ fn writeback_cache_mode_round_trips_data() {
     let other = Mount::new(&c, "");
     assert_eq!(fs::read(other.path("wb")).unwrap(), data);
 }
+
+#[test]
+fn a_killed_mount_releases_its_open_files() {
+    let c = TestCluster::start(1, "32M");
+    let used = |c: &TestCluster| c.control(0).stats().unwrap().used;
+    let base = used(&c);
+    let survivor = Mount::new(&c, "");
+    let mut victim = Mount::new(&c, "");
+    fs::write(victim.path("orphan"), vec![5u8; 2 << 20]).unwrap();
+    let held = std::fs::File::open(victim.path("orphan")).unwrap();
+    fs::remove_file(survivor.path("orphan")).unwrap(); // unlinked while the victim holds it open
+    assert!(used(&c) >= base + (2 << 20), "still allocated while open");
+    // SIGKILL the mount process holding the file open.
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    drop(held);
+    assert!(
+        wait_for(Duration::from_secs(5), || used(&c) < base + (1 << 20)),
+        "the dead mount's open file is released and its memory returned"
+    );
+    assert!(fs::read_dir(&survivor.dir).unwrap().next().is_none());
+}
