@@ -275,16 +275,19 @@ fn uncontended_acquire_costs_two_round_trips_and_release_one() {
     let counts = Rc::new(RefCell::new(Vec::new()));
     let (t, k) = (tree.clone(), counts.clone());
     sim.spawn(c, async move {
-        // A leaf-level range: two round trips to acquire, one to release.
-        let before = t.round_trips();
-        let g = t.acquire(70, 80).await.unwrap();
-        let acquired = t.round_trips();
-        t.release(g).await.unwrap();
-        k.borrow_mut()
-            .push((acquired - before, t.round_trips() - acquired));
+        // A range inside one leaf, then one straddling two leaves: two round trips to acquire
+        // either, one to release.
+        for (l, r) in [(70, 80), (100, 160)] {
+            let before = t.round_trips();
+            let g = t.acquire(l, r).await.unwrap();
+            let acquired = t.round_trips();
+            t.release(g).await.unwrap();
+            k.borrow_mut()
+                .push((acquired - before, t.round_trips() - acquired));
+        }
     });
     assert_eq!(sim.run(Duration::from_secs(1)), RunOutcome::Finished);
-    assert_eq!(counts.borrow()[0], (2, 1));
+    assert_eq!(*counts.borrow(), vec![(2, 1), (2, 1)]);
 }
 
 #[test]
