@@ -99,19 +99,12 @@ fn main() {
             };
             eprintln!("{}", verbs::table_header());
             let rows = verbs::run(&cfg);
-            let mut md = format!(
-                "{}\n{}\n",
-                verbs::table_header(),
-                rows.iter()
-                    .map(verbs::format_row)
-                    .collect::<Vec<_>>()
-                    .join("\n")
+            publish(
+                &verbs::table_header(),
+                rows.iter().map(verbs::format_row),
+                verbs::batching_gains(&rows),
+                out,
             );
-            for line in verbs::batching_gains(&rows) {
-                md.push_str(&format!("\n- {line}"));
-            }
-            println!("{md}");
-            write_out(out, &md);
         }
         Cmd::Locks {
             quick,
@@ -141,19 +134,12 @@ fn main() {
             };
             eprintln!("{}", locks::table_header());
             let rows = locks::run(&cfg);
-            let mut md = format!(
-                "{}\n{}\n",
-                locks::table_header(),
-                rows.iter()
-                    .map(locks::format_row)
-                    .collect::<Vec<_>>()
-                    .join("\n")
+            publish(
+                &locks::table_header(),
+                rows.iter().map(locks::format_row),
+                locks::ratios(&rows),
+                out,
             );
-            for line in locks::ratios(&rows) {
-                md.push_str(&format!("\n- {line}"));
-            }
-            println!("{md}");
-            write_out(out, &md);
         }
         Cmd::Fio {
             quick,
@@ -168,24 +154,28 @@ fn main() {
             };
             eprintln!("{}", fio::table_header());
             let rows = fio::run(&cfg);
-            let mut md = format!(
-                "{}\n{}\n",
-                fio::table_header(),
-                rows.iter()
-                    .map(fio::format_row)
-                    .collect::<Vec<_>>()
-                    .join("\n")
+            publish(
+                &fio::table_header(),
+                rows.iter().map(fio::format_row),
+                fio::ratios(&rows),
+                out,
             );
-            for line in fio::ratios(&rows) {
-                md.push_str(&format!("\n- {line}"));
-            }
-            println!("{md}");
-            write_out(out, &md);
         }
     }
 }
 
-fn write_out(out: Option<PathBuf>, md: &str) {
+/// Prints a markdown table and its headline lines, and writes them to `out` if given.
+fn publish(
+    header: &str,
+    rows: impl Iterator<Item = String>,
+    notes: Vec<String>,
+    out: Option<PathBuf>,
+) {
+    let mut md = format!("{header}\n{}\n", rows.collect::<Vec<_>>().join("\n"));
+    for line in notes {
+        md.push_str(&format!("\n- {line}"));
+    }
+    println!("{md}");
     if let Some(path) = out {
         std::fs::write(&path, md).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     }

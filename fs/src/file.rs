@@ -201,6 +201,33 @@ impl FileData {
         }
     }
 
+    /// Puts the tag check of piece `p`'s stripe in its node's batch (once per stripe) and
+    /// returns that node and the remote address of the piece's bytes; `None` when this mount has
+    /// no extent for the stripe.
+    fn stage(
+        &self,
+        cl: &Cluster,
+        p: &Piece,
+        batches: &mut BTreeMap<u32, Batch<'_>>,
+        tags: &mut Vec<TagCheck>,
+    ) -> Result<Option<(u32, RemoteAddr)>, i32> {
+        let Some(e) = self.cached(p.stripe) else {
+            return Ok(None);
+        };
+        let node = cl
+            .node(e.node)
+            .map_err(|err| self.verbs_err(cl, e.node, err))?;
+        if !tags.iter().any(|t| t.1 == p.stripe) {
+            let b = batches.entry(e.node).or_default();
+            let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
+            tags.push((e.node, p.stripe, e.tag, id));
+        }
+        Ok(Some((
+            e.node,
+            RemoteAddr::new(node.rkey, e.offset + p.offset),
+        )))
+    }
+
     /// Posts one batch per node and waits for all; returns completions by node.
     fn run<'a>(
         &self,
@@ -269,25 +296,14 @@ impl FileData {
             let mut tags: Vec<TagCheck> = Vec::new();
             let mut reads: Vec<(usize, u32, WrId)> = Vec::new(); // piece, node, id
             for (i, p) in ps.iter().enumerate() {
-                let Some(e) = self.cached(p.stripe) else {
-                    continue;
-                }; // a hole
-                let node = cl
-                    .node(e.node)
-                    .map_err(|err| self.verbs_err(cl, e.node, err))?;
-                let b = batches.entry(e.node).or_default();
-                if !tags.iter().any(|t| t.1 == p.stripe) {
-                    let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
-                    tags.push((e.node, p.stripe, e.tag, id));
+                // A stripe without an extent is a hole: it reads as zeros.
+                if let Some((node, at)) = self.stage(cl, p, &mut batches, &mut tags)? {
+                    let id = batches
+                        .get_mut(&node)
+                        .expect("staged")
+                        .read(at, p.len as u32);
+                    reads.push((i, node, id));
                 }
-                reads.push((
-                    i,
-                    e.node,
-                    b.read(
-                        RemoteAddr::new(node.rkey, e.offset + p.offset),
-                        p.len as u32,
-                    ),
-                ));
             }
             let size_id = if size.is_none() {
                 let pr = cl
@@ -367,22 +383,12 @@ impl FileData {
             let mut tags: Vec<TagCheck> = Vec::new();
             let mut complete = true;
             for p in &ps {
-                let Some(e) = self.cached(p.stripe) else {
+                let Some((node, at)) = self.stage(cl, p, &mut batches, &mut tags)? else {
                     complete = false; // evicted by a concurrent operation: start over
                     break;
                 };
-                let node = cl
-                    .node(e.node)
-                    .map_err(|err| self.verbs_err(cl, e.node, err))?;
-                let b = batches.entry(e.node).or_default();
-                if !tags.iter().any(|t| t.1 == p.stripe) {
-                    let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
-                    tags.push((e.node, p.stripe, e.tag, id));
-                }
-                b.write(
-                    RemoteAddr::new(node.rkey, e.offset + p.offset),
-                    &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize],
-                );
+                let bytes = &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
+                batches.get_mut(&node).expect("staged").write(at, bytes);
             }
             if !complete {
                 continue;
