@@ -2,7 +2,7 @@
 //! written with one-sided verbs.
 //!
 //! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
-//! * [`file`]: the data path of one file (layout cache, tag checks, size CAS-max).
+//! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 

@@ -339,6 +339,8 @@ pub fn down(dir: &Path) -> Result<(), String> {
             while pid_alive(pid) && Instant::now() < end {
                 std::thread::sleep(Duration::from_millis(20));
             }
+            // The instance is gone cleanly: so is the log of its detached run.
+            let _ = std::fs::remove_file(state_dir().join(format!("up-{}.log", path_tag(&dir))));
             println!("RackFS at {} is down.", dir.display());
             return Ok(());
         }

@@ -104,7 +104,7 @@ impl Geometry {
     }
 }
 
-/// Fields of an internal node word. Masked FAA with [`BOUNDARY`] adds to each field
+/// Fields of an internal node word. Masked FAA with [`word::BOUNDARY`] adds to each field
 /// independently (a field's low bit is a boundary); counters wrap within their width and are
 /// compared for equality only, so wrap-around is harmless while fewer than 2^width requests
 /// are outstanding on one node.

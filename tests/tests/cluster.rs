@@ -305,10 +305,16 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     let node_pids = child_pids(up_pid);
     assert_eq!(node_pids.len(), 2, "two memory nodes");
 
+    let log = rackfs_fs::mount::state_dir().join(format!(
+        "up-{}.log",
+        rackfs_fs::mount::path_tag(&fs::canonicalize(&d).unwrap())
+    ));
+    assert!(log.exists(), "a detached run logs to {}", log.display());
     let out = run_rackfs(&["down", ds]);
     assert!(out.status.success(), "{out:?}");
     assert!(!is_rackfs_mount(&d), "unmounted");
     assert!(!inst.exists(), "state removed");
+    assert!(!log.exists(), "log of a cleanly stopped instance removed");
     for p in node_pids.iter().chain([&up_pid]) {
         assert!(
             wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
