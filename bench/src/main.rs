@@ -8,7 +8,7 @@ mod verbs;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -21,70 +21,71 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// What every benchmark takes.
+#[derive(Args)]
+struct RunArgs {
+    /// A short smoke run (one short run per point).
+    #[arg(long)]
+    quick: bool,
+    /// Runs per point, rotating the systems; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Also write the markdown table to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+impl RunArgs {
+    fn runs(&self) -> usize {
+        if self.quick {
+            1
+        } else {
+            self.runs.max(1)
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// One-sided verbs per transport vs local memory (shm) and a bare TCP ping-pong (tcp).
     Verbs {
-        /// A short smoke run (one run per point, 50 ms each).
-        #[arg(long)]
-        quick: bool,
-        /// Measuring time per point and run, in milliseconds.
+        #[command(flatten)]
+        run: RunArgs,
+        /// Measuring time per point and run, in milliseconds (quick: 50).
         #[arg(long, default_value_t = 300)]
         duration_ms: u64,
-        /// Runs per point (alternating system and baseline); the median is reported.
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
         /// Transports to measure.
         #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
         transports: Vec<String>,
-        /// Also write the markdown table to this file.
-        #[arg(long)]
-        out: Option<PathBuf>,
     },
     /// Range locks: Citron vs an RPC lock server on the memory node vs one mutex per segment.
     Locks {
-        /// A short smoke run.
-        #[arg(long)]
-        quick: bool,
-        /// Measuring time per point and run, in milliseconds.
+        #[command(flatten)]
+        run: RunArgs,
+        /// Measuring time per point and run, in milliseconds (quick: 100).
         #[arg(long, default_value_t = 300)]
         duration_ms: u64,
-        /// Runs per point (rotating the systems); the median is reported.
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
-        /// Also write the markdown table to this file.
-        #[arg(long)]
-        out: Option<PathBuf>,
     },
     /// fio on tmpfs, the in-memory FUSE baseline, and RackFS over shm and tcp (needs root).
     Fio {
-        /// A short smoke run (one 1 s run per point).
-        #[arg(long)]
-        quick: bool,
-        /// Runs per point; the median is reported.
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
-        /// Seconds per fio run (after 1 s of ramp).
+        #[command(flatten)]
+        run: RunArgs,
+        /// Seconds per fio run, after 1 s of ramp (quick: 1).
         #[arg(long, default_value_t = 4)]
         runtime: u32,
-        /// Also write the markdown table to this file.
-        #[arg(long)]
-        out: Option<PathBuf>,
     },
 }
 
 fn main() {
     match Cli::parse().cmd {
         Cmd::Verbs {
-            quick,
+            run,
             duration_ms,
-            runs,
             transports,
-            out,
         } => {
             let cfg = verbs::Config {
-                duration: Duration::from_millis(if quick { 50 } else { duration_ms }),
-                runs: if quick { 1 } else { runs.max(1) },
+                duration: Duration::from_millis(if run.quick { 50 } else { duration_ms }),
+                runs: run.runs(),
                 transports,
                 ops: vec![
                     verbs::Op::Cas,
@@ -103,15 +104,11 @@ fn main() {
                 &verbs::table_header(),
                 rows.iter().map(verbs::format_row),
                 verbs::batching_gains(&rows),
-                out,
+                run.out,
             );
         }
-        Cmd::Locks {
-            quick,
-            duration_ms,
-            runs,
-            out,
-        } => {
+        Cmd::Locks { run, duration_ms } => {
+            let quick = run.quick;
             let cfg = locks::Config {
                 transports: vec!["shm", "tcp"],
                 clients: if quick {
@@ -130,7 +127,7 @@ fn main() {
                     vec![1 << 20, 4096]
                 },
                 duration: Duration::from_millis(if quick { 100 } else { duration_ms }),
-                runs: if quick { 1 } else { runs.max(1) },
+                runs: run.runs(),
             };
             eprintln!("{}", locks::table_header());
             let rows = locks::run(&cfg);
@@ -138,19 +135,14 @@ fn main() {
                 &locks::table_header(),
                 rows.iter().map(locks::format_row),
                 locks::ratios(&rows),
-                out,
+                run.out,
             );
         }
-        Cmd::Fio {
-            quick,
-            runs,
-            runtime,
-            out,
-        } => {
+        Cmd::Fio { run, runtime } => {
             let cfg = fio::Config {
-                runs: if quick { 1 } else { runs.max(1) },
-                runtime_s: if quick { 1 } else { runtime.max(1) },
-                size_per_job: if quick { "32M" } else { "128M" },
+                runs: run.runs(),
+                runtime_s: if run.quick { 1 } else { runtime.max(1) },
+                size_per_job: if run.quick { "32M" } else { "128M" },
             };
             eprintln!("{}", fio::table_header());
             let rows = fio::run(&cfg);
@@ -158,7 +150,7 @@ fn main() {
                 &fio::table_header(),
                 rows.iter().map(fio::format_row),
                 fio::ratios(&rows),
-                out,
+                run.out,
             );
         }
     }
