@@ -300,26 +300,15 @@ impl Filesystem for RackFs {
         reply: ReplyEntry,
     ) {
         let perm = (mode & !umask & 0o7777) as u16;
+        let special = |kind| NewKind::Special { kind, rdev };
         let kind = match mode & libc::S_IFMT {
             libc::S_IFREG | 0 => NewKind::File {
                 stripe_unit: self.opts.stripe_unit,
             },
-            libc::S_IFIFO => NewKind::Special {
-                kind: Kind::Fifo,
-                rdev,
-            },
-            libc::S_IFSOCK => NewKind::Special {
-                kind: Kind::Socket,
-                rdev,
-            },
-            libc::S_IFCHR => NewKind::Special {
-                kind: Kind::CharDev,
-                rdev,
-            },
-            libc::S_IFBLK => NewKind::Special {
-                kind: Kind::BlockDev,
-                rdev,
-            },
+            libc::S_IFIFO => special(Kind::Fifo),
+            libc::S_IFSOCK => special(Kind::Socket),
+            libc::S_IFCHR => special(Kind::CharDev),
+            libc::S_IFBLK => special(Kind::BlockDev),
             _ => return reply.error(Errno::EINVAL),
         };
         match self.create_node(req, parent, name, kind, perm) {

@@ -690,18 +690,8 @@ impl Namespace {
             return Ok(());
         }
         let src_is_dir = self.get(src)?.kind == Kind::Dir;
-        // A directory may not move into its own subtree.
         if src_is_dir {
-            let mut p = new_parent;
-            loop {
-                if p == src {
-                    return err(ErrorCode::Invalid, "cannot move a directory into itself");
-                }
-                if p == ROOT_INO {
-                    break;
-                }
-                p = self.dir(p)?.parent;
-            }
+            self.ensure_not_inside(src, new_parent)?;
         }
         let t = now_ns();
         if flags & RENAME_EXCHANGE != 0 {
@@ -711,16 +701,7 @@ impl Namespace {
             ))?;
             let dst_is_dir = self.get(dst)?.kind == Kind::Dir;
             if dst_is_dir {
-                let mut p = parent;
-                loop {
-                    if p == dst {
-                        return err(ErrorCode::Invalid, "cannot move a directory into itself");
-                    }
-                    if p == ROOT_INO {
-                        break;
-                    }
-                    p = self.dir(p)?.parent;
-                }
+                self.ensure_not_inside(dst, parent)?;
             }
             self.set_entry(parent, name, dst)?;
             self.set_entry(new_parent, new_name, src)?;
@@ -755,6 +736,21 @@ impl Namespace {
         self.reparent(src, new_parent, src_is_dir, parent)?;
         self.get_mut(src)?.ctime = t;
         Ok(())
+    }
+
+    /// A directory may not move into its own subtree: fails if `dir` is `target` or one of
+    /// its ancestors.
+    fn ensure_not_inside(&self, dir: u64, target: u64) -> MetaResult<()> {
+        let mut p = target;
+        loop {
+            if p == dir {
+                return err(ErrorCode::Invalid, "cannot move a directory into itself");
+            }
+            if p == ROOT_INO {
+                return Ok(());
+            }
+            p = self.dir(p)?.parent;
+        }
     }
 
     /// Points an existing entry at another inode (exchange), keeping its cookie.
