@@ -211,6 +211,7 @@ fn measure(
                     base,
                     Geometry::for_units(space),
                     cfg.clone(),
+                    i as u16,
                 )),
                 System::RpcServer => Locker::Rpc(
                     if transport == "shm" {

@@ -39,7 +39,9 @@
 //! Starvation: a request whose leaf bits keep being taken (`leaf_retries` attempts) escalates
 //! to the leaf's parent, whose bakery ticket is fair.
 //!
-//! Not yet: scale-up and scale-down, leases and recovery from clients that die holding locks.
+//! Growth, shrinking and recovery from clients that die holding locks all *replace* the tree
+//! (see [`tree`]'s docs): the old tree is retired, a new one published, and acquisitions on a
+//! retired tree fail with [`LockError::Retired`] so the caller retries on the new one.
 
 pub mod geometry;
 pub mod split;

@@ -1,16 +1,47 @@
 //! Acquiring and releasing ranges on a lock tree with one-sided verbs.
 //!
-//! Remote memory of a tree, from its base address: `spill_next`, `spill_serving` (the
-//! spillover mutex, a ticket lock for `[N, inf)`), the `maximizer`, then the node words in level
-//! order. Who writes which bits:
+//! Remote memory of a tree, from its base address ([`HEADER_WORDS`] words, then the nodes):
+//! `state`, `spill_next`, `spill_serving` (the spillover mutex, a ticket lock for `[N, inf)`),
+//! the `maximizer`, one activity counter per client slot ([`CLIENT_SLOTS`]), then the node words
+//! in level order. Who writes which bits:
 //! * leaf bits: set by the acquirer of exactly those units (masked-CAS 0->1), cleared by it;
 //! * `TMax`: incremented by whoever takes a ticket for that node; `TCnt`: by the ticket's owner
 //!   when it is done with the node (release or give-up);
 //! * `Occ`: toggled on by the current ticket owner (only it may), toggled off by it;
 //! * `DMax`: incremented by a notifier; `DCnt`: by the same notifier when it releases or aborts;
-//! * `Exp`: reserved for scale-up (not yet used);
+//! * `Exp`: unused (see *Replacing a tree* below);
 //! * `spill_next`/`spill_serving`: ticket taken / passed by spillover lockers; `maximizer`:
-//!   ORed with right bounds beyond `N`.
+//!   ORed with right bounds beyond `N`;
+//! * `state`: only the tree's owner (the memory node daemon) writes it, once, setting
+//!   [`RETIRED`];
+//! * `slot[c]`: only client `c` changes it: +1 in the first batch of an acquisition, -1 in the
+//!   batch that releases the range or abandons the acquisition. It counts that client's
+//!   acquisitions in progress and ranges held in this tree.
+//!
+//! ## Replacing a tree: scale-up, scale-down and recovery
+//!
+//! A tree is never resized in place. It is *replaced*: the memory node allocates a new tree,
+//! publishes its location (the file record), and sets `RETIRED` in the old one. Every batch of
+//! an acquisition ends with a read of `state`, and an acquisition is granted only if the read
+//! after its last lock-word write shows the tree live; otherwise it fails with
+//! [`LockError::Retired`] (its slot given back, its lock words left as they are: a retired tree
+//! is never used again) and the caller retries on the published tree. Two invariants make a
+//! replacement safe:
+//! * **Nothing is granted in a tree after it is retired.** A grant needs a live `state` read
+//!   executed after its writes, and `state` never goes back to live.
+//! * **The new tree is published only when nothing granted in the old one is still held.**
+//!   Scale-up and scale-down are done by a client holding the whole old tree (`[0, inf)`), so
+//!   nobody else holds anything in it. Recovery from a dead client is done by the memory node:
+//!   it retires the tree first, then waits until every *live* client's slot reads 0, and only
+//!   then publishes a fresh tree. A live client's slot is incremented before its first
+//!   lock-word write, so a slot that reads 0 after the retirement means that client holds
+//!   nothing and can be granted nothing more there; the dead client's slot is ignored,
+//!   and so is whatever it left in the lock words.
+//!
+//! This replaces the paper's in-place scale-up (Exp propagation and DCnt/DMax carry-over): a
+//! replacement copies nothing, needs no release-time accounting for holders from before it,
+//! and is the same mechanism for growth, shrinking and recovery. Its cost: a scale-up waits
+//! for the holders of the moment to release, as a whole-file lock does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -84,6 +115,10 @@ impl LockConfig {
 pub enum LockError {
     #[error("lock request for the empty range [{0}, {1})")]
     Empty(u64, u64),
+    #[error(
+        "the lock tree was replaced (grown, shrunk or recovered): retry on the published tree"
+    )]
+    Retired,
     #[error(transparent)]
     Verbs(#[from] VerbsError),
 }
@@ -119,13 +154,32 @@ pub struct LockTree {
     base: RemoteAddr,
     geo: Geometry,
     cfg: LockConfig,
+    client: u16,
     round_trips: AtomicU64,
     escalations: AtomicU64,
     aborts: AtomicU64,
     rng: Mutex<u64>,
 }
 
-const HEADER_WORDS: u64 = 3;
+/// Client slots per tree: at most this many clients (mounts) use one tree at once.
+pub const CLIENT_SLOTS: u64 = 64;
+/// Words before the node array.
+pub const HEADER_WORDS: u64 = 4 + CLIENT_SLOTS;
+/// Byte offset of the `state` word in a tree.
+pub const STATE_OFFSET: u64 = 0;
+/// `state` value of a retired tree.
+pub const RETIRED: u64 = 1;
+
+/// Byte offset of client `c`'s slot in a tree.
+pub fn slot_offset(c: u16) -> u64 {
+    (4 + c as u64) * 8
+}
+
+/// Per-acquisition bookkeeping: whether this acquisition's slot increment has been posted.
+#[derive(Default)]
+struct Acq {
+    registered: bool,
+}
 
 impl LockTree {
     /// Bytes of remote memory (zeroed) a tree of shape `geo` needs.
@@ -133,8 +187,19 @@ impl LockTree {
         (HEADER_WORDS + geo.nodes()) * 8
     }
 
-    pub fn new(qp: QueuePair, base: RemoteAddr, geo: Geometry, cfg: LockConfig) -> LockTree {
+    /// A handle for client slot `client` (unique among the tree's live users, `< CLIENT_SLOTS`).
+    pub fn new(
+        qp: QueuePair,
+        base: RemoteAddr,
+        geo: Geometry,
+        cfg: LockConfig,
+        client: u16,
+    ) -> LockTree {
         assert!(cfg.k >= 1 && cfg.m >= 1, "k and m must be positive");
+        assert!(
+            (client as u64) < CLIENT_SLOTS,
+            "client slot {client} out of range"
+        );
         let clock = qp.clock();
         LockTree {
             qp,
@@ -142,6 +207,7 @@ impl LockTree {
             base,
             geo,
             cfg,
+            client,
             round_trips: AtomicU64::new(0),
             escalations: AtomicU64::new(0),
             aborts: AtomicU64::new(0),
@@ -167,15 +233,24 @@ impl LockTree {
     fn node(&self, n: Node) -> RemoteAddr {
         self.base.add((HEADER_WORDS + self.geo.flat(n)) * 8)
     }
-    fn spill_next(&self) -> RemoteAddr {
-        self.base
+    pub fn geometry(&self) -> Geometry {
+        self.geo
     }
-    fn spill_serving(&self) -> RemoteAddr {
+    fn state(&self) -> RemoteAddr {
+        self.base.add(STATE_OFFSET)
+    }
+    fn spill_next(&self) -> RemoteAddr {
         self.base.add(8)
     }
-    /// The maximizer: ORed with right bounds beyond the tree (for scale-up).
-    pub fn maximizer(&self) -> RemoteAddr {
+    fn spill_serving(&self) -> RemoteAddr {
         self.base.add(16)
+    }
+    /// The maximizer: ORed with right bounds beyond the tree, so whoever grows it knows how far.
+    pub fn maximizer(&self) -> RemoteAddr {
+        self.base.add(24)
+    }
+    fn slot(&self) -> RemoteAddr {
+        self.base.add(slot_offset(self.client))
     }
 
     async fn exec(&self, b: Batch<'_>) -> Result<Completions, VerbsError> {
@@ -185,10 +260,38 @@ impl LockTree {
         Ok(done)
     }
 
-    async fn read_word(&self, a: RemoteAddr) -> Result<u64, VerbsError> {
+    /// A batch of acquisition `a`: its first one starts with the slot increment.
+    fn batch(&self, a: &mut Acq) -> Batch<'static> {
         let mut b = Batch::new();
-        let id = b.read(a, 8);
-        Ok(word_of(&self.exec(b).await?, id))
+        if !a.registered {
+            b.faa(self.slot(), 1);
+            a.registered = true;
+        }
+        b
+    }
+
+    /// Executes a batch of an acquisition with a read of `state` at its end; a retired tree
+    /// fails it with [`LockError::Retired`].
+    async fn exec_live(&self, mut b: Batch<'_>) -> Result<Completions, LockError> {
+        let state = b.read(self.state(), 8);
+        let done = self.exec(b).await?;
+        if word_of(&done, state) & RETIRED != 0 {
+            return Err(LockError::Retired);
+        }
+        Ok(done)
+    }
+
+    async fn read_word(&self, a: &mut Acq, at: RemoteAddr) -> Result<u64, LockError> {
+        let mut b = self.batch(a);
+        let id = b.read(at, 8);
+        Ok(word_of(&self.exec_live(b).await?, id))
+    }
+
+    /// Whether this tree has been retired (one round trip).
+    pub async fn is_retired(&self) -> Result<bool, VerbsError> {
+        let mut b = Batch::new();
+        let id = b.read(self.state(), 8);
+        Ok(word_of(&self.exec(b).await?, id) & RETIRED != 0)
     }
 
     async fn sleep(&self, d: Duration) {
@@ -205,11 +308,24 @@ impl LockTree {
     }
 
     /// Locks units `[l, r)`: the part inside the tree by Citron, the part beyond by the
-    /// spillover mutex. Waits as long as conflicting holders do.
+    /// spillover mutex. Waits as long as conflicting holders do. Fails with
+    /// [`LockError::Retired`] if the tree is replaced meanwhile (nothing is then held).
     pub async fn acquire(&self, l: u64, r: u64) -> Result<RangeGuard, LockError> {
         if l >= r {
             return Err(LockError::Empty(l, r));
         }
+        let mut a = Acq::default();
+        let res = self.acquire_in(&mut a, l, r).await;
+        if matches!(res, Err(LockError::Retired)) && a.registered {
+            // Abandon: the lock words of a retired tree no longer matter, the slot does.
+            let mut b = Batch::new();
+            b.faa(self.slot(), u64::MAX);
+            self.exec(b).await?;
+        }
+        res
+    }
+
+    async fn acquire_in(&self, a: &mut Acq, l: u64, r: u64) -> Result<RangeGuard, LockError> {
         let n = self.geo.units();
         let mut pieces = if l < n {
             split(&self.geo, l, r.min(n), self.cfg.k)
@@ -218,17 +334,17 @@ impl LockTree {
         };
         let spill = r > n;
         if spill {
-            let mut b = Batch::new();
+            let mut b = self.batch(a);
             b.masked_cas(self.maximizer(), 0, 0, r, r);
-            self.exec(b).await?;
+            self.exec_live(b).await?;
         }
         let mut attempt = 0u32;
         'attempt: loop {
             let mut held: Vec<Held> = Vec::with_capacity(pieces.len());
             if attempt == 0 && pieces.len() > 1 && pieces.iter().all(|p| self.geo.is_leaf(p.node)) {
-                if let Some(h) = self.try_leaves_together(&pieces).await? {
+                if let Some(h) = self.try_leaves_together(a, &pieces).await? {
                     held = h;
-                    if !spill || self.acquire_spill(false).await? {
+                    if !spill || self.acquire_spill(a, false).await? {
                         return Ok(RangeGuard {
                             range: (l, r),
                             held,
@@ -240,7 +356,7 @@ impl LockTree {
                 }
             }
             for p in pieces.clone() {
-                match self.acquire_piece(p, held.is_empty()).await? {
+                match self.acquire_piece(a, p, held.is_empty()).await? {
                     Outcome::Got(h) => held.push(h),
                     Outcome::Escalate => {
                         // Lock the parent instead; pieces inside it are covered by it.
@@ -269,7 +385,7 @@ impl LockTree {
                     }
                 }
             }
-            if spill && !self.acquire_spill(held.is_empty()).await? {
+            if spill && !self.acquire_spill(a, held.is_empty()).await? {
                 self.release_held(&held).await?;
                 attempt += 1;
                 let d = self.jitter(self.cfg.rtt_budget * attempt.min(16));
@@ -285,39 +401,44 @@ impl LockTree {
     }
 
     /// Takes the spillover mutex; without `blocking`, only if it is free right now.
-    async fn acquire_spill(&self, blocking: bool) -> Result<bool, VerbsError> {
+    async fn acquire_spill(&self, a: &mut Acq, blocking: bool) -> Result<bool, LockError> {
         if blocking {
             let ticket = {
-                let mut b = Batch::new();
+                let mut b = self.batch(a);
                 let id = b.faa(self.spill_next(), 1);
-                self.exec(b).await?.value(id)?
+                self.exec_live(b).await?.value(id)?
             };
-            while self.read_word(self.spill_serving()).await? != ticket {
+            while self.read_word(a, self.spill_serving()).await? != ticket {
                 self.sleep(self.cfg.poll).await;
             }
             return Ok(true);
         }
-        let mut b = Batch::new();
+        let mut b = self.batch(a);
         let next = b.read(self.spill_next(), 8);
         let serving = b.read(self.spill_serving(), 8);
-        let done = self.exec(b).await?;
+        let done = self.exec_live(b).await?;
         let (n, s) = (word_of(&done, next), word_of(&done, serving));
         if n != s {
             return Ok(false);
         }
-        let mut b = Batch::new();
+        let mut b = self.batch(a);
         let id = b.cas(self.spill_next(), n, n + 1);
-        Ok(self.exec(b).await?.value(id)? == n)
+        Ok(self.exec_live(b).await?.value(id)? == n)
     }
 
     /// Acquires one node. The first node of a request may wait for holders (`blocking`); later
     /// ones only try, so a request never waits for others while holding part of its range.
-    async fn acquire_piece(&self, p: Piece, blocking: bool) -> Result<Outcome, VerbsError> {
+    async fn acquire_piece(
+        &self,
+        a: &mut Acq,
+        p: Piece,
+        blocking: bool,
+    ) -> Result<Outcome, LockError> {
         let n = p.node;
         let leaf = self.geo.is_leaf(n);
         let me = self.node(n);
         // (a) An internal node is taken through its bakery ticket.
-        if !leaf && !self.take_ticket(me, blocking).await? {
+        if !leaf && !self.take_ticket(a, me, blocking).await? {
             return Ok(Outcome::Busy);
         }
         let ancestors = self.geo.ancestors(n);
@@ -327,14 +448,14 @@ impl LockTree {
         loop {
             // (b)+(c) in one batch: read the ancestors, then lock this node.
             let start = self.clock.now();
-            let mut b = Batch::new();
+            let mut b = self.batch(a);
             let reads: Vec<WrId> = ancestors.iter().map(|a| b.read(self.node(*a), 8)).collect();
             let lock = if leaf {
                 b.masked_cas(me, 0, p.mask, p.mask, p.mask)
             } else {
                 b.masked_faa(me, 1 << word::OCC_BIT, word::BOUNDARY)
             };
-            let done = self.exec(b).await?;
+            let done = self.exec_live(b).await?;
             let locked_at = self.clock.now();
             let got = !leaf || done.value(lock)? & p.mask == 0;
             let blocker = ancestors
@@ -342,7 +463,7 @@ impl LockTree {
                 .zip(&reads)
                 .find(|(_, id)| word::occ(word_of(&done, **id)))
                 .map(|(a, _)| *a);
-            if let Some(a) = blocker {
+            if let Some(anc) = blocker {
                 // An ancestor is held: step back, wait for it, try again.
                 if got || !blocking {
                     let h = Held {
@@ -362,7 +483,7 @@ impl LockTree {
                 if !blocking {
                     return Ok(Outcome::Busy);
                 }
-                while word::occ(self.read_word(self.node(a)).await?) {
+                while word::occ(self.read_word(a, self.node(anc)).await?) {
                     self.sleep(self.cfg.poll).await;
                 }
                 continue;
@@ -382,11 +503,11 @@ impl LockTree {
             }
             // (d) Notify the ancestors; a notification later than Twait after the ancestor
             // check could be missed by a checker, so it aborts.
-            let mut b = Batch::new();
-            for a in &notify {
-                b.masked_faa(self.node(*a), 1 << word::DMAX_SHIFT, word::BOUNDARY);
+            let mut b = self.batch(a);
+            for anc in &notify {
+                b.masked_faa(self.node(*anc), 1 << word::DMAX_SHIFT, word::BOUNDARY);
             }
-            self.exec(b).await?;
+            self.exec_live(b).await?;
             if self.clock.now() - start > twait {
                 self.aborts.fetch_add(1, Ordering::Relaxed);
                 // A blocking request keeps its ticket and retries the node; a trying one gives
@@ -413,7 +534,7 @@ impl LockTree {
                 if ready > now {
                     self.sleep(ready - now).await;
                 }
-                self.wait_descendants(n).await?;
+                self.wait_descendants(a, n).await?;
             }
             return Ok(Outcome::Got(Held {
                 piece: p,
@@ -426,7 +547,11 @@ impl LockTree {
     /// bits in one batch, notify in a second. Two round trips when nobody is in the way; on any
     /// conflict it undoes what it did and returns `None`, and the request takes the normal path.
     /// The Twait argument is the one of a single node: `start` precedes every ancestor read.
-    async fn try_leaves_together(&self, pieces: &[Piece]) -> Result<Option<Vec<Held>>, VerbsError> {
+    async fn try_leaves_together(
+        &self,
+        a: &mut Acq,
+        pieces: &[Piece],
+    ) -> Result<Option<Vec<Held>>, LockError> {
         let start = self.clock.now();
         let mut ancestors: Vec<Node> = pieces
             .iter()
@@ -434,13 +559,13 @@ impl LockTree {
             .collect();
         ancestors.sort();
         ancestors.dedup();
-        let mut b = Batch::new();
-        let reads: Vec<WrId> = ancestors.iter().map(|a| b.read(self.node(*a), 8)).collect();
+        let mut b = self.batch(a);
+        let reads: Vec<WrId> = ancestors.iter().map(|n| b.read(self.node(*n), 8)).collect();
         let cas: Vec<WrId> = pieces
             .iter()
             .map(|p| b.masked_cas(self.node(p.node), 0, p.mask, p.mask, p.mask))
             .collect();
-        let done = self.exec(b).await?;
+        let done = self.exec_live(b).await?;
         let blocked = reads.iter().any(|id| word::occ(word_of(&done, *id)));
         let got: Vec<bool> = pieces
             .iter()
@@ -473,13 +598,13 @@ impl LockTree {
             }
             return Ok(None);
         }
-        let mut b = Batch::new();
+        let mut b = self.batch(a);
         for h in &held {
-            for a in &h.notified {
-                b.masked_faa(self.node(*a), 1 << word::DMAX_SHIFT, word::BOUNDARY);
+            for n in &h.notified {
+                b.masked_faa(self.node(*n), 1 << word::DMAX_SHIFT, word::BOUNDARY);
             }
         }
-        self.exec(b).await?;
+        self.exec_live(b).await?;
         if self.clock.now() - start > self.cfg.twait() {
             self.aborts.fetch_add(1, Ordering::Relaxed);
             self.release_held(&held).await?;
@@ -489,27 +614,32 @@ impl LockTree {
     }
 
     /// Takes a ticket on an internal node; without `blocking`, only if nobody holds or waits.
-    async fn take_ticket(&self, me: RemoteAddr, blocking: bool) -> Result<bool, VerbsError> {
+    async fn take_ticket(
+        &self,
+        a: &mut Acq,
+        me: RemoteAddr,
+        blocking: bool,
+    ) -> Result<bool, LockError> {
         if blocking {
-            let mut b = Batch::new();
+            let mut b = self.batch(a);
             let id = b.masked_faa(me, 1 << word::TMAX_SHIFT, word::BOUNDARY);
-            let old = self.exec(b).await?.value(id)?;
+            let old = self.exec_live(b).await?.value(id)?;
             let ticket = word::tmax(old);
             let mut w = old;
             while word::tcnt(w) != ticket {
                 self.sleep(self.cfg.poll).await;
-                w = self.read_word(me).await?;
+                w = self.read_word(a, me).await?;
             }
             return Ok(true);
         }
-        let w = self.read_word(me).await?;
+        let w = self.read_word(a, me).await?;
         if word::tcnt(w) != word::tmax(w) {
             return Ok(false);
         }
         let bumped = rackfs_verbs::masked::masked_faa(w, 1 << word::TMAX_SHIFT, word::BOUNDARY);
-        let mut b = Batch::new();
+        let mut b = self.batch(a);
         let id = b.masked_cas(me, w, word::T_MASK, bumped, word::TMAX_MASK);
-        let old = self.exec(b).await?.value(id)?;
+        let old = self.exec_live(b).await?.value(id)?;
         Ok(old & word::T_MASK == w & word::T_MASK)
     }
 
@@ -533,17 +663,17 @@ impl LockTree {
             };
             b.masked_faa(me, 1 << word::OCC_BIT | ticket, word::BOUNDARY);
         }
-        for a in &h.notified {
-            b.masked_faa(self.node(*a), 1 << word::DCNT_SHIFT, word::BOUNDARY);
+        for n in &h.notified {
+            b.masked_faa(self.node(*n), 1 << word::DCNT_SHIFT, word::BOUNDARY);
         }
     }
 
     /// Waits until no notified descendant request remains: this node's own `DCnt == DMax`, and
     /// the same on every internal node of the `m` levels below it (which include a beacon level).
-    async fn wait_descendants(&self, n: Node) -> Result<(), VerbsError> {
+    async fn wait_descendants(&self, a: &mut Acq, n: Node) -> Result<(), LockError> {
         let window = self.geo.check_window(n, self.cfg.m);
         loop {
-            let mut b = Batch::new();
+            let mut b = self.batch(a);
             let own = b.read(self.node(n), 8);
             let levels: Vec<(WrId, u64)> = window
                 .iter()
@@ -560,7 +690,7 @@ impl LockTree {
                     )
                 })
                 .collect();
-            let done = self.exec(b).await?;
+            let done = self.exec_live(b).await?;
             let mut drained = word::drained(word_of(&done, own));
             for (id, count) in levels {
                 let d = done.data(id)?;
@@ -589,7 +719,7 @@ impl LockTree {
         self.exec(b).await.map(|_| ())
     }
 
-    /// Releases a range: one batch, the spillover mutex's pass included.
+    /// Releases a range: one batch, the spillover mutex's pass and the slot included.
     pub async fn release(&self, g: RangeGuard) -> Result<(), LockError> {
         let mut b = Batch::new();
         for h in &g.held {
@@ -598,6 +728,7 @@ impl LockTree {
         if g.spill {
             b.faa(self.spill_serving(), 1);
         }
+        b.faa(self.slot(), u64::MAX);
         self.exec(b).await?;
         Ok(())
     }

@@ -7,9 +7,12 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use rackfs_locks::{Geometry, LockConfig, LockTree};
-use rackfs_verbs::sim::{RunOutcome, Sim, SimConfig, SIM_RKEY};
-use rackfs_verbs::RemoteAddr;
+use std::cell::Cell;
+
+use rackfs_locks::tree::{slot_offset, CLIENT_SLOTS, RETIRED, STATE_OFFSET};
+use rackfs_locks::{Geometry, LockConfig, LockError, LockTree};
+use rackfs_verbs::sim::{RunOutcome, Sim, SimConfig, SimHandle, SIM_RKEY};
+use rackfs_verbs::{Batch, QueuePair, RemoteAddr};
 
 #[derive(Default)]
 struct Oracle {
@@ -18,6 +21,25 @@ struct Oracle {
     completed: usize,
     longest_wait: Duration,
     escalations: u64,
+    replacements: u64,
+    recoveries: u64,
+}
+
+impl Oracle {
+    fn grant(&mut self, c: usize, l: u64, r: u64, now: Duration) {
+        for &(other, a, b) in self.held.iter().filter(|&&(_, a, b)| a < r && l < b) {
+            let msg = format!(
+                "client {c} got [{l}, {r}) while client {other} holds [{a}, {b}) at {now:?}"
+            );
+            self.violations.push(msg);
+        }
+        self.held.push((c, l, r));
+    }
+
+    fn drop_held(&mut self, c: usize, l: u64, r: u64) {
+        self.held
+            .retain(|&(who, a, b)| !(who == c && a == l && b == r));
+    }
 }
 
 struct Scenario {
@@ -28,10 +50,30 @@ struct Scenario {
     m: u32,
     pauses: bool,
     leaf_retries: u32,
+    /// Clients sometimes replace the tree (scale-up or scale-down) while holding all of it.
+    replacements: bool,
+    /// Clients killed mid-run; a recovery task plays the memory node's part.
+    kills: usize,
+}
+
+impl Scenario {
+    fn new(clients: usize, ops: usize, height: u32, m: u32) -> Scenario {
+        Scenario {
+            clients,
+            ops,
+            height,
+            k: 2,
+            m,
+            pauses: true,
+            leaf_retries: 8,
+            replacements: false,
+            kills: 0,
+        }
+    }
 }
 
 /// A random range: aligned to a node, unaligned, tiny, large, or reaching past the tree.
-fn pick_range(h: &rackfs_verbs::sim::SimHandle, n: u64) -> (u64, u64) {
+fn pick_range(h: &SimHandle, n: u64) -> (u64, u64) {
     match h.random_below(6) {
         0 => {
             let span = 64u64 << (2 * h.random_below(3));
@@ -62,13 +104,82 @@ fn pick_range(h: &rackfs_verbs::sim::SimHandle, n: u64) -> (u64, u64) {
     }
 }
 
+/// Where the current tree is: a published word `height << 56 | offset` at offset 0 of the
+/// region, as the file record holds it in the filesystem; trees are bump-allocated after it.
+const RECORD: u64 = 0;
+
+fn pack(geo: Geometry, offset: u64) -> u64 {
+    (geo.height as u64) << 56 | offset
+}
+
+fn unpack(w: u64) -> (Geometry, u64) {
+    (
+        Geometry {
+            height: (w >> 56) as u32,
+        },
+        w & ((1 << 56) - 1),
+    )
+}
+
+/// Fresh (zeroed) memory for a tree: the sim region starts zeroed and is never reused here.
+fn alloc_tree(next: &Cell<u64>, geo: Geometry) -> u64 {
+    let at = next.get();
+    next.set(at + LockTree::memory_len(geo).next_multiple_of(64));
+    at
+}
+
+async fn read_u64(qp: &QueuePair, offset: u64) -> u64 {
+    let mut b = Batch::new();
+    let id = b.read(RemoteAddr::new(SIM_RKEY, offset), 8);
+    let done = qp.post(b).await.expect("post");
+    u64::from_le_bytes(done.data(id).expect("read").try_into().expect("8"))
+}
+
+/// The memory node's recovery after `dead` died: retire the published tree, wait until no live
+/// client has an acquisition or a range in it, publish a fresh one; again if the published tree
+/// changed meanwhile (a replacement raced with the recovery).
+async fn recover(qp: &QueuePair, h: &SimHandle, next: &Cell<u64>, live: &[bool]) {
+    loop {
+        let cur = read_u64(qp, RECORD).await;
+        let (geo, base) = unpack(cur);
+        let mut b = Batch::new();
+        b.write_u64(RemoteAddr::new(SIM_RKEY, base + STATE_OFFSET), RETIRED);
+        qp.post(b).await.expect("retire");
+        loop {
+            let mut b = Batch::new();
+            let id = b.read(
+                RemoteAddr::new(SIM_RKEY, base + slot_offset(0)),
+                (CLIENT_SLOTS * 8) as u32,
+            );
+            let done = qp.post(b).await.expect("slots");
+            let slots = done.data(id).expect("slots").to_vec();
+            let busy = live
+                .iter()
+                .enumerate()
+                .any(|(c, &alive)| alive && slots[c * 8..c * 8 + 8] != [0u8; 8]);
+            if !busy {
+                break;
+            }
+            h.clock_sleep(Duration::from_micros(5)).await;
+        }
+        let fresh = pack(geo, alloc_tree(next, geo));
+        let mut b = Batch::new();
+        let id = b.cas(RemoteAddr::new(SIM_RKEY, RECORD), cur, fresh);
+        if qp.post(b).await.expect("publish").value(id).expect("cas") == cur {
+            return;
+        }
+    }
+}
+
 fn run(seed: u64, s: &Scenario) -> Result<u64, String> {
     let mut sim = Sim::new(SimConfig {
         seed,
-        region_len: 1 << 20,
+        region_len: 4 << 20,
         ..SimConfig::default()
     });
     let geo = Geometry { height: s.height };
+    // Ranges are drawn over the first tree's span; replacements make trees up to 4x larger or
+    // smaller, so parts of the ranges go to the spillover mutex.
     let n = geo.units();
     let cfg = LockConfig {
         k: s.k,
@@ -78,51 +189,125 @@ fn run(seed: u64, s: &Scenario) -> Result<u64, String> {
         leaf_retries: s.leaf_retries,
     };
     let oracle = Rc::new(RefCell::new(Oracle::default()));
-    let base = RemoteAddr::new(SIM_RKEY, 4096);
+    let next = Rc::new(Cell::new(64));
+    let first = alloc_tree(&next, geo);
+    sim.handle()
+        .region()
+        .store(RECORD, pack(geo, first))
+        .expect("record");
+    let live = Rc::new(RefCell::new(vec![true; s.clients]));
     let mut clients = Vec::new();
     for c in 0..s.clients {
         let id = sim.add_client();
         clients.push(id);
-        let tree = LockTree::new(sim.handle().connect(id), base, geo, cfg.clone());
+        let qp = sim.handle().connect(id);
         let h = sim.handle();
-        let o = oracle.clone();
-        let ops = s.ops;
+        let (o, cfg, next) = (oracle.clone(), cfg.clone(), next.clone());
+        let (ops, replacements) = (s.ops, s.replacements);
         sim.spawn(id, async move {
+            let mut published = 0;
+            let mut tree: Option<LockTree> = None;
             for _ in 0..ops {
-                let (l, r) = pick_range(&h, n);
+                let replace = replacements && h.random_below(8) == 0;
+                let (l, r) = if replace {
+                    (0, u64::MAX)
+                } else {
+                    pick_range(&h, n)
+                };
                 let asked = h.now();
-                let g = tree.acquire(l, r).await.expect("acquire");
+                let (g, t) = loop {
+                    let w = read_u64(&qp, RECORD).await;
+                    if w != published || tree.is_none() {
+                        let (geo, base) = unpack(w);
+                        tree = Some(LockTree::new(
+                            qp.clone(),
+                            RemoteAddr::new(SIM_RKEY, base),
+                            geo,
+                            cfg.clone(),
+                            c as u16,
+                        ));
+                        published = w;
+                    }
+                    let t = tree.take().expect("tree");
+                    match t.acquire(l, r).await {
+                        Ok(g) => break (g, t),
+                        Err(LockError::Retired) => {
+                            tree = Some(t);
+                            h.clock_sleep(Duration::from_micros(2)).await;
+                        }
+                        Err(e) => panic!("acquire: {e}"),
+                    }
+                };
                 {
                     let mut o = o.borrow_mut();
                     let waited = h.now() - asked;
                     o.longest_wait = o.longest_wait.max(waited);
-                    let clash: Vec<_> = o.held.iter().filter(|&&(_, a, b)| a < r && l < b).copied().collect();
-                    for (other, a, b) in clash {
-                        let msg = format!("client {c} got [{l}, {r}) while client {other} holds [{a}, {b}) at {:?}", h.now());
-                        o.violations.push(msg);
-                    }
-                    o.held.push((c, l, r));
+                    o.grant(c, l, r, h.now());
                 }
-                h.clock_sleep(Duration::from_nanos(h.random_below(30_000))).await;
-                o.borrow_mut().held.retain(|&(who, a, b)| !(who == c && a == l && b == r));
-                tree.release(g).await.expect("release");
+                h.clock_sleep(Duration::from_nanos(h.random_below(30_000)))
+                    .await;
+                o.borrow_mut().drop_held(c, l, r);
+                if replace {
+                    // Holding the whole tree: retire it, then publish a replacement (the memory
+                    // node does both in one RPC; here a client dying in between is recovered).
+                    let old = t.geometry().height;
+                    let height = match h.random_below(3) {
+                        0 => old.saturating_sub(1),
+                        1 => old,
+                        _ => (old + 1).min(4),
+                    };
+                    let (_, base) = unpack(published);
+                    let mut b = Batch::new();
+                    b.write_u64(RemoteAddr::new(SIM_RKEY, base + STATE_OFFSET), RETIRED);
+                    qp.post(b).await.expect("retire");
+                    let geo = Geometry { height };
+                    let fresh = pack(geo, alloc_tree(&next, geo));
+                    let mut b = Batch::new();
+                    let id = b.cas(RemoteAddr::new(SIM_RKEY, RECORD), published, fresh);
+                    if qp.post(b).await.expect("publish").value(id).expect("cas") == published {
+                        o.borrow_mut().replacements += 1;
+                    }
+                }
+                t.release(g).await.expect("release");
+                o.borrow_mut().escalations += t.escalations();
+                tree = Some(t);
                 o.borrow_mut().completed += 1;
-                h.clock_sleep(Duration::from_nanos(h.random_below(5_000))).await;
+                h.clock_sleep(Duration::from_nanos(h.random_below(5_000)))
+                    .await;
             }
-            o.borrow_mut().escalations += tree.escalations();
         });
     }
-    if s.pauses {
+    if s.pauses || s.kills > 0 {
         let ctl = sim.add_client();
+        let qp = sim.handle().connect(ctl);
         let h = sim.handle();
         let victims = clients.clone();
+        let (kills, pauses) = (s.kills, s.pauses);
+        let (o, live, next) = (oracle.clone(), live.clone(), next.clone());
         sim.spawn(ctl, async move {
-            for _ in 0..4 {
-                h.clock_sleep(Duration::from_micros(h.random_below(300)))
+            if pauses {
+                for _ in 0..4 {
+                    h.clock_sleep(Duration::from_micros(h.random_below(300)))
+                        .await;
+                    let v = h.random_below(victims.len() as u64) as usize;
+                    // Some pauses last far beyond Twait.
+                    h.pause(victims[v], Duration::from_micros(h.random_below(200)));
+                }
+            }
+            for _ in 0..kills {
+                h.clock_sleep(Duration::from_micros(h.random_below(400)))
                     .await;
-                let v = victims[h.random_below(victims.len() as u64) as usize];
-                // Some pauses last far beyond Twait.
-                h.pause(v, Duration::from_micros(h.random_below(200)));
+                let v = h.random_below(victims.len() as u64) as usize;
+                if !live.borrow()[v] {
+                    continue;
+                }
+                h.kill(victims[v]);
+                live.borrow_mut()[v] = false;
+                // A dead client protects nothing any more; its requests no longer count.
+                o.borrow_mut().held.retain(|&(who, _, _)| who != v);
+                let alive = live.borrow().clone();
+                recover(&qp, &h, &next, &alive).await;
+                o.borrow_mut().recoveries += 1;
             }
         });
     }
@@ -131,11 +316,13 @@ fn run(seed: u64, s: &Scenario) -> Result<u64, String> {
     if let Some(v) = o.violations.first() {
         return Err(format!("seed {seed}: mutual exclusion violated: {v}"));
     }
-    if outcome != RunOutcome::Finished {
+    let live = live.borrow();
+    let expected = s.ops * live.iter().filter(|&&a| a).count();
+    if outcome != RunOutcome::Finished || o.completed < expected {
         return Err(format!(
-            "seed {seed}: liveness: {outcome:?} after {} of {} requests at {:?}",
+            "seed {seed}: liveness: {outcome:?} after {} requests ({} expected from live clients) at {:?}",
             o.completed,
-            s.clients * s.ops,
+            expected,
             sim.handle().now()
         ));
     }
@@ -181,52 +368,19 @@ fn check_many(count: u64, s: &Scenario) -> u64 {
 
 #[test]
 fn no_overlapping_holders_small_tree() {
-    check_many(
-        4000,
-        &Scenario {
-            clients: 6,
-            ops: 15,
-            height: 2,
-            k: 2,
-            m: 1,
-            pauses: true,
-            leaf_retries: 8,
-        },
-    );
+    check_many(4000, &Scenario::new(6, 15, 2, 1));
 }
 
 #[test]
 fn no_overlapping_holders_deep_tree_beyond_2m() {
     // Height 5 with m = 1: nodes more than 2m levels below an occupied one, the restated
     // protocol's blind spot.
-    check_many(
-        4000,
-        &Scenario {
-            clients: 6,
-            ops: 15,
-            height: 5,
-            k: 2,
-            m: 1,
-            pauses: true,
-            leaf_retries: 8,
-        },
-    );
+    check_many(4000, &Scenario::new(6, 15, 5, 1));
 }
 
 #[test]
 fn no_overlapping_holders_default_parameters() {
-    check_many(
-        3000,
-        &Scenario {
-            clients: 8,
-            ops: 12,
-            height: 3,
-            k: 2,
-            m: 4,
-            pauses: true,
-            leaf_retries: 8,
-        },
-    );
+    check_many(3000, &Scenario::new(8, 12, 3, 4));
 }
 
 #[test]
@@ -236,25 +390,15 @@ fn hot_leaf_escalates_and_stays_exclusive() {
     let single = check_many(
         1000,
         &Scenario {
-            clients: 8,
-            ops: 10,
-            height: 0,
-            k: 2,
-            m: 2,
-            pauses: true,
             leaf_retries: 2,
+            ..Scenario::new(8, 10, 0, 2)
         },
     );
     let with_parent = check_many(
         1000,
         &Scenario {
-            clients: 8,
-            ops: 10,
-            height: 1,
-            k: 2,
-            m: 1,
-            pauses: true,
             leaf_retries: 2,
+            ..Scenario::new(8, 10, 1, 1)
         },
     );
     assert_eq!(single, 0);
@@ -271,6 +415,7 @@ fn uncontended_acquire_costs_two_round_trips_and_release_one() {
         RemoteAddr::new(SIM_RKEY, 4096),
         geo,
         LockConfig::default(),
+        0,
     ));
     let counts = Rc::new(RefCell::new(Vec::new()));
     let (t, k) = (tree.clone(), counts.clone());
@@ -293,16 +438,41 @@ fn uncontended_acquire_costs_two_round_trips_and_release_one() {
 #[test]
 #[ignore = "long run: cargo test --release -p rackfs-tests --test locks -- --ignored"]
 fn many_seeds_long_run() {
+    check_many(20_000, &Scenario::new(8, 20, 4, 2));
     check_many(
-        20_000,
+        10_000,
         &Scenario {
-            clients: 8,
-            ops: 20,
-            height: 4,
-            k: 2,
-            m: 2,
-            pauses: true,
-            leaf_retries: 8,
+            replacements: true,
+            kills: 2,
+            ..Scenario::new(8, 20, 3, 2)
+        },
+    );
+}
+
+#[test]
+fn replacements_during_acquisitions_stay_exclusive() {
+    // Clients grow and shrink the tree while others acquire on it, on stale views of it and
+    // beyond it (the spillover mutex).
+    check_many(
+        2000,
+        &Scenario {
+            replacements: true,
+            ..Scenario::new(6, 16, 2, 1)
+        },
+    );
+}
+
+#[test]
+fn killed_holders_are_recovered_and_others_proceed() {
+    // Clients die at random points of their protocol (holding ranges, halfway through an
+    // acquisition, holding tickets); the recovery replaces the tree and every live client's
+    // requests still complete within the bound, with no overlap.
+    check_many(
+        2000,
+        &Scenario {
+            replacements: true,
+            kills: 2,
+            ..Scenario::new(6, 16, 2, 1)
         },
     );
 }
