@@ -2,9 +2,12 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
+use rackfs_locks::LockConfig;
+use rackfs_memnode::control::ControlResponse;
 use rackfs_memnode::control::{ClusterInfo, ControlClient, NodeAddr};
+use rackfs_memnode::meta::MetaRequest;
 use rackfs_memnode::RpcError;
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
@@ -38,6 +41,8 @@ pub struct Cluster {
     secret: Secret,
     transport: TransportChoice,
     name: String,
+    /// This mount's lock client slot on the primary and its calibrated lock configuration.
+    lock_client: Mutex<Option<(u16, LockConfig)>>,
 }
 
 fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
@@ -94,6 +99,7 @@ impl Cluster {
                 secret,
                 transport,
                 name: name.into(),
+                lock_client: Mutex::new(None),
             });
         }
         Err(ConnectError::Unreachable {
@@ -158,6 +164,28 @@ impl Cluster {
             .expect("nodes lock")
             .insert(id, node.clone());
         Ok(node)
+    }
+
+    /// This mount's lock client slot and lock configuration, obtained on first use: the slot
+    /// from the primary (it belongs to this mount's session), the configuration from round
+    /// trips measured on the primary's queue pair.
+    pub fn lock_client(&self) -> Result<(u16, LockConfig), i32> {
+        let mut lc = self.lock_client.lock().expect("lock client");
+        if let Some(c) = lc.as_ref() {
+            return Ok(c.clone());
+        }
+        let slot = match self.primary.meta(MetaRequest::LockSlot) {
+            Ok(ControlResponse::LockSlot(s)) => s,
+            Ok(_) => return Err(libc::EIO),
+            Err(e) => {
+                warn!(error = %e, "no lock client slot");
+                return Err(e.errno());
+            }
+        };
+        let cfg = crate::lock::calibrate(self, self.primary_id)?;
+        info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
+        *lc = Some((slot, cfg.clone()));
+        Ok((slot, cfg))
     }
 
     /// Forgets a node's connection after it failed, so the next use reconnects.

@@ -22,6 +22,7 @@ use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 
 use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};
+use crate::lock::{self, FileLocks};
 
 /// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
 const MAX_ATTEMPTS: usize = 16;
@@ -46,10 +47,12 @@ pub struct FileData {
     size_read_at: AtomicU64,
     /// How long reads may trust `size_hint` (the mount's `attr_timeout`).
     size_ttl: Duration,
+    /// Range locks for writes and truncate (`None`: the mount runs with `locks=off`).
+    locks: Option<FileLocks>,
 }
 
 /// Monotonic nanoseconds since the first call (never 0 after it).
-fn clock_ns() -> u64 {
+pub(crate) fn clock_ns() -> u64 {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     START.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
 }
@@ -76,8 +79,9 @@ fn stale_stripes(tags: &[TagCheck], done: &BTreeMap<u32, Completions>) -> Vec<u6
 }
 
 impl FileData {
-    /// `size_ttl`: how long reads may trust the last size seen (see [`FileData::read`]).
-    pub fn new(ino: u64, layout: FileLayout, size_ttl: Duration) -> FileData {
+    /// `size_ttl`: how long reads may trust the last size seen (see [`FileData::read`]);
+    /// `locking`: whether writes and truncates take range locks.
+    pub fn new(ino: u64, layout: FileLayout, size_ttl: Duration, locking: bool) -> FileData {
         FileData {
             ino,
             record: layout.record,
@@ -87,6 +91,7 @@ impl FileData {
             size_hint: AtomicU64::new(0),
             size_read_at: AtomicU64::new(0),
             size_ttl,
+            locks: locking.then(|| FileLocks::new(ino, layout.record, layout.node)),
         }
     }
 
@@ -344,6 +349,85 @@ impl FileData {
             return Ok(consume(&out[..valid]));
         }
         Err(libc::EIO)
+    }
+
+    /// Writes `data` at `offset` under the range lock of the 4 KiB units it touches, so
+    /// overlapping writes from different mounts never interleave within a unit.
+    pub fn write_locked(&self, cl: &Cluster, offset: u64, data: &[u8]) -> Result<(), i32> {
+        let Some(locks) = &self.locks else {
+            return self.write(cl, offset, data);
+        };
+        if data.is_empty() {
+            return Ok(());
+        }
+        let (l, r) = lock::units(offset, data.len() as u64);
+        let held = locks.lock(cl, l, r)?;
+        let res = self.write(cl, offset, data);
+        locks.unlock(cl, held);
+        res
+    }
+
+    /// Appends `data` at the end of the file as the cluster knows it; returns where it went.
+    /// Under locks, the units from the end of file to the end of `data` are locked and the
+    /// size is re-read under the lock: any write that could move the end of file past that
+    /// point touches a locked unit, so two appends never overwrite each other.
+    pub fn append(&self, cl: &Cluster, data: &[u8]) -> Result<u64, i32> {
+        let Some(locks) = &self.locks else {
+            let at = self.size(cl)?;
+            return self.write(cl, at, data).map(|_| at);
+        };
+        let len = data.len() as u64;
+        let mut guess = self.size(cl)?;
+        for attempt in 0.. {
+            // After a few moves of the end of file, lock everything from the start.
+            let (l, r) = if attempt < 8 {
+                lock::units(guess, len.max(1))
+            } else {
+                (0, u64::MAX)
+            };
+            let held = locks.lock(cl, l, r)?;
+            let at = match self.size(cl) {
+                Ok(s) => s,
+                Err(e) => {
+                    locks.unlock(cl, held);
+                    return Err(e);
+                }
+            };
+            let (al, ar) = lock::units(at, len.max(1));
+            if l <= al && ar <= r {
+                let res = self.write(cl, at, data);
+                locks.unlock(cl, held);
+                return res.map(|_| at);
+            }
+            locks.unlock(cl, held);
+            guess = at;
+        }
+        unreachable!("the last attempts lock the whole file")
+    }
+
+    /// Runs `truncate` (the metadata service's size change) holding the whole-file lock, then
+    /// shrinks the file's lock tree to the new size (scale-down).
+    pub fn truncate<T>(
+        &self,
+        cl: &Cluster,
+        size: u64,
+        truncate: impl FnOnce() -> Result<T, i32>,
+    ) -> Result<T, i32> {
+        let Some(locks) = &self.locks else {
+            let res = truncate();
+            self.invalidate();
+            return res;
+        };
+        let held = locks.lock(cl, 0, u64::MAX)?;
+        let res = truncate();
+        self.invalidate();
+        if res.is_ok() {
+            if let Err(e) = locks.shrink(cl, &held, size.div_ceil(lock::LOCK_UNIT)) {
+                tracing::warn!(ino = self.ino, errno = e, "lock tree not shrunk");
+            }
+        }
+        locks.unlock(cl, held);
+        res
     }
 
     /// Writes `data` at `offset`; visible to every mount when this returns.

@@ -126,7 +126,14 @@ impl RackFs {
             .lock()
             .expect("files lock")
             .entry(a.ino)
-            .or_insert_with(|| Arc::new(FileData::new(a.ino, layout, self.opts.attr_timeout)))
+            .or_insert_with(|| {
+                Arc::new(FileData::new(
+                    a.ino,
+                    layout,
+                    self.opts.attr_timeout,
+                    self.opts.locks,
+                ))
+            })
             .clone())
     }
 
@@ -268,15 +275,23 @@ impl Filesystem for RackFs {
             atime_ns: atime.map(to_ns),
             mtime_ns: mtime.map(to_ns),
         };
-        match self.attr_of(MetaRequest::SetAttr { ino: ino.0, set }) {
-            Ok(a) => {
-                if size.is_some() {
-                    if let Some(f) = self.cached_file(ino.0) {
-                        f.invalidate();
-                    }
-                }
-                reply.attr(&self.ttl(), &file_attr(&a))
-            }
+        let setattr = || self.attr_of(MetaRequest::SetAttr { ino: ino.0, set });
+        let res = match size {
+            // A size change of a regular file runs under its whole-file lock.
+            Some(size) => match self.attr_of(MetaRequest::GetAttr { ino: ino.0 }) {
+                Ok(a) if a.kind == Kind::File => match self.file(&a) {
+                    Ok(f) => f
+                        .truncate(&self.cluster, size, || setattr().map_err(i32::from))
+                        .map_err(errno),
+                    Err(e) => Err(e),
+                },
+                Ok(_) => setattr(),
+                Err(e) => Err(e),
+            },
+            None => setattr(),
+        };
+        match res {
+            Ok(a) => reply.attr(&self.ttl(), &file_attr(&a)),
             Err(e) => reply.error(e),
         }
     }
@@ -514,15 +529,12 @@ impl Filesystem for RackFs {
             .copied()
             .unwrap_or(false);
         // O_APPEND: the end of the file as the cluster knows it, not the kernel's cached size.
-        let offset = if append {
-            match f.size(&self.cluster) {
-                Ok(s) => s,
-                Err(e) => return reply.error(errno(e)),
-            }
+        let res = if append {
+            f.append(&self.cluster, data).map(|_| ())
         } else {
-            offset
+            f.write_locked(&self.cluster, offset, data)
         };
-        match f.write(&self.cluster, offset, data) {
+        match res {
             Ok(()) => reply.written(data.len() as u32),
             Err(e) => reply.error(errno(e)),
         }

@@ -4,12 +4,14 @@
 //! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
+//! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 
 pub mod cluster;
 pub mod file;
 pub mod fuse;
 pub mod layout;
+pub mod lock;
 pub mod mount;
 pub mod options;
 pub mod up;

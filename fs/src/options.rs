@@ -38,6 +38,9 @@ pub struct MountOptions {
     pub read_only: bool,
     /// How long the kernel may cache attributes and names.
     pub attr_timeout: Duration,
+    /// Writes and truncates take Citron range locks (`locks=off`: only for a single writer
+    /// per file, or to measure what locking costs).
+    pub locks: bool,
     /// Options accepted for compatibility with mount(8)/fstab and ignored.
     pub ignored: Vec<String>,
 }
@@ -55,6 +58,7 @@ impl Default for MountOptions {
             allow_other: false,
             read_only: false,
             attr_timeout: Duration::from_secs(1),
+            locks: true,
             ignored: Vec::new(),
         }
     }
@@ -141,6 +145,13 @@ impl MountOptions {
                         .ok_or(format!("attr_timeout={v}: expected seconds from 0 to 3600"))?;
                     o.attr_timeout = Duration::from_secs_f64(secs);
                 }
+                "locks" => {
+                    o.locks = match need(key, value)? {
+                        "on" => true,
+                        "off" => false,
+                        v => return Err(format!("locks={v}: expected on or off")),
+                    }
+                }
                 "allow_other" if value.is_none() => o.allow_other = true,
                 "ro" if value.is_none() => o.read_only = true,
                 k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
@@ -180,6 +191,7 @@ mod tests {
             ("threads=0", "from 1 to 64"),
             ("secret_file=", "needs a value"),
             ("attr_timeout=-1", "seconds"),
+            ("locks=maybe", "expected on or off"),
             ("cache=always", "none or writeback"),
             ("reservation=100", "QoS is not available"),
             ("ro=1", "unknown mount option"),

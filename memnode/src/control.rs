@@ -204,6 +204,8 @@ pub enum ControlResponse {
     Target(Vec<u8>),
     Stripe(StripeExtent),
     FsStat(FsStat),
+    LockSlot(u16),
+    LockTree(u64),
     Error {
         code: ErrorCode,
         message: String,

@@ -4,6 +4,7 @@
 
 pub mod alloc;
 pub mod control;
+pub mod locktree;
 pub mod meta;
 pub mod server;
 pub mod size;

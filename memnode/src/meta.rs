@@ -7,7 +7,8 @@
 //!   the service sets it on truncate), `mtime` in ns (word 1; clients write it after data
 //!   writes), the extent table's offset and capacity (words 2-3; only the service writes them,
 //!   table before record, so a reader never sees a table that is not yet filled), the stripe
-//!   unit (word 4) and the inode number (word 5);
+//!   unit (word 4), the inode number (word 5) and the published lock tree (word 6, a
+//!   [`crate::locktree::TreeWord`]; only the service writes it, see [`crate::locktree`]);
 //! * an **extent table**: per stripe index, 16 bytes `location, tag` where location is
 //!   `node_id << 48 | data offset` on that node and `tag` identifies the allocation (0: hole).
 //!   Only the service writes it: location then tag on allocation, tag then location on free.
@@ -26,6 +27,7 @@ use rackfs_verbs::Region;
 use serde::{Deserialize, Serialize};
 
 use crate::control::{ControlResponse, ErrorCode, FsStat};
+use crate::locktree::{LockTrees, TreeMemory, TreeWord};
 
 pub const ROOT_INO: u64 = 1;
 pub const RECORD_LEN: u64 = 64;
@@ -34,6 +36,8 @@ pub const REC_MTIME: u64 = 8;
 pub const REC_TABLE: u64 = 16;
 pub const REC_TABLE_CAP: u64 = 24;
 pub const REC_STRIPE: u64 = 32;
+pub const REC_INO: u64 = 40;
+pub const REC_LOCKS: u64 = 48;
 pub const ENTRY_LEN: u64 = 16;
 /// Largest file size (EFBIG beyond).
 pub const MAX_FILE_SIZE: u64 = 1 << 46;
@@ -178,6 +182,16 @@ pub enum MetaRequest {
         stripe: u64,
     },
     StatFs,
+    /// This session's client slot in lock trees (assigned on first request).
+    LockSlot,
+    /// Publish a lock tree covering at least `units` for file `ino` in place of `old` (a
+    /// [`crate::locktree::TreeWord`]; 0 for none), which the caller holds entirely. Answered
+    /// with the published word, unchanged if `old` was not the published tree.
+    LockTree {
+        ino: u64,
+        old: u64,
+        units: u64,
+    },
 }
 
 /// What the service needs from its node: memory on any data node, and its own region.
@@ -246,16 +260,30 @@ pub struct Namespace {
     next_tag: u64,
     /// Opens held per client session, released when the session ends.
     sessions: HashMap<u64, HashMap<u64, u32>>,
+    pub locks: LockTrees,
 }
 
-impl Default for Namespace {
-    fn default() -> Self {
-        Self::new()
+/// The lock service's memory: plain extents of the service's own region.
+pub struct LocalTreeMemory<'a>(pub &'a dyn Storage);
+
+impl TreeMemory for LocalTreeMemory<'_> {
+    fn region(&self) -> &Region {
+        self.0.local().1
+    }
+    fn alloc(&self, len: u64) -> Result<u64, (ErrorCode, String)> {
+        self.0.alloc(self.0.local().0, len, None)
+    }
+    fn free(&self, offset: u64) {
+        if let Err((_, e)) = self.0.free(self.0.local().0, offset) {
+            tracing::warn!(offset, error = %e, "cannot free a retired lock tree");
+        }
     }
 }
 
 impl Namespace {
-    pub fn new() -> Namespace {
+    /// An empty namespace; `lock_grace`: how long retired lock trees and the slots of ended
+    /// sessions are kept (see [`crate::locktree`]).
+    pub fn new(lock_grace: std::time::Duration) -> Namespace {
         let t = now_ns();
         let root = Inode {
             kind: Kind::Dir,
@@ -281,6 +309,7 @@ impl Namespace {
             next_ino: ROOT_INO + 1,
             next_tag: 1,
             sessions: HashMap::new(),
+            locks: LockTrees::new(lock_grace, lock_grace),
         }
     }
 
@@ -329,6 +358,25 @@ impl Namespace {
             MetaRequest::AllocStripe { ino, stripe } => self
                 .alloc_stripe(ino, stripe, st)
                 .map(ControlResponse::Stripe),
+            MetaRequest::LockSlot => self.locks.attach(session).map(ControlResponse::LockSlot),
+            MetaRequest::LockTree { ino, old, units } => {
+                let record = match self.get(ino).map(|i| i.file.as_ref().map(|f| f.record)) {
+                    Ok(Some(r)) => Ok(r),
+                    Ok(None) => err(ErrorCode::Invalid, "not a regular file"),
+                    Err(e) => Err(e),
+                };
+                record.and_then(|record| {
+                    self.locks
+                        .publish(
+                            &LocalTreeMemory(st),
+                            ino,
+                            record + REC_LOCKS,
+                            TreeWord(old),
+                            units,
+                        )
+                        .map(|w| ControlResponse::LockTree(w.0))
+                })
+            }
             MetaRequest::StatFs => {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
@@ -340,6 +388,7 @@ impl Namespace {
 
     /// Releases every open held by a session that ended (its mount went away).
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
+        self.locks.end_session(session);
         if let Some(opens) = self.sessions.remove(&session) {
             for (ino, n) in opens {
                 if let Some(i) = self.inodes.get_mut(&ino) {
@@ -484,7 +533,7 @@ impl Namespace {
                 let (me, region) = st.local();
                 let record = st.alloc(me, RECORD_LEN, None)?;
                 write_word(region, record + REC_STRIPE, stripe_unit);
-                write_word(region, record + 40, ino);
+                write_word(region, record + REC_INO, ino);
                 write_word(region, record + REC_MTIME, t);
                 inode.file = Some(FileState {
                     record,
@@ -640,6 +689,7 @@ impl Namespace {
         }
         let i = self.inodes.remove(&ino).expect("present");
         if let Some(f) = i.file {
+            self.locks.forget(&LocalTreeMemory(st), ino);
             let (me, _) = st.local();
             for (_, s) in f.stripes {
                 let _ = st.free(s.node, s.offset - crate::server::TAG_SPACE);

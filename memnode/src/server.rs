@@ -191,7 +191,7 @@ impl MemNode {
             capacity: len,
         };
         let is_primary = cfg.role == Role::Primary;
-        let namespace = is_primary.then(|| Mutex::new(Namespace::new()));
+        let namespace = is_primary.then(|| Mutex::new(Namespace::new(cfg.quarantine)));
         let shared = Arc::new(Shared {
             allocator: Mutex::new(ExtentAllocator::new(&cfg.name, 0, len)),
             cfg,
@@ -221,6 +221,13 @@ impl MemNode {
                 .name("quarantine".into())
                 .spawn(move || reap_quarantine(s))
                 .expect("spawn quarantine thread");
+        }
+        if shared.namespace.is_some() {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("lock-trees".into())
+                .spawn(move || tend_lock_trees(s))
+                .expect("spawn lock tree thread");
         }
         if let Some(l) = tcp {
             let s = shared.clone();
@@ -676,6 +683,16 @@ fn join(shared: &Shared, addr: &str) -> Result<(), String> {
         }
         Ok(other) => Err(format!("unexpected reply {other:?}")),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Recovers lock trees of dead clients and frees retired trees (see [`crate::locktree`]).
+fn tend_lock_trees(shared: Arc<Shared>) {
+    let ns = shared.namespace.as_ref().expect("primary");
+    while !shared.stopping.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(1));
+        let mut ns = ns.lock().expect("namespace lock");
+        ns.locks.tick(&crate::meta::LocalTreeMemory(&*shared));
     }
 }
 

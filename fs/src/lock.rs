@@ -1,0 +1,222 @@
+//! Range locks on files: Citron trees (`rackfs_locks`) in the primary's memory, one per file.
+//!
+//! A write locks the 4 KiB units it touches (a sub-unit write locks its whole unit), an
+//! O_APPEND write locks from the end of file, `ftruncate` locks the whole file; reads take no
+//! lock. The tree is created by the primary on the first lock of a file and *replaced* to grow
+//! it (a lock beyond the tree, up to [`MAX_HEIGHT`]), to shrink it (truncate) and to recover
+//! it (a mount died holding locks): see `rackfs_memnode::locktree`. A mount caches its handle on
+//! the published tree and re-reads the file record when an acquisition finds the tree retired
+//! or when it has not seen the tree live for `LAYOUT_LEASE` (half the service's grace, so it
+//! never touches a freed tree).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rackfs_locks::{LockConfig, LockError, LockTree, RangeGuard};
+use rackfs_memnode::control::ControlResponse;
+use rackfs_memnode::locktree::{TreeWord, MAX_HEIGHT};
+use rackfs_memnode::meta::{MetaRequest, REC_LOCKS};
+use rackfs_verbs::{block_on, RemoteAddr, VerbsError};
+
+use crate::cluster::Cluster;
+
+/// Bytes per lock unit.
+pub const LOCK_UNIT: u64 = 4096;
+
+/// How long a cached tree handle is trusted without seeing the tree live.
+const LAYOUT_LEASE: Duration = Duration::from_millis(500);
+
+/// Replacements (growth, recovery) one lock request may go through before it gives up (EIO).
+const MAX_REPLACEMENTS: usize = 64;
+
+struct Tree {
+    word: TreeWord,
+    tree: LockTree,
+    /// When an acquisition last saw the tree live (ns on the process clock).
+    seen_live: AtomicU64,
+}
+
+/// A held range of a file; give it back with [`FileLocks::unlock`].
+#[must_use = "a range lock is held until unlocked"]
+pub struct Held {
+    tree: Arc<Tree>,
+    guard: RangeGuard,
+}
+
+/// The lock state of one file in one mount.
+pub struct FileLocks {
+    ino: u64,
+    record: u64,
+    primary: u32,
+    tree: RwLock<Option<Arc<Tree>>>,
+}
+
+fn errno(cl: &Cluster, node: u32, e: &VerbsError) -> i32 {
+    if matches!(
+        e,
+        VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
+    ) {
+        cl.drop_node(node, e);
+    }
+    tracing::debug!(node, error = %e, "lock operation failed");
+    libc::EIO
+}
+
+impl FileLocks {
+    pub fn new(ino: u64, record: u64, primary: u32) -> FileLocks {
+        FileLocks {
+            ino,
+            record,
+            primary,
+            tree: RwLock::new(None),
+        }
+    }
+
+    /// Asks the primary to publish a tree covering `units` in place of `old`.
+    fn publish(&self, cl: &Cluster, old: TreeWord, units: u64) -> Result<TreeWord, i32> {
+        match cl.primary.meta(MetaRequest::LockTree {
+            ino: self.ino,
+            old: old.0,
+            units,
+        }) {
+            Ok(ControlResponse::LockTree(w)) => Ok(TreeWord(w)),
+            Ok(_) => Err(libc::EIO),
+            Err(e) => Err(e.errno()),
+        }
+    }
+
+    /// The tree to use: the cached one if seen live within the lease, else the published one
+    /// (created if the file has none).
+    fn current(&self, cl: &Cluster, units: u64) -> Result<Arc<Tree>, i32> {
+        if let Some(t) = self.tree.read().expect("tree lock").as_ref() {
+            let age = crate::file::clock_ns().saturating_sub(t.seen_live.load(Ordering::Relaxed));
+            if age < LAYOUT_LEASE.as_nanos() as u64 {
+                return Ok(t.clone());
+            }
+        }
+        let (slot, cfg) = cl.lock_client()?;
+        let p = cl
+            .node(self.primary)
+            .map_err(|e| errno(cl, self.primary, &e))?;
+        let mut word = TreeWord(
+            p.qp.faa(RemoteAddr::new(p.rkey, self.record + REC_LOCKS), 0)
+                .map_err(|e| errno(cl, self.primary, &e))?,
+        );
+        if word.tree().is_none() {
+            word = self.publish(cl, TreeWord::NONE, units)?;
+        }
+        let (geo, offset) = word.tree().ok_or(libc::EIO)?;
+        let t = Arc::new(Tree {
+            word,
+            tree: LockTree::new(
+                p.qp.clone(),
+                RemoteAddr::new(p.rkey, offset),
+                geo,
+                cfg,
+                slot,
+            ),
+            seen_live: AtomicU64::new(crate::file::clock_ns()),
+        });
+        *self.tree.write().expect("tree lock") = Some(t.clone());
+        Ok(t)
+    }
+
+    fn forget(&self, t: &Arc<Tree>) {
+        let mut cur = self.tree.write().expect("tree lock");
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, t)) {
+            *cur = None;
+        }
+    }
+
+    /// Locks units `[l, r)` (`r = u64::MAX`: to infinity), growing the tree first if the range
+    /// reaches beyond it. Waits while others hold overlapping ranges.
+    pub fn lock(&self, cl: &Cluster, l: u64, r: u64) -> Result<Held, i32> {
+        for _ in 0..MAX_REPLACEMENTS {
+            // A new tree is sized for the range (an open-ended one: for its start).
+            let t = self.current(cl, if r == u64::MAX { l + 1 } else { r })?;
+            let (geo, _) = t.word.tree().expect("a published tree");
+            if r != u64::MAX && r > geo.units() && geo.height < MAX_HEIGHT {
+                self.grow(cl, &t, r)?;
+                continue;
+            }
+            match block_on(t.tree.acquire(l, r)) {
+                Ok(guard) => {
+                    t.seen_live
+                        .store(crate::file::clock_ns(), Ordering::Relaxed);
+                    return Ok(Held { tree: t, guard });
+                }
+                Err(LockError::Retired) => self.forget(&t),
+                Err(LockError::Verbs(e)) => return Err(errno(cl, self.primary, &e)),
+                Err(LockError::Empty(..)) => return Err(libc::EINVAL),
+            }
+        }
+        tracing::warn!(ino = self.ino, "lock tree kept being replaced; giving up");
+        Err(libc::EIO)
+    }
+
+    /// Scale-up: holding the whole tree, have the primary publish one covering `units`.
+    fn grow(&self, cl: &Cluster, t: &Arc<Tree>, units: u64) -> Result<(), i32> {
+        let started = std::time::Instant::now();
+        let guard = match block_on(t.tree.acquire(0, u64::MAX)) {
+            Ok(g) => g,
+            Err(LockError::Retired) => {
+                self.forget(t);
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "lock tree growth");
+                return Err(libc::EIO);
+            }
+        };
+        let res = self.publish(cl, t.word, units);
+        self.forget(t);
+        if let Err(e) = block_on(t.tree.release(guard)) {
+            tracing::debug!(error = %e, "release after growth");
+        }
+        let new = res?;
+        tracing::debug!(
+            ino = self.ino,
+            from = ?t.word.tree().map(|(g, _)| g.height),
+            to = ?new.tree().map(|(g, _)| g.height),
+            took = ?started.elapsed(),
+            "lock tree grown"
+        );
+        Ok(())
+    }
+
+    /// Scale-down, while holding the whole file (`held` covers `[0, inf)`): replace the tree
+    /// by the smallest one covering `units`, returning the rest of its memory.
+    pub fn shrink(&self, cl: &Cluster, held: &Held, units: u64) -> Result<(), i32> {
+        let (geo, _) = held.tree.word.tree().expect("a published tree");
+        if rackfs_locks::Geometry::for_units(units.max(1)).height >= geo.height {
+            return Ok(());
+        }
+        self.publish(cl, held.tree.word, units)?;
+        self.forget(&held.tree);
+        Ok(())
+    }
+
+    /// Releases a range (one batch). A failure is logged: the lock's slot then keeps the tree
+    /// from being reused until the mount's session ends and recovery replaces the tree.
+    pub fn unlock(&self, cl: &Cluster, held: Held) {
+        if let Err(e) = block_on(held.tree.tree.release(held.guard)) {
+            tracing::warn!(ino = self.ino, error = %e, "range lock release failed");
+            if let LockError::Verbs(e) = e {
+                errno(cl, self.primary, &e);
+            }
+        }
+    }
+}
+
+/// The lock units `[l, r)` covering bytes `[offset, offset + len)`.
+pub fn units(offset: u64, len: u64) -> (u64, u64) {
+    (offset / LOCK_UNIT, (offset + len).div_ceil(LOCK_UNIT))
+}
+
+/// The calibrated lock configuration of a mount's primary queue pair.
+pub fn calibrate(cl: &Cluster, primary: u32) -> Result<LockConfig, i32> {
+    let p = cl.node(primary).map_err(|e| errno(cl, primary, &e))?;
+    block_on(LockConfig::calibrated(&p.qp, RemoteAddr::new(p.rkey, 0)))
+        .map_err(|e| errno(cl, primary, &e))
+}
