@@ -27,8 +27,9 @@ pub const LOCK_UNIT: u64 = 4096;
 /// How long a cached tree handle is trusted without seeing the tree live.
 const LAYOUT_LEASE: Duration = Duration::from_millis(500);
 
-/// Replacements (growth, recovery) one lock request may go through before it gives up (EIO).
-const MAX_REPLACEMENTS: usize = 64;
+/// How long one lock request keeps meeting retired trees (a recovery waiting for holders
+/// to release) before it gives up with EIO.
+const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(60);
 
 struct Tree {
     word: TreeWord,
@@ -132,7 +133,9 @@ impl FileLocks {
     /// Locks units `[l, r)` (`r = u64::MAX`: to infinity), growing the tree first if the range
     /// reaches beyond it. Waits while others hold overlapping ranges.
     pub fn lock(&self, cl: &Cluster, l: u64, r: u64) -> Result<Held, i32> {
-        for _ in 0..MAX_REPLACEMENTS {
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_micros(50);
+        while started.elapsed() < REPLACEMENT_PATIENCE {
             // A new tree is sized for the range (an open-ended one: for its start).
             let t = self.current(cl, if r == u64::MAX { l + 1 } else { r })?;
             let (geo, _) = t.word.tree().expect("a published tree");
@@ -146,7 +149,12 @@ impl FileLocks {
                         .store(crate::file::clock_ns(), Ordering::Relaxed);
                     return Ok(Held { tree: t, guard });
                 }
-                Err(LockError::Retired) => self.forget(&t),
+                Err(LockError::Retired) => {
+                    // Replaced, or being recovered: the new tree is published soon.
+                    self.forget(&t);
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(10));
+                }
                 Err(LockError::Verbs(e)) => return Err(errno(cl, self.primary, &e)),
                 Err(LockError::Empty(..)) => return Err(libc::EINVAL),
             }
@@ -161,7 +169,9 @@ impl FileLocks {
         let guard = match block_on(t.tree.acquire(0, u64::MAX)) {
             Ok(g) => g,
             Err(LockError::Retired) => {
+                // Being replaced by someone else: give them a moment.
                 self.forget(t);
+                std::thread::sleep(Duration::from_millis(1));
                 return Ok(());
             }
             Err(e) => {

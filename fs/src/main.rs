@@ -212,6 +212,11 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
             .map(|o| format!("{}={}", o.name(), s.verbs.ops[o.index()]))
             .collect();
         println!("  primary verbs by opcode: {}", by_op.join(" "));
+        println!(
+            "  range locks: {} of lock trees, {} trees recovered from dead mounts",
+            format_size(s.lock_trees),
+            s.lock_recoveries
+        );
     }
     Ok(())
 }

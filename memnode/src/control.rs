@@ -165,6 +165,9 @@ pub struct NodeStats {
     pub extents: u64,
     /// Bytes freed but held back from reuse (quarantine) until stale readers are gone.
     pub quarantined: u64,
+    /// Bytes of lock trees (published and retired) and trees replaced by recovery (primary).
+    pub lock_trees: u64,
+    pub lock_recoveries: u64,
     /// Verbs served by NIC threads and executed by shm clients, by opcode.
     pub verbs: VerbTotals,
     /// Control RPCs served, by kind ([`RPC_KINDS`]).
@@ -497,6 +500,7 @@ mod tests {
             let s = NodeStats {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[31],
+                lock_trees: words[37], lock_recoveries: words[38],
                 verbs: VerbTotals { ops: words[7..13].try_into().unwrap(), bytes: words[13..19].try_into().unwrap(), errors: words[19], batches: words[20] },
                 rpcs: words[21..31].try_into().unwrap(), open: words[31..34].try_into().unwrap(),
                 connections_total: words[34], auth_failures: words[35], protocol_errors: words[36],

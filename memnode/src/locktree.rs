@@ -46,14 +46,12 @@ impl TreeWord {
 
     /// The tree's shape and offset, if there is one.
     pub fn tree(self) -> Option<(Geometry, u64)> {
-        (self.0 >> 63 == 1).then(|| {
-            (
-                Geometry {
-                    height: (self.0 >> 56 & 0x7f) as u32,
-                },
-                self.0 & ((1 << 56) - 1),
-            )
-        })
+        (self.0 >> 63 == 1).then_some((
+            Geometry {
+                height: (self.0 >> 56 & 0x7f) as u32,
+            },
+            self.0 & ((1 << 56) - 1),
+        ))
     }
 }
 

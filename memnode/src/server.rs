@@ -296,6 +296,10 @@ impl Drop for MemNode {
 impl Shared {
     fn stats(&self) -> NodeStats {
         let a = self.allocator.lock().expect("allocator lock").stats();
+        let (lock_trees, lock_recoveries) = self.namespace.as_ref().map_or((0, 0), |ns| {
+            let ns = ns.lock().expect("namespace lock");
+            (ns.locks.memory(), ns.locks.recoveries)
+        });
         let mut verbs = *self.counters_retired.lock().expect("counter totals lock");
         for (_, c) in self
             .counters_live
@@ -321,6 +325,8 @@ impl Shared {
                 .iter()
                 .map(|q| q.2)
                 .sum(),
+            lock_trees,
+            lock_recoveries,
             verbs,
             rpcs: std::array::from_fn(|i| self.rpcs[i].load(Ordering::Relaxed)),
             open: std::array::from_fn(|i| self.open[i].load(Ordering::Relaxed)),
