@@ -2,6 +2,7 @@
 
 mod fio;
 mod locks;
+mod shared;
 mod stats;
 mod verbs;
 
@@ -68,6 +69,15 @@ enum Cmd {
     },
     /// fio on tmpfs, the in-memory FUSE baseline, and RackFS over shm and tcp (needs root).
     Fio {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Seconds per fio run, after 1 s of ramp (quick: 1).
+        #[arg(long, default_value_t = 4)]
+        runtime: u32,
+    },
+    /// fio writers on two mounts sharing one file: disjoint regions with and without range
+    /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
+    Shared {
         #[command(flatten)]
         run: RunArgs,
         /// Seconds per fio run, after 1 s of ramp (quick: 1).
@@ -150,6 +160,21 @@ fn main() {
                 &fio::table_header(),
                 rows.iter().map(fio::format_row),
                 fio::ratios(&rows),
+                run.out,
+            );
+        }
+        Cmd::Shared { run, runtime } => {
+            let cfg = shared::Config {
+                runs: run.runs(),
+                runtime_s: if run.quick { 1 } else { runtime.max(1) },
+                writers: if run.quick { vec![1, 2] } else { vec![1, 2, 4] },
+            };
+            eprintln!("{}", shared::table_header());
+            let (rows, notes) = shared::run(&cfg);
+            publish(
+                &shared::table_header(),
+                rows.iter().map(shared::format_row),
+                notes,
                 run.out,
             );
         }

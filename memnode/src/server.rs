@@ -652,7 +652,8 @@ impl Storage for Shared {
 
     fn fs_stat(&self) -> FsStat {
         let mut s = FsStat::default();
-        let mine = self.stats();
+        // Not `self.stats()`: that takes the namespace lock, which the caller may hold.
+        let mine = self.allocator.lock().expect("allocator lock").stats();
         s.capacity += mine.capacity;
         s.free += mine.free;
         let peers: Vec<_> = self

@@ -1,0 +1,249 @@
+//! One file shared by writers on two mounts, through fio: the range-lock case.
+//!
+//! *Disjoint writers*: 4 KiB random writes, each writer in its own 16 MiB region of one file,
+//! 1, 2 and 4 writers spread over two mounts (one fio process per mount), with range locks
+//! (`locks=on`) and without (`locks=off`, the baseline measured in the same run). Aggregate
+//! IOPS per point; runs alternate on/off.
+//!
+//! *Overlapping writers*: two fio processes on two mounts write 16 KiB blocks at 4 KiB-aligned
+//! random offsets of the same 4 MiB, each with its own byte pattern; afterwards every 4 KiB
+//! unit must hold one pattern. Counted with and without locks (no lock: mixed units may appear,
+//! depending on timing).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rackfs_tests::{bin_path, wait_for, TempDir, TestCluster};
+
+use crate::stats::{median, rate};
+
+const REGION: u64 = 16 << 20;
+
+pub struct Config {
+    pub runs: usize,
+    pub runtime_s: u32,
+    pub writers: Vec<u32>,
+}
+
+pub struct Row {
+    pub writers: u32,
+    pub on: Vec<f64>,
+    pub off: Vec<f64>,
+}
+
+/// Two mounts of one cluster with the same options, unmounted on drop.
+struct Pair {
+    dirs: [PathBuf; 2],
+    daemons: Vec<Child>,
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for d in &self.dirs {
+            let _ = Command::new("umount").arg("-l").arg(d).status();
+        }
+        for c in &mut self.daemons {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn mount_pair(cluster: &TestCluster, tmp: &TempDir, tag: &str, opts: &str) -> Pair {
+    let mut daemons = Vec::new();
+    let mut dirs = Vec::new();
+    for i in 0..2 {
+        let dir = tmp.path().join(format!("{tag}-{i}"));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let all = format!("secret_file={},{opts}", cluster.secret_file.display());
+        daemons.push(
+            Command::new(bin_path("rackfs"))
+                .args(["mount", "--foreground", &cluster.addr()])
+                .arg(&dir)
+                .args(["-o", &all])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("rackfs mount"),
+        );
+        assert!(
+            wait_for(Duration::from_secs(10), || {
+                rackfs_fs::mount::is_rackfs_mount(&dir)
+            }),
+            "mounted {}",
+            dir.display()
+        );
+        dirs.push(dir);
+    }
+    Pair {
+        dirs: [dirs[0].clone(), dirs[1].clone()],
+        daemons,
+    }
+}
+
+/// Starts fio writing to `file` with `jobs` jobs, the first at region `first`.
+fn fio(file: &Path, jobs: u32, first: u32, runtime: u32, extra: &[&str]) -> Child {
+    Command::new("fio")
+        .args([
+            "--name=w",
+            &format!("--filename={}", file.display()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--ioengine=psync",
+            "--direct=1",
+            &format!("--size={REGION}"),
+            &format!("--offset={}", first as u64 * REGION),
+            &format!("--offset_increment={REGION}"),
+            &format!("--numjobs={jobs}"),
+            "--time_based",
+            &format!("--runtime={runtime}"),
+            "--ramp_time=1",
+            "--group_reporting",
+            "--output-format=json",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fio (apt-get install fio)")
+}
+
+fn iops(child: Child) -> f64 {
+    let out = child.wait_with_output().expect("fio");
+    assert!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
+    v["jobs"][0]["write"]["iops"].as_f64().unwrap_or(0.0)
+}
+
+/// Aggregate IOPS of `writers` disjoint writers over the two mounts of `pair`.
+fn disjoint(pair: &Pair, writers: u32, runtime: u32) -> f64 {
+    let on_a = writers.div_ceil(2);
+    let on_b = writers - on_a;
+    let a = fio(&pair.dirs[0].join("shared"), on_a, 0, runtime, &[]);
+    let b = (on_b > 0).then(|| fio(&pair.dirs[1].join("shared"), on_b, on_a, runtime, &[]));
+    iops(a) + b.map_or(0.0, iops)
+}
+
+/// Units of the overlap file holding bytes of more than one writer after two overlapping fio
+/// writers ran; returns (mixed units, units checked).
+fn overlap(pair: &Pair, runtime: u32) -> (usize, usize) {
+    let len: u64 = 4 << 20;
+    let name = "overlap";
+    std::fs::write(pair.dirs[0].join(name), vec![0u8; len as usize]).expect("overlap file");
+    let run = |dir: &Path, pattern: &str| {
+        Command::new("fio")
+            .args([
+                "--name=o",
+                &format!("--filename={}", dir.join(name).display()),
+                "--rw=randwrite",
+                "--bs=16k",
+                "--blockalign=4k",
+                "--ioengine=psync",
+                "--direct=1",
+                &format!("--size={len}"),
+                &format!("--verify_pattern={pattern}"),
+                "--do_verify=0",
+                "--time_based",
+                &format!("--runtime={runtime}"),
+                "--output-format=json",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("fio")
+    };
+    let (a, b) = (run(&pair.dirs[0], "0xaa"), run(&pair.dirs[1], "0xbb"));
+    for c in [a, b] {
+        let out = c.wait_with_output().expect("fio");
+        assert!(
+            out.status.success(),
+            "fio failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let data = std::fs::read(pair.dirs[1].join(name)).expect("read back");
+    let mixed = data
+        .chunks(4096)
+        .filter(|u| u.iter().any(|&b| b != u[0]))
+        .count();
+    (mixed, data.len() / 4096)
+}
+
+pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
+    let tmp = TempDir::new("bench-shared");
+    let cluster = TestCluster::start(2, "1G");
+    let on = mount_pair(&cluster, &tmp, "on", "locks=on");
+    let off = mount_pair(&cluster, &tmp, "off", "locks=off");
+    let max = *cfg.writers.iter().max().unwrap_or(&1) as u64;
+    // Lay the file out once (both pairs share the cluster, so one file serves both).
+    std::fs::write(
+        on.dirs[0].join("shared"),
+        vec![0u8; (max * REGION) as usize],
+    )
+    .expect("lay out");
+    let mut rows = Vec::new();
+    for &w in &cfg.writers {
+        let mut row = Row {
+            writers: w,
+            on: Vec::new(),
+            off: Vec::new(),
+        };
+        for r in 0..cfg.runs {
+            // Alternate which configuration goes first.
+            for first in [r % 2 == 0, r % 2 == 1] {
+                if first {
+                    row.on.push(disjoint(&on, w, cfg.runtime_s));
+                } else {
+                    row.off.push(disjoint(&off, w, cfg.runtime_s));
+                }
+            }
+        }
+        eprintln!("{}", format_row(&row));
+        rows.push(row);
+    }
+    let base = rows.first().map(|r| median(&r.on)).unwrap_or(1.0);
+    let mut notes: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} writer(s): with locks {} IOPS = {:.0}% of without; {:.2}x one writer with locks",
+                r.writers,
+                rate(median(&r.on)),
+                100.0 * median(&r.on) / median(&r.off),
+                median(&r.on) / base
+            )
+        })
+        .collect();
+    for (name, pair) in [("locks=on", &on), ("locks=off", &off)] {
+        let (mixed, units) = overlap(pair, cfg.runtime_s);
+        notes.push(format!(
+            "overlapping writers (2 mounts, 16 KiB at 4 KiB-aligned offsets, {}s), {name}: {mixed} of {units} 4 KiB units mixed from two writers",
+            cfg.runtime_s
+        ));
+    }
+    (rows, notes)
+}
+
+pub fn table_header() -> String {
+    "| writers (2 mounts) | locks=on IOPS (median, min–max) | locks=off IOPS | on / off |\n|---:|---:|---:|---:|".into()
+}
+
+pub fn format_row(r: &Row) -> String {
+    let span = |v: &[f64]| {
+        let lo = v.iter().cloned().fold(f64::MAX, f64::min);
+        let hi = v.iter().cloned().fold(0.0, f64::max);
+        format!("{} ({}–{})", rate(median(v)), rate(lo), rate(hi))
+    };
+    format!(
+        "| {} | {} | {} | {:.0}% |",
+        r.writers,
+        span(&r.on),
+        span(&r.off),
+        100.0 * median(&r.on) / median(&r.off)
+    )
+}
