@@ -146,6 +146,8 @@ fn overlap(pair: &Pair, runtime: u32) -> (usize, usize) {
                 "--ioengine=psync",
                 "--direct=1",
                 &format!("--size={len}"),
+                // The pattern alone, no verify header: a unit is one writer's or mixed.
+                "--verify=pattern",
                 &format!("--verify_pattern={pattern}"),
                 "--do_verify=0",
                 "--time_based",
