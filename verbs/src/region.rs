@@ -243,6 +243,20 @@ impl Region {
         Ok(())
     }
 
+    /// Atomically replaces the word at `offset` with `new` if it equals `old` (local access by
+    /// the owner, compatible with clients' remote atomics); returns the value found.
+    pub fn compare_swap(&self, offset: u64, old: u64, new: u64) -> Result<u64, VerbsError> {
+        self.check_bounds(Opcode::Cas, offset, 8)?;
+        Ok(
+            match self
+                .word(offset)
+                .compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(v) | Err(v) => v,
+            },
+        )
+    }
+
     /// Zeroes `[offset, offset + len)`; whole pages of a memfd region are given back to the
     /// kernel (they read as zeros and stop counting as the node's resident memory).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), VerbsError> {

@@ -1,0 +1,321 @@
+//! A mount's QoS engine for one memory node (Haechi §II-D): a token check before each
+//! one-sided data operation, reservation tokens first, then global tokens claimed from the
+//! node's pool with one remote FAA per batch, the prorated decay of unused reservation, silent
+//! reports (one 8-byte WRITE) while the monitor asks for them, and limits.
+//!
+//! The engine refreshes its view of the node (period, pool, grant) at most every δ (1 ms), in
+//! one batch, from whichever request comes by; an idle engine costs nothing. A request that
+//! finds no token waits its turn (FIFO by ticket) and re-checks every δ: waiting never spins.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rackfs_verbs::{Batch, Clock, QueuePair, RemoteAddr, VerbsError};
+
+use crate::area::{self, pack_pair, pool_take, unpack_pool, POOL_BOUNDARY};
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Global tokens claimed per FAA.
+    pub batch: u64,
+    /// Refresh, decay and report interval.
+    pub delta: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            batch: 64,
+            delta: Duration::from_millis(1),
+        }
+    }
+}
+
+#[derive(Default, Debug, Clone, Copy)]
+struct State {
+    period: u64,
+    grant: u64,
+    limit: u64,
+    /// Reservation tokens left.
+    reservation: u64,
+    /// Global tokens claimed and not used.
+    global: u64,
+    /// Tokens used this period, and of them from the pool.
+    used: u64,
+    from_pool: u64,
+    /// Tokens asked for this period (demand).
+    asked: u64,
+    claimed: u64,
+    /// The node's pool was empty at the last claim or refresh.
+    pool_empty: bool,
+    reporting: bool,
+    period_us: u64,
+    refreshed_at: Option<Duration>,
+}
+
+/// What one engine did in one finished period.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeriodUse {
+    pub period: u64,
+    pub grant: u64,
+    /// Tokens spent, and of them from the pool.
+    pub used: u64,
+    pub from_pool: u64,
+    /// Tokens taken from the pool (spent or lapsed at the period's end).
+    pub claimed: u64,
+    /// Tokens asked for.
+    pub asked: u64,
+}
+
+/// Counters for visibility (all periods).
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineTotals {
+    pub from_reservation: u64,
+    pub from_pool: u64,
+    pub claims: u64,
+    pub waits: u64,
+}
+
+pub struct QosEngine {
+    qp: QueuePair,
+    clock: Clock,
+    area: RemoteAddr,
+    slot: u16,
+    cfg: EngineConfig,
+    state: Mutex<State>,
+    totals: Mutex<EngineTotals>,
+    next_ticket: AtomicU64,
+    serving: AtomicU64,
+    /// Requests waiting in line for tokens.
+    waiting: AtomicU64,
+    finished: Mutex<Vec<PeriodUse>>,
+}
+
+enum Step {
+    Go,
+    Claim,
+    Wait,
+}
+
+impl QosEngine {
+    pub fn new(qp: QueuePair, area: RemoteAddr, slot: u16, cfg: EngineConfig) -> QosEngine {
+        let clock = qp.clock();
+        QosEngine {
+            qp,
+            clock,
+            area,
+            slot,
+            cfg,
+            state: Mutex::new(State::default()),
+            totals: Mutex::new(EngineTotals::default()),
+            next_ticket: AtomicU64::new(0),
+            serving: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            finished: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn totals(&self) -> EngineTotals {
+        *self.totals.lock().expect("totals")
+    }
+
+    /// The period this engine is in, and the tokens it used in it.
+    pub fn current(&self) -> (u64, u64) {
+        let s = self.state.lock().expect("state");
+        (s.period, s.used)
+    }
+
+    /// Takes the records of the periods finished since the last call (at most 256 are kept).
+    pub fn take_finished(&self) -> Vec<PeriodUse> {
+        std::mem::take(&mut *self.finished.lock().expect("finished"))
+    }
+
+    fn slot_addr(&self, off: u64) -> RemoteAddr {
+        self.area.add(area::slot(self.slot) + off)
+    }
+
+    /// Reads the node's period, pool and this mount's grant; starts a new period, decays the
+    /// reservation, and writes a report if asked. One round trip.
+    async fn refresh(&self) -> Result<(), VerbsError> {
+        let report = {
+            let s = self.state.lock().expect("state");
+            s.reporting.then(|| {
+                (
+                    pack_pair(s.period, s.reservation, s.used - s.from_pool),
+                    pack_pair(s.period, s.asked, s.used),
+                )
+            })
+        };
+        let mut b = Batch::new();
+        if let Some((report, usage)) = report {
+            b.write_u64(self.slot_addr(area::REPORT_WORD), report);
+            b.write_u64(self.slot_addr(area::USAGE), usage);
+        }
+        let head = b.read(self.area, 48);
+        let slot = b.read(self.slot_addr(0), 16);
+        // The view is as old as the moment it was asked for (this task may be descheduled
+        // before it sees the answer).
+        let asked_at = self.clock.now();
+        let done = self.qp.post(b).await?;
+        done.check()?;
+        let h = done.data(head)?;
+        let w = |d: &[u8], i: usize| u64::from_le_bytes(d[i * 8..i * 8 + 8].try_into().expect("8"));
+        let (period, (_, pool), reporting, elapsed_us, period_us) = (
+            w(h, 0),
+            unpack_pool(w(h, 1)),
+            w(h, 2) != 0,
+            w(h, 3),
+            w(h, 4),
+        );
+        let sl = done.data(slot)?;
+        let mut s = self.state.lock().expect("state");
+        if period != s.period {
+            // A new period: the grant replaces whatever was left; unused global tokens lapse.
+            if s.period != 0 {
+                let mut f = self.finished.lock().expect("finished");
+                if f.len() >= 256 {
+                    f.remove(0);
+                }
+                f.push(PeriodUse {
+                    period: s.period,
+                    grant: s.grant,
+                    used: s.used,
+                    from_pool: s.from_pool,
+                    claimed: s.claimed,
+                    asked: s.asked,
+                });
+            }
+            *s = State {
+                period,
+                grant: w(sl, 0),
+                limit: w(sl, 1),
+                reservation: w(sl, 0),
+                period_us,
+                ..State::default()
+            };
+        }
+        // Prorated decay: at most grant * (time left / period) reservation tokens remain.
+        if s.period_us > 0 {
+            let left = s.period_us.saturating_sub(elapsed_us);
+            let cap = (s.grant as u128 * left as u128 / s.period_us as u128) as u64;
+            s.reservation = s.reservation.min(cap);
+        }
+        s.pool_empty = pool <= 0;
+        s.reporting = reporting;
+        s.refreshed_at = Some(asked_at);
+        Ok(())
+    }
+
+    async fn refresh_if_due(&self) -> Result<(), VerbsError> {
+        let due = {
+            let s = self.state.lock().expect("state");
+            s.refreshed_at
+                .is_none_or(|t| self.clock.now() >= t + self.cfg.delta)
+        };
+        if due {
+            self.refresh().await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until `tokens` may be spent on one-sided data operations on this node.
+    pub async fn admit(&self, tokens: u64) -> Result<(), VerbsError> {
+        let mut counted = false;
+        // Fast path: nobody waiting and tokens at hand (or in the pool).
+        loop {
+            self.refresh_if_due().await?;
+            let step = {
+                let mut s = self.state.lock().expect("state");
+                if !counted {
+                    s.asked += tokens;
+                    counted = true;
+                }
+                if self.waiting.load(Ordering::SeqCst) > 0 {
+                    Step::Wait
+                } else {
+                    self.take(&mut s, tokens)
+                }
+            };
+            match step {
+                Step::Go => return Ok(()),
+                Step::Claim => self.claim(tokens).await?,
+                Step::Wait => break,
+            }
+        }
+        // Wait in line: first come, first served, re-checking every δ.
+        let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.totals.lock().expect("totals").waits += 1;
+        let res = self.wait_in_line(ticket, tokens).await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.serving.fetch_add(1, Ordering::SeqCst);
+        res
+    }
+
+    /// Spends `tokens` if this engine has them: reservation first, then global.
+    fn take(&self, s: &mut State, tokens: u64) -> Step {
+        if s.limit > 0 && s.used + tokens > s.limit {
+            Step::Wait
+        } else if s.reservation + s.global >= tokens {
+            let from_res = s.reservation.min(tokens);
+            s.reservation -= from_res;
+            s.global -= tokens - from_res;
+            s.used += tokens;
+            s.from_pool += tokens - from_res;
+            let mut t = self.totals.lock().expect("totals");
+            t.from_reservation += from_res;
+            t.from_pool += tokens - from_res;
+            Step::Go
+        } else if s.pool_empty {
+            Step::Wait
+        } else {
+            Step::Claim
+        }
+    }
+
+    /// Takes a batch of global tokens from the node's pool (one remote FAA).
+    async fn claim(&self, tokens: u64) -> Result<(), VerbsError> {
+        let period = self.state.lock().expect("state").period;
+        let want = self.cfg.batch.max(tokens);
+        let mut b = Batch::new();
+        let id = b.masked_faa(self.area.add(area::POOL), pool_take(want), POOL_BOUNDARY);
+        let done = self.qp.post(b).await?;
+        let (from, old) = unpack_pool(done.value(id)?);
+        let got = old.clamp(0, want as i64) as u64;
+        self.totals.lock().expect("totals").claims += 1;
+        let mut s = self.state.lock().expect("state");
+        if s.period != period || from != period & 0xffff {
+            // Tokens of another period than this engine's: they lapse (the engine refreshes
+            // before it spends anything of a new period).
+            s.pool_empty = false;
+            s.refreshed_at = None;
+            return Ok(());
+        }
+        s.global += got;
+        s.claimed += got;
+        if got < want {
+            s.pool_empty = true;
+        }
+        Ok(())
+    }
+
+    async fn wait_in_line(&self, ticket: u64, tokens: u64) -> Result<(), VerbsError> {
+        loop {
+            if self.serving.load(Ordering::SeqCst) != ticket {
+                self.clock.sleep(self.cfg.delta / 4).await;
+                continue;
+            }
+            self.refresh_if_due().await?;
+            let step = self.take(&mut self.state.lock().expect("state"), tokens);
+            match step {
+                Step::Go => return Ok(()),
+                Step::Claim => self.claim(tokens).await?,
+                Step::Wait => {
+                    self.clock.sleep(self.cfg.delta).await;
+                    self.refresh().await?;
+                }
+            }
+        }
+    }
+}

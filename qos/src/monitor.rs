@@ -1,0 +1,308 @@
+//! The memory node's QoS monitor (Haechi §II-E): periods, reservation grants, the global pool,
+//! the signal to report, token conversion and capacity estimation. It works on the node's own
+//! region with local atomics, the same words the engines reach with one-sided verbs
+//! ([`crate::area`]); its CPU work is one short pass per check interval, never per I/O.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rackfs_verbs::Region;
+
+use crate::area::{self, pack_pool, unpack_pair, unpack_pool};
+use crate::estimate::CapacityEstimator;
+
+/// A mount's QoS on this node: its reservation share and limit, in tokens per period.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MountShare {
+    pub reservation: u64,
+    /// 0: no limit.
+    pub limit: u64,
+}
+
+/// What the monitor saw of one mount in one period.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MountPeriod {
+    pub reservation: u64,
+    /// Tokens used (from the mount's last report of the period).
+    pub used: u64,
+    /// Of those, from the global pool.
+    pub from_pool: u64,
+    /// Tokens the mount asked for (its demand), from its slot.
+    pub demand: u64,
+}
+
+/// One finished period.
+#[derive(Clone, Debug, Default)]
+pub struct PeriodRecord {
+    pub period: u64,
+    /// Tokens the period started with (the capacity estimate).
+    pub capacity: u64,
+    pub pool_start: u64,
+    /// Tokens added to the pool by conversion.
+    pub converted: u64,
+    pub mounts: BTreeMap<u16, MountPeriod>,
+}
+
+#[derive(Clone, Debug)]
+pub struct MonitorConfig {
+    pub period: Duration,
+    pub check: Duration,
+    /// Token conversion on (Haechi) or off ("basic Haechi", for experiments).
+    pub conversion: bool,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        MonitorConfig {
+            period: Duration::from_secs(1),
+            check: Duration::from_millis(1),
+            conversion: true,
+        }
+    }
+}
+
+pub struct QosMonitor {
+    area: u64,
+    cfg: MonitorConfig,
+    pub estimator: CapacityEstimator,
+    mounts: BTreeMap<u16, MountShare>,
+    /// Shares as granted at the start of the current period (changes apply at the next).
+    granted: BTreeMap<u16, MountShare>,
+    period: u64,
+    started: Duration,
+    capacity: u64,
+    pool_start: u64,
+    reporting: bool,
+    /// When the monitor asked for reports.
+    reporting_since: Duration,
+    converted: u64,
+    /// The last periods, newest last (at most 64).
+    pub history: Vec<PeriodRecord>,
+}
+
+impl QosMonitor {
+    /// A monitor for the area at `area` of `region`, starting its first period at `now`.
+    pub fn new(
+        region: &Region,
+        area: u64,
+        cfg: MonitorConfig,
+        estimator: CapacityEstimator,
+        now: Duration,
+    ) -> QosMonitor {
+        let w = |off, v| region.store(area + off, v).expect("QoS area in region");
+        w(area::PERIOD_US, cfg.period.as_micros() as u64);
+        w(area::CHECK_US, cfg.check.as_micros() as u64);
+        let mut m = QosMonitor {
+            area,
+            cfg,
+            estimator,
+            mounts: BTreeMap::new(),
+            granted: BTreeMap::new(),
+            period: 0,
+            started: now,
+            capacity: 0,
+            pool_start: 0,
+            reporting: false,
+            reporting_since: Duration::ZERO,
+            converted: 0,
+            history: Vec::new(),
+        };
+        m.start_period(region, now);
+        m
+    }
+
+    fn load(&self, region: &Region, off: u64) -> u64 {
+        region.load(self.area + off).expect("QoS area in region")
+    }
+    fn store(&self, region: &Region, off: u64, v: u64) {
+        region
+            .store(self.area + off, v)
+            .expect("QoS area in region")
+    }
+
+    /// A slot's report word for the current period; one written for another period (late, by
+    /// an engine that had not yet seen this one start) reads as "nothing spent", with the
+    /// whole reservation residual for `REPORT_WORD`.
+    fn report(&self, region: &Region, c: u16, word: u64, s: &MountShare) -> (u64, u64, u64) {
+        let (period, hi, lo) = unpack_pair(self.load(region, area::slot(c) + word));
+        if period == self.period & 0xff {
+            (period, hi, lo)
+        } else if word == area::REPORT_WORD {
+            (self.period, s.reservation, 0)
+        } else {
+            (self.period, 0, 0)
+        }
+    }
+
+    pub fn mounts(&self) -> &BTreeMap<u16, MountShare> {
+        &self.mounts
+    }
+
+    /// Reserved tokens per period over all mounts.
+    pub fn reserved(&self) -> u64 {
+        self.mounts.values().map(|m| m.reservation).sum()
+    }
+
+    /// The capacity (tokens per period) of the current period.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Sets (or with `None` removes) a mount's share; it takes effect at the next period.
+    pub fn set_mount(&mut self, slot: u16, share: Option<MountShare>) {
+        match share {
+            Some(s) => {
+                self.mounts.insert(slot, s);
+            }
+            None => {
+                self.mounts.remove(&slot);
+            }
+        }
+    }
+
+    /// Runs the monitor at `now`: a new period when the current one is over, else a check.
+    pub fn tick(&mut self, region: &Region, now: Duration) {
+        if now >= self.started + self.cfg.period {
+            self.start_period(region, now);
+        } else {
+            self.check(region, now);
+        }
+    }
+
+    fn record(&self, region: &Region) -> PeriodRecord {
+        let mounts = self
+            .granted
+            .iter()
+            .map(|(&c, s)| {
+                let (_, _, from_res) = self.report(region, c, area::REPORT_WORD, s);
+                let (_, demand, used) = self.report(region, c, area::USAGE, s);
+                (
+                    c,
+                    MountPeriod {
+                        reservation: s.reservation,
+                        used,
+                        from_pool: used.saturating_sub(from_res),
+                        demand,
+                    },
+                )
+            })
+            .collect();
+        PeriodRecord {
+            period: self.period,
+            capacity: self.capacity,
+            pool_start: self.pool_start,
+            converted: self.converted,
+            mounts,
+        }
+    }
+
+    fn start_period(&mut self, region: &Region, now: Duration) {
+        if self.period > 0 {
+            let rec = self.record(region);
+            // Estimation needs every mount's count: only periods with reports are measured.
+            if self.reporting {
+                let used: u64 = rec.mounts.values().map(|m| m.used).sum();
+                self.estimator.end_period(used);
+            }
+            self.history.push(rec);
+            if self.history.len() > 64 {
+                self.history.remove(0);
+            }
+        }
+        self.capacity = self.estimator.estimate();
+        self.granted = self.mounts.clone();
+        let reserved = self.reserved();
+        self.pool_start = self.capacity.saturating_sub(reserved);
+        for (&c, s) in &self.granted {
+            self.store(region, area::slot(c) + area::GRANT, s.reservation);
+            self.store(region, area::slot(c) + area::LIMIT, s.limit);
+            self.store(region, area::slot(c) + area::REPORT_WORD, 0);
+            self.store(region, area::slot(c) + area::USAGE, 0);
+        }
+        self.store(
+            region,
+            area::POOL,
+            pack_pool(self.period + 1, self.pool_start as i64),
+        );
+        self.store(region, area::REPORT, 0);
+        self.store(region, area::ELAPSED_US, 0);
+        self.reporting = false;
+        self.converted = 0;
+        self.started = now;
+        self.period += 1;
+        self.store(region, area::PERIOD, self.period);
+    }
+
+    fn check(&mut self, region: &Region, now: Duration) {
+        let elapsed = now - self.started;
+        self.store(region, area::ELAPSED_US, elapsed.as_micros() as u64);
+        let (_, pool) = unpack_pool(self.load(region, area::POOL));
+        if !self.reporting && pool < self.pool_start as i64 {
+            // Global tokens are being used: ask every mount to report.
+            self.reporting = true;
+            self.reporting_since = now;
+            self.store(region, area::REPORT, 1);
+        }
+        if !self.reporting || !self.cfg.conversion {
+            return;
+        }
+        // Conversion: reservation a mount can no longer use goes to the pool. A mount's
+        // outstanding reservation is at most its last report and at most its prorated share
+        // of the time left; what it neither spent nor can still spend has decayed, and is added
+        // to the pool once. So the tokens of a period never exceed its capacity (up to a few δ
+        // of decay in flight). A mount that has not reported yet is either idle (its
+        // reservation decays by the clock) or has not seen the request yet (it may have spent
+        // all of it): wait three check intervals for its first report before taking it for idle.
+        let settled = now >= self.reporting_since + self.cfg.check * 3;
+        let unreported = self.granted.iter().any(|(&c, _)| {
+            let (period, _, _) = unpack_pair(self.load(region, area::slot(c) + area::REPORT_WORD));
+            period != self.period & 0xff
+        });
+        if unreported && !settled {
+            return;
+        }
+        let left = self.cfg.period.saturating_sub(elapsed);
+        let frac = |x: u64| (x as u128 * left.as_nanos() / self.cfg.period.as_nanos()) as u64;
+        let decayed: u64 = self
+            .granted
+            .iter()
+            .map(|(&c, s)| {
+                let (_, residual, spent) = self.report(region, c, area::REPORT_WORD, s);
+                s.reservation
+                    .saturating_sub(residual.min(frac(s.reservation)))
+                    .saturating_sub(spent)
+            })
+            .sum();
+        let add = decayed.saturating_sub(self.converted);
+        if add == 0 {
+            return;
+        }
+        // Engines take tokens concurrently: add with a CAS loop on the token field.
+        let mut w = self.load(region, area::POOL);
+        loop {
+            let (period, tokens) = unpack_pool(w);
+            let found = region
+                .compare_swap(
+                    self.area + area::POOL,
+                    w,
+                    pack_pool(period, tokens + add as i64),
+                )
+                .expect("QoS area in region");
+            if found == w {
+                self.converted += add;
+                return;
+            }
+            w = found;
+        }
+    }
+
+    /// The period in progress.
+    pub fn period(&self) -> u64 {
+        self.period
+    }
+
+    /// Tokens added to the pool by conversion in the current period.
+    pub fn converted(&self) -> u64 {
+        self.converted
+    }
+}
