@@ -31,10 +31,7 @@ enum Kind {
     Paused,
 }
 
-fn run(
-    seed: u64,
-    conversion: bool,
-) -> Result<(Vec<PeriodRecord>, Vec<(Kind, u64, Vec<PeriodUse>)>), String> {
+fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>), String> {
     let mut sim = Sim::new(SimConfig {
         seed,
         region_len: 1 << 20,
@@ -162,7 +159,7 @@ fn run(
         return Err(format!("seed {seed}: {outcome:?}"));
     }
     let history = monitor.borrow().history.clone();
-    let mut per_client: Vec<(Kind, u64, Vec<PeriodUse>)> = kinds
+    let mut per_client: Vec<ClientRun> = kinds
         .iter()
         .zip(&weights)
         .map(|(k, w)| (*k, *w, Vec::new()))
@@ -273,7 +270,7 @@ fn conversion_gives_light_mounts_unused_reservation_to_others() {
     let mut without = 0u64;
     let mut converted = 0u64;
     for seed in 0..20 {
-        let total = |clients: &Vec<(Kind, u64, Vec<PeriodUse>)>| -> u64 {
+        let total = |clients: &Vec<ClientRun>| -> u64 {
             clients
                 .iter()
                 .filter(|(k, _, _)| *k == Kind::Backlogged)
