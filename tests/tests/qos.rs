@@ -31,6 +31,9 @@ enum Kind {
     Paused,
 }
 
+/// One mount of a run: its kind, its reservation, and what its engine did per period.
+type ClientRun = (Kind, u64, Vec<PeriodUse>);
+
 fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>), String> {
     let mut sim = Sim::new(SimConfig {
         seed,
