@@ -82,6 +82,11 @@ pub fn unpack_pair(w: u64) -> (u64, u64, u64) {
     )
 }
 
+/// Tokens one one-sided data operation of `len` bytes costs: one per 4 KiB started.
+pub fn tokens_for(len: u64) -> u64 {
+    len.div_ceil(4096).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,9 +106,4 @@ mod tests {
             prop_assert_eq!(unpack_pool(after), (period, tokens - n as i64));
         }
     }
-}
-
-/// Tokens one one-sided data operation of `len` bytes costs: one per 4 KiB started.
-pub fn tokens_for(len: u64) -> u64 {
-    len.div_ceil(4096).max(1)
 }
