@@ -5,10 +5,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 
 use rackfs_locks::LockConfig;
-use rackfs_memnode::control::ControlResponse;
 use rackfs_memnode::control::{ClusterInfo, ControlClient, NodeAddr};
+use rackfs_memnode::control::{ControlRequest, ControlResponse};
 use rackfs_memnode::meta::MetaRequest;
 use rackfs_memnode::RpcError;
+use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
 
@@ -43,6 +44,13 @@ pub struct Cluster {
     name: String,
     /// This mount's lock client slot on the primary and its calibrated lock configuration.
     lock_client: Mutex<Option<(u16, LockConfig)>>,
+    /// QoS: this mount's slot and its engine per node (`None`: `qos=off`).
+    qos: RwLock<Option<Qos>>,
+}
+
+struct Qos {
+    slot: u16,
+    engines: HashMap<u32, Arc<QosEngine>>,
 }
 
 fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
@@ -100,6 +108,7 @@ impl Cluster {
                 transport,
                 name: name.into(),
                 lock_client: Mutex::new(None),
+                qos: RwLock::new(None),
             });
         }
         Err(ConnectError::Unreachable {
@@ -186,6 +195,78 @@ impl Cluster {
         info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
         *lc = Some((slot, cfg.clone()));
         Ok((slot, cfg))
+    }
+
+    /// Registers this mount's QoS with the primary (admission control may refuse it, with
+    /// the reason); from then on every data operation spends tokens. Returns the mount's slot.
+    pub fn enable_qos(&self, reservation: u64, limit: u64, weight: u32) -> Result<u16, String> {
+        match self.primary.call(&ControlRequest::QosSet {
+            slot: None,
+            reservation,
+            limit,
+            weight,
+        }) {
+            Ok(ControlResponse::QosGranted { slot, .. }) => {
+                *self.qos.write().expect("qos lock") = Some(Qos {
+                    slot,
+                    engines: HashMap::new(),
+                });
+                Ok(slot)
+            }
+            Ok(other) => Err(format!("unexpected QoS reply {other:?}")),
+            Err(e) => Err(format!("QoS: {e}")),
+        }
+    }
+
+    /// Waits until this mount may spend `tokens` on one-sided data operations on `node`
+    /// (immediately without QoS).
+    pub fn admit(&self, node: u32, tokens: u64) -> Result<(), VerbsError> {
+        let engine = {
+            let q = self.qos.read().expect("qos lock");
+            let Some(q) = q.as_ref() else { return Ok(()) };
+            q.engines.get(&node).cloned()
+        };
+        let engine = match engine {
+            Some(e) => e,
+            None => {
+                let n = self.node(node)?;
+                let area = self
+                    .info()
+                    .nodes
+                    .iter()
+                    .find(|a| a.node_id == node)
+                    .map(|a| a.qos_area)
+                    .ok_or_else(|| VerbsError::Connect {
+                        peer: format!("node {node}"),
+                        reason: "not in the cluster".into(),
+                    })?;
+                let mut q = self.qos.write().expect("qos lock");
+                let Some(q) = q.as_mut() else { return Ok(()) };
+                let slot = q.slot;
+                q.engines
+                    .entry(node)
+                    .or_insert_with(|| {
+                        Arc::new(QosEngine::new(
+                            n.qp.clone(),
+                            rackfs_verbs::RemoteAddr::new(n.rkey, area),
+                            slot,
+                            EngineConfig::default(),
+                        ))
+                    })
+                    .clone()
+            }
+        };
+        rackfs_verbs::block_on(engine.admit(tokens))
+    }
+
+    /// This mount's QoS engines by node, for `rackfs status`.
+    pub fn qos_engines(&self) -> Vec<(u32, Arc<QosEngine>)> {
+        self.qos
+            .read()
+            .expect("qos lock")
+            .as_ref()
+            .map(|q| q.engines.iter().map(|(&n, e)| (n, e.clone())).collect())
+            .unwrap_or_default()
     }
 
     /// Forgets a node's connection after it failed, so the next use reconnects.

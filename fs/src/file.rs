@@ -23,6 +23,7 @@ use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};
 use crate::lock::{self, FileLocks};
+use rackfs_qos::area::tokens_for;
 
 /// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
 const MAX_ATTEMPTS: usize = 16;
@@ -233,6 +234,14 @@ impl FileData {
         )))
     }
 
+    /// QoS: waits until this mount may spend the tokens of the data operations per node.
+    fn admit(&self, cl: &Cluster, tokens: &BTreeMap<u32, u64>) -> Result<(), i32> {
+        for (&node, &t) in tokens {
+            cl.admit(node, t).map_err(|e| self.verbs_err(cl, node, e))?;
+        }
+        Ok(())
+    }
+
     /// Posts one batch per node and waits for all; returns completions by node.
     fn run<'a>(
         &self,
@@ -323,6 +332,11 @@ impl FileData {
             } else {
                 None
             };
+            let mut tokens: BTreeMap<u32, u64> = BTreeMap::new();
+            for (i, node, _) in &reads {
+                *tokens.entry(*node).or_default() += tokens_for(ps[*i].len);
+            }
+            self.admit(cl, &tokens)?;
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
             if !stale.is_empty() {
@@ -466,11 +480,13 @@ impl FileData {
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
             let mut tags: Vec<TagCheck> = Vec::new();
             let mut complete = true;
+            let mut tokens: BTreeMap<u32, u64> = BTreeMap::new();
             for p in &ps {
                 let Some((node, at)) = self.stage(cl, p, &mut batches, &mut tags)? else {
                     complete = false; // evicted by a concurrent operation: start over
                     break;
                 };
+                *tokens.entry(node).or_default() += tokens_for(p.len);
                 let bytes = &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
                 batches.get_mut(&node).expect("staged").write(at, bytes);
             }
@@ -486,6 +502,7 @@ impl FileData {
             b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
+            self.admit(cl, &tokens)?;
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
             let seen = match cas {

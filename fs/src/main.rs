@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use rackfs_fs::mount::{mount_command, state_dir};
 use rackfs_fs::options::TransportChoice;
 use rackfs_fs::up::{self, read_state, state_value, UpConfig};
-use rackfs_memnode::control::ControlClient;
+use rackfs_memnode::control::{ControlClient, ControlRequest, ControlResponse};
 use rackfs_memnode::size::{format_size, parse_size};
 use rackfs_verbs::{Opcode, Secret};
 
@@ -59,6 +59,11 @@ enum Cmd {
         #[arg(short = 'f', long)]
         foreground: bool,
     },
+    /// Quality of service of a mount.
+    Qos {
+        #[command(subcommand)]
+        cmd: QosCmd,
+    },
     /// Show mounts, memory nodes, capacity, usage and verb counters.
     Status {
         /// A cluster to query (default: every cluster started by `rackfs up`).
@@ -67,6 +72,18 @@ enum Cmd {
         /// Secret file for --cluster.
         #[arg(long, default_value = rackfs_fs::options::DEFAULT_SECRET_FILE)]
         secret_file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum QosCmd {
+    /// Change a mounted RackFS's reservation, limit or weight while it runs:
+    /// `rackfs qos set /mnt/rackfs reservation=5000,limit=20000`.
+    Set {
+        mountpoint: PathBuf,
+        /// `reservation=IOPS`, `limit=IOPS`, `weight=N`, comma-separated; what is left out
+        /// keeps its current value.
+        settings: String,
     },
 }
 
@@ -129,6 +146,12 @@ fn main() -> ExitCode {
             ];
             mount_command(&source, &dir, &options, foreground, &exe, fwd)
         }
+        Cmd::Qos {
+            cmd: QosCmd::Set {
+                mountpoint,
+                settings,
+            },
+        } => qos_set(&mountpoint, &settings),
         Cmd::Status {
             cluster,
             secret_file,
@@ -217,6 +240,167 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
             format_size(s.lock_trees),
             s.lock_recoveries
         );
+        if let Ok(ControlResponse::QosStatus(q)) = c.call(&ControlRequest::QosStatus) {
+            print_qos(&q);
+        }
     }
     Ok(())
+}
+
+/// The QoS part of `rackfs status`: per mount R, L, weight, achieved IOPS, tokens from
+/// reservation and pool, periods that missed the reservation; per node its capacity.
+fn print_qos(q: &rackfs_memnode::control::QosStatus) {
+    println!("  QoS (IOPS = 4 KiB one-sided operations per second):");
+    for n in &q.nodes {
+        let per_s = |t: u64| t * 1000 / n.period_ms.max(1);
+        println!(
+            "    node {}: capacity estimate {} IOPS ({}), period {} ms",
+            n.node_id,
+            per_s(n.capacity),
+            if n.profiled {
+                "profiled"
+            } else {
+                "not profiled, assumed"
+            },
+            n.period_ms
+        );
+    }
+    println!(
+        "    {:<5} {:>11} {:>11} {:>6} {:>30} {:>12} {:>12} {:>7}",
+        "slot",
+        "reservation",
+        "limit",
+        "weight",
+        "IOPS, last periods",
+        "from res.",
+        "from pool",
+        "missed"
+    );
+    for m in &q.mounts {
+        // Per period (over the nodes' common recent periods): tokens spent and from the pool.
+        let mut per_period: std::collections::BTreeMap<u64, (u64, u64, u64, u64)> =
+            Default::default();
+        let mut period_ms = 1000;
+        for n in &q.nodes {
+            period_ms = n.period_ms.max(1);
+            for p in &n.periods {
+                if let Some(&(_, r, used, pool, asked)) = p.mounts.iter().find(|e| e.0 == m.slot) {
+                    let e = per_period.entry(p.period).or_default();
+                    e.0 += used;
+                    e.1 += pool;
+                    e.2 += r;
+                    e.3 += asked;
+                }
+            }
+        }
+        let last: Vec<String> = per_period
+            .values()
+            .rev()
+            .take(4)
+            .map(|e| (e.0 * 1000 / period_ms).to_string())
+            .collect();
+        let (res, pool): (u64, u64) = per_period
+            .values()
+            .fold((0, 0), |a, e| (a.0 + e.0 - e.1, a.1 + e.1));
+        let missed = per_period
+            .values()
+            .filter(|e| e.0 < e.2 && e.3 >= e.2)
+            .count();
+        let lim = if m.limit == 0 {
+            "-".to_string()
+        } else {
+            m.limit.to_string()
+        };
+        println!(
+            "    {:<5} {:>11} {:>11} {:>6} {:>30} {:>12} {:>12} {:>7}",
+            m.slot,
+            m.reservation,
+            lim,
+            m.weight,
+            last.join(" "),
+            res,
+            pool,
+            missed
+        );
+    }
+}
+
+/// `rackfs qos set`: the mount's slot comes from its state file, the cluster from its source.
+fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), String> {
+    let dir =
+        std::fs::canonicalize(mountpoint).map_err(|e| format!("{}: {e}", mountpoint.display()))?;
+    let (_, source) = rackfs_fs::mount::mount_type(&dir)
+        .filter(|(fstype, _)| rackfs_fs::mount::is_rackfs_mount(&dir) || fstype.contains("rackfs"))
+        .ok_or(format!("{} is not a RackFS mount", dir.display()))?;
+    let state = state_dir().join(format!("qos-{}", rackfs_fs::mount::path_tag(&dir)));
+    let text = std::fs::read_to_string(&state)
+        .map_err(|e| format!("{}: {e} (was it mounted with qos=off?)", state.display()))?;
+    let mut words = text.split_whitespace();
+    let slot: u16 = words
+        .next()
+        .and_then(|w| w.parse().ok())
+        .ok_or(format!("{}: no slot", state.display()))?;
+    let secret_file = words
+        .next()
+        .ok_or(format!("{}: no secret file", state.display()))?;
+    let secret = Secret::from_file(std::path::Path::new(secret_file))?;
+    let addr = source
+        .trim_start_matches("rackfs:")
+        .split(',')
+        .next()
+        .unwrap_or("")
+        .to_string();
+    let c = ControlClient::connect(&addr, &secret, "rackfs-qos").map_err(|e| e.to_string())?;
+    let current = match c.call(&ControlRequest::QosStatus) {
+        Ok(ControlResponse::QosStatus(q)) => q.mounts.into_iter().find(|m| m.slot == slot),
+        other => return Err(format!("QoS status: {other:?}")),
+    }
+    .ok_or(format!(
+        "the cluster has no QoS for slot {slot} (is the mount still alive?)"
+    ))?;
+    let (mut reservation, mut limit, mut weight) =
+        (current.reservation, current.limit, current.weight);
+    for item in settings.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (k, v) = item
+            .split_once('=')
+            .ok_or(format!("{item:?}: expected key=value"))?;
+        let iops = || rackfs_fs::options::parse_iops(v).ok_or(format!("{k}={v}: expected IOPS"));
+        match k {
+            "reservation" => reservation = iops()?,
+            "limit" => limit = iops()?,
+            "weight" => {
+                weight = v
+                    .parse()
+                    .ok()
+                    .filter(|w| (1..=10_000).contains(w))
+                    .ok_or(format!("weight={v}: expected a number from 1 to 10000"))?
+            }
+            _ => {
+                return Err(format!(
+                    "unknown QoS setting {k:?} (reservation, limit, weight)"
+                ))
+            }
+        }
+    }
+    match c.call(&ControlRequest::QosSet {
+        slot: Some(slot),
+        reservation,
+        limit,
+        weight,
+    }) {
+        Ok(ControlResponse::QosGranted { .. }) => {
+            println!(
+                "{}: reservation {reservation} IOPS, limit {}, weight {weight}",
+                dir.display(),
+                if limit == 0 {
+                    "none".to_string()
+                } else {
+                    format!("{limit} IOPS")
+                }
+            );
+            Ok(())
+        }
+        Ok(other) => Err(format!("unexpected reply {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
 }

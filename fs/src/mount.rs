@@ -94,6 +94,17 @@ pub fn prepare(
     let name = format!("mount:{}", dir.display());
     let cluster =
         Cluster::connect(&addrs, secret, opts.transport, &name).map_err(|e| e.to_string())?;
+    if opts.qos {
+        let slot = cluster.enable_qos(opts.reservation, opts.limit, opts.weight)?;
+        // `rackfs qos set` finds the mount's slot here.
+        let state = state_dir();
+        if std::fs::create_dir_all(&state).is_ok() {
+            let _ = std::fs::write(
+                state.join(format!("qos-{}", path_tag(&dir))),
+                format!("{slot} {}\n", opts.secret_file.display()),
+            );
+        }
+    }
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(format!("rackfs:{source}")),

@@ -41,6 +41,15 @@ pub struct MountOptions {
     /// Writes and truncates take Citron range locks (`locks=off`: only for a single writer
     /// per file, or to measure what locking costs).
     pub locks: bool,
+    /// Haechi QoS: every data operation spends tokens (`qos=off`: unaccounted, for
+    /// measuring QoS's own cost).
+    pub qos: bool,
+    /// Reserved IOPS (4 KiB one-sided operations per second; 0: none).
+    pub reservation: u64,
+    /// IOPS limit (0: none).
+    pub limit: u64,
+    /// Share of spare capacity relative to other mounts.
+    pub weight: u32,
     /// Options accepted for compatibility with mount(8)/fstab and ignored.
     pub ignored: Vec<String>,
 }
@@ -59,6 +68,10 @@ impl Default for MountOptions {
             read_only: false,
             attr_timeout: Duration::from_secs(1),
             locks: true,
+            qos: true,
+            reservation: 0,
+            limit: 0,
+            weight: 1,
             ignored: Vec::new(),
         }
     }
@@ -88,7 +101,33 @@ const IGNORED: &[&str] = &[
     "async",
 ];
 
+/// IOPS as a whole number with an optional `k` (1000) or `M` (10^6) suffix.
+pub fn parse_iops(v: &str) -> Option<u64> {
+    let (num, mult) = match v.strip_suffix(['k', 'K']) {
+        Some(n) => (n, 1_000),
+        None => match v.strip_suffix('M') {
+            Some(n) => (n, 1_000_000),
+            None => (v, 1),
+        },
+    };
+    num.parse::<u64>().ok()?.checked_mul(mult)
+}
+
 impl MountOptions {
+    /// Limits must leave room for the reservation.
+    pub fn check_qos(&self) -> Result<(), String> {
+        if self.limit > 0 && self.limit < self.reservation {
+            return Err(format!(
+                "limit={} is below reservation={}: a limit must be at least the reservation",
+                self.limit, self.reservation
+            ));
+        }
+        if !self.qos && (self.reservation > 0 || self.limit > 0) {
+            return Err("reservation= and limit= need qos=on".into());
+        }
+        Ok(())
+    }
+
     /// Parses a comma-separated option string (`-o` syntax). Repeated options: the last wins.
     pub fn parse(s: &str) -> Result<MountOptions, String> {
         let mut o = MountOptions::default();
@@ -155,14 +194,36 @@ impl MountOptions {
                 "allow_other" if value.is_none() => o.allow_other = true,
                 "ro" if value.is_none() => o.read_only = true,
                 k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
-                "reservation" | "limit" | "weight" => {
-                    return Err(format!(
-                        "mount option {key}: QoS is not available in this version of RackFS"
-                    ));
+                "qos" => {
+                    o.qos = match need(key, value)? {
+                        "on" => true,
+                        "off" => false,
+                        v => return Err(format!("qos={v}: expected on or off")),
+                    }
+                }
+                "reservation" | "limit" => {
+                    let v = need(key, value)?;
+                    let n = parse_iops(v).ok_or(format!(
+                        "{key}={v}: expected IOPS, a whole number with an optional k or M suffix"
+                    ))?;
+                    if key == "reservation" {
+                        o.reservation = n;
+                    } else {
+                        o.limit = n;
+                    }
+                }
+                "weight" => {
+                    let v = need(key, value)?;
+                    o.weight = v
+                        .parse()
+                        .ok()
+                        .filter(|w| (1..=10_000).contains(w))
+                        .ok_or(format!("weight={v}: expected a number from 1 to 10000"))?;
                 }
                 _ => return Err(format!("unknown mount option {item:?}")),
             }
         }
+        o.check_qos()?;
         Ok(o)
     }
 }
@@ -192,6 +253,10 @@ mod tests {
             ("secret_file=", "needs a value"),
             ("attr_timeout=-1", "seconds"),
             ("locks=maybe", "expected on or off"),
+            ("reservation=lots", "expected IOPS"),
+            ("limit=-5", "expected IOPS"),
+            ("weight=0", "from 1 to 10000"),
+            ("qos=sometimes", "expected on or off"),
             ("cache=always", "none or writeback"),
             ("reservation=100", "QoS is not available"),
             ("ro=1", "unknown mount option"),

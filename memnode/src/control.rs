@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::meta::{Attr, DirEntry, MetaRequest, StripeExtent};
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 10] = [
+pub const RPC_KINDS: [&str; 13] = [
     "ping",
     "stats",
     "alloc",
@@ -30,6 +30,9 @@ pub const RPC_KINDS: [&str; 10] = [
     "meta",
     "range_lock",
     "range_unlock",
+    "qos_shares",
+    "qos_set",
+    "qos_status",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,6 +77,23 @@ pub enum ControlRequest {
         l: u64,
         r: u64,
     },
+    /// The primary's QoS controller to a node: the mounts' shares of this node from the next
+    /// period on (slot, reservation, limit in tokens per period). Answered with the node's
+    /// QoS status.
+    QosShares {
+        shares: Vec<(u16, u64, u64)>,
+    },
+    /// Set a mount's QoS (primary only): `slot` of another mount's session (`rackfs qos set`),
+    /// or `None` for the caller's own. IOPS = tokens per second; limit 0 = none. Admission
+    /// control may refuse it.
+    QosSet {
+        slot: Option<u16>,
+        reservation: u64,
+        limit: u64,
+        weight: u32,
+    },
+    /// Every mount's QoS and every node's periods (primary only).
+    QosStatus,
 }
 
 impl ControlRequest {
@@ -89,6 +109,9 @@ impl ControlRequest {
             ControlRequest::Meta(_) => 7,
             ControlRequest::RangeLock { .. } => 8,
             ControlRequest::RangeUnlock { .. } => 9,
+            ControlRequest::QosShares { .. } => 10,
+            ControlRequest::QosSet { .. } => 11,
+            ControlRequest::QosStatus => 12,
         }
     }
 }
@@ -103,6 +126,8 @@ pub struct NodeAddr {
     /// Path of its Unix socket (usable only on the same host).
     pub shm: Option<String>,
     pub capacity: u64,
+    /// Offset of the node's QoS area in its data region.
+    pub qos_area: u64,
 }
 
 /// The cluster as a node knows it.
@@ -130,6 +155,8 @@ pub enum ErrorCode {
     NotPrimary,
     Unavailable,
     Internal,
+    /// Admission control refused a QoS request.
+    Refused,
 }
 
 impl ErrorCode {
@@ -146,6 +173,7 @@ impl ErrorCode {
             ErrorCode::NameTooLong => libc::ENAMETOOLONG,
             ErrorCode::TooBig => libc::EFBIG,
             ErrorCode::Permission => libc::EPERM,
+            ErrorCode::Refused => libc::EDQUOT,
             ErrorCode::NotPrimary | ErrorCode::Unavailable | ErrorCode::Internal => libc::EIO,
         }
     }
@@ -179,6 +207,50 @@ pub struct NodeStats {
     pub protocol_errors: u64,
 }
 
+/// One finished QoS period of one node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosPeriod {
+    pub period: u64,
+    /// Tokens the period had (the capacity estimate).
+    pub capacity: u64,
+    pub pool_start: u64,
+    pub converted: u64,
+    /// Per mount: slot, reservation share, tokens spent, of them from the pool, tokens asked.
+    pub mounts: Vec<(u16, u64, u64, u64, u64)>,
+}
+
+/// A node's QoS state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosNodeStatus {
+    pub node_id: u32,
+    pub period_ms: u64,
+    /// Capacity estimate, tokens per period.
+    pub capacity: u64,
+    /// Whether the capacity was profiled (`--qos-capacity`) or assumed.
+    pub profiled: bool,
+    /// The most one mount can do, IOPS (admission's local constraint).
+    pub client_iops: u64,
+    /// The last periods, oldest first.
+    pub periods: Vec<QosPeriod>,
+}
+
+/// A mount's QoS as the primary admitted it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosMount {
+    pub slot: u16,
+    pub reservation: u64,
+    pub limit: u64,
+    pub weight: u32,
+    /// Its reservation share per node (tokens per period), as pShift placed it.
+    pub shares: Vec<(u32, u64)>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosStatus {
+    pub mounts: Vec<QosMount>,
+    pub nodes: Vec<QosNodeStatus>,
+}
+
 /// Filesystem-wide capacity, for `statfs`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsStat {
@@ -209,6 +281,14 @@ pub enum ControlResponse {
     FsStat(FsStat),
     LockSlot(u16),
     LockTree(u64),
+    QosNode(QosNodeStatus),
+    /// The mount's slot and its admitted QoS.
+    QosGranted {
+        slot: u16,
+        reservation: u64,
+        limit: u64,
+    },
+    QosStatus(QosStatus),
     Error {
         code: ErrorCode,
         message: String,

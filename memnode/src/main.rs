@@ -45,6 +45,20 @@ struct Args {
     /// Milliseconds freed file data is held back before reuse (protects stale readers).
     #[arg(long, default_value_t = 2000)]
     quarantine_ms: u64,
+    /// QoS period in milliseconds: reservations and limits hold per period.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    qos_period_ms: u64,
+    /// This node's profiled capacity in IOPS (4 KiB one-sided operations per second), the
+    /// starting point of its capacity estimate; without it 1M IOPS is assumed.
+    #[arg(long, value_name = "IOPS")]
+    qos_capacity: Option<u64>,
+    /// The most IOPS one mount can reach on this node (admission's local constraint);
+    /// default: the node's capacity.
+    #[arg(long, value_name = "IOPS")]
+    qos_client_capacity: Option<u64>,
+    /// Turn token conversion off (experiments only).
+    #[arg(long)]
+    qos_no_conversion: bool,
 }
 
 fn main() -> ExitCode {
@@ -82,6 +96,13 @@ fn run(args: Args) -> Result<(), String> {
             (false, None) => Role::Standalone,
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
+        qos: rackfs_memnode::qos::QosConfig {
+            period: std::time::Duration::from_millis(args.qos_period_ms),
+            check: std::time::Duration::from_millis(1),
+            capacity_iops: args.qos_capacity,
+            client_iops: args.qos_client_capacity,
+            conversion: !args.qos_no_conversion,
+        },
     })
     .map_err(|e| e.to_string())?;
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.

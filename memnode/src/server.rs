@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use crate::alloc::{AllocError, ExtentAllocator};
 use crate::control::{
     ClusterInfo, ControlClient, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeAddr,
-    NodeStats, RPC_KINDS,
+    NodeStats, QosNodeStatus, RPC_KINDS,
 };
 use crate::meta::{Namespace, Storage};
 
@@ -55,6 +55,7 @@ pub struct NodeConfig {
     pub role: Role,
     /// How long freed file stripes are held back before their memory is reused.
     pub quarantine: Duration,
+    pub qos: crate::qos::QosConfig,
 }
 
 /// A node's place in the cluster.
@@ -123,6 +124,9 @@ struct Shared {
     /// The CPU-based range-lock table (a benchmark baseline).
     range_locks: Mutex<RangeTable>,
     range_freed: Condvar,
+    qos: crate::qos::NodeQos,
+    /// The cluster's QoS controller (primary only).
+    cluster_qos: Option<Mutex<crate::qos::ClusterQos>>,
 }
 
 /// A running memory node.
@@ -183,17 +187,25 @@ impl MemNode {
             None => None,
         };
         let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+        let mut allocator = ExtentAllocator::new(&cfg.name, 0, len);
+        let qos_area = allocator
+            .alloc(rackfs_qos::area::AREA_LEN, 64)
+            .expect("a fresh region has room for the QoS area");
+        let qos = crate::qos::NodeQos::new(cfg.qos.clone(), &table.regions()[0], qos_area);
         let me = NodeAddr {
             node_id: cfg.node_id,
             name: cfg.name.clone(),
             tcp: tcp_addr.map(|a| a.to_string()),
             shm: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
             capacity: len,
+            qos_area,
         };
         let is_primary = cfg.role == Role::Primary;
         let namespace = is_primary.then(|| Mutex::new(Namespace::new(cfg.quarantine)));
         let shared = Arc::new(Shared {
-            allocator: Mutex::new(ExtentAllocator::new(&cfg.name, 0, len)),
+            allocator: Mutex::new(allocator),
+            cluster_qos: is_primary.then(|| Mutex::new(crate::qos::ClusterQos::default())),
+            qos,
             cfg,
             table,
             welcome,
@@ -221,6 +233,30 @@ impl MemNode {
                 .name("quarantine".into())
                 .spawn(move || reap_quarantine(s))
                 .expect("spawn quarantine thread");
+        }
+        {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("qos-monitor".into())
+                .spawn(move || {
+                    while !s.stopping.load(Ordering::SeqCst) {
+                        std::thread::sleep(s.qos.cfg.check);
+                        s.qos.tick(s.data_region());
+                    }
+                })
+                .expect("spawn QoS monitor thread");
+        }
+        if shared.cluster_qos.is_some() {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("qos-controller".into())
+                .spawn(move || {
+                    while !s.stopping.load(Ordering::SeqCst) {
+                        std::thread::sleep(s.qos.cfg.period);
+                        s.place_qos();
+                    }
+                })
+                .expect("spawn QoS controller thread");
         }
         if shared.namespace.is_some() {
             let s = shared.clone();
@@ -436,6 +472,32 @@ impl Shared {
                     ),
                 }
             }
+            ControlRequest::QosShares { shares } => {
+                self.qos.set_shares(&shares);
+                ControlResponse::QosNode(self.qos.status(self.cfg.node_id))
+            }
+            ControlRequest::QosSet {
+                slot,
+                reservation,
+                limit,
+                weight,
+            } => match self.qos_set(session, slot, reservation, limit, weight) {
+                Ok(r) => r,
+                Err((code, message)) => ControlResponse::Error { code, message },
+            },
+            ControlRequest::QosStatus => match &self.cluster_qos {
+                Some(c) => {
+                    let mounts = c.lock().expect("cluster qos").report();
+                    ControlResponse::QosStatus(crate::control::QosStatus {
+                        mounts,
+                        nodes: self.qos_nodes(None),
+                    })
+                }
+                None => ControlResponse::error(
+                    ErrorCode::NotPrimary,
+                    "QoS status is kept by the primary",
+                ),
+            },
             ControlRequest::Meta(m) => match &self.namespace {
                 Some(ns) => ns.lock().expect("namespace lock").handle(session, m, self),
                 None => ControlResponse::error(
@@ -573,6 +635,107 @@ impl Shared {
             },
         );
         ControlResponse::Cluster(self.cluster_info().expect("the primary knows itself"))
+    }
+
+    /// Every node's QoS status; with `shares`, each node first gets its new shares.
+    fn qos_nodes(&self, shares: Option<&crate::qos::Placement>) -> Vec<QosNodeStatus> {
+        let me = self.cfg.node_id;
+        let mut out = Vec::new();
+        if let Some(s) = shares.and_then(|s| s.get(&me)) {
+            self.qos.set_shares(s);
+        }
+        out.push(self.qos.status(me));
+        let peers: Vec<(u32, Arc<ControlClient>)> = self
+            .peers
+            .lock()
+            .expect("peers lock")
+            .iter()
+            .filter_map(|(&id, p)| p.control.clone().map(|c| (id, c)))
+            .collect();
+        for (id, c) in peers {
+            let req = match shares {
+                Some(s) => ControlRequest::QosShares {
+                    shares: s.get(&id).cloned().unwrap_or_default(),
+                },
+                // Keep the node's shares: send what the controller last placed there.
+                None => ControlRequest::QosShares {
+                    shares: self.current_shares(id),
+                },
+            };
+            match c.call(&req) {
+                Ok(ControlResponse::QosNode(st)) => out.push(st),
+                other => warn!(node = id, reply = ?other, "no QoS status from a node"),
+            }
+        }
+        out
+    }
+
+    /// The shares the controller last placed on `node`.
+    fn current_shares(&self, node: u32) -> Vec<(u16, u64, u64)> {
+        self.cluster_qos.as_ref().map_or_else(Vec::new, |c| {
+            let c = c.lock().expect("cluster qos");
+            c.placed.get(&node).cloned().unwrap_or_default()
+        })
+    }
+
+    /// The controller's round: every node's status, pShift placement, new shares pushed.
+    fn place_qos(&self) {
+        let Some(c) = &self.cluster_qos else { return };
+        let nodes = self.qos_nodes(None);
+        let shares = c.lock().expect("cluster qos").place(&nodes);
+        self.qos_nodes(Some(&shares));
+    }
+
+    fn qos_set(
+        &self,
+        session: u64,
+        slot: Option<u16>,
+        reservation: u64,
+        limit: u64,
+        weight: u32,
+    ) -> Result<ControlResponse, (ErrorCode, String)> {
+        let (Some(c), Some(ns)) = (&self.cluster_qos, &self.namespace) else {
+            return Err((ErrorCode::NotPrimary, "QoS is set on the primary".into()));
+        };
+        let (slot, session) = match slot {
+            Some(s) => {
+                let owner = c
+                    .lock()
+                    .expect("cluster qos")
+                    .mounts
+                    .get(&s)
+                    .map(|m| m.session);
+                match owner {
+                    Some(o) => (s, o),
+                    None => {
+                        return Err((ErrorCode::NotFound, format!("no mount has QoS slot {s}")))
+                    }
+                }
+            }
+            None => (
+                ns.lock().expect("namespace lock").locks.attach(session)?,
+                session,
+            ),
+        };
+        let nodes = self.qos_nodes(None);
+        let q = crate::qos::MountQos {
+            session,
+            reservation,
+            limit,
+            weight,
+        };
+        let shares = {
+            let mut c = c.lock().expect("cluster qos");
+            c.admit(slot, q, &nodes)?;
+            c.place(&nodes)
+        };
+        self.qos_nodes(Some(&shares));
+        info!(slot, reservation, limit, weight, "QoS admitted");
+        Ok(ControlResponse::QosGranted {
+            slot,
+            reservation,
+            limit,
+        })
     }
 
     fn peer(&self, node: u32) -> Result<Arc<ControlClient>, (ErrorCode, String)> {
@@ -957,6 +1120,11 @@ fn serve_control(r: impl Read, w: impl Write, shared: &Shared) -> Result<(), Wir
     }
     for v in shared.range_locks.lock().expect("range locks").values_mut() {
         v.retain(|e| e.2 != session);
+    }
+    if let Some(c) = &shared.cluster_qos {
+        if c.lock().expect("cluster qos").end_session(session) {
+            shared.place_qos();
+        }
     }
     shared.range_freed.notify_all();
     result

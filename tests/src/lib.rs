@@ -327,6 +327,11 @@ pub struct TestCluster {
 impl TestCluster {
     /// `n` nodes of `region` each; freed file data is quarantined for 200 ms.
     pub fn start(n: usize, region: &str) -> TestCluster {
+        Self::start_with(n, region, &[])
+    }
+
+    /// [`TestCluster::start`] with more `rackfs-memnode` flags for every node.
+    pub fn start_with(n: usize, region: &str, extra: &[&str]) -> TestCluster {
         let secret = Secret::generate();
         let dir = TempDir::new("cluster");
         let secret_file = dir.path().join("secret");
@@ -336,14 +341,18 @@ impl TestCluster {
             region,
             secret.clone(),
             &[
-                "--primary",
-                "--node-id",
-                "0",
-                "--name",
-                "mn0",
-                "--quarantine-ms",
-                "200",
-            ],
+                &[
+                    "--primary",
+                    "--node-id",
+                    "0",
+                    "--name",
+                    "mn0",
+                    "--quarantine-ms",
+                    "200",
+                ],
+                extra,
+            ]
+            .concat(),
         );
         let primary = first.tcp.clone();
         nodes.push(Some(first));
@@ -354,15 +363,19 @@ impl TestCluster {
                 region,
                 secret.clone(),
                 &[
-                    "--join",
-                    &primary,
-                    "--node-id",
-                    &id,
-                    "--name",
-                    &name,
-                    "--quarantine-ms",
-                    "200",
-                ],
+                    &[
+                        "--join",
+                        primary.as_str(),
+                        "--node-id",
+                        &id,
+                        "--name",
+                        &name,
+                        "--quarantine-ms",
+                        "200",
+                    ],
+                    extra,
+                ]
+                .concat(),
             )));
         }
         TestCluster {

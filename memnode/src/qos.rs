@@ -1,0 +1,303 @@
+//! QoS on the memory nodes: every node runs a Haechi monitor on its own QoS area
+//! ([`NodeQos`]); the primary also runs the cluster's controller ([`ClusterQos`]): admission
+//! control of mounts' reservations and limits (IOPS), and each period the pShift placement of
+//! every mount's reservation over the nodes by its demand on each, pushed to the nodes.
+//!
+//! Units: mount options and admission are in IOPS (tokens per second); monitors and engines
+//! count tokens per period (`IOPS * period`).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rackfs_qos::monitor::PeriodRecord;
+use rackfs_qos::pshift::{self, Problem};
+use rackfs_qos::{CapacityEstimator, MonitorConfig, MountShare, QosMonitor};
+use rackfs_verbs::Region;
+
+use crate::control::{ErrorCode, QosMount, QosNodeStatus, QosPeriod};
+
+/// A node's QoS settings.
+#[derive(Debug, Clone)]
+pub struct QosConfig {
+    pub period: Duration,
+    pub check: Duration,
+    /// The node's profiled capacity in IOPS (`None`: not profiled; [`ASSUMED_IOPS`] is used).
+    pub capacity_iops: Option<u64>,
+    /// The most one mount can do, IOPS (`None`: the node's capacity).
+    pub client_iops: Option<u64>,
+    /// Token conversion (off only for experiments).
+    pub conversion: bool,
+}
+
+/// Capacity assumed for a node that was not profiled.
+pub const ASSUMED_IOPS: u64 = 1_000_000;
+
+impl Default for QosConfig {
+    fn default() -> Self {
+        QosConfig {
+            period: Duration::from_secs(1),
+            check: Duration::from_millis(1),
+            capacity_iops: None,
+            client_iops: None,
+            conversion: true,
+        }
+    }
+}
+
+fn per_period(iops: u64, period: Duration) -> u64 {
+    (iops as u128 * period.as_micros() / 1_000_000) as u64
+}
+
+/// One node's monitor and where its area is.
+pub struct NodeQos {
+    pub cfg: QosConfig,
+    pub area: u64,
+    started: Instant,
+    monitor: Mutex<QosMonitor>,
+}
+
+impl NodeQos {
+    pub fn new(cfg: QosConfig, region: &Region, area: u64) -> NodeQos {
+        let capacity = per_period(cfg.capacity_iops.unwrap_or(ASSUMED_IOPS), cfg.period);
+        // History of 8 periods, growth step 1% of capacity, lower bound 3 sigma = 30%.
+        let estimator = CapacityEstimator::new(capacity, capacity / 10, capacity / 100, 8);
+        let monitor = QosMonitor::new(
+            region,
+            area,
+            MonitorConfig {
+                period: cfg.period,
+                check: cfg.check,
+                conversion: cfg.conversion,
+            },
+            estimator,
+            Duration::ZERO,
+        );
+        NodeQos {
+            cfg,
+            area,
+            started: Instant::now(),
+            monitor: Mutex::new(monitor),
+        }
+    }
+
+    /// One monitor pass (call every check interval).
+    pub fn tick(&self, region: &Region) {
+        self.monitor
+            .lock()
+            .expect("qos monitor")
+            .tick(region, self.started.elapsed());
+    }
+
+    /// Replaces the mounts' shares (from the next period on).
+    pub fn set_shares(&self, shares: &[(u16, u64, u64)]) {
+        let mut m = self.monitor.lock().expect("qos monitor");
+        let slots: Vec<u16> = m.mounts().keys().copied().collect();
+        for s in slots {
+            m.set_mount(s, None);
+        }
+        for &(slot, reservation, limit) in shares {
+            m.set_mount(slot, Some(MountShare { reservation, limit }));
+        }
+    }
+
+    pub fn status(&self, node_id: u32) -> QosNodeStatus {
+        let m = self.monitor.lock().expect("qos monitor");
+        let convert = |r: &PeriodRecord| QosPeriod {
+            period: r.period,
+            capacity: r.capacity,
+            pool_start: r.pool_start,
+            converted: r.converted,
+            mounts: r
+                .mounts
+                .iter()
+                .map(|(&c, u)| (c, u.reservation, u.used, u.from_pool, u.demand))
+                .collect(),
+        };
+        QosNodeStatus {
+            node_id,
+            period_ms: self.cfg.period.as_millis() as u64,
+            capacity: m.capacity(),
+            profiled: self.cfg.capacity_iops.is_some(),
+            client_iops: self
+                .cfg
+                .client_iops
+                .unwrap_or(self.cfg.capacity_iops.unwrap_or(ASSUMED_IOPS)),
+            periods: m.history.iter().rev().take(16).rev().map(convert).collect(),
+        }
+    }
+}
+
+/// Shares placed on each node: per node, (slot, reservation, limit) in tokens per period.
+pub type Placement = BTreeMap<u32, Vec<(u16, u64, u64)>>;
+
+/// A mount's admitted QoS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MountQos {
+    pub session: u64,
+    pub reservation: u64,
+    pub limit: u64,
+    pub weight: u32,
+}
+
+/// The primary's QoS controller (see the module docs).
+#[derive(Default)]
+pub struct ClusterQos {
+    pub mounts: BTreeMap<u16, MountQos>,
+    /// The last placement.
+    pub placed: Placement,
+}
+
+impl ClusterQos {
+    /// Admission control for `slot` asking `reservation` and `limit` IOPS, given the nodes'
+    /// capacities and the largest rate one mount can reach (both IOPS).
+    pub fn admit(
+        &mut self,
+        slot: u16,
+        q: MountQos,
+        nodes: &[QosNodeStatus],
+    ) -> Result<(), (ErrorCode, String)> {
+        if q.limit > 0 && q.limit < q.reservation {
+            return Err((
+                ErrorCode::Invalid,
+                format!(
+                    "limit {} IOPS is below reservation {} IOPS",
+                    q.limit, q.reservation
+                ),
+            ));
+        }
+        if q.weight == 0 {
+            return Err((ErrorCode::Invalid, "weight must be at least 1".into()));
+        }
+        let iops = |n: &QosNodeStatus| n.capacity * 1000 / n.period_ms.max(1);
+        let capacity: u64 = nodes.iter().map(iops).sum();
+        let others: u64 = self
+            .mounts
+            .iter()
+            .filter(|(&s, _)| s != slot)
+            .map(|(_, m)| m.reservation)
+            .sum();
+        if others + q.reservation > capacity {
+            return Err((
+                ErrorCode::Refused,
+                format!(
+                    "reservation {} IOPS refused by the aggregate constraint: the cluster's \
+                     capacity is {capacity} IOPS and {others} IOPS are reserved by other \
+                     mounts, so at most {} IOPS can be reserved now",
+                    q.reservation,
+                    capacity.saturating_sub(others)
+                ),
+            ));
+        }
+        // Local constraint: one mount reaches each node at most at client_iops.
+        let local: u64 = nodes.iter().map(|n| n.client_iops.min(iops(n))).sum();
+        if q.reservation > local {
+            return Err((
+                ErrorCode::Refused,
+                format!(
+                    "reservation {} IOPS refused by the local constraint: one mount can do at \
+                     most {local} IOPS over the {} memory node(s), {} IOPS short",
+                    q.reservation,
+                    nodes.len(),
+                    q.reservation - local
+                ),
+            ));
+        }
+        self.mounts.insert(slot, q);
+        Ok(())
+    }
+
+    /// Forgets the mount of an ended session.
+    pub fn end_session(&mut self, session: u64) -> bool {
+        let before = self.mounts.len();
+        self.mounts.retain(|_, m| m.session != session);
+        before != self.mounts.len()
+    }
+
+    /// Places every mount's reservation and limit over `nodes` by its demand in their last
+    /// period (pShift); mounts with no recent demand are split evenly. Returns each node's
+    /// shares: (slot, reservation, limit) in tokens per period.
+    pub fn place(&mut self, nodes: &[QosNodeStatus]) -> Placement {
+        let slots: Vec<u16> = self.mounts.keys().copied().collect();
+        let n = nodes.len().max(1) as u64;
+        let demand: Vec<Vec<u64>> = slots
+            .iter()
+            .map(|s| {
+                nodes
+                    .iter()
+                    .map(|node| {
+                        node.periods.last().map_or(0, |p| {
+                            p.mounts.iter().find(|m| m.0 == *s).map_or(0, |m| m.4)
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        let period = |node: &QosNodeStatus| Duration::from_millis(node.period_ms);
+        let reservation: Vec<u64> = slots
+            .iter()
+            .map(|s| per_period(self.mounts[s].reservation, period(&nodes[0])))
+            .collect();
+        // A mount without demand anywhere gets an even split (as demand) so it keeps its
+        // reservation everywhere until it shows where it works.
+        let demand: Vec<Vec<u64>> = demand
+            .into_iter()
+            .zip(&reservation)
+            .map(|(d, &r)| {
+                let total: u64 = d.iter().sum();
+                if total < r {
+                    d.iter().map(|&x| x + r.div_ceil(n)).collect()
+                } else {
+                    d
+                }
+            })
+            .collect();
+        let problem = Problem {
+            reservation: reservation.clone(),
+            demand: demand.clone(),
+            capacity: nodes.iter().map(|n| n.capacity).collect(),
+        };
+        let alloc = pshift::allocate(&problem, pshift::Options::default());
+        let mut out = Placement::new();
+        for (i, s) in slots.iter().enumerate() {
+            let m = self.mounts[s];
+            let d_total: u64 = demand[i].iter().sum::<u64>().max(1);
+            for (j, node) in nodes.iter().enumerate() {
+                // The limit follows demand (a node where the mount does not work needs none).
+                let limit = if m.limit == 0 {
+                    0
+                } else {
+                    (per_period(m.limit, period(node)) as u128 * demand[i][j] as u128
+                        / d_total as u128) as u64
+                }
+                .max(if m.limit == 0 { 0 } else { alloc[i][j].max(1) });
+                out.entry(node.node_id)
+                    .or_default()
+                    .push((*s, alloc[i][j], limit));
+            }
+        }
+        for node in nodes {
+            out.entry(node.node_id).or_default();
+        }
+        self.placed = out.clone();
+        out
+    }
+
+    /// The admitted mounts with their current placement.
+    pub fn report(&self) -> Vec<QosMount> {
+        self.mounts
+            .iter()
+            .map(|(&slot, m)| QosMount {
+                slot,
+                reservation: m.reservation,
+                limit: m.limit,
+                weight: m.weight,
+                shares: self
+                    .placed
+                    .iter()
+                    .filter_map(|(&node, v)| v.iter().find(|e| e.0 == slot).map(|e| (node, e.1)))
+                    .collect(),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,121 @@
+//! QoS through real mounts: admission control at mount and at `rackfs qos set`, limits that
+//! hold, and what `rackfs status` shows. (The token accounting itself is proven in `qos.rs`.)
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rackfs_tests::{bin_path, Mount, TestCluster};
+
+/// Nodes of 10k IOPS each (as if profiled), one mount reaching at most 4k IOPS per node, 200 ms
+/// QoS periods.
+fn cluster(n: usize) -> TestCluster {
+    TestCluster::start_with(
+        n,
+        "64M",
+        &[
+            "--qos-capacity",
+            "10000",
+            "--qos-client-capacity",
+            "4000",
+            "--qos-period-ms",
+            "200",
+        ],
+    )
+}
+
+fn rackfs(args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("rackfs"))
+        .args(args)
+        .output()
+        .expect("run rackfs")
+}
+
+#[test]
+fn admission_control_refuses_with_the_failed_constraint_and_what_is_left() {
+    let c = cluster(2);
+    // 20k IOPS in all; one mount reaches at most 2 x 4k.
+    let a = Mount::new(&c, "reservation=8000");
+    let err = Mount::try_new(&c.addr(), &c.secret_file, "reservation=9000,limit=9500")
+        .err()
+        .expect("over the local constraint");
+    assert!(
+        err.contains("local constraint") && err.contains("1000 IOPS short"),
+        "{err}"
+    );
+    let _b = Mount::new(&c, "reservation=7000");
+    let err = Mount::try_new(&c.addr(), &c.secret_file, "reservation=6000")
+        .err()
+        .expect("over the aggregate constraint");
+    assert!(
+        err.contains("aggregate constraint")
+            && err.contains("15000 IOPS are reserved")
+            && err.contains("at most 5000"),
+        "{err}"
+    );
+    let err = Mount::try_new(&c.addr(), &c.secret_file, "reservation=100,limit=50")
+        .err()
+        .expect("limit below reservation");
+    assert!(err.contains("below reservation"), "{err}");
+    // qos set: refused the same way, and nothing changes.
+    let out = rackfs(&["qos", "set", a.dir.to_str().unwrap(), "reservation=9000"]);
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && msg.contains("local constraint"),
+        "{msg}"
+    );
+    let out = rackfs(&["qos", "set", a.dir.to_str().unwrap(), "reservation=5000"]);
+    assert!(out.status.success(), "{out:?}");
+    let out = rackfs(&["qos", "set", a.dir.to_str().unwrap(), "bandwidth=5"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown QoS setting"));
+    // Status shows both mounts' reservations.
+    let out = rackfs(&[
+        "status",
+        "--cluster",
+        &c.addr(),
+        "--secret-file",
+        c.secret_file.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("QoS") && text.contains("5000") && text.contains("7000"),
+        "{text}"
+    );
+}
+
+/// 4 KiB direct writes as fast as they go for `d`; returns operations per second.
+fn hammer(m: &Mount, name: &str, d: Duration) -> f64 {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(m.path(name))
+        .unwrap();
+    let buf = [5u8; 4096];
+    let start = Instant::now();
+    let mut ops = 0u64;
+    while start.elapsed() < d {
+        f.write_all_at(&buf, (ops % 256) * 4096).unwrap();
+        ops += 1;
+    }
+    ops as f64 / start.elapsed().as_secs_f64()
+}
+
+#[test]
+fn a_limit_holds_and_qos_set_changes_it_live() {
+    let c = cluster(1);
+    let m = Mount::new(&c, "limit=500");
+    hammer(&m, "warm", Duration::from_millis(300));
+    // Upper bounds only: a slow machine does fewer operations, never more. Each write is one
+    // token; one period's worth of slack for the period in progress.
+    let rate = hammer(&m, "f", Duration::from_secs(2));
+    assert!(rate <= 500.0 * 1.25, "limit 500 IOPS, measured {rate:.0}");
+    let out = rackfs(&["qos", "set", m.dir.to_str().unwrap(), "limit=200"]);
+    assert!(out.status.success(), "{out:?}");
+    std::thread::sleep(Duration::from_millis(500)); // the new limit applies from the next period
+    let rate = hammer(&m, "f", Duration::from_secs(2));
+    assert!(rate <= 200.0 * 1.25, "limit 200 IOPS, measured {rate:.0}");
+    assert!(rate > 0.0);
+}
