@@ -2,6 +2,7 @@
 
 mod fio;
 mod locks;
+mod qos;
 mod shared;
 mod stats;
 mod verbs;
@@ -74,6 +75,11 @@ enum Cmd {
         /// Seconds per fio run, after 1 s of ramp (quick: 1).
         #[arg(long, default_value_t = 4)]
         runtime: u32,
+    },
+    /// Haechi's experiments 2A, 2B, 2C and 4 on the simulator with a modelled NIC.
+    Qos {
+        #[command(flatten)]
+        run: RunArgs,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -162,6 +168,49 @@ fn main() {
                 fio::ratios(&rows),
                 run.out,
             );
+        }
+        Cmd::Qos { run } => {
+            let periods = if run.quick { 6 } else { 20 };
+            let mut md =
+                String::from("# Haechi experiments (simulated NIC, see bench/src/qos.rs)\n\n");
+            for zipf in [false, true] {
+                let (t, _) = qos::exp_2a(zipf, periods);
+                md.push_str(&format!(
+                    "## 2A: {} reservations, 90% of capacity reserved, all backlogged\n\n{t}\n",
+                    if zipf { "Zipf(0.6)" } else { "uniform" }
+                ));
+                eprintln!("2A done");
+            }
+            for zipf in [false, true] {
+                md.push_str(&format!(
+                    "## 2B: C1, C2 ask for half their reservation ({})\n\n{}\n",
+                    if zipf { "Zipf(0.6)" } else { "uniform" },
+                    qos::exp_2b(zipf, periods)
+                ));
+                eprintln!("2B done");
+            }
+            md.push_str(&format!(
+                "## 2C: reserved share of capacity\n\n{}\n",
+                qos::exp_2c(periods)
+            ));
+            eprintln!("2C done");
+            for drop in [true, false] {
+                let (t, _) = qos::exp_4(drop, periods);
+                md.push_str(&format!(
+                    "## 4: background load {} at period {}\n\n{t}\n",
+                    if drop {
+                        "takes 30% of the NIC"
+                    } else {
+                        "(30% of the NIC) stops"
+                    },
+                    periods / 2
+                ));
+            }
+            println!("{md}");
+            if let Some(path) = run.out {
+                std::fs::write(&path, md)
+                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            }
         }
         Cmd::Shared { run, runtime } => {
             let cfg = shared::Config {

@@ -9,6 +9,7 @@ use rackfs_memnode::control::{ClusterInfo, ControlClient, NodeAddr};
 use rackfs_memnode::control::{ControlRequest, ControlResponse};
 use rackfs_memnode::meta::MetaRequest;
 use rackfs_memnode::RpcError;
+use rackfs_qos::engine::InFlight;
 use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
@@ -219,11 +220,11 @@ impl Cluster {
     }
 
     /// Waits until this mount may spend `tokens` on one-sided data operations on `node`
-    /// (immediately without QoS).
-    pub fn admit(&self, node: u32, tokens: u64) -> Result<(), VerbsError> {
+    /// (immediately without QoS); hold the result until the operations are done.
+    pub fn admit(&self, node: u32, tokens: u64) -> Result<Option<InFlight>, VerbsError> {
         let engine = {
             let q = self.qos.read().expect("qos lock");
-            let Some(q) = q.as_ref() else { return Ok(()) };
+            let Some(q) = q.as_ref() else { return Ok(None) };
             q.engines.get(&node).cloned()
         };
         let engine = match engine {
@@ -241,7 +242,7 @@ impl Cluster {
                         reason: "not in the cluster".into(),
                     })?;
                 let mut q = self.qos.write().expect("qos lock");
-                let Some(q) = q.as_mut() else { return Ok(()) };
+                let Some(q) = q.as_mut() else { return Ok(None) };
                 let slot = q.slot;
                 q.engines
                     .entry(node)
@@ -256,7 +257,25 @@ impl Cluster {
                     .clone()
             }
         };
-        rackfs_verbs::block_on(engine.admit(tokens))
+        rackfs_verbs::block_on(engine.admit(tokens)).map(Some)
+    }
+
+    /// Keeps this mount's QoS engines fresh while it is idle (every δ), so its unused
+    /// reservation decays, its reports say so, and the nodes can give it to others. The
+    /// thread ends with the cluster.
+    pub fn start_qos_ticker(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("qos-ticker".into())
+            .spawn(move || loop {
+                std::thread::sleep(EngineConfig::default().delta);
+                let Some(cl) = weak.upgrade() else { return };
+                for (_, e) in cl.qos_engines() {
+                    if let Err(err) = rackfs_verbs::block_on(e.tick()) {
+                        tracing::debug!(error = %err, "QoS refresh failed");
+                    }
+                }
+            });
     }
 
     /// This mount's QoS engines by node, for `rackfs status`.

@@ -24,6 +24,7 @@ use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};
 use crate::lock::{self, FileLocks};
 use rackfs_qos::area::tokens_for;
+use rackfs_qos::engine::InFlight;
 
 /// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
 const MAX_ATTEMPTS: usize = 16;
@@ -235,11 +236,12 @@ impl FileData {
     }
 
     /// QoS: waits until this mount may spend the tokens of the data operations per node.
-    fn admit(&self, cl: &Cluster, tokens: &BTreeMap<u32, u64>) -> Result<(), i32> {
+    fn admit(&self, cl: &Cluster, tokens: &BTreeMap<u32, u64>) -> Result<Vec<InFlight>, i32> {
+        let mut held = Vec::new();
         for (&node, &t) in tokens {
-            cl.admit(node, t).map_err(|e| self.verbs_err(cl, node, e))?;
+            held.extend(cl.admit(node, t).map_err(|e| self.verbs_err(cl, node, e))?);
         }
-        Ok(())
+        Ok(held)
     }
 
     /// Posts one batch per node and waits for all; returns completions by node.
@@ -336,7 +338,7 @@ impl FileData {
             for (i, node, _) in &reads {
                 *tokens.entry(*node).or_default() += tokens_for(ps[*i].len);
             }
-            self.admit(cl, &tokens)?;
+            let _admitted = self.admit(cl, &tokens)?;
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
             if !stale.is_empty() {
@@ -502,7 +504,7 @@ impl FileData {
             b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
-            self.admit(cl, &tokens)?;
+            let _admitted = self.admit(cl, &tokens)?;
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
             let seen = match cas {

@@ -123,7 +123,11 @@ pub fn prepare(
     };
     config.n_threads = Some(opts.threads);
     config.clone_fd = true;
-    Ok((RackFs::new(Arc::new(cluster), opts.clone()), config, dir))
+    let cluster = Arc::new(cluster);
+    if opts.qos {
+        cluster.start_qos_ticker();
+    }
+    Ok((RackFs::new(cluster, opts.clone()), config, dir))
 }
 
 /// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).

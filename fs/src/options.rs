@@ -258,7 +258,8 @@ mod tests {
             ("weight=0", "from 1 to 10000"),
             ("qos=sometimes", "expected on or off"),
             ("cache=always", "none or writeback"),
-            ("reservation=100", "QoS is not available"),
+            ("reservation=100,limit=50", "below reservation"),
+            ("qos=off,reservation=100", "need qos=on"),
             ("ro=1", "unknown mount option"),
         ] {
             let e = MountOptions::parse(bad).unwrap_err();

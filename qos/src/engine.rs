@@ -5,10 +5,14 @@
 //!
 //! The engine refreshes its view of the node (period, pool, grant) at most every δ (1 ms), in
 //! one batch, from whichever request comes by; an idle engine costs nothing. A request that
-//! finds no token waits its turn (FIFO by ticket) and re-checks every δ: waiting never spins.
+//! finds no token waits in line (FIFO): the first in line re-checks every δ, the others sleep
+//! until it is served, and are woken at once then. Waiting never spins.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use rackfs_verbs::{Batch, Clock, QueuePair, RemoteAddr, VerbsError};
@@ -52,6 +56,10 @@ struct State {
     reporting: bool,
     period_us: u64,
     refreshed_at: Option<Duration>,
+    /// Tokens spent since the last refresh.
+    spent_since_refresh: u64,
+    /// The node's time into the period at the last refresh.
+    last_elapsed_us: Option<u64>,
 }
 
 /// What one engine did in one finished period.
@@ -85,11 +93,75 @@ pub struct QosEngine {
     cfg: EngineConfig,
     state: Mutex<State>,
     totals: Mutex<EngineTotals>,
-    next_ticket: AtomicU64,
-    serving: AtomicU64,
-    /// Requests waiting in line for tokens.
-    waiting: AtomicU64,
+    line: Mutex<Line>,
+    flight: Arc<Flight>,
     finished: Mutex<Vec<PeriodUse>>,
+}
+
+/// Operations admitted and not yet done; whether none was, at some moment since the last
+/// refresh (the mount was not backlogged then).
+#[derive(Default)]
+struct Flight {
+    count: AtomicU64,
+    idle_seen: AtomicBool,
+}
+
+/// An admitted operation: drop it when the operation is done (its tokens stay spent).
+#[must_use = "hold it until the operation completes"]
+pub struct InFlight {
+    flight: Arc<Flight>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.flight.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.flight.idle_seen.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Requests waiting for tokens, first come first served.
+#[derive(Default)]
+struct Line {
+    next: u64,
+    serving: u64,
+    wakers: Vec<Waker>,
+}
+
+impl Line {
+    fn waiting(&self) -> bool {
+        self.next != self.serving
+    }
+    fn join(&mut self) -> u64 {
+        self.next += 1;
+        self.next - 1
+    }
+    /// The first in line is done: wake the others to see whose turn it is.
+    fn leave(&mut self) {
+        self.serving += 1;
+        for w in self.wakers.drain(..) {
+            w.wake();
+        }
+    }
+}
+
+/// Resolves when `ticket` is first in line.
+struct Turn<'a> {
+    line: &'a Mutex<Line>,
+    ticket: u64,
+}
+
+impl Future for Turn<'_> {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let mut line = self.line.lock().expect("line");
+        if line.serving == self.ticket {
+            Poll::Ready(())
+        } else {
+            line.wakers.push(cx.waker().clone());
+            Poll::Pending
+        }
+    }
 }
 
 enum Step {
@@ -109,9 +181,8 @@ impl QosEngine {
             cfg,
             state: Mutex::new(State::default()),
             totals: Mutex::new(EngineTotals::default()),
-            next_ticket: AtomicU64::new(0),
-            serving: AtomicU64::new(0),
-            waiting: AtomicU64::new(0),
+            line: Mutex::new(Line::default()),
+            flight: Arc::new(Flight::default()),
             finished: Mutex::new(Vec::new()),
         }
     }
@@ -195,12 +266,25 @@ impl QosEngine {
                 ..State::default()
             };
         }
-        // Prorated decay: at most grant * (time left / period) reservation tokens remain.
-        if s.period_us > 0 {
-            let left = s.period_us.saturating_sub(elapsed_us);
-            let cap = (s.grant as u128 * left as u128 / s.period_us as u128) as u64;
-            s.reservation = s.reservation.min(cap);
+        // Decay for lack of demand (Haechi's prorated decay, applied to intervals in which
+        // the mount was not backlogged): over an interval in which it had, at some moment, no
+        // operation in flight and none waiting, a mount forfeits what it fell short of its
+        // prorated reservation (grant * interval / period - spent). A mount that kept
+        // operations outstanding all along forfeits nothing, however slowly the node served
+        // it: its demand was there, the node was busy.
+        let idle = self.flight.idle_seen.swap(false, Ordering::SeqCst)
+            || (self.flight.count.load(Ordering::SeqCst) == 0
+                && !self.line.lock().expect("line").waiting());
+        if let Some(last) = s.last_elapsed_us {
+            let interval = elapsed_us.saturating_sub(last);
+            if idle && s.period_us > 0 {
+                let due = (s.grant as u128 * interval as u128 / s.period_us as u128) as u64;
+                let lost = due.saturating_sub(s.spent_since_refresh);
+                s.reservation = s.reservation.saturating_sub(lost);
+            }
         }
+        s.last_elapsed_us = Some(elapsed_us);
+        s.spent_since_refresh = 0;
         s.pool_empty = pool <= 0;
         s.reporting = reporting;
         s.refreshed_at = Some(asked_at);
@@ -219,8 +303,24 @@ impl QosEngine {
         Ok(())
     }
 
-    /// Waits until `tokens` may be spent on one-sided data operations on this node.
-    pub async fn admit(&self, tokens: u64) -> Result<(), VerbsError> {
+    /// Keeps the engine's view fresh while it is idle (call every δ from a background task):
+    /// an idle mount's reservation decays and its reports say so, so the monitor can give it
+    /// to others.
+    pub async fn tick(&self) -> Result<(), VerbsError> {
+        self.refresh_if_due().await
+    }
+
+    /// Waits until `tokens` may be spent on one-sided data operations on this node; hold the
+    /// returned [`InFlight`] until they are done.
+    pub async fn admit(&self, tokens: u64) -> Result<InFlight, VerbsError> {
+        self.admit_tokens(tokens).await?;
+        self.flight.count.fetch_add(1, Ordering::SeqCst);
+        Ok(InFlight {
+            flight: self.flight.clone(),
+        })
+    }
+
+    async fn admit_tokens(&self, tokens: u64) -> Result<(), VerbsError> {
         let mut counted = false;
         // Fast path: nobody waiting and tokens at hand (or in the pool).
         loop {
@@ -231,7 +331,7 @@ impl QosEngine {
                     s.asked += tokens;
                     counted = true;
                 }
-                if self.waiting.load(Ordering::SeqCst) > 0 {
+                if self.line.lock().expect("line").waiting() {
                     Step::Wait
                 } else {
                     self.take(&mut s, tokens)
@@ -244,12 +344,10 @@ impl QosEngine {
             }
         }
         // Wait in line: first come, first served, re-checking every δ.
-        let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
-        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let ticket = self.line.lock().expect("line").join();
         self.totals.lock().expect("totals").waits += 1;
         let res = self.wait_in_line(ticket, tokens).await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.serving.fetch_add(1, Ordering::SeqCst);
+        self.line.lock().expect("line").leave();
         res
     }
 
@@ -262,6 +360,7 @@ impl QosEngine {
             s.reservation -= from_res;
             s.global -= tokens - from_res;
             s.used += tokens;
+            s.spent_since_refresh += tokens;
             s.from_pool += tokens - from_res;
             let mut t = self.totals.lock().expect("totals");
             t.from_reservation += from_res;
@@ -302,10 +401,11 @@ impl QosEngine {
 
     async fn wait_in_line(&self, ticket: u64, tokens: u64) -> Result<(), VerbsError> {
         loop {
-            if self.serving.load(Ordering::SeqCst) != ticket {
-                self.clock.sleep(self.cfg.delta / 4).await;
-                continue;
+            Turn {
+                line: &self.line,
+                ticket,
             }
+            .await;
             self.refresh_if_due().await?;
             let step = self.take(&mut self.state.lock().expect("state"), tokens);
             match step {

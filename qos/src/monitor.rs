@@ -73,8 +73,6 @@ pub struct QosMonitor {
     capacity: u64,
     pool_start: u64,
     reporting: bool,
-    /// When the monitor asked for reports.
-    reporting_since: Duration,
     converted: u64,
     /// The last periods, newest last (at most 64).
     pub history: Vec<PeriodRecord>,
@@ -103,7 +101,6 @@ impl QosMonitor {
             capacity: 0,
             pool_start: 0,
             reporting: false,
-            reporting_since: Duration::ZERO,
             converted: 0,
             history: Vec::new(),
         };
@@ -202,6 +199,19 @@ impl QosMonitor {
             // Estimation needs every mount's count: only periods with reports are measured.
             if self.reporting {
                 let used: u64 = rec.mounts.values().map(|m| m.used).sum();
+                // Reports are up to a few check intervals old: within that of the capacity,
+                // every token was used.
+                let lag = (self.capacity as u128 * 3 * self.cfg.check.as_nanos()
+                    / self.cfg.period.as_nanos()) as u64;
+                // Mounts that asked for more than they got were short of tokens, not of node
+                // capacity: the period says nothing against the estimate (Algorithm 1 would
+                // read it as a capacity drop and starve them further).
+                let starved = rec.mounts.values().any(|m| m.demand > m.used);
+                let used = if starved || used + lag >= self.capacity {
+                    self.capacity
+                } else {
+                    used
+                };
                 self.estimator.end_period(used);
             }
             self.history.push(rec);
@@ -237,40 +247,37 @@ impl QosMonitor {
         let elapsed = now - self.started;
         self.store(region, area::ELAPSED_US, elapsed.as_micros() as u64);
         let (_, pool) = unpack_pool(self.load(region, area::POOL));
-        if !self.reporting && pool < self.pool_start as i64 {
-            // Global tokens are being used: ask every mount to report.
+        if !self.reporting && (pool < self.pool_start as i64 || self.pool_start == 0) {
+            // Global tokens are being used (or there are none, so any mount past its
+            // reservation needs conversion): ask every mount to report.
             self.reporting = true;
-            self.reporting_since = now;
             self.store(region, area::REPORT, 1);
         }
         if !self.reporting || !self.cfg.conversion {
             return;
         }
         // Conversion: reservation a mount can no longer use goes to the pool. A mount's
-        // outstanding reservation is at most its last report and at most its prorated share
-        // of the time left; what it neither spent nor can still spend has decayed, and is added
-        // to the pool once. So the tokens of a period never exceed its capacity (up to a few δ
-        // of decay in flight). A mount that has not reported yet is either idle (its
-        // reservation decays by the clock) or has not seen the request yet (it may have spent
-        // all of it): wait three check intervals for its first report before taking it for idle.
-        let settled = now >= self.reporting_since + self.cfg.check * 3;
-        let unreported = self.granted.iter().any(|(&c, _)| {
-            let (period, _, _) = unpack_pair(self.load(region, area::slot(c) + area::REPORT_WORD));
-            period != self.period & 0xff
-        });
-        if unreported && !settled {
-            return;
-        }
-        let left = self.cfg.period.saturating_sub(elapsed);
-        let frac = |x: u64| (x as u128 * left.as_nanos() / self.cfg.period.as_nanos()) as u64;
+        // outstanding reservation is what its last report of this period says (engines decay
+        // it for the time their mount asked for nothing, and report every δ once asked, idle
+        // or not); what it neither spent nor can still spend is added to the pool, once. A
+        // mount without a report of this period may be stalled with its whole reservation in
+        // hand: none of its reservation is converted. So the tokens of a period never exceed
+        // its capacity (up to a few δ of decay in flight).
         let decayed: u64 = self
             .granted
             .iter()
             .map(|(&c, s)| {
-                let (_, residual, spent) = self.report(region, c, area::REPORT_WORD, s);
-                s.reservation
-                    .saturating_sub(residual.min(frac(s.reservation)))
-                    .saturating_sub(spent)
+                let (period, residual, spent) =
+                    unpack_pair(self.load(region, area::slot(c) + area::REPORT_WORD));
+                // A report of this period is the mount's own account; without one the mount
+                // has been idle all along (engines report every δ once asked), so its
+                // reservation decays with the clock.
+                let residual = if period == self.period & 0xff {
+                    residual
+                } else {
+                    s.reservation
+                };
+                s.reservation.saturating_sub(residual).saturating_sub(spent)
             })
             .sum();
         let add = decayed.saturating_sub(self.converted);

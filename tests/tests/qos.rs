@@ -106,6 +106,16 @@ fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>
                 delta: Duration::from_millis(1),
             },
         ));
+        {
+            // The mount's background refresh: keeps an idle engine's reports current.
+            let (h, engine) = (h.clone(), engine.clone());
+            sim.spawn(id, async move {
+                while h.now() < end {
+                    h.clock_sleep(Duration::from_millis(1)).await;
+                    engine.tick().await.expect("tick");
+                }
+            });
+        }
         let (h, uses, grant) = (h.clone(), uses.clone(), weights[c]);
         sim.spawn(id, async move {
             // Several requests in flight per mount, as FUSE threads would have.
@@ -117,11 +127,12 @@ fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>
                 tasks.push(async move {
                     while h.now() < end {
                         let tokens = 1 + h.random_below(4);
-                        e.admit(tokens).await.expect("admit");
+                        let admitted = e.admit(tokens).await.expect("admit");
                         // The I/O itself: one verb on the node.
                         let mut b = Batch::new();
                         b.read(RemoteAddr::new(SIM_RKEY, 8192), 8);
                         qp.post(b).await.expect("io");
+                        drop(admitted);
                         if kind == Kind::Light {
                             // About a third of the reservation's rate.
                             let gap = PERIOD.as_nanos() as u64 * 3 * tokens
