@@ -576,14 +576,14 @@ mod tests {
         }
 
         #[test]
-        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 40), name in ".{0,30}") {
+        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 48), name in ".{0,30}") {
             let s = NodeStats {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
-                free: words[4], largest_free: words[5], extents: words[6], quarantined: words[31],
-                lock_trees: words[37], lock_recoveries: words[38],
-                verbs: VerbTotals { ops: words[7..13].try_into().unwrap(), bytes: words[13..19].try_into().unwrap(), errors: words[19], batches: words[20] },
-                rpcs: words[21..31].try_into().unwrap(), open: words[31..34].try_into().unwrap(),
-                connections_total: words[34], auth_failures: words[35], protocol_errors: words[36],
+                free: words[4], largest_free: words[5], extents: words[6], quarantined: words[7],
+                lock_trees: words[8], lock_recoveries: words[9],
+                verbs: VerbTotals { ops: words[10..16].try_into().unwrap(), bytes: words[16..22].try_into().unwrap(), errors: words[22], batches: words[23] },
+                rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..43].try_into().unwrap(),
+                connections_total: words[43], auth_failures: words[44], protocol_errors: words[45],
             };
             let r = ControlResponse::Stats(Box::new(s));
             prop_assert_eq!(ControlResponse::decode(&r.encode(id)).unwrap(), (id, r));
