@@ -124,7 +124,7 @@ struct Shared {
     /// The CPU-based range-lock table (a benchmark baseline).
     range_locks: Mutex<RangeTable>,
     range_freed: Condvar,
-    qos: crate::qos::NodeQos,
+    qos: Option<crate::qos::NodeQos>,
     /// The cluster's QoS controller (primary only).
     cluster_qos: Option<Mutex<crate::qos::ClusterQos>>,
 }
@@ -188,10 +188,15 @@ impl MemNode {
         };
         let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
         let mut allocator = ExtentAllocator::new(&cfg.name, 0, len);
-        let qos_area = allocator
-            .alloc(rackfs_qos::area::AREA_LEN, 64)
-            .expect("a fresh region has room for the QoS area");
-        let qos = crate::qos::NodeQos::new(cfg.qos.clone(), &table.regions()[0], qos_area);
+        // Cluster members run QoS on an area of their region; a standalone node (benchmarks,
+        // verbs tests) leaves its whole region to its clients.
+        let qos = (cfg.role != Role::Standalone).then(|| {
+            let area = allocator
+                .alloc(rackfs_qos::area::AREA_LEN, 64)
+                .expect("a fresh region has room for the QoS area");
+            crate::qos::NodeQos::new(cfg.qos.clone(), &table.regions()[0], area)
+        });
+        let qos_area = qos.as_ref().map_or(0, |q| q.area);
         let me = NodeAddr {
             node_id: cfg.node_id,
             name: cfg.name.clone(),
@@ -234,14 +239,15 @@ impl MemNode {
                 .spawn(move || reap_quarantine(s))
                 .expect("spawn quarantine thread");
         }
-        {
+        if shared.qos.is_some() {
             let s = shared.clone();
             std::thread::Builder::new()
                 .name("qos-monitor".into())
                 .spawn(move || {
+                    let qos = s.qos.as_ref().expect("QoS node");
                     while !s.stopping.load(Ordering::SeqCst) {
-                        std::thread::sleep(s.qos.cfg.check);
-                        s.qos.tick(s.data_region());
+                        std::thread::sleep(qos.cfg.check);
+                        qos.tick(s.data_region());
                     }
                 })
                 .expect("spawn QoS monitor thread");
@@ -252,7 +258,7 @@ impl MemNode {
                 .name("qos-controller".into())
                 .spawn(move || {
                     while !s.stopping.load(Ordering::SeqCst) {
-                        std::thread::sleep(s.qos.cfg.period);
+                        std::thread::sleep(s.cfg.qos.period);
                         s.place_qos();
                     }
                 })
@@ -472,10 +478,16 @@ impl Shared {
                     ),
                 }
             }
-            ControlRequest::QosShares { shares } => {
-                self.qos.set_shares(&shares);
-                ControlResponse::QosNode(self.qos.status(self.cfg.node_id))
-            }
+            ControlRequest::QosShares { shares } => match &self.qos {
+                Some(q) => {
+                    q.set_shares(&shares);
+                    ControlResponse::QosNode(q.status(self.cfg.node_id))
+                }
+                None => ControlResponse::error(
+                    ErrorCode::Invalid,
+                    "a standalone node takes no part in QoS",
+                ),
+            },
             ControlRequest::QosSet {
                 slot,
                 reservation,
@@ -641,10 +653,12 @@ impl Shared {
     fn qos_nodes(&self, shares: Option<&crate::qos::Placement>) -> Vec<QosNodeStatus> {
         let me = self.cfg.node_id;
         let mut out = Vec::new();
-        if let Some(s) = shares.and_then(|s| s.get(&me)) {
-            self.qos.set_shares(s);
+        if let Some(q) = &self.qos {
+            if let Some(s) = shares.and_then(|s| s.get(&me)) {
+                q.set_shares(s);
+            }
+            out.push(q.status(me));
         }
-        out.push(self.qos.status(me));
         let peers: Vec<(u32, Arc<ControlClient>)> = self
             .peers
             .lock()
