@@ -3,6 +3,7 @@
 mod fio;
 mod locks;
 mod qos;
+mod qos_mounts;
 mod shared;
 mod stats;
 mod verbs;
@@ -80,6 +81,15 @@ enum Cmd {
     Qos {
         #[command(flatten)]
         run: RunArgs,
+    },
+    /// Three real mounts with reservations and a limit under fio, with and without QoS, and
+    /// QoS's own cost (needs root and fio).
+    QosMounts {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Seconds per fio run, after 1 s of ramp (quick: 2).
+        #[arg(long, default_value_t = 5)]
+        runtime: u32,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -206,6 +216,14 @@ fn main() {
                     periods / 2
                 ));
             }
+            println!("{md}");
+            if let Some(path) = run.out {
+                std::fs::write(&path, md)
+                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            }
+        }
+        Cmd::QosMounts { run, runtime } => {
+            let md = qos_mounts::run(if run.quick { 2 } else { runtime.max(1) }, run.runs());
             println!("{md}");
             if let Some(path) = run.out {
                 std::fs::write(&path, md)

@@ -268,7 +268,9 @@ impl Cluster {
         let _ = std::thread::Builder::new()
             .name("qos-ticker".into())
             .spawn(move || loop {
-                std::thread::sleep(EngineConfig::default().delta);
+                // Busy engines refresh on their own (every δ, from their requests); idle ones
+                // only need their decay and reports kept roughly current.
+                std::thread::sleep(EngineConfig::default().delta * 4);
                 let Some(cl) = weak.upgrade() else { return };
                 for (_, e) in cl.qos_engines() {
                     if let Err(err) = rackfs_verbs::block_on(e.tick()) {
