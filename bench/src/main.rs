@@ -209,9 +209,9 @@ fn main() {
                 md.push_str(&format!(
                     "## 4: background load {} at period {}\n\n{t}\n",
                     if drop {
-                        "takes 30% of the NIC"
+                        "takes 25% of the NIC"
                     } else {
-                        "(30% of the NIC) stops"
+                        "(25% of the NIC) stops"
                     },
                     periods / 2
                 ));

@@ -80,7 +80,7 @@ pub fn run(e: &Experiment) -> Outcome {
             check: Duration::from_millis(1),
             conversion: e.conversion,
         },
-        CapacityEstimator::new(profiled, profiled / 20, profiled / 50, 8),
+        CapacityEstimator::new(profiled, profiled / 10, profiled / 50, 8),
         h.now(),
     )));
     for (c, &r) in e.reservations.iter().enumerate() {
@@ -382,13 +382,13 @@ pub fn exp_2c(periods: u32) -> String {
     md
 }
 
-/// Experiment 4: background load outside QoS takes 30% of the NIC from the middle of the run
+/// Experiment 4: background load outside QoS takes 25% of the NIC from the middle of the run
 /// (capacity overestimated), or stops there (underestimated). Per period: capacity estimate,
 /// total IOPS, and the highest-reservation client against its reservation.
 pub fn exp_4(drop: bool, periods: u32) -> (String, Vec<(u64, u64, u64, u64)>) {
     let res = reservations(true, 0.8);
     let half = periods / 2;
-    let bg = (CAPACITY as f64 * 0.3) as u64;
+    let bg = CAPACITY / 4;
     let background = if drop {
         vec![(half, bg)]
     } else {

@@ -206,7 +206,12 @@ impl QosMonitor {
                 // Mounts that asked for more than they got were short of tokens, not of node
                 // capacity: the period says nothing against the estimate (Algorithm 1 would
                 // read it as a capacity drop and starve them further).
-                let starved = rec.mounts.values().any(|m| m.demand > m.used);
+                let unserved: u64 = rec
+                    .mounts
+                    .values()
+                    .map(|m| m.demand.saturating_sub(m.used))
+                    .sum();
+                let starved = unserved > lag;
                 let used = if starved || used + lag >= self.capacity {
                     self.capacity
                 } else {
