@@ -204,6 +204,10 @@ fn main() {
                 qos::exp_2c(periods)
             ));
             eprintln!("2C done");
+            md.push_str(&format!(
+                "## Weights 1:2:3, nothing reserved, all backlogged\n\n{}\n",
+                qos::exp_weights(periods)
+            ));
             for drop in [true, false] {
                 let (t, _) = qos::exp_4(drop, periods);
                 md.push_str(&format!(

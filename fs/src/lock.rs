@@ -6,7 +6,7 @@
 //! it (a lock beyond the tree, up to [`MAX_HEIGHT`]), to shrink it (truncate) and to recover
 //! it (a mount died holding locks): see `rackfs_memnode::locktree`. A mount caches its handle on
 //! the published tree and re-reads the file record when an acquisition finds the tree retired
-//! or when it has not seen the tree live for `LAYOUT_LEASE` (half the service's grace, so it
+//! or when it has not seen the tree live for `LAYOUT_LEASE` (a quarter of the service's grace, so it
 //! never touches a freed tree).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,7 +25,7 @@ use crate::cluster::Cluster;
 pub const LOCK_UNIT: u64 = 4096;
 
 /// How long a cached tree handle is trusted without seeing the tree live.
-const LAYOUT_LEASE: Duration = Duration::from_millis(500);
+const LAYOUT_LEASE: Duration = rackfs_memnode::locktree::CLIENT_LEASE;
 
 /// How long one lock request keeps meeting retired trees (a recovery waiting for holders
 /// to release) before it gives up with EIO.

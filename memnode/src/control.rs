@@ -81,7 +81,7 @@ pub enum ControlRequest {
     /// period on (slot, reservation, limit in tokens per period). Answered with the node's
     /// QoS status.
     QosShares {
-        shares: Vec<(u16, u64, u64)>,
+        shares: Vec<(u16, u64, u64, u32)>,
     },
     /// Set a mount's QoS (primary only): `slot` of another mount's session (`rackfs qos set`),
     /// or `None` for the caller's own. IOPS = tokens per second; limit 0 = none. Admission

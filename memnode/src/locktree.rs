@@ -15,8 +15,9 @@
 //!   connection when its session ended are caught too; only then is the slot reused.
 //!
 //! A retired tree's memory is freed once the slots that were live at its retirement read 0 and
-//! `grace` has passed: clients re-read a tree's published word when they have not seen it live
-//! for half of that (the mount's layout lease), so none touches freed memory.
+//! `grace` has passed (at least [`MIN_GRACE`]): clients re-read a tree's published word when
+//! they have not seen it live for [`CLIENT_LEASE`], a quarter of that, so none touches freed
+//! memory (an acquisition's first verb is its slot increment, before it can see `RETIRED`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -27,6 +28,11 @@ use rackfs_verbs::Region;
 use tracing::{info, warn};
 
 use crate::control::ErrorCode;
+
+/// How long a client may use a tree handle without seeing the tree live.
+pub const CLIENT_LEASE: Duration = Duration::from_millis(500);
+/// The least time a retired tree stays allocated: four client leases.
+pub const MIN_GRACE: Duration = Duration::from_secs(2);
 
 /// Tallest tree the service builds: `64 * 4^9` units of 4 KiB = 64 GiB, 2.7 MiB of tree.
 /// Beyond that a file's ranges are covered by the tree's spillover mutex.
@@ -100,7 +106,7 @@ impl LockTrees {
             trees: HashMap::new(),
             retired: Vec::new(),
             dead_for,
-            grace,
+            grace: grace.max(MIN_GRACE),
             recoveries: 0,
         }
     }

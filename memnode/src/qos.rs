@@ -90,14 +90,21 @@ impl NodeQos {
     }
 
     /// Replaces the mounts' shares (from the next period on).
-    pub fn set_shares(&self, shares: &[(u16, u64, u64)]) {
+    pub fn set_shares(&self, shares: &[(u16, u64, u64, u32)]) {
         let mut m = self.monitor.lock().expect("qos monitor");
         let slots: Vec<u16> = m.mounts().keys().copied().collect();
         for s in slots {
             m.set_mount(s, None);
         }
-        for &(slot, reservation, limit) in shares {
-            m.set_mount(slot, Some(MountShare { reservation, limit }));
+        for &(slot, reservation, limit, weight) in shares {
+            m.set_mount(
+                slot,
+                Some(MountShare {
+                    reservation,
+                    limit,
+                    weight,
+                }),
+            );
         }
     }
 
@@ -128,8 +135,8 @@ impl NodeQos {
     }
 }
 
-/// Shares placed on each node: per node, (slot, reservation, limit) in tokens per period.
-pub type Placement = BTreeMap<u32, Vec<(u16, u64, u64)>>;
+/// Shares placed on each node: per node, (slot, reservation, limit, weight); tokens per period.
+pub type Placement = BTreeMap<u32, Vec<(u16, u64, u64, u32)>>;
 
 /// A mount's admitted QoS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,7 +280,7 @@ impl ClusterQos {
                 .max(if m.limit == 0 { 0 } else { alloc[i][j].max(1) });
                 out.entry(node.node_id)
                     .or_default()
-                    .push((*s, alloc[i][j], limit));
+                    .push((*s, alloc[i][j], limit, m.weight));
             }
         }
         for node in nodes {

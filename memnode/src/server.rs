@@ -685,7 +685,7 @@ impl Shared {
     }
 
     /// The shares the controller last placed on `node`.
-    fn current_shares(&self, node: u32) -> Vec<(u16, u64, u64)> {
+    fn current_shares(&self, node: u32) -> Vec<(u16, u64, u64, u32)> {
         self.cluster_qos.as_ref().map_or_else(Vec::new, |c| {
             let c = c.lock().expect("cluster qos");
             c.placed.get(&node).cloned().unwrap_or_default()

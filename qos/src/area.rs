@@ -4,18 +4,21 @@
 //! | word | written by | read by |
 //! |---|---|---|
 //! | `PERIOD` | monitor, last at each period start | engines: a change starts their period |
-//! | `POOL` | monitor sets it at period start and raises it by CAS (conversion); engines take tokens with a masked FAA of `-batch` on its token field | both |
-//! | `REPORT` | monitor: 1 once global tokens are being used | engines: report every δ while set |
+//! | `POOL` | monitor: the global tokens it has not handed out yet (informational) | status |
+//! | `REPORT` | monitor: 1 once global tokens are wanted | engines: report every δ while set |
 //! | `ELAPSED_US` | monitor, every check interval | engines: prorate their reservation |
 //! | `PERIOD_US`, `CHECK_US` | monitor, once | engines |
 //! | slot `GRANT`, `LIMIT` | monitor, before `PERIOD` | engine of that slot |
 //! | slot `REPORT_WORD` | engine of that slot (one-sided WRITE): residual reservation, reservation tokens spent | monitor |
 //! | slot `USAGE` | engine of that slot, same batch: tokens asked for (demand), tokens spent | monitor (estimation, pShift, status) |
+//! | slot `SHARE` | monitor adds the mount's share of the global pool by CAS; the engine takes tokens with a masked FAA of `-batch` on its token field | both |
+//! | slot `WEIGHT` | monitor | status |
 //!
-//! The pool word carries the period it belongs to in its top 16 bits and a signed 48-bit token
-//! count below (claims may take it below zero; a claim gets `min(batch, max(count, 0))`). The
-//! masked FAA keeps the fields apart, so the value a claim returns says exactly which period's
-//! pool the tokens came from.
+//! A share word (and `POOL`) carries the period it belongs to in its top 16 bits and a signed
+//! 48-bit token count below. A claim gets `min(batch, max(count, 0))` and may take the count
+//! below zero: a negative share tells the monitor the mount wants global tokens. The masked
+//! FAA keeps the fields apart, so the value a claim returns says exactly which period's tokens
+//! it drew.
 
 /// Mount slots per node (the same slot numbers as range-lock client slots).
 pub const SLOTS: u64 = 64;
@@ -26,7 +29,7 @@ pub const ELAPSED_US: u64 = 24;
 pub const PERIOD_US: u64 = 32;
 pub const CHECK_US: u64 = 40;
 const HEADER: u64 = 64;
-const SLOT_LEN: u64 = 32;
+const SLOT_LEN: u64 = 48;
 /// Bytes of the area.
 pub const AREA_LEN: u64 = HEADER + SLOTS * SLOT_LEN;
 
@@ -34,6 +37,8 @@ pub const GRANT: u64 = 0;
 pub const LIMIT: u64 = 8;
 pub const REPORT_WORD: u64 = 16;
 pub const USAGE: u64 = 24;
+pub const SHARE: u64 = 32;
+pub const WEIGHT: u64 = 40;
 
 const TOKEN_BITS: u32 = 48;
 const TOKEN_MASK: u64 = (1 << TOKEN_BITS) - 1;

@@ -224,7 +224,7 @@ impl QosEngine {
             b.write_u64(self.slot_addr(area::USAGE), usage);
         }
         let head = b.read(self.area, 48);
-        let slot = b.read(self.slot_addr(0), 16);
+        let slot = b.read(self.slot_addr(0), 48);
         // The view is as old as the moment it was asked for (this task may be descheduled
         // before it sees the answer).
         let asked_at = self.clock.now();
@@ -232,13 +232,7 @@ impl QosEngine {
         done.check()?;
         let h = done.data(head)?;
         let w = |d: &[u8], i: usize| u64::from_le_bytes(d[i * 8..i * 8 + 8].try_into().expect("8"));
-        let (period, (_, pool), reporting, elapsed_us, period_us) = (
-            w(h, 0),
-            unpack_pool(w(h, 1)),
-            w(h, 2) != 0,
-            w(h, 3),
-            w(h, 4),
-        );
+        let (period, reporting, elapsed_us, period_us) = (w(h, 0), w(h, 2) != 0, w(h, 3), w(h, 4));
         let sl = done.data(slot)?;
         let mut s = self.state.lock().expect("state");
         if period != s.period {
@@ -285,7 +279,11 @@ impl QosEngine {
         }
         s.last_elapsed_us = Some(elapsed_us);
         s.spent_since_refresh = 0;
-        s.pool_empty = pool <= 0;
+        // This mount's share of the global pool. Negative: a claim already told the monitor
+        // this mount wants global tokens, and none came yet. Zero: nothing asked yet; the next
+        // claim both tries and asks.
+        let (tag, share) = unpack_pool(w(sl, 4));
+        s.pool_empty = tag != s.period & 0xffff || share < 0;
         s.reporting = reporting;
         s.refreshed_at = Some(asked_at);
         Ok(())
@@ -378,7 +376,7 @@ impl QosEngine {
         let period = self.state.lock().expect("state").period;
         let want = self.cfg.batch.max(tokens);
         let mut b = Batch::new();
-        let id = b.masked_faa(self.area.add(area::POOL), pool_take(want), POOL_BOUNDARY);
+        let id = b.masked_faa(self.slot_addr(area::SHARE), pool_take(want), POOL_BOUNDARY);
         let done = self.qp.post(b).await?;
         let (from, old) = unpack_pool(done.value(id)?);
         let got = old.clamp(0, want as i64) as u64;

@@ -17,6 +17,8 @@ pub struct MountShare {
     pub reservation: u64,
     /// 0: no limit.
     pub limit: u64,
+    /// Share of the global pool relative to other mounts that want it (0 counts as 1).
+    pub weight: u32,
 }
 
 /// What the monitor saw of one mount in one period.
@@ -61,6 +63,22 @@ impl Default for MonitorConfig {
     }
 }
 
+#[derive(Clone, Copy, Default)]
+struct Handed {
+    given: u64,
+    seen: i64,
+    idle: u32,
+    since_want: u32,
+    /// Tokens the mount had spent at the last check (from its usage report).
+    used: u64,
+}
+
+/// Checks a mount counts as wanting global tokens after it last showed it.
+const WANT_MEMORY: u32 = 5;
+/// Checks a share must sit untouched before it goes back to the pool (a mount that takes a
+/// batch of tokens at a time may leave its share alone for several checks while busy).
+const IDLE_SHARE: u32 = 20;
+
 pub struct QosMonitor {
     area: u64,
     cfg: MonitorConfig,
@@ -74,6 +92,11 @@ pub struct QosMonitor {
     pool_start: u64,
     reporting: bool,
     converted: u64,
+    /// Global tokens not yet handed out this period.
+    pool: u64,
+    /// Per slot: tokens handed out at the last check, the share seen, checks it sat
+    /// untouched, and checks since the mount last wanted global tokens.
+    handed: BTreeMap<u16, Handed>,
     /// The last periods, newest last (at most 64).
     pub history: Vec<PeriodRecord>,
 }
@@ -102,6 +125,8 @@ impl QosMonitor {
             pool_start: 0,
             reporting: false,
             converted: 0,
+            pool: 0,
+            handed: BTreeMap::new(),
             history: Vec::new(),
         };
         m.start_period(region, now);
@@ -233,7 +258,15 @@ impl QosMonitor {
             self.store(region, area::slot(c) + area::LIMIT, s.limit);
             self.store(region, area::slot(c) + area::REPORT_WORD, 0);
             self.store(region, area::slot(c) + area::USAGE, 0);
+            self.store(
+                region,
+                area::slot(c) + area::SHARE,
+                pack_pool(self.period + 1, 0),
+            );
+            self.store(region, area::slot(c) + area::WEIGHT, s.weight.max(1) as u64);
         }
+        self.pool = self.pool_start;
+        self.handed.clear();
         self.store(
             region,
             area::POOL,
@@ -251,32 +284,118 @@ impl QosMonitor {
     fn check(&mut self, region: &Region, now: Duration) {
         let elapsed = now - self.started;
         self.store(region, area::ELAPSED_US, elapsed.as_micros() as u64);
-        let (_, pool) = unpack_pool(self.load(region, area::POOL));
-        if !self.reporting && (pool < self.pool_start as i64 || self.pool_start == 0) {
-            // Global tokens are being used (or there are none, so any mount past its
-            // reservation needs conversion): ask every mount to report.
+        let tag = self.period & 0xffff;
+        // Which mounts want global tokens: a negative share (a claim found it empty), or a
+        // share handed out last check and all taken, now or in the last few checks. Shares
+        // left untouched for IDLE_SHARE checks come back to the pool.
+        let mut wanting: Vec<(u16, u32)> = Vec::new();
+        for (&c, m) in &self.granted {
+            let at = area::slot(c) + area::SHARE;
+            let w = self.load(region, at);
+            let (t, share) = unpack_pool(w);
+            let share = if t == tag { share } else { 0 };
+            let mut h = self.handed.get(&c).copied().unwrap_or(Handed {
+                since_want: WANT_MEMORY,
+                ..Handed::default()
+            });
+            // A mount that spent tokens since the last check is busy: it keeps its place among
+            // those sharing the pool even while its share lasts (a mount held back by the node
+            // rather than by tokens still counts).
+            let (_, _, used) = self.report(region, c, area::USAGE, m);
+            let busy = used > h.used;
+            h.used = used;
+            if share < 0 || (share == 0 && h.given > 0) || (busy && h.since_want < WANT_MEMORY) {
+                h.since_want = 0;
+                h.idle = 0;
+            } else {
+                h.since_want = h.since_want.saturating_add(1);
+                h.idle = if share > 0 && share == h.seen {
+                    h.idle + 1
+                } else {
+                    0
+                };
+                if h.idle >= IDLE_SHARE && Self::swap_share(region, self.area + at, w, tag, 0) {
+                    self.pool += share as u64;
+                    h.idle = 0;
+                }
+            }
+            h.seen = share;
+            h.given = 0;
+            if h.since_want < WANT_MEMORY {
+                wanting.push((c, m.weight.max(1)));
+            }
+            self.handed.insert(c, h);
+        }
+        if !self.reporting && !wanting.is_empty() {
+            // Global tokens are wanted: ask every mount to report, for conversion.
             self.reporting = true;
             self.store(region, area::REPORT, 1);
         }
-        if !self.reporting || !self.cfg.conversion {
-            return;
+        if self.reporting && self.cfg.conversion {
+            self.pool += self.convert(region);
         }
-        // Conversion: reservation a mount can no longer use goes to the pool. A mount's
-        // outstanding reservation is what its last report of this period says (engines decay
-        // it for the time their mount asked for nothing, and report every δ once asked, idle
-        // or not); what it neither spent nor can still spend is added to the pool, once. A
-        // mount without a report of this period may be stalled with its whole reservation in
-        // hand: none of its reservation is converted. So the tokens of a period never exceed
-        // its capacity (up to a few δ of decay in flight).
+        // Hand out the pool, paced over the period's rest (twice the even rate), to the
+        // mounts that want it in proportion to their weights.
+        if self.pool > 0 && !wanting.is_empty() {
+            let left = self.cfg.period.saturating_sub(elapsed);
+            let budget = if left <= self.cfg.check * 2 {
+                self.pool
+            } else {
+                ((self.pool as u128 * 2 * self.cfg.check.as_nanos() / left.as_nanos()) as u64)
+                    .max(wanting.len() as u64)
+                    .min(self.pool)
+            };
+            let total: u64 = wanting.iter().map(|w| w.1 as u64).sum();
+            for &(c, weight) in &wanting {
+                let give = (budget * weight as u64 / total).min(self.pool);
+                // A mount holding four times its handout unspent gets no more for now.
+                let held = self.handed.get(&c).map_or(0, |h| h.seen.max(0) as u64);
+                if give == 0 || held > give * 4 {
+                    continue;
+                }
+                let at = self.area + area::slot(c) + area::SHARE;
+                // Engines claim concurrently: CAS until the share is replaced. Their failed
+                // claims (a negative count) got nothing and are forgotten.
+                let mut w = region.load(at).expect("QoS area in region");
+                loop {
+                    let (t, share) = unpack_pool(w);
+                    let base = if t == tag { share.max(0) } else { 0 };
+                    if Self::swap_share(region, at, w, tag, base + give as i64) {
+                        break;
+                    }
+                    w = region.load(at).expect("QoS area in region");
+                }
+                self.pool -= give;
+                if let Some(h) = self.handed.get_mut(&c) {
+                    h.given = give;
+                }
+            }
+        }
+        self.store(region, area::POOL, pack_pool(tag, self.pool as i64));
+    }
+
+    /// Replaces share word `w` at `at` by `tokens` of period `tag`; false if it changed.
+    fn swap_share(region: &Region, at: u64, w: u64, tag: u64, tokens: i64) -> bool {
+        region
+            .compare_swap(at, w, pack_pool(tag, tokens))
+            .expect("QoS area in region")
+            == w
+    }
+
+    /// Conversion: reservation a mount can no longer use goes to the pool. A mount's
+    /// outstanding reservation is what its last report of this period says (engines decay
+    /// it for the time their mount asked for nothing, and report every δ once asked, idle or
+    /// not); what it neither spent nor can still spend is added to the pool, once. A mount
+    /// without a report of this period may be stalled with its whole reservation in hand:
+    /// none of its reservation is converted. So the tokens of a period never exceed its
+    /// capacity (up to a few δ of decay in flight). Returns the tokens added.
+    fn convert(&mut self, region: &Region) -> u64 {
         let decayed: u64 = self
             .granted
             .iter()
             .map(|(&c, s)| {
                 let (period, residual, spent) =
                     unpack_pair(self.load(region, area::slot(c) + area::REPORT_WORD));
-                // A report of this period is the mount's own account; without one the mount
-                // has been idle all along (engines report every δ once asked), so its
-                // reservation decays with the clock.
                 let residual = if period == self.period & 0xff {
                     residual
                 } else {
@@ -286,26 +405,8 @@ impl QosMonitor {
             })
             .sum();
         let add = decayed.saturating_sub(self.converted);
-        if add == 0 {
-            return;
-        }
-        // Engines take tokens concurrently: add with a CAS loop on the token field.
-        let mut w = self.load(region, area::POOL);
-        loop {
-            let (period, tokens) = unpack_pool(w);
-            let found = region
-                .compare_swap(
-                    self.area + area::POOL,
-                    w,
-                    pack_pool(period, tokens + add as i64),
-                )
-                .expect("QoS area in region");
-            if found == w {
-                self.converted += add;
-                return;
-            }
-            w = found;
-        }
+        self.converted += add;
+        add
     }
 
     /// The period in progress.

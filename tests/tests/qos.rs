@@ -75,6 +75,7 @@ fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>
             Some(MountShare {
                 reservation: r,
                 limit: 0,
+                weight: 1,
             }),
         );
     }
@@ -305,5 +306,98 @@ fn conversion_gives_light_mounts_unused_reservation_to_others() {
 
 #[test]
 fn the_area_fits_every_slot() {
-    assert_eq!(area::slot(area::SLOTS as u16 - 1) + 32, area::AREA_LEN);
+    assert_eq!(area::slot(area::SLOTS as u16 - 1) + 48, area::AREA_LEN);
+}
+
+/// Three backlogged mounts with no reservation and weights 1:2:3 share a node's whole capacity;
+/// returns the tokens each spent in the middle periods.
+fn weighted_shares(seed: u64) -> Vec<u64> {
+    let mut sim = Sim::new(SimConfig {
+        seed,
+        region_len: 1 << 20,
+        ..SimConfig::default()
+    });
+    let h = sim.handle();
+    let region = h.region();
+    let monitor = Rc::new(RefCell::new(QosMonitor::new(
+        &region,
+        0,
+        MonitorConfig {
+            period: PERIOD,
+            check: Duration::from_millis(1),
+            conversion: true,
+        },
+        CapacityEstimator::new(CAPACITY, 0, 0, 4),
+        h.now(),
+    )));
+    for (c, w) in [1u32, 2, 3].into_iter().enumerate() {
+        monitor.borrow_mut().set_mount(
+            c as u16,
+            Some(MountShare {
+                reservation: 0,
+                limit: 0,
+                weight: w,
+            }),
+        );
+    }
+    let end = PERIOD * 8;
+    let node = sim.add_client();
+    {
+        let (h, m, region) = (h.clone(), monitor.clone(), region.clone());
+        sim.spawn(node, async move {
+            while h.now() < end + PERIOD {
+                h.clock_sleep(Duration::from_millis(1)).await;
+                m.borrow_mut().tick(&region, h.now());
+            }
+        });
+    }
+    let uses = Rc::new(RefCell::new(vec![0u64; 3]));
+    for c in 0..3 {
+        let id = sim.add_client();
+        let qp = h.connect(id);
+        let engine = Rc::new(QosEngine::new(
+            qp.clone(),
+            RemoteAddr::new(SIM_RKEY, 0),
+            c as u16,
+            EngineConfig {
+                batch: 8,
+                delta: Duration::from_millis(1),
+            },
+        ));
+        let (h, uses) = (h.clone(), uses.clone());
+        sim.spawn(id, async move {
+            while h.now() < end {
+                let admitted = engine.admit(1).await.expect("admit");
+                let mut b = Batch::new();
+                b.read(RemoteAddr::new(SIM_RKEY, 8192), 8);
+                qp.post(b).await.expect("io");
+                drop(admitted);
+            }
+            let mid: u64 = engine
+                .take_finished()
+                .iter()
+                .filter(|u| (3..=6).contains(&u.period))
+                .map(|u| u.used)
+                .sum();
+            uses.borrow_mut()[c] = mid;
+        });
+    }
+    assert_eq!(sim.run(Duration::from_secs(10)), RunOutcome::Finished);
+    let u = uses.borrow().clone();
+    u
+}
+
+#[test]
+fn spare_capacity_goes_to_backlogged_mounts_by_weight() {
+    for seed in 0..5 {
+        let u = weighted_shares(seed);
+        let unit = u.iter().sum::<u64>() as f64 / 6.0;
+        for (i, &x) in u.iter().enumerate() {
+            let want = unit * (i + 1) as f64;
+            assert!(
+                (x as f64 - want).abs() <= want * 0.1,
+                "seed {seed}: weights 1:2:3 got {u:?}"
+            );
+        }
+    }
 }
