@@ -6,6 +6,7 @@ pub mod alloc;
 pub mod control;
 pub mod locktree;
 pub mod meta;
+pub mod metrics;
 pub mod qos;
 pub mod server;
 pub mod size;

@@ -59,6 +59,9 @@ struct Args {
     /// Turn token conversion off (experiments only).
     #[arg(long)]
     qos_no_conversion: bool,
+    /// Serve Prometheus text metrics (memory, verbs, RPCs, QoS) over HTTP at ADDR.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -103,6 +106,7 @@ fn run(args: Args) -> Result<(), String> {
             client_iops: args.qos_client_capacity,
             conversion: !args.qos_no_conversion,
         },
+        metrics: args.metrics_listen,
     })
     .map_err(|e| e.to_string())?;
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.

@@ -56,6 +56,8 @@ pub struct NodeConfig {
     /// How long freed file stripes are held back before their memory is reused.
     pub quarantine: Duration,
     pub qos: crate::qos::QosConfig,
+    /// Where to serve Prometheus text metrics (`None`: nowhere).
+    pub metrics: Option<String>,
 }
 
 /// A node's place in the cluster.
@@ -251,6 +253,22 @@ impl MemNode {
                     }
                 })
                 .expect("spawn QoS monitor thread");
+        }
+        if let Some(addr) = &shared.cfg.metrics {
+            let l = TcpListener::bind(addr).map_err(|err| StartError::Listen {
+                addr: addr.clone(),
+                err,
+            })?;
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("metrics".into())
+                .spawn(move || {
+                    crate::metrics::serve(l, || {
+                        let qos = s.qos.as_ref().map(|q| q.status(s.cfg.node_id));
+                        crate::metrics::render(&s.stats(), qos.as_ref())
+                    })
+                })
+                .expect("spawn metrics thread");
         }
         if shared.cluster_qos.is_some() {
             let s = shared.clone();

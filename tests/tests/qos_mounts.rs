@@ -119,3 +119,53 @@ fn a_limit_holds_and_qos_set_changes_it_live() {
     assert!(rate <= 200.0 * 1.25, "limit 200 IOPS, measured {rate:.0}");
     assert!(rate > 0.0);
 }
+
+/// GETs `/metrics` from `addr` (plain HTTP/1.0).
+fn http_get(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn each_node_exposes_its_qos_on_a_prometheus_endpoint() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let c = TestCluster::start_with(
+        1,
+        "64M",
+        &[
+            "--qos-capacity",
+            "10000",
+            "--qos-period-ms",
+            "200",
+            "--metrics-listen",
+            &addr,
+        ],
+    );
+    let m = Mount::new(&c, "reservation=2000");
+    hammer(&m, "f", Duration::from_millis(600));
+    let page = http_get(&addr);
+    assert!(page.starts_with("HTTP/1.0 200 OK"), "{page}");
+    assert!(
+        page.contains("rackfs_verbs_total{node=\"mn0\",op=\"write\"}"),
+        "{page}"
+    );
+    assert!(
+        page.contains("rackfs_qos_capacity_iops{node=\"mn0\",profiled=\"true\"}"),
+        "{page}"
+    );
+    // The mount's reservation share on this node, in IOPS, after a period has ended.
+    assert!(
+        page.lines()
+            .any(|l| l.contains("what=\"reservation\"") && l.ends_with(" 2000")),
+        "{page}"
+    );
+}
