@@ -62,6 +62,11 @@ struct Args {
     /// Serve Prometheus text metrics (memory, verbs, RPCs, QoS) over HTTP at ADDR.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
+    /// Measure this node's QoS capacity instead of serving: clients in this process read
+    /// 4 KiB one-sided over the node's transport (shm if --shm-socket is given, else tcp),
+    /// 1 to 4 at once for SECONDS each; prints C_G and C_L and the flags that set them.
+    #[arg(long, value_name = "SECONDS")]
+    profile: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -85,6 +90,7 @@ fn run(args: Args) -> Result<(), String> {
     let secret = Secret::from_file(&args.secret_file)?;
     let mut signals = Signals::new([SIGTERM, SIGINT])
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let profile = args.profile;
     let node = MemNode::start(NodeConfig {
         node_id: args.node_id,
         name: args.name.unwrap_or_else(|| format!("mn{}", args.node_id)),
@@ -93,10 +99,11 @@ fn run(args: Args) -> Result<(), String> {
         region_len: args.region,
         secret,
         poll: std::time::Duration::from_micros(args.poll_us),
-        role: match (args.primary, args.join) {
-            (true, _) => Role::Primary,
-            (false, Some(addr)) => Role::Join(addr),
-            (false, None) => Role::Standalone,
+        role: match (args.primary, args.join, profile) {
+            (_, _, Some(_)) => Role::Standalone,
+            (true, _, _) => Role::Primary,
+            (false, Some(addr), _) => Role::Join(addr),
+            (false, None, _) => Role::Standalone,
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         qos: rackfs_memnode::qos::QosConfig {
@@ -109,6 +116,62 @@ fn run(args: Args) -> Result<(), String> {
         metrics: args.metrics_listen,
     })
     .map_err(|e| e.to_string())?;
+    if let Some(secs) = profile {
+        let secret = Secret::from_file(&args.secret_file)?;
+        let connect = || match (&args.shm_socket, node.tcp_addr()) {
+            (Some(p), _) => rackfs_verbs::shm::connect(p, &secret, "profile"),
+            (None, Some(a)) => rackfs_verbs::tcp::connect(&a.to_string(), &secret, "profile"),
+            (None, None) => unreachable!("a node listens somewhere"),
+        };
+        let transport = if args.shm_socket.is_some() {
+            "shm"
+        } else {
+            "tcp"
+        };
+        let span = args.region.min(64 << 20) / 4096;
+        let mut best = 0.0f64;
+        let mut one = 0.0f64;
+        for clients in 1..=4u64 {
+            let qps: Vec<_> = (0..clients)
+                .map(|_| connect().map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?;
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(secs.max(1));
+            let threads: Vec<_> = qps
+                .into_iter()
+                .enumerate()
+                .map(|(i, qp)| {
+                    std::thread::spawn(move || {
+                        let rkey = qp.regions()[0].rkey;
+                        let mut n = 0u64;
+                        while std::time::Instant::now() < until {
+                            let unit = (n * 7919 + i as u64 * 104_729) % span;
+                            qp.read(rackfs_verbs::RemoteAddr::new(rkey, unit * 4096), 4096)
+                                .expect("profile read");
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let total: u64 = threads
+                .into_iter()
+                .map(|t| t.join().expect("profile thread"))
+                .sum();
+            let rate = total as f64 / secs.max(1) as f64;
+            info!(clients, iops = rate as u64, "profile");
+            if clients == 1 {
+                one = rate;
+            }
+            best = best.max(rate);
+        }
+        println!(
+            "profile ({transport}, 4 KiB READs): C_G = {} IOPS, C_L = {} IOPS\n\
+             start the node with --qos-capacity {} --qos-client-capacity {}",
+            best as u64, one as u64, best as u64, one as u64
+        );
+        node.shutdown();
+        return Ok(());
+    }
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.
     println!(
         "rackfs-memnode ready: node={} tcp={} shm={} region={}",

@@ -169,3 +169,35 @@ fn each_node_exposes_its_qos_on_a_prometheus_endpoint() {
         "{page}"
     );
 }
+
+#[test]
+fn memnode_profile_measures_capacity_and_prints_the_flags() {
+    let dir = rackfs_tests::TempDir::new("profile");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "profile-test-secret").unwrap();
+    let out = Command::new(bin_path("rackfs-memnode"))
+        .args([
+            "--region",
+            "16M",
+            "--listen",
+            "127.0.0.1:0",
+            "--profile",
+            "1",
+        ])
+        .arg("--secret-file")
+        .arg(&secret)
+        .output()
+        .expect("run rackfs-memnode --profile");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let flags = text
+        .lines()
+        .find_map(|l| l.strip_prefix("start the node with "))
+        .unwrap_or_else(|| panic!("no flags in {text}"));
+    let nums: Vec<u64> = flags
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(nums.len(), 2, "{flags}");
+    assert!(nums[0] >= nums[1] && nums[1] > 0, "C_G >= C_L > 0: {flags}");
+}
