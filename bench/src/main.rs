@@ -2,6 +2,7 @@
 
 mod fio;
 mod locks;
+mod plot;
 mod qos;
 mod qos_mounts;
 mod shared;
@@ -183,12 +184,38 @@ fn main() {
             let periods = if run.quick { 6 } else { 20 };
             let mut md =
                 String::from("# Haechi experiments (simulated NIC, see bench/src/qos.rs)\n\n");
+            // Charts go next to the report (PNG when a converter is installed, else SVG).
+            let plots = run
+                .out
+                .as_ref()
+                .and_then(|p| p.parent().map(|d| d.to_path_buf()));
             for zipf in [false, true] {
-                let (t, _) = qos::exp_2a(zipf, periods);
+                let (t, rows) = qos::exp_2a(zipf, periods);
+                let name = if zipf { "Zipf(0.6)" } else { "uniform" };
                 md.push_str(&format!(
-                    "## 2A: {} reservations, 90% of capacity reserved, all backlogged\n\n{t}\n",
-                    if zipf { "Zipf(0.6)" } else { "uniform" }
+                    "## 2A: {name} reservations, 90% of capacity reserved, all backlogged\n\n{t}\n"
                 ));
+                if let Some(dir) = &plots {
+                    let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 * 10.0 / v.len() as f64;
+                    let svg = plot::bars(
+                        &format!("2A, {name} reservations: mean IOPS per client"),
+                        "IOPS",
+                        &(1..=rows.len())
+                            .map(|c| format!("C{c}"))
+                            .collect::<Vec<_>>(),
+                        &[
+                            ("reservation", rows.iter().map(|r| r.0 as f64).collect()),
+                            ("Haechi", rows.iter().map(|r| mean(&r.1)).collect()),
+                            ("no QoS", rows.iter().map(|r| mean(&r.2)).collect()),
+                        ],
+                    );
+                    let f = plot::save(
+                        dir,
+                        &format!("qos-2a-{}", if zipf { "zipf" } else { "uniform" }),
+                        &svg,
+                    );
+                    md.push_str(&format!("![2A {name}]({f})\n\n"));
+                }
                 eprintln!("2A done");
             }
             for zipf in [false, true] {
@@ -209,9 +236,37 @@ fn main() {
                 qos::exp_weights(periods)
             ));
             for drop in [true, false] {
-                let (t, _) = qos::exp_4(drop, periods);
+                let (t, series) = qos::exp_4(drop, periods);
+                let mut image = String::new();
+                if let Some(dir) = &plots {
+                    let col = |f: fn(&(u64, u64, u64, u64)) -> u64| {
+                        series.iter().map(|x| f(x) as f64).collect::<Vec<f64>>()
+                    };
+                    let reservation = qos::reservations(true, 0.8)[0] as f64;
+                    let svg = plot::lines(
+                        &format!(
+                            "4: background load {} at period {}",
+                            if drop { "starts" } else { "stops" },
+                            periods / 2
+                        ),
+                        "IOPS",
+                        "QoS period",
+                        &[
+                            ("capacity estimate", col(|x| x.1)),
+                            ("QoS clients", col(|x| x.2)),
+                            ("C1", col(|x| x.3)),
+                            ("C1 reservation", vec![reservation; series.len()]),
+                        ],
+                    );
+                    let f = plot::save(
+                        dir,
+                        &format!("qos-4-{}", if drop { "drop" } else { "rise" }),
+                        &svg,
+                    );
+                    image = format!("![4 {}]({f})\n\n", if drop { "drop" } else { "rise" });
+                }
                 md.push_str(&format!(
-                    "## 4: background load {} at period {}\n\n{t}\n",
+                    "## 4: background load {} at period {}\n\n{t}\n{image}",
                     if drop {
                         "takes 25% of the NIC"
                     } else {
