@@ -55,13 +55,7 @@ fn axes(o: &mut String, max: f64, unit: &str) {
 }
 
 fn short(v: f64) -> String {
-    if v >= 1e6 {
-        format!("{:.1}M", v / 1e6)
-    } else if v >= 1e3 {
-        format!("{:.0}k", v / 1e3)
-    } else {
-        format!("{v:.0}")
-    }
+    crate::stats::rate(v)
 }
 
 fn legend(o: &mut String, names: &[&str]) {

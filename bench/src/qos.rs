@@ -56,6 +56,23 @@ pub struct Experiment {
     pub background: Vec<(u32, u64)>,
 }
 
+impl Experiment {
+    /// Every client backlogged, QoS with conversion, the NIC's capacity as profiled.
+    pub fn backlogged(reservations: Vec<u64>, periods: u32) -> Experiment {
+        Experiment {
+            demand: vec![None; reservations.len()],
+            reservations,
+            weights: Vec::new(),
+            profiled: None,
+            adaptive: true,
+            qos: true,
+            conversion: true,
+            periods,
+            background: Vec::new(),
+        }
+    }
+}
+
 /// Per client, per period: I/Os completed. And per period: the monitor's capacity estimate.
 pub struct Outcome {
     pub done: Vec<Vec<u64>>,
@@ -269,17 +286,7 @@ pub type ClientSeries = (u64, Vec<u64>, Vec<u64>);
 
 pub fn exp_2a(zipf: bool, periods: u32) -> (String, Vec<ClientSeries>) {
     let res = reservations(zipf, 0.9);
-    let base = Experiment {
-        reservations: res.clone(),
-        weights: Vec::new(),
-        profiled: None,
-        adaptive: true,
-        demand: vec![None; 10],
-        qos: true,
-        conversion: true,
-        periods,
-        background: Vec::new(),
-    };
+    let base = Experiment::backlogged(res.clone(), periods);
     let with = run(&base);
     let without = run(&Experiment {
         qos: false,
@@ -324,15 +331,8 @@ pub fn exp_2b(zipf: bool, periods: u32) -> String {
         *d = Some(res[c] * PERIOD.as_millis() as u64 / 1000 / 2);
     }
     let base = Experiment {
-        reservations: res.clone(),
-        weights: Vec::new(),
-        profiled: None,
-        adaptive: true,
         demand,
-        qos: true,
-        conversion: true,
-        periods,
-        background: Vec::new(),
+        ..Experiment::backlogged(res.clone(), periods)
     };
     let with = run(&base);
     let basic = run(&Experiment {
@@ -370,17 +370,7 @@ pub fn exp_2c(periods: u32) -> String {
     for pct in [50, 60, 70, 80, 90] {
         for zipf in [false, true] {
             let res = reservations(zipf, pct as f64 / 100.0);
-            let o = run(&Experiment {
-                reservations: res.clone(),
-                weights: Vec::new(),
-                profiled: None,
-                adaptive: true,
-                demand: vec![None; 10],
-                qos: true,
-                conversion: true,
-                periods,
-                background: Vec::new(),
-            });
+            let o = run(&Experiment::backlogged(res.clone(), periods));
             let thr: u64 = (0..10)
                 .map(|c| {
                     iops(steady(&o.done[c], periods).iter().sum::<u64>() / (periods as u64 - 1))
@@ -415,15 +405,8 @@ pub fn exp_4(drop: bool, periods: u32) -> (String, Vec<(u64, u64, u64, u64)>) {
         vec![(0, bg), (half, 0)]
     };
     let o = run(&Experiment {
-        reservations: res.clone(),
-        weights: Vec::new(),
-        profiled: None,
-        adaptive: true,
-        demand: vec![None; 10],
-        qos: true,
-        conversion: true,
-        periods,
         background,
+        ..Experiment::backlogged(res.clone(), periods)
     });
     let mut md = format!(
         "| period | capacity estimate IOPS | QoS clients IOPS | C1 IOPS (R = {}) |\n|---:|---:|---:|---:|\n",
@@ -449,15 +432,11 @@ pub fn exp_4(drop: bool, periods: u32) -> (String, Vec<(u64, u64, u64, u64)>) {
 /// shares it equally whatever the weights.) Returns a table of mean IOPS and shares.
 pub fn exp_weights(periods: u32) -> String {
     let e = Experiment {
-        reservations: vec![0; 3],
         weights: vec![1, 2, 3],
         profiled: Some(36_000),
         adaptive: false,
-        demand: vec![None; 3],
-        qos: true,
-        conversion: true,
-        periods,
         background: vec![(0, 55_000)],
+        ..Experiment::backlogged(vec![0; 3], periods)
     };
     let o = run(&e);
     let means: Vec<u64> = (0..3)
