@@ -4,6 +4,7 @@ mod fio;
 mod locks;
 mod plot;
 mod qos;
+mod qos_engine;
 mod qos_mounts;
 mod shared;
 mod stats;
@@ -80,6 +81,11 @@ enum Cmd {
     },
     /// Haechi's experiments 2A, 2B, 2C and 4 on the simulator with a modelled NIC.
     Qos {
+        #[command(flatten)]
+        run: RunArgs,
+    },
+    /// What one QoS token check costs (the engine against a real memory node over shm).
+    QosEngine {
         #[command(flatten)]
         run: RunArgs,
     },
@@ -278,6 +284,17 @@ fn main() {
             println!("{md}");
             if let Some(path) = run.out {
                 std::fs::write(&path, md)
+                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            }
+        }
+        Cmd::QosEngine { run } => {
+            let line = qos_engine::run(
+                run.runs(),
+                Duration::from_millis(if run.quick { 200 } else { 1000 }),
+            );
+            println!("{line}");
+            if let Some(path) = run.out {
+                std::fs::write(&path, line)
                     .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
             }
         }
