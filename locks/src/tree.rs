@@ -287,13 +287,6 @@ impl LockTree {
         Ok(word_of(&self.exec_live(b).await?, id))
     }
 
-    /// Whether this tree has been retired (one round trip).
-    pub async fn is_retired(&self) -> Result<bool, VerbsError> {
-        let mut b = Batch::new();
-        let id = b.read(self.state(), 8);
-        Ok(word_of(&self.exec(b).await?, id) & RETIRED != 0)
-    }
-
     async fn sleep(&self, d: Duration) {
         self.clock.sleep(d).await
     }

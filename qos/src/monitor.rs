@@ -394,13 +394,7 @@ impl QosMonitor {
             .granted
             .iter()
             .map(|(&c, s)| {
-                let (period, residual, spent) =
-                    unpack_pair(self.load(region, area::slot(c) + area::REPORT_WORD));
-                let residual = if period == self.period & 0xff {
-                    residual
-                } else {
-                    s.reservation
-                };
+                let (_, residual, spent) = self.report(region, c, area::REPORT_WORD, s);
                 s.reservation.saturating_sub(residual).saturating_sub(spent)
             })
             .sum();
@@ -412,10 +406,5 @@ impl QosMonitor {
     /// The period in progress.
     pub fn period(&self) -> u64 {
         self.period
-    }
-
-    /// Tokens added to the pool by conversion in the current period.
-    pub fn converted(&self) -> u64 {
-        self.converted
     }
 }
