@@ -2,6 +2,7 @@
 
 mod fio;
 mod locks;
+mod mounts;
 mod plot;
 mod qos;
 mod qos_engine;
@@ -281,30 +282,18 @@ fn main() {
                     periods / 2
                 ));
             }
-            println!("{md}");
-            if let Some(path) = run.out {
-                std::fs::write(&path, md)
-                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-            }
+            report(&md, run.out);
         }
         Cmd::QosEngine { run } => {
             let line = qos_engine::run(
                 run.runs(),
                 Duration::from_millis(if run.quick { 200 } else { 1000 }),
             );
-            println!("{line}");
-            if let Some(path) = run.out {
-                std::fs::write(&path, line)
-                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-            }
+            report(&line, run.out);
         }
         Cmd::QosMounts { run, runtime } => {
             let md = qos_mounts::run(if run.quick { 2 } else { runtime.max(1) }, run.runs());
-            println!("{md}");
-            if let Some(path) = run.out {
-                std::fs::write(&path, md)
-                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-            }
+            report(&md, run.out);
         }
         Cmd::Shared { run, runtime } => {
             let cfg = shared::Config {
@@ -335,6 +324,11 @@ fn publish(
     for line in notes {
         md.push_str(&format!("\n- {line}"));
     }
+    report(&md, out);
+}
+
+/// Prints a report and writes it to `out` if given.
+fn report(md: &str, out: Option<PathBuf>) {
     println!("{md}");
     if let Some(path) = out {
         std::fs::write(&path, md).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));

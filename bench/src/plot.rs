@@ -54,6 +54,15 @@ fn axes(o: &mut String, max: f64, unit: &str) {
     );
 }
 
+/// The value axis' top: 10% above the largest value.
+fn top(series: &[(&str, Vec<f64>)]) -> f64 {
+    series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .fold(1.0, f64::max)
+        * 1.1
+}
+
 fn short(v: f64) -> String {
     crate::stats::rate(v)
 }
@@ -74,11 +83,7 @@ fn legend(o: &mut String, names: &[&str]) {
 
 /// Grouped bars: one group per label, one bar per series.
 pub fn bars(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> String {
-    let max = series
-        .iter()
-        .flat_map(|s| s.1.iter().copied())
-        .fold(1.0, f64::max)
-        * 1.1;
+    let max = top(series);
     let mut o = header(title);
     axes(&mut o, max, unit);
     let plot_w = W - LEFT - RIGHT;
@@ -114,11 +119,7 @@ pub fn bars(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64
 /// Lines over x = 1..=n.
 pub fn lines(title: &str, unit: &str, xlabel: &str, series: &[(&str, Vec<f64>)]) -> String {
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(2);
-    let max = series
-        .iter()
-        .flat_map(|s| s.1.iter().copied())
-        .fold(1.0, f64::max)
-        * 1.1;
+    let max = top(series);
     let mut o = header(title);
     axes(&mut o, max, unit);
     let plot_w = W - LEFT - RIGHT;

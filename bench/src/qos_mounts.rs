@@ -6,63 +6,12 @@
 //! The node's capacity is measured first, in the same run: the three mounts with `qos=off`
 //! reading at once; the QoS cluster is then started with that figure as `--qos-capacity`.
 
-use std::path::{Path, PathBuf};
+use rackfs_tests::{TempDir, TestCluster};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
-use rackfs_tests::{bin_path, wait_for, TempDir, TestCluster};
-
+use crate::mounts::{fio_iops, mount_all, Mounts};
 use crate::stats::median;
-
-struct Mounts {
-    dirs: Vec<PathBuf>,
-    daemons: Vec<Child>,
-}
-
-impl Drop for Mounts {
-    fn drop(&mut self) {
-        for d in &self.dirs {
-            let _ = Command::new("umount").arg("-l").arg(d).status();
-        }
-        for c in &mut self.daemons {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn mount_all(cluster: &TestCluster, tmp: &TempDir, tag: &str, opts: &[&str]) -> Mounts {
-    let mut m = Mounts {
-        dirs: Vec::new(),
-        daemons: Vec::new(),
-    };
-    for (i, o) in opts.iter().enumerate() {
-        let dir = tmp.path().join(format!("{tag}-{i}"));
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let all = format!("secret_file={},{o}", cluster.secret_file.display());
-        let log = tmp.path().join(format!("{tag}-{i}.log"));
-        m.daemons.push(
-            Command::new(bin_path("rackfs"))
-                .args(["mount", "--foreground", &cluster.addr()])
-                .arg(&dir)
-                .args(["-o", &all])
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("mount log"))
-                .spawn()
-                .expect("rackfs mount"),
-        );
-        assert!(
-            wait_for(Duration::from_secs(10), || {
-                rackfs_fs::mount::is_rackfs_mount(&dir)
-            }),
-            "mount of {} with {o} failed: {}",
-            dir.display(),
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        m.dirs.push(dir);
-    }
-    m
-}
 
 fn fio(dir: &Path, runtime: u32) -> Child {
     Command::new("fio")
@@ -86,14 +35,7 @@ fn fio(dir: &Path, runtime: u32) -> Child {
 }
 
 fn iops(c: Child) -> f64 {
-    let out = c.wait_with_output().expect("fio");
-    assert!(
-        out.status.success(),
-        "fio failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
-    v["jobs"][0]["read"]["iops"].as_f64().unwrap_or(0.0)
+    fio_iops(c, "read")
 }
 
 /// IOPS of each mount, all reading at once.

@@ -10,11 +10,12 @@
 //! unit must hold one pattern. Counted with and without locks (no lock: mixed units may appear,
 //! depending on timing).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
-use rackfs_tests::{bin_path, wait_for, TempDir, TestCluster};
+use rackfs_tests::{TempDir, TestCluster};
+
+use crate::mounts::{fio_iops, mount_all, Mounts};
 
 use crate::stats::{median, rate};
 
@@ -30,56 +31,6 @@ pub struct Row {
     pub writers: u32,
     pub on: Vec<f64>,
     pub off: Vec<f64>,
-}
-
-/// Two mounts of one cluster with the same options, unmounted on drop.
-struct Pair {
-    dirs: [PathBuf; 2],
-    daemons: Vec<Child>,
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        for d in &self.dirs {
-            let _ = Command::new("umount").arg("-l").arg(d).status();
-        }
-        for c in &mut self.daemons {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn mount_pair(cluster: &TestCluster, tmp: &TempDir, tag: &str, opts: &str) -> Pair {
-    let mut daemons = Vec::new();
-    let mut dirs = Vec::new();
-    for i in 0..2 {
-        let dir = tmp.path().join(format!("{tag}-{i}"));
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let all = format!("secret_file={},{opts}", cluster.secret_file.display());
-        daemons.push(
-            Command::new(bin_path("rackfs"))
-                .args(["mount", "--foreground", &cluster.addr()])
-                .arg(&dir)
-                .args(["-o", &all])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("rackfs mount"),
-        );
-        assert!(
-            wait_for(Duration::from_secs(10), || {
-                rackfs_fs::mount::is_rackfs_mount(&dir)
-            }),
-            "mounted {}",
-            dir.display()
-        );
-        dirs.push(dir);
-    }
-    Pair {
-        dirs: [dirs[0].clone(), dirs[1].clone()],
-        daemons,
-    }
 }
 
 /// Starts fio writing to `file` with `jobs` jobs, the first at region `first`.
@@ -110,18 +61,11 @@ fn fio(file: &Path, jobs: u32, first: u32, runtime: u32, extra: &[&str]) -> Chil
 }
 
 fn iops(child: Child) -> f64 {
-    let out = child.wait_with_output().expect("fio");
-    assert!(
-        out.status.success(),
-        "fio failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
-    v["jobs"][0]["write"]["iops"].as_f64().unwrap_or(0.0)
+    fio_iops(child, "write")
 }
 
 /// Aggregate IOPS of `writers` disjoint writers over the two mounts of `pair`.
-fn disjoint(pair: &Pair, writers: u32, runtime: u32) -> f64 {
+fn disjoint(pair: &Mounts, writers: u32, runtime: u32) -> f64 {
     let on_a = writers.div_ceil(2);
     let on_b = writers - on_a;
     let a = fio(&pair.dirs[0].join("shared"), on_a, 0, runtime, &[]);
@@ -131,7 +75,7 @@ fn disjoint(pair: &Pair, writers: u32, runtime: u32) -> f64 {
 
 /// Units of the overlap file holding bytes of more than one writer after two overlapping fio
 /// writers ran; returns (mixed units, units checked).
-fn overlap(pair: &Pair, runtime: u32) -> (usize, usize) {
+fn overlap(pair: &Mounts, runtime: u32) -> (usize, usize) {
     let len: u64 = 4 << 20;
     let name = "overlap";
     std::fs::write(pair.dirs[0].join(name), vec![0u8; len as usize]).expect("overlap file");
@@ -179,8 +123,8 @@ fn overlap(pair: &Pair, runtime: u32) -> (usize, usize) {
 pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
     let tmp = TempDir::new("bench-shared");
     let cluster = TestCluster::start(2, "1G");
-    let on = mount_pair(&cluster, &tmp, "on", "locks=on");
-    let off = mount_pair(&cluster, &tmp, "off", "locks=off");
+    let on = mount_all(&cluster, &tmp, "on", &["locks=on"; 2]);
+    let off = mount_all(&cluster, &tmp, "off", &["locks=off"; 2]);
     let max = *cfg.writers.iter().max().unwrap_or(&1) as u64;
     // Lay the file out once (both pairs share the cluster, so one file serves both).
     std::fs::write(
