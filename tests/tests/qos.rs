@@ -31,6 +31,41 @@ enum Kind {
     Paused,
 }
 
+/// The memory node of a run: a QoS monitor on the sim region's area (offset 0) with `shares`
+/// in slots 0, 1, ..., making one pass per check interval until `until`.
+fn memory_node(
+    sim: &mut Sim,
+    conversion: bool,
+    shares: &[MountShare],
+    until: Duration,
+) -> Rc<RefCell<QosMonitor>> {
+    let h = sim.handle();
+    let region = h.region();
+    let monitor = Rc::new(RefCell::new(QosMonitor::new(
+        &region,
+        0,
+        MonitorConfig {
+            period: PERIOD,
+            check: Duration::from_millis(1),
+            conversion,
+        },
+        CapacityEstimator::new(CAPACITY, 0, 0, 4),
+        h.now(),
+    )));
+    for (c, share) in shares.iter().enumerate() {
+        monitor.borrow_mut().set_mount(c as u16, Some(*share));
+    }
+    let node = sim.add_client();
+    let m = monitor.clone();
+    sim.spawn(node, async move {
+        while h.now() < until {
+            h.clock_sleep(Duration::from_millis(1)).await;
+            m.borrow_mut().tick(&region, h.now());
+        }
+    });
+    monitor
+}
+
 /// One mount of a run: its kind, its reservation, and what its engine did per period.
 type ClientRun = (Kind, u64, Vec<PeriodUse>);
 
@@ -57,41 +92,17 @@ fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>
             _ => Kind::Backlogged,
         })
         .collect();
-    let region = h.region();
-    let monitor = Rc::new(RefCell::new(QosMonitor::new(
-        &region,
-        0,
-        MonitorConfig {
-            period: PERIOD,
-            check: Duration::from_millis(1),
-            conversion,
-        },
-        CapacityEstimator::new(CAPACITY, 0, 0, 4),
-        h.now(),
-    )));
-    for (c, &r) in weights.iter().enumerate() {
-        monitor.borrow_mut().set_mount(
-            c as u16,
-            Some(MountShare {
-                reservation: r,
-                limit: 0,
-                weight: 1,
-            }),
-        );
-    }
     let periods = 8;
     let end = PERIOD * (periods + 1);
-    // The memory node: one monitor pass per check interval.
-    let node = sim.add_client();
-    {
-        let (h, m, region) = (h.clone(), monitor.clone(), region.clone());
-        sim.spawn(node, async move {
-            while h.now() < end + PERIOD {
-                h.clock_sleep(Duration::from_millis(1)).await;
-                m.borrow_mut().tick(&region, h.now());
-            }
-        });
-    }
+    let shares: Vec<MountShare> = weights
+        .iter()
+        .map(|&r| MountShare {
+            reservation: r,
+            limit: 0,
+            weight: 1,
+        })
+        .collect();
+    let monitor = memory_node(&mut sim, conversion, &shares, end + PERIOD);
     let uses = Rc::new(RefCell::new(Vec::new()));
     let mut ids = Vec::new();
     for (c, &kind) in kinds.iter().enumerate() {
@@ -318,39 +329,16 @@ fn weighted_shares(seed: u64) -> Vec<u64> {
         ..SimConfig::default()
     });
     let h = sim.handle();
-    let region = h.region();
-    let monitor = Rc::new(RefCell::new(QosMonitor::new(
-        &region,
-        0,
-        MonitorConfig {
-            period: PERIOD,
-            check: Duration::from_millis(1),
-            conversion: true,
-        },
-        CapacityEstimator::new(CAPACITY, 0, 0, 4),
-        h.now(),
-    )));
-    for (c, w) in [1u32, 2, 3].into_iter().enumerate() {
-        monitor.borrow_mut().set_mount(
-            c as u16,
-            Some(MountShare {
-                reservation: 0,
-                limit: 0,
-                weight: w,
-            }),
-        );
-    }
     let end = PERIOD * 8;
-    let node = sim.add_client();
-    {
-        let (h, m, region) = (h.clone(), monitor.clone(), region.clone());
-        sim.spawn(node, async move {
-            while h.now() < end + PERIOD {
-                h.clock_sleep(Duration::from_millis(1)).await;
-                m.borrow_mut().tick(&region, h.now());
-            }
-        });
-    }
+    let shares: Vec<MountShare> = [1u32, 2, 3]
+        .into_iter()
+        .map(|weight| MountShare {
+            reservation: 0,
+            limit: 0,
+            weight,
+        })
+        .collect();
+    memory_node(&mut sim, true, &shares, end + PERIOD);
     let uses = Rc::new(RefCell::new(vec![0u64; 3]));
     for c in 0..3 {
         let id = sim.add_client();
