@@ -7,6 +7,7 @@ mod plot;
 mod qos;
 mod qos_engine;
 mod qos_mounts;
+mod qos_pshift;
 mod shared;
 mod stats;
 mod verbs;
@@ -98,6 +99,22 @@ enum Cmd {
         /// Seconds per fio run, after 1 s of ramp (quick: 2).
         #[arg(long, default_value_t = 5)]
         runtime: u32,
+        /// Which parts to run.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "reservations,weights,cost"
+        )]
+        parts: Vec<qos_mounts::Part>,
+    },
+    /// pShift through real mounts: a reserving mount's demand moves between two memory
+    /// nodes, with pShift and with an even split (needs root and fio).
+    QosPshift {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Seconds the mount reads on each node (quick: 4).
+        #[arg(long, default_value_t = 8)]
+        phase: u32,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -229,18 +246,18 @@ fn main() {
                 md.push_str(&format!(
                     "## 2B: C1, C2 ask for half their reservation ({})\n\n{}\n",
                     if zipf { "Zipf(0.6)" } else { "uniform" },
-                    qos::exp_2b(zipf, periods)
+                    qos::exp_2b(zipf, periods, plots.as_deref())
                 ));
                 eprintln!("2B done");
             }
             md.push_str(&format!(
                 "## 2C: reserved share of capacity\n\n{}\n",
-                qos::exp_2c(periods)
+                qos::exp_2c(periods, plots.as_deref())
             ));
             eprintln!("2C done");
             md.push_str(&format!(
                 "## Weights 1:2:3, nothing reserved, all backlogged\n\n{}\n",
-                qos::exp_weights(periods)
+                qos::exp_weights(periods, plots.as_deref())
             ));
             for drop in [true, false] {
                 let (t, series) = qos::exp_4(drop, periods);
@@ -291,8 +308,24 @@ fn main() {
             );
             report(&line, run.out);
         }
-        Cmd::QosMounts { run, runtime } => {
-            let md = qos_mounts::run(if run.quick { 2 } else { runtime.max(1) }, run.runs());
+        Cmd::QosMounts {
+            run,
+            runtime,
+            parts,
+        } => {
+            let md = qos_mounts::run(
+                if run.quick { 2 } else { runtime.max(1) },
+                run.runs(),
+                &parts,
+            );
+            report(&md, run.out);
+        }
+        Cmd::QosPshift { run, phase } => {
+            let plots = run
+                .out
+                .as_ref()
+                .and_then(|p| p.parent().map(|d| d.to_path_buf()));
+            let md = qos_pshift::run(if run.quick { 4 } else { phase.max(3) }, plots.as_deref());
             report(&md, run.out);
         }
         Cmd::Shared { run, runtime } => {

@@ -24,6 +24,20 @@ impl Drop for Mounts {
     }
 }
 
+impl Mounts {
+    /// Pins every mount daemon (all its threads) to `cpu`.
+    pub fn pin(&self, cpu: usize) {
+        for d in &self.daemons {
+            let ok = Command::new("taskset")
+                .args(["-a", "-c", "-p", &cpu.to_string(), &d.id().to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "taskset could not pin mount daemon {}", d.id());
+        }
+    }
+}
+
 /// Mounts `cluster` once per entry of `opts` (mount options) at `tmp/tag-i`; a mount that
 /// fails panics with its log.
 pub fn mount_all(cluster: &TestCluster, tmp: &TempDir, tag: &str, opts: &[&str]) -> Mounts {

@@ -8,6 +8,7 @@
 //! Runs are deterministic: the same command prints the same table.
 
 use std::cell::{Cell, RefCell};
+use std::path::Path;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -16,6 +17,8 @@ use rackfs_qos::{
 };
 use rackfs_verbs::sim::{Sim, SimConfig, SimHandle, SIM_RKEY};
 use rackfs_verbs::RemoteAddr;
+
+use crate::plot;
 
 pub const CAPACITY: u64 = 100_000;
 pub const CLIENT_CAPACITY: u64 = 25_000;
@@ -324,7 +327,8 @@ pub fn exp_2a(zipf: bool, periods: u32) -> (String, Vec<ClientSeries>) {
 
 /// Experiment 2B: clients C1 and C2 ask for half their reservation each period; token
 /// conversion on (Haechi) vs off (basic Haechi).
-pub fn exp_2b(zipf: bool, periods: u32) -> String {
+/// 2B; with `plots`, also a bar chart there.
+pub fn exp_2b(zipf: bool, periods: u32, plots: Option<&Path>) -> String {
     let res = reservations(zipf, 0.9);
     let mut demand = vec![None; 10];
     for (c, d) in demand.iter_mut().enumerate().take(2) {
@@ -356,16 +360,49 @@ pub fn exp_2b(zipf: bool, periods: u32) -> String {
             iops(conv)
         )
     };
-    format!(
+    let mut md = format!(
         "| system | C3-C10 IOPS | all clients IOPS | last capacity estimate IOPS | converted IOPS |\n|---|---:|---:|---:|---:|\n{}{}{}",
         row("Haechi (conversion)", &with),
         row("basic Haechi (no conversion)", &basic),
         row("no QoS", &bare)
-    )
+    );
+    if let Some(dir) = plots {
+        let name = if zipf { "zipf" } else { "uniform" };
+        let svg = plot::bars(
+            &format!("2B ({name}): C1, C2 ask for half their reservation"),
+            "IOPS",
+            &[
+                "Haechi".to_string(),
+                "no conversion".to_string(),
+                "no QoS".to_string(),
+            ],
+            &[
+                (
+                    "C3-C10",
+                    vec![total(&with, 2), total(&basic, 2), total(&bare, 2)]
+                        .into_iter()
+                        .map(|x| x as f64)
+                        .collect(),
+                ),
+                (
+                    "all clients",
+                    vec![total(&with, 0), total(&basic, 0), total(&bare, 0)]
+                        .into_iter()
+                        .map(|x| x as f64)
+                        .collect(),
+                ),
+            ],
+        );
+        let f = plot::save(dir, &format!("qos-2b-{name}"), &svg);
+        md.push_str(&format!("\n![2B {name}]({f})\n"));
+    }
+    md
 }
 
 /// Experiment 2C: 50% to 90% of capacity reserved; throughput and whether all met R.
-pub fn exp_2c(periods: u32) -> String {
+/// 2C; with `plots`, also a bar chart there.
+pub fn exp_2c(periods: u32, plots: Option<&Path>) -> String {
+    let mut met_share: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     let mut md = "| reserved | distribution | throughput IOPS | client-periods meeting R |\n|---:|---|---:|---:|\n".to_string();
     for pct in [50, 60, 70, 80, 90] {
         for zipf in [false, true] {
@@ -387,7 +424,21 @@ pub fn exp_2c(periods: u32) -> String {
                 "| {pct}% | {} | {thr} | {met}/{all} |\n",
                 if zipf { "Zipf 0.6" } else { "uniform" }
             ));
+            met_share[zipf as usize].push(100.0 * met as f64 / all.max(1) as f64);
         }
+    }
+    if let Some(dir) = plots {
+        let svg = plot::bars(
+            "2C: client-periods meeting their reservation",
+            "%",
+            &["50%", "60%", "70%", "80%", "90%"].map(String::from),
+            &[
+                ("uniform", met_share[0].clone()),
+                ("Zipf(0.6)", met_share[1].clone()),
+            ],
+        );
+        let f = plot::save(dir, "qos-2c", &svg);
+        md.push_str(&format!("\n![2C]({f})\n"));
     }
     md
 }
@@ -430,7 +481,8 @@ pub fn exp_4(drop: bool, periods: u32) -> (String, Vec<(u64, u64, u64, u64)>) {
 /// of the NIC: the tokens, not the NIC, are the binding constraint, and no client is held back
 /// by its own 25k ceiling. (With an adaptive estimate the tokens track the NIC and a FIFO NIC
 /// shares it equally whatever the weights.) Returns a table of mean IOPS and shares.
-pub fn exp_weights(periods: u32) -> String {
+/// Weights 1:2:3; with `plots`, also a bar chart there.
+pub fn exp_weights(periods: u32, plots: Option<&Path>) -> String {
     let e = Experiment {
         weights: vec![1, 2, 3],
         profiled: Some(36_000),
@@ -452,6 +504,28 @@ pub fn exp_weights(periods: u32) -> String {
             100.0 * *m as f64 / total.max(1) as f64,
             100.0 * (c + 1) as f64 / 6.0
         ));
+    }
+    if let Some(dir) = plots {
+        let svg = plot::bars(
+            "Weights 1:2:3 (simulated NIC): share of the spare capacity",
+            "%",
+            &["C1 (w=1)", "C2 (w=2)", "C3 (w=3)"].map(String::from),
+            &[
+                (
+                    "measured",
+                    means
+                        .iter()
+                        .map(|&m| 100.0 * m as f64 / total.max(1) as f64)
+                        .collect(),
+                ),
+                (
+                    "weight's share",
+                    (1..=3).map(|w| 100.0 * w as f64 / 6.0).collect(),
+                ),
+            ],
+        );
+        let f = plot::save(dir, "qos-weights", &svg);
+        md.push_str(&format!("\n![weights]({f})\n"));
     }
     md
 }

@@ -13,22 +13,26 @@ use std::process::{Child, Command, Stdio};
 use crate::mounts::{fio_iops, mount_all, Mounts};
 use crate::stats::median;
 
-fn fio(dir: &Path, runtime: u32) -> Child {
-    Command::new("fio")
-        .args([
-            "--name=q",
-            &format!("--directory={}", dir.display()),
-            "--rw=randread",
-            "--bs=4k",
-            "--size=16M",
-            "--ioengine=psync",
-            "--direct=1",
-            "--time_based",
-            &format!("--runtime={runtime}"),
-            "--ramp_time=1",
-            "--output-format=json",
-        ])
-        .stdout(Stdio::piped())
+/// fio 4 KiB random reads, one psync job, on `dir`; pinned to `cpu` if given.
+fn fio(dir: &Path, runtime: u32, cpu: Option<usize>) -> Child {
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--name=q",
+        &format!("--directory={}", dir.display()),
+        "--rw=randread",
+        "--bs=4k",
+        "--size=16M",
+        "--ioengine=psync",
+        "--direct=1",
+        "--time_based",
+        &format!("--runtime={runtime}"),
+        "--ramp_time=1",
+        "--output-format=json",
+    ]);
+    if let Some(c) = cpu {
+        cmd.arg(format!("--cpus_allowed={c}"));
+    }
+    cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run fio (apt-get install fio)")
@@ -40,38 +44,71 @@ fn iops(c: Child) -> f64 {
 
 /// IOPS of each mount, all reading at once.
 fn together(m: &Mounts, runtime: u32) -> Vec<f64> {
-    let running: Vec<Child> = m.dirs.iter().map(|d| fio(d, runtime)).collect();
+    let running: Vec<Child> = m.dirs.iter().map(|d| fio(d, runtime, None)).collect();
     running.into_iter().map(iops).collect()
 }
 
-pub fn run(runtime: u32, runs: usize) -> String {
+/// Which parts to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// Reservations and a limit, with and without QoS.
+    Reservations,
+    /// Weights 1:2:3 sharing the spare capacity.
+    Weights,
+    /// QoS's own cost: qos=on (nothing reserved) against qos=off, alternating, pinned.
+    Cost,
+}
+
+pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
     let tmp = TempDir::new("bench-qos");
-    // 1. Capacity: three unaccounted mounts at once, and one alone (the local constraint).
+    // Capacity: three unaccounted mounts at once, and one alone (the local constraint).
     let (capacity, alone) = {
         let c = TestCluster::start(1, "512M");
         let m = mount_all(&c, &tmp, "measure", &["qos=off"; 3]);
         let all: f64 = together(&m, runtime).iter().sum();
-        let one = iops(fio(&m.dirs[0], runtime));
-        (all, one)
+        let one = iops(fio(&m.dirs[0], runtime, None));
+        (all as u64, one as u64)
     };
-    let cap = capacity as u64;
-    // M1 reserves the most one mount can surely do (80% of its rate alone, at most 45% of the
-    // node), M2 a quarter of the node, M3 nothing but is limited to a tenth.
-    let r1 = (cap * 45 / 100).min(alone as u64 * 8 / 10);
-    let (r2, l3) = (cap * 25 / 100, cap / 10);
-    let c = TestCluster::start_with(
+    let mut md = format!(
+        "Capacity measured in this run: {capacity} IOPS for three mounts at once, {alone} for \
+         one alone (4 KiB random reads, fio psync direct, 1 job per mount, shm, one memory \
+         node).\n\n"
+    );
+    if parts.contains(&Part::Reservations) {
+        md.push_str(&reservations(&tmp, capacity, alone, runtime, runs));
+    }
+    if parts.contains(&Part::Weights) {
+        md.push_str(&weights(&tmp, capacity, alone, runtime, runs));
+    }
+    if parts.contains(&Part::Cost) {
+        md.push_str(&cost(&tmp, runtime, runs));
+    }
+    md
+}
+
+fn qos_cluster(capacity: u64, alone: u64) -> TestCluster {
+    TestCluster::start_with(
         1,
         "512M",
         &[
             "--qos-capacity",
-            &cap.to_string(),
+            &capacity.to_string(),
             "--qos-client-capacity",
-            &(alone as u64).to_string(),
+            &alone.to_string(),
         ],
-    );
+    )
+}
+
+/// Three mounts with different reservations and a limit, with and without QoS, alternating.
+fn reservations(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
+    // M1 reserves the most one mount can surely do (80% of its rate alone, at most 45% of the
+    // node), M2 a quarter of the node, M3 nothing but is limited to a tenth.
+    let r1 = (cap * 45 / 100).min(alone * 8 / 10);
+    let (r2, l3) = (cap * 25 / 100, cap / 10);
+    let c = qos_cluster(cap, alone);
     let with = mount_all(
         &c,
-        &tmp,
+        tmp,
         "qos",
         &[
             &format!("reservation={r1}"),
@@ -79,34 +116,12 @@ pub fn run(runtime: u32, runs: usize) -> String {
             &format!("limit={l3}"),
         ],
     );
-    let without = mount_all(&c, &tmp, "bare", &["qos=off"; 3]);
-    let mut q: Vec<Vec<f64>> = vec![Vec::new(); 3];
-    let mut b: Vec<Vec<f64>> = vec![Vec::new(); 3];
-    for r in 0..runs {
-        let order: [&Mounts; 2] = if r % 2 == 0 {
-            [&with, &without]
-        } else {
-            [&without, &with]
-        };
-        for m in order {
-            let res = together(m, runtime);
-            let dst = if std::ptr::eq(m, &with) {
-                &mut q
-            } else {
-                &mut b
-            };
-            for (i, x) in res.into_iter().enumerate() {
-                dst[i].push(x);
-            }
-        }
-    }
-    drop(with);
-    drop(without);
+    let without = mount_all(&c, tmp, "bare", &["qos=off"; 3]);
+    let (q, b) = alternate(&with, &without, runtime, runs);
     let mut md = format!(
-        "Capacity measured in this run: {cap} IOPS for three mounts at once, {} for one alone \
-         (4 KiB random reads, fio psync direct, 1 job per mount, shm, one memory node).\n\n\
-         | mount | reservation | limit | with QoS: IOPS (median of {runs}) | without QoS |\n|---|---:|---:|---:|---:|\n",
-        alone as u64
+        "## Reservations and a limit\n\n\
+         | mount | reservation | limit | with QoS: IOPS (median of {runs}) | without QoS |\n\
+         |---|---:|---:|---:|---:|\n"
     );
     let spec = [(r1, 0), (r2, 0), (0, l3)];
     for (i, (r, l)) in spec.iter().enumerate() {
@@ -123,25 +138,87 @@ pub fn run(runtime: u32, runs: usize) -> String {
             median(&b[i])
         ));
     }
-    // 2. QoS's own cost: qos=on with nothing reserved vs qos=off, one mount each, alternating.
-    let pair = mount_all(&c, &tmp, "cost", &["qos=on", "qos=off"]);
+    md
+}
+
+/// Three backlogged mounts with weights 1, 2 and 3 and nothing reserved on a node whose QoS
+/// capacity is set below what it can serve, so the pool is what limits them: each should get
+/// its weight's share of it. The same mounts without weights get equal shares.
+fn weights(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
+    // A third of what the node serves, so the pool, not the CPU, is what holds the mounts
+    // back; the weight-3 mount's half stays well under what one mount can do alone.
+    let pool = (cap * 35 / 100).min(alone);
+    let c = qos_cluster(pool, alone);
+    let weighted = mount_all(&c, tmp, "w", &["weight=1", "weight=2", "weight=3"]);
+    let equal = mount_all(&c, tmp, "eq", &["qos=on"; 3]);
+    let (w, e) = alternate(&weighted, &equal, runtime, runs);
+    let mw: Vec<f64> = w.iter().map(|x| median(x)).collect();
+    let me: Vec<f64> = e.iter().map(|x| median(x)).collect();
+    let (sw, se) = (mw.iter().sum::<f64>(), me.iter().sum::<f64>());
+    let mut md = format!(
+        "\n## Weights, nothing reserved, the node's QoS capacity set to {pool} IOPS\n\n\
+         | mount | weight | IOPS (median of {runs}) | share | weight's share | without weights | share |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for i in 0..3 {
+        md.push_str(&format!(
+            "| M{} | {} | {:.0} | {:.1}% | {:.1}% | {:.0} | {:.1}% |\n",
+            i + 1,
+            i + 1,
+            mw[i],
+            100.0 * mw[i] / sw,
+            100.0 * (i + 1) as f64 / 6.0,
+            me[i],
+            100.0 * me[i] / se
+        ));
+    }
+    md
+}
+
+/// Runs both sets of mounts `runs` times, alternating which goes first; IOPS per mount.
+fn alternate(a: &Mounts, b: &Mounts, runtime: u32, runs: usize) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let mut ra: Vec<Vec<f64>> = vec![Vec::new(); a.dirs.len()];
+    let mut rb: Vec<Vec<f64>> = vec![Vec::new(); b.dirs.len()];
+    for r in 0..runs {
+        for first in [r % 2 == 0, r % 2 == 1] {
+            let (m, dst) = if first { (a, &mut ra) } else { (b, &mut rb) };
+            for (i, x) in together(m, runtime).into_iter().enumerate() {
+                dst[i].push(x);
+            }
+        }
+    }
+    (ra, rb)
+}
+
+/// QoS's own cost: one mount with qos=on and nothing reserved against one with qos=off,
+/// alternating; fio and both mount daemons pinned to CPU 1 (caller and daemon share a CPU).
+fn cost(tmp: &TempDir, runtime: u32, runs: usize) -> String {
+    let c = qos_cluster(100_000_000, 100_000_000);
+    let pair = mount_all(&c, tmp, "cost", &["qos=on", "qos=off"]);
+    pair.pin(1);
     let (mut on, mut off) = (Vec::new(), Vec::new());
     for r in 0..runs.max(3) {
         for first in [r % 2 == 0, r % 2 == 1] {
             if first {
-                on.push(iops(fio(&pair.dirs[0], runtime)));
+                on.push(iops(fio(&pair.dirs[0], runtime, Some(1))));
             } else {
-                off.push(iops(fio(&pair.dirs[1], runtime)));
+                off.push(iops(fio(&pair.dirs[1], runtime, Some(1))));
             }
         }
     }
-    md.push_str(&format!(
-        "\nQoS's own cost, one mount alone (median of {}): qos=on, no reservation or limit: {:.0} \
-         IOPS; qos=off: {:.0} IOPS; on/off = {:.1}%.\n",
-        on.len(),
+    let ratios: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
+    let lo = ratios.iter().cloned().fold(f64::MAX, f64::min);
+    let hi = ratios.iter().cloned().fold(f64::MIN, f64::max);
+    format!(
+        "\n## QoS's own cost\n\nOne mount alone, fio and the mount daemon pinned to CPU 1, \
+         alternating, {n} runs each of {runtime} s: qos=on, no reservation or limit: {:.0} \
+         IOPS (median); qos=off: {:.0} IOPS; on/off = **{:.1}%** of the medians (pairwise \
+         ratios {:.1}-{:.1}%).\n",
         median(&on),
         median(&off),
-        100.0 * median(&on) / median(&off)
-    ));
-    md
+        100.0 * median(&on) / median(&off),
+        100.0 * lo,
+        100.0 * hi,
+        n = on.len(),
+    )
 }

@@ -59,6 +59,10 @@ struct Args {
     /// Turn token conversion off (experiments only).
     #[arg(long)]
     qos_no_conversion: bool,
+    /// Split every mount's reservation evenly over the nodes instead of by its demand
+    /// (pShift off; experiments only).
+    #[arg(long)]
+    qos_even_split: bool,
     /// Serve Prometheus text metrics (memory, verbs, RPCs, QoS) over HTTP at ADDR.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
@@ -112,6 +116,7 @@ fn run(args: Args) -> Result<(), String> {
             capacity_iops: args.qos_capacity,
             client_iops: args.qos_client_capacity,
             conversion: !args.qos_no_conversion,
+            pshift: !args.qos_even_split,
         },
         metrics: args.metrics_listen,
     })

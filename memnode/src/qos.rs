@@ -28,6 +28,8 @@ pub struct QosConfig {
     pub client_iops: Option<u64>,
     /// Token conversion (off only for experiments).
     pub conversion: bool,
+    /// pShift placement by demand; off (experiments only) splits every reservation evenly.
+    pub pshift: bool,
 }
 
 /// Capacity assumed for a node that was not profiled.
@@ -41,6 +43,7 @@ impl Default for QosConfig {
             capacity_iops: None,
             client_iops: None,
             conversion: true,
+            pshift: true,
         }
     }
 }
@@ -153,6 +156,8 @@ pub struct ClusterQos {
     pub mounts: BTreeMap<u16, MountQos>,
     /// The last placement.
     pub placed: Placement,
+    /// Split reservations evenly instead of by demand (experiments: pShift off).
+    pub even_split: bool,
 }
 
 impl ClusterQos {
@@ -233,6 +238,9 @@ impl ClusterQos {
                 nodes
                     .iter()
                     .map(|node| {
+                        if self.even_split {
+                            return 0;
+                        }
                         node.periods.last().map_or(0, |p| {
                             p.mounts.iter().find(|m| m.0 == *s).map_or(0, |m| m.4)
                         })
@@ -246,14 +254,20 @@ impl ClusterQos {
             .map(|s| per_period(self.mounts[s].reservation, period(&nodes[0])))
             .collect();
         // A mount without demand anywhere gets an even split (as demand) so it keeps its
-        // reservation everywhere until it shows where it works.
+        // reservation everywhere until it shows where it works. One that asked for less than
+        // its reservation (it may have been held back: demand is measured in a closed loop)
+        // has its demand scaled up to the reservation, in the same proportions.
         let demand: Vec<Vec<u64>> = demand
             .into_iter()
             .zip(&reservation)
             .map(|(d, &r)| {
                 let total: u64 = d.iter().sum();
-                if total < r {
-                    d.iter().map(|&x| x + r.div_ceil(n)).collect()
+                if total == 0 {
+                    vec![r.div_ceil(n); d.len()]
+                } else if total < r {
+                    d.iter()
+                        .map(|&x| (x as u128 * r as u128).div_ceil(total as u128) as u64)
+                        .collect()
                 } else {
                     d
                 }
@@ -306,5 +320,55 @@ impl ClusterQos {
                     .collect(),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u32, demand: &[(u16, u64)]) -> QosNodeStatus {
+        QosNodeStatus {
+            node_id: id,
+            period_ms: 1000,
+            capacity: 10_000,
+            profiled: true,
+            client_iops: 10_000,
+            periods: vec![QosPeriod {
+                period: 1,
+                capacity: 10_000,
+                mounts: demand.iter().map(|&(s, d)| (s, 0, d, 0, d)).collect(),
+                ..QosPeriod::default()
+            }],
+        }
+    }
+
+    fn share(p: &Placement, node: u32, slot: u16) -> u64 {
+        p[&node].iter().find(|x| x.0 == slot).map_or(0, |x| x.1)
+    }
+
+    #[test]
+    fn reservations_follow_demand_even_when_held_below_it() {
+        let mut c = ClusterQos::default();
+        let q = MountQos {
+            session: 1,
+            reservation: 6000,
+            limit: 0,
+            weight: 1,
+        };
+        c.mounts.insert(0, q);
+        // No demand yet: an even split.
+        let p = c.place(&[node(0, &[]), node(1, &[])]);
+        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (3000, 3000));
+        // Held back to 4000 on node 1 only: the whole reservation moves there.
+        let p = c.place(&[node(0, &[]), node(1, &[(0, 4000)])]);
+        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (0, 6000));
+        // Demand over both nodes, below the reservation: split in its proportions.
+        let p = c.place(&[node(0, &[(0, 1000)]), node(1, &[(0, 3000)])]);
+        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (1500, 4500));
+        // pShift off: always even.
+        c.even_split = true;
+        let p = c.place(&[node(0, &[]), node(1, &[(0, 4000)])]);
+        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (3000, 3000));
     }
 }

@@ -211,7 +211,12 @@ impl MemNode {
         let namespace = is_primary.then(|| Mutex::new(Namespace::new(cfg.quarantine)));
         let shared = Arc::new(Shared {
             allocator: Mutex::new(allocator),
-            cluster_qos: is_primary.then(|| Mutex::new(crate::qos::ClusterQos::default())),
+            cluster_qos: is_primary.then(|| {
+                Mutex::new(crate::qos::ClusterQos {
+                    even_split: !cfg.qos.pshift,
+                    ..Default::default()
+                })
+            }),
             qos,
             cfg,
             table,

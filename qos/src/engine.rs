@@ -62,6 +62,15 @@ struct State {
     last_elapsed_us: Option<u64>,
 }
 
+/// Everything a token check touches, under one lock: the period's state, the totals and the
+/// line of waiting requests.
+#[derive(Default)]
+struct Inner {
+    s: State,
+    totals: EngineTotals,
+    line: Line,
+}
+
 /// What one engine did in one finished period.
 #[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeriodUse {
@@ -91,9 +100,7 @@ pub struct QosEngine {
     area: RemoteAddr,
     slot: u16,
     cfg: EngineConfig,
-    state: Mutex<State>,
-    totals: Mutex<EngineTotals>,
-    line: Mutex<Line>,
+    inner: Mutex<Inner>,
     flight: Arc<Flight>,
     finished: Mutex<Vec<PeriodUse>>,
 }
@@ -147,18 +154,18 @@ impl Line {
 
 /// Resolves when `ticket` is first in line.
 struct Turn<'a> {
-    line: &'a Mutex<Line>,
+    inner: &'a Mutex<Inner>,
     ticket: u64,
 }
 
 impl Future for Turn<'_> {
     type Output = ();
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let mut line = self.line.lock().expect("line");
-        if line.serving == self.ticket {
+        let mut inner = self.inner.lock().expect("QoS engine state");
+        if inner.line.serving == self.ticket {
             Poll::Ready(())
         } else {
-            line.wakers.push(cx.waker().clone());
+            inner.line.wakers.push(cx.waker().clone());
             Poll::Pending
         }
     }
@@ -179,21 +186,23 @@ impl QosEngine {
             area,
             slot,
             cfg,
-            state: Mutex::new(State::default()),
-            totals: Mutex::new(EngineTotals::default()),
-            line: Mutex::new(Line::default()),
+            inner: Mutex::new(Inner::default()),
             flight: Arc::new(Flight::default()),
             finished: Mutex::new(Vec::new()),
         }
     }
 
     pub fn totals(&self) -> EngineTotals {
-        *self.totals.lock().expect("totals")
+        self.lock().totals
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().expect("QoS engine state")
     }
 
     /// The period this engine is in, and the tokens it used in it.
     pub fn current(&self) -> (u64, u64) {
-        let s = self.state.lock().expect("state");
+        let s = &self.lock().s;
         (s.period, s.used)
     }
 
@@ -210,7 +219,7 @@ impl QosEngine {
     /// reservation, and writes a report if asked. One round trip.
     async fn refresh(&self) -> Result<(), VerbsError> {
         let report = {
-            let s = self.state.lock().expect("state");
+            let s = &self.lock().s;
             s.reporting.then(|| {
                 (
                     pack_pair(s.period, s.reservation, s.used - s.from_pool),
@@ -234,7 +243,9 @@ impl QosEngine {
         let w = |d: &[u8], i: usize| u64::from_le_bytes(d[i * 8..i * 8 + 8].try_into().expect("8"));
         let (period, reporting, elapsed_us, period_us) = (w(h, 0), w(h, 2) != 0, w(h, 3), w(h, 4));
         let sl = done.data(slot)?;
-        let mut s = self.state.lock().expect("state");
+        let mut inner = self.lock();
+        let waiting = inner.line.waiting();
+        let s = &mut inner.s;
         if period != s.period {
             // A new period: the grant replaces whatever was left; unused global tokens lapse.
             if s.period != 0 {
@@ -267,8 +278,7 @@ impl QosEngine {
         // operations outstanding all along forfeits nothing, however slowly the node served
         // it: its demand was there, the node was busy.
         let idle = self.flight.idle_seen.swap(false, Ordering::SeqCst)
-            || (self.flight.count.load(Ordering::SeqCst) == 0
-                && !self.line.lock().expect("line").waiting());
+            || (self.flight.count.load(Ordering::SeqCst) == 0 && !waiting);
         if let Some(last) = s.last_elapsed_us {
             let interval = elapsed_us.saturating_sub(last);
             if idle && s.period_us > 0 {
@@ -290,11 +300,11 @@ impl QosEngine {
     }
 
     async fn refresh_if_due(&self) -> Result<(), VerbsError> {
-        let due = {
-            let s = self.state.lock().expect("state");
-            s.refreshed_at
-                .is_none_or(|t| self.clock.now() >= t + self.cfg.delta)
-        };
+        let due = self
+            .lock()
+            .s
+            .refreshed_at
+            .is_none_or(|t| self.clock.now() >= t + self.cfg.delta);
         if due {
             self.refresh().await?;
         }
@@ -324,15 +334,15 @@ impl QosEngine {
         loop {
             self.refresh_if_due().await?;
             let step = {
-                let mut s = self.state.lock().expect("state");
+                let mut inner = self.lock();
                 if !counted {
-                    s.asked += tokens;
+                    inner.s.asked += tokens;
                     counted = true;
                 }
-                if self.line.lock().expect("line").waiting() {
+                if inner.line.waiting() {
                     Step::Wait
                 } else {
-                    self.take(&mut s, tokens)
+                    Self::take(&mut inner, tokens)
                 }
             };
             match step {
@@ -342,15 +352,19 @@ impl QosEngine {
             }
         }
         // Wait in line: first come, first served, re-checking every δ.
-        let ticket = self.line.lock().expect("line").join();
-        self.totals.lock().expect("totals").waits += 1;
+        let ticket = {
+            let mut inner = self.lock();
+            inner.totals.waits += 1;
+            inner.line.join()
+        };
         let res = self.wait_in_line(ticket, tokens).await;
-        self.line.lock().expect("line").leave();
+        self.lock().line.leave();
         res
     }
 
     /// Spends `tokens` if this engine has them: reservation first, then global.
-    fn take(&self, s: &mut State, tokens: u64) -> Step {
+    fn take(inner: &mut Inner, tokens: u64) -> Step {
+        let s = &mut inner.s;
         if s.limit > 0 && s.used + tokens > s.limit {
             Step::Wait
         } else if s.reservation + s.global >= tokens {
@@ -360,7 +374,7 @@ impl QosEngine {
             s.used += tokens;
             s.spent_since_refresh += tokens;
             s.from_pool += tokens - from_res;
-            let mut t = self.totals.lock().expect("totals");
+            let t = &mut inner.totals;
             t.from_reservation += from_res;
             t.from_pool += tokens - from_res;
             Step::Go
@@ -373,15 +387,16 @@ impl QosEngine {
 
     /// Takes a batch of global tokens from the node's pool (one remote FAA).
     async fn claim(&self, tokens: u64) -> Result<(), VerbsError> {
-        let period = self.state.lock().expect("state").period;
+        let period = self.lock().s.period;
         let want = self.cfg.batch.max(tokens);
         let mut b = Batch::new();
         let id = b.masked_faa(self.slot_addr(area::SHARE), pool_take(want), POOL_BOUNDARY);
         let done = self.qp.post(b).await?;
         let (from, old) = unpack_pool(done.value(id)?);
         let got = old.clamp(0, want as i64) as u64;
-        self.totals.lock().expect("totals").claims += 1;
-        let mut s = self.state.lock().expect("state");
+        let mut inner = self.lock();
+        inner.totals.claims += 1;
+        let s = &mut inner.s;
         if s.period != period || from != period & 0xffff {
             // Tokens of another period than this engine's: they lapse (the engine refreshes
             // before it spends anything of a new period).
@@ -400,12 +415,12 @@ impl QosEngine {
     async fn wait_in_line(&self, ticket: u64, tokens: u64) -> Result<(), VerbsError> {
         loop {
             Turn {
-                line: &self.line,
+                inner: &self.inner,
                 ticket,
             }
             .await;
             self.refresh_if_due().await?;
-            let step = self.take(&mut self.state.lock().expect("state"), tokens);
+            let step = Self::take(&mut self.lock(), tokens);
             match step {
                 Step::Go => return Ok(()),
                 Step::Claim => self.claim(tokens).await?,
