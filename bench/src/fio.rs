@@ -78,19 +78,32 @@ pub struct FioResult {
     pub p99_us: f64,
 }
 
-struct System {
-    name: &'static str,
-    dir: PathBuf,
-    direct: bool,
+/// One filesystem under test.
+pub struct System {
+    pub name: &'static str,
+    pub dir: PathBuf,
+    /// Whether fio should use O_DIRECT (not on tmpfs).
+    pub direct: bool,
+    /// Whether it is RackFS (mounts of one cluster).
+    pub rackfs: bool,
+}
+
+/// A RackFS cluster to mount: started here, or one that already runs.
+pub enum Target {
+    Embedded { nodes: usize, region: &'static str },
+    Existing { addr: String, secret_file: PathBuf },
 }
 
 /// Everything mounted for a benchmark, unmounted on drop.
-struct Rig {
-    systems: Vec<System>,
+pub struct Rig {
+    pub systems: Vec<System>,
     daemons: Vec<Child>,
     mounts: Vec<PathBuf>,
-    _cluster: TestCluster,
-    _tmp: TempDir,
+    /// The embedded cluster (kept running while mounted).
+    cluster: Option<TestCluster>,
+    pub addr: String,
+    pub secret_file: PathBuf,
+    tmp: TempDir,
 }
 
 impl Drop for Rig {
@@ -102,6 +115,41 @@ impl Drop for Rig {
             let _ = d.kill();
             let _ = d.wait();
         }
+    }
+}
+
+impl Rig {
+    /// Pins every FUSE daemon (all threads) to `cpus`.
+    pub fn pin_daemons(&self, cpus: &str) {
+        for d in &self.daemons {
+            let _ = Command::new("taskset")
+                .args(["-a", "-p", "-c", cpus, &d.id().to_string()])
+                .stdout(Stdio::null())
+                .status();
+        }
+    }
+
+    /// Mounts the rig's cluster once more at `tmp/name` with extra mount options.
+    pub fn mount_rackfs(&mut self, name: &str, options: &str, cpus: &str) -> PathBuf {
+        let dir = self.tmp.path().join(name);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let opts = format!("secret_file={},{options}", self.secret_file.display());
+        self.daemons.push(
+            pinned(cpus, &bin_path("rackfs"))
+                .args(["mount", "--foreground", &self.addr])
+                .arg(&dir)
+                .args(["-o", &opts])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("rackfs mount"),
+        );
+        assert!(
+            wait_for(Duration::from_secs(10), || mounted(&dir, "rackfs:")),
+            "rackfs mounted with {options}"
+        );
+        self.mounts.push(dir.clone());
+        dir
     }
 }
 
@@ -122,87 +170,100 @@ fn mounted(dir: &Path, fstype_prefix: &str) -> bool {
 }
 
 fn setup(daemon_cpus: &str) -> Rig {
+    rig(
+        daemon_cpus,
+        &Target::Embedded {
+            nodes: 2,
+            region: "1G",
+        },
+    )
+}
+
+/// tmpfs, the FUSE ceiling (`rackfs-memfs`), and RackFS over shm (embedded clusters only)
+/// and tcp, the FUSE daemons pinned to `daemon_cpus`.
+pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
     let tmp = TempDir::new("bench");
     let mk = |n: &str| {
         let p = tmp.path().join(n);
         std::fs::create_dir_all(&p).expect("mkdir");
         p
     };
-    let (tmpfs, memfs, shm, tcp) = (mk("tmpfs"), mk("memfs"), mk("rackfs-shm"), mk("rackfs-tcp"));
+    let (tmpfs, memfs) = (mk("tmpfs"), mk("memfs"));
     assert!(Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=2g", "tmpfs"])
         .arg(&tmpfs)
         .status()
         .expect("mount")
         .success());
-    let mut daemons = Vec::new();
-    daemons.push(
-        pinned(daemon_cpus, &bin_path("rackfs-memfs"))
-            .arg(&memfs)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("memfs"),
-    );
+    let daemons = vec![pinned(daemon_cpus, &bin_path("rackfs-memfs"))
+        .arg(&memfs)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("memfs")];
     assert!(
         wait_for(Duration::from_secs(10), || mounted(&memfs, "memfs")),
         "memfs mounted"
     );
-    let cluster = TestCluster::start(2, "1G");
-    // The memory nodes' NIC threads run on CPU 1 (they only matter for tcp).
-    for n in cluster.nodes.iter().flatten() {
-        let _ = Command::new("taskset")
-            .args(["-a", "-p", "-c", "1", &n.child.id().to_string()])
-            .stdout(Stdio::null())
-            .status();
-    }
-    for (dir, transport) in [(&shm, "shm"), (&tcp, "tcp")] {
-        let opts = format!(
-            "secret_file={},transport={transport}",
-            cluster.secret_file.display()
-        );
-        daemons.push(
-            pinned(daemon_cpus, &bin_path("rackfs"))
-                .args(["mount", "--foreground", &cluster.addr()])
-                .arg(dir)
-                .args(["-o", &opts])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("rackfs mount"),
-        );
-        assert!(
-            wait_for(Duration::from_secs(10), || mounted(dir, "rackfs:")),
-            "rackfs mounted over {transport}"
-        );
-    }
-    Rig {
-        systems: vec![
-            System {
-                name: "tmpfs",
-                dir: tmpfs.clone(),
-                direct: false,
-            },
-            System {
-                name: "memfs (FUSE ceiling)",
-                dir: memfs.clone(),
-                direct: true,
-            },
-            System {
-                name: "RackFS shm",
-                dir: shm.clone(),
-                direct: true,
-            },
-            System {
-                name: "RackFS tcp",
-                dir: tcp.clone(),
-                direct: true,
-            },
-        ],
+    let (cluster, addr, secret_file) = match target {
+        Target::Embedded { nodes, region } => {
+            let c = TestCluster::start(*nodes, region);
+            // The memory nodes' NIC threads run on CPU 1 (they only matter for tcp).
+            for n in c.nodes.iter().flatten() {
+                let _ = Command::new("taskset")
+                    .args(["-a", "-p", "-c", "1", &n.child.id().to_string()])
+                    .stdout(Stdio::null())
+                    .status();
+            }
+            let (a, s) = (c.addr(), c.secret_file.clone());
+            (Some(c), a, s)
+        }
+        Target::Existing { addr, secret_file } => (None, addr.clone(), secret_file.clone()),
+    };
+    let mut rig = Rig {
+        systems: Vec::new(),
         daemons,
-        mounts: vec![tmpfs, memfs, shm, tcp],
-        _cluster: cluster,
-        _tmp: tmp,
+        mounts: vec![tmpfs.clone(), memfs.clone()],
+        cluster,
+        addr,
+        secret_file,
+        tmp,
+    };
+    // shm needs the nodes on this host; an existing cluster is reached over tcp only.
+    let transports: &[(&str, &'static str)] = if rig.cluster.is_some() {
+        &[("shm", "RackFS shm"), ("tcp", "RackFS tcp")]
+    } else {
+        &[("tcp", "RackFS tcp")]
+    };
+    let mut rackfs = Vec::new();
+    for (t, name) in transports {
+        let dir = rig.mount_rackfs(
+            &format!("rackfs-{t}"),
+            &format!("transport={t}"),
+            daemon_cpus,
+        );
+        rackfs.push(System {
+            name,
+            dir,
+            direct: true,
+            rackfs: true,
+        });
     }
+    rig.systems = vec![
+        System {
+            name: "tmpfs",
+            dir: tmpfs,
+            direct: false,
+            rackfs: false,
+        },
+        System {
+            name: "memfs (FUSE ceiling)",
+            dir: memfs,
+            direct: true,
+            rackfs: false,
+        },
+    ];
+    rig.systems.extend(rackfs);
+    rig
 }
 
 fn run_fio(dir: &Path, w: &Workload, direct: bool, cfg: &Config, cpus: &str) -> FioResult {

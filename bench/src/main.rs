@@ -10,6 +10,7 @@ mod qos_mounts;
 mod qos_pshift;
 mod shared;
 mod stats;
+mod suite;
 mod verbs;
 
 use std::path::PathBuf;
@@ -106,6 +107,37 @@ enum Cmd {
             default_value = "reservations,weights,cost"
         )]
         parts: Vec<qos_mounts::Part>,
+    },
+    /// The workload suite: fio job files and filebench personalities from `bench/` on RackFS
+    /// and its baselines, range-locked sharing, QoS over time, lock throughput and scale-down,
+    /// written to `DIR/report.md` with charts (needs root and fio).
+    Suite {
+        /// How much to run.
+        #[arg(long, value_enum, default_value = "default")]
+        set: suite::Set,
+        /// Runs per point (quick: 1).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Seconds per fio run, after 1 s of ramp (quick: 1).
+        #[arg(long, default_value_t = 2)]
+        runtime: u32,
+        /// Use this running cluster (its primary's HOST:PORT, over tcp) instead of starting one.
+        #[arg(long, value_name = "ADDR", requires = "secret_file")]
+        cluster: Option<String>,
+        /// The cluster's secret file (with --cluster).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// Where the report and charts go (default: bench/results/<today>).
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
+    /// Counts the 4 KiB units of FILE that hold a mix of bytes rather than one of PATTERNS
+    /// throughout (after `bench/fio/overlap-verify.fio`); fails if any does.
+    CheckUnits {
+        file: PathBuf,
+        /// Byte patterns, e.g. 0xaa 0xbb.
+        #[arg(required = true, value_parser = parse_byte)]
+        patterns: Vec<u8>,
     },
     /// pShift through real mounts: a reserving mount's demand moves between two memory
     /// nodes, with pShift and with an even split (needs root and fio).
@@ -320,6 +352,53 @@ fn main() {
             );
             report(&md, run.out);
         }
+        Cmd::Suite {
+            set,
+            runs,
+            runtime,
+            cluster,
+            secret_file,
+            out_dir,
+        } => {
+            let quick = set == suite::Set::Quick;
+            let out_dir = out_dir.unwrap_or_else(|| {
+                let day = std::process::Command::new("date")
+                    .arg("+%F")
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+                    .unwrap_or_else(|_| "today".into());
+                PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("results")
+                    .join(day)
+            });
+            let target = match (cluster, secret_file) {
+                (Some(addr), Some(secret_file)) => fio::Target::Existing { addr, secret_file },
+                _ => fio::Target::Embedded {
+                    nodes: 2,
+                    region: "2G",
+                },
+            };
+            let md = suite::run(&suite::Config {
+                set,
+                runs: if quick { 1 } else { runs.max(1) },
+                runtime: if quick { 1 } else { runtime.max(1) },
+                target,
+                out_dir: out_dir.clone(),
+            });
+            println!("{md}");
+            eprintln!("report: {}", out_dir.join("report.md").display());
+        }
+        Cmd::CheckUnits { file, patterns } => match suite::check_units(&file, &patterns) {
+            Ok((units, 0)) => println!("{}: {units} units, none mixed", file.display()),
+            Ok((units, mixed)) => {
+                println!("{}: {mixed} of {units} units mixed", file.display());
+                std::process::exit(1);
+            }
+            Err(e) => {
+                eprintln!("rackfs-bench: cannot read {}: {e}", file.display());
+                std::process::exit(2);
+            }
+        },
         Cmd::QosPshift { run, phase } => {
             let plots = run
                 .out
@@ -344,6 +423,15 @@ fn main() {
             );
         }
     }
+}
+
+/// A byte given as 0xNN or decimal.
+fn parse_byte(s: &str) -> Result<u8, String> {
+    match s.strip_prefix("0x") {
+        Some(h) => u8::from_str_radix(h, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("{s}: not a byte ({e})"))
 }
 
 /// Prints a markdown table and its headline lines, and writes them to `out` if given.

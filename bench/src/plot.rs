@@ -7,11 +7,11 @@ use std::path::Path;
 use std::process::Command;
 
 const W: f64 = 760.0;
-const H: f64 = 380.0;
+const H: f64 = 400.0;
 const LEFT: f64 = 70.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
-const BOTTOM: f64 = 72.0;
+const BOTTOM: f64 = 90.0;
 const COLORS: [&str; 5] = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee"];
 
 fn header(title: &str) -> String {
@@ -64,13 +64,21 @@ fn top(series: &[(&str, Vec<f64>)]) -> f64 {
 }
 
 fn short(v: f64) -> String {
-    crate::stats::rate(v)
+    if (1e3..1e5).contains(&v) {
+        format!("{:.1}k", v / 1e3)
+    } else {
+        crate::stats::rate(v)
+    }
 }
 
+/// One entry per series under the chart, laid out by name length, wrapping to a second row.
 fn legend(o: &mut String, names: &[&str]) {
+    let (mut x, mut y) = (LEFT, H - 28.0);
     for (i, n) in names.iter().enumerate() {
-        let x = LEFT + 10.0 + i as f64 * 170.0;
-        let y = H - 10.0;
+        let w = 26.0 + 7.0 * n.chars().count() as f64;
+        if x + w > W - RIGHT && x > LEFT {
+            (x, y) = (LEFT, y + 18.0);
+        }
         let _ = write!(
             o,
             "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"{y}\">{n}</text>",
@@ -78,6 +86,7 @@ fn legend(o: &mut String, names: &[&str]) {
             COLORS[i % COLORS.len()],
             x + 16.0
         );
+        x += w;
     }
 }
 

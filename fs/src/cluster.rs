@@ -42,6 +42,7 @@ pub struct Cluster {
     nodes: RwLock<HashMap<u32, Arc<Node>>>,
     secret: Secret,
     transport: TransportChoice,
+    rdma_device: Option<String>,
     name: String,
     /// This mount's lock client slot on the primary and its calibrated lock configuration.
     lock_client: Mutex<Option<(u16, LockConfig)>>,
@@ -56,7 +57,7 @@ struct Qos {
 
 fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
     match transport {
-        TransportChoice::Tcp => None,
+        TransportChoice::Tcp | TransportChoice::Rdma => None,
         _ => addr.shm.as_deref().filter(|p| Path::new(p).exists()),
     }
 }
@@ -67,6 +68,7 @@ impl Cluster {
         addrs: &[String],
         secret: Secret,
         transport: TransportChoice,
+        rdma_device: Option<String>,
         name: &str,
     ) -> Result<Cluster, ConnectError> {
         if addrs.is_empty() {
@@ -107,6 +109,7 @@ impl Cluster {
                 nodes: RwLock::new(HashMap::new()),
                 secret,
                 transport,
+                rdma_device,
                 name: name.into(),
                 lock_client: Mutex::new(None),
                 qos: RwLock::new(None),
@@ -152,6 +155,12 @@ impl Cluster {
                     reason: "transport=shm but the node's socket is not on this host".into(),
                 })
             }
+            (None, Some(tcp), TransportChoice::Rdma) => rackfs_verbs::rdma::connect(
+                tcp,
+                &self.secret,
+                &self.name,
+                self.rdma_device.as_deref(),
+            )?,
             (None, Some(tcp), _) => rackfs_verbs::tcp::connect(tcp, &self.secret, &self.name)?,
             (None, None, _) => {
                 return Err(VerbsError::Connect {
@@ -257,7 +266,10 @@ impl Cluster {
                     .clone()
             }
         };
-        rackfs_verbs::block_on(engine.admit(tokens)).map(Some)
+        match engine.try_admit(tokens) {
+            Some(admitted) => Ok(Some(admitted)),
+            None => rackfs_verbs::block_on(engine.admit(tokens)).map(Some),
+        }
     }
 
     /// Keeps this mount's QoS engines fresh while it is idle (every δ), so its unused

@@ -185,6 +185,27 @@ impl RackFs {
         })
     }
 
+    /// A setattr that changes the size: for a regular file it runs under the file's
+    /// whole-file lock and shrinks its lock tree.
+    fn set_size(&self, ino: u64, set: SetAttr) -> Result<Attr, Errno> {
+        let size = set.size;
+        let setattr = || {
+            self.attr_of(MetaRequest::SetAttr {
+                ino,
+                set: set.clone(),
+            })
+        };
+        match self.attr_of(MetaRequest::GetAttr { ino })? {
+            a if a.kind == Kind::File => {
+                let size = size.unwrap_or(a.size);
+                self.file(&a)?
+                    .truncate(&self.cluster, size, || setattr().map_err(i32::from))
+                    .map_err(errno)
+            }
+            _ => setattr(),
+        }
+    }
+
     /// unlink (`dir` false) or rmdir (`dir` true).
     fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
         if let Err(e) = self.writable() {
@@ -275,20 +296,9 @@ impl Filesystem for RackFs {
             atime_ns: atime.map(to_ns),
             mtime_ns: mtime.map(to_ns),
         };
-        let setattr = || self.attr_of(MetaRequest::SetAttr { ino: ino.0, set });
         let res = match size {
-            // A size change of a regular file runs under its whole-file lock.
-            Some(size) => match self.attr_of(MetaRequest::GetAttr { ino: ino.0 }) {
-                Ok(a) if a.kind == Kind::File => match self.file(&a) {
-                    Ok(f) => f
-                        .truncate(&self.cluster, size, || setattr().map_err(i32::from))
-                        .map_err(errno),
-                    Err(e) => Err(e),
-                },
-                Ok(_) => setattr(),
-                Err(e) => Err(e),
-            },
-            None => setattr(),
+            Some(_) => self.set_size(ino.0, set),
+            None => self.attr_of(MetaRequest::SetAttr { ino: ino.0, set }),
         };
         match res {
             Ok(a) => reply.attr(&self.ttl(), &file_attr(&a)),
@@ -464,6 +474,29 @@ impl Filesystem for RackFs {
         };
         let a = match self.create_node(req, parent, name, kind, (mode & !umask & 0o7777) as u16) {
             Ok(a) => a,
+            // Another mount created the name since the kernel looked it up: without O_EXCL
+            // the open succeeds on that file, as on a local filesystem, and O_TRUNC empties it
+            // (as when two local opens race: the later one truncates).
+            Err(e) if e == Errno::EEXIST && flags & libc::O_EXCL == 0 => {
+                let found = self.attr_of(MetaRequest::Lookup {
+                    parent: parent.0,
+                    name: name.as_bytes().to_vec(),
+                });
+                let res = match found {
+                    Ok(a) if flags & libc::O_TRUNC != 0 && a.kind == Kind::File => self.set_size(
+                        a.ino,
+                        SetAttr {
+                            size: Some(0),
+                            ..SetAttr::default()
+                        },
+                    ),
+                    other => other,
+                };
+                match res {
+                    Ok(a) => a,
+                    Err(e) => return reply.error(e),
+                }
+            }
             Err(e) => return reply.error(e),
         };
         match self.open_handle(&a, flags) {

@@ -215,17 +215,23 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
                     reason: e.to_string(),
                 })
             }) {
-                Ok(s) => println!(
-                    "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
-                    n.name,
-                    target,
-                    format_size(s.capacity),
-                    format_size(s.used),
-                    format_size(s.quarantined),
-                    s.verbs.total_ops(),
-                    format_size(s.verbs.bytes.iter().sum()),
-                    s.rpcs.iter().sum::<u64>()
-                ),
+                Ok(s) => {
+                    println!(
+                        "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
+                        n.name,
+                        target,
+                        format_size(s.capacity),
+                        format_size(s.used),
+                        format_size(s.quarantined),
+                        s.verbs.total_ops(),
+                        format_size(s.verbs.bytes.iter().sum()),
+                        s.rpcs.iter().sum::<u64>()
+                    );
+                    if let Some(r) = &s.rdma {
+                        // One-sided verbs over RDMA never reach the node: not in the counts.
+                        println!("         rdma: {r}; {} rdma client(s) connected", s.open[3]);
+                    }
+                }
                 Err(e) => println!("  {:<6} {:<22} unreachable: {e}", n.name, target),
             }
         }

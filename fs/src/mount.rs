@@ -92,8 +92,14 @@ pub fn prepare(
     let dir = check_mount_point(dir)?;
     let secret = Secret::from_file(&opts.secret_file)?;
     let name = format!("mount:{}", dir.display());
-    let cluster =
-        Cluster::connect(&addrs, secret, opts.transport, &name).map_err(|e| e.to_string())?;
+    let cluster = Cluster::connect(
+        &addrs,
+        secret,
+        opts.transport,
+        opts.rdma_device.clone(),
+        &name,
+    )
+    .map_err(|e| e.to_string())?;
     if opts.qos {
         let slot = cluster.enable_qos(opts.reservation, opts.limit, opts.weight)?;
         // `rackfs qos set` finds the mount's slot here.

@@ -12,6 +12,8 @@ pub enum TransportChoice {
     Auto,
     Shm,
     Tcp,
+    /// RC queue pairs on an RDMA device (a build with the `rdma` feature).
+    Rdma,
 }
 
 /// Client-side data caching.
@@ -30,6 +32,8 @@ pub enum CacheMode {
 pub struct MountOptions {
     pub secret_file: PathBuf,
     pub transport: TransportChoice,
+    /// The RDMA device for `transport=rdma` (`None`: the first one).
+    pub rdma_device: Option<String>,
     pub cache: CacheMode,
     /// Stripe unit of files this mount creates.
     pub stripe_unit: u64,
@@ -61,6 +65,7 @@ impl Default for MountOptions {
         MountOptions {
             secret_file: PathBuf::from(DEFAULT_SECRET_FILE),
             transport: TransportChoice::Auto,
+            rdma_device: None,
             cache: CacheMode::None,
             stripe_unit: 1 << 20,
             threads: 4,
@@ -147,9 +152,11 @@ impl MountOptions {
                         "auto" => TransportChoice::Auto,
                         "shm" => TransportChoice::Shm,
                         "tcp" => TransportChoice::Tcp,
-                        v => return Err(format!("transport={v}: expected auto, shm or tcp")),
+                        "rdma" => TransportChoice::Rdma,
+                        v => return Err(format!("transport={v}: expected auto, shm, tcp or rdma")),
                     }
                 }
+                "rdma_device" => o.rdma_device = Some(need(key, value)?.to_string()),
                 "cache" => {
                     o.cache = match need(key, value)? {
                         "none" => CacheMode::None,
@@ -246,7 +253,7 @@ mod tests {
         assert_eq!(MountOptions::parse("").unwrap(), MountOptions::default());
         for (bad, says) in [
             ("bogus", "unknown mount option \"bogus\""),
-            ("transport=udp", "expected auto, shm or tcp"),
+            ("transport=udp", "expected auto, shm, tcp or rdma"),
             ("stripe_unit=1000", "multiple of 4K"),
             ("stripe_unit=12Q", "unknown unit"),
             ("threads=0", "from 1 to 64"),

@@ -200,8 +200,10 @@ pub struct NodeStats {
     pub verbs: VerbTotals,
     /// Control RPCs served, by kind ([`RPC_KINDS`]).
     pub rpcs: [u64; RPC_KINDS.len()],
-    /// Open connections by kind: verbs, control, shm.
-    pub open: [u64; 3],
+    /// Open connections by kind: verbs, control, shm, rdma.
+    pub open: [u64; 4],
+    /// The RDMA device the node serves on and how it does atomics (`None`: no RDMA).
+    pub rdma: Option<String>,
     pub connections_total: u64,
     pub auth_failures: u64,
     pub protocol_errors: u64,
@@ -582,7 +584,8 @@ mod tests {
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[7],
                 lock_trees: words[8], lock_recoveries: words[9],
                 verbs: VerbTotals { ops: words[10..16].try_into().unwrap(), bytes: words[16..22].try_into().unwrap(), errors: words[22], batches: words[23] },
-                rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..43].try_into().unwrap(),
+                rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..44].try_into().unwrap(),
+                rdma: (words[47] % 2 == 1).then(|| format!("rxe{}", words[46])),
                 connections_total: words[43], auth_failures: words[44], protocol_errors: words[45],
             };
             let r = ControlResponse::Stats(Box::new(s));

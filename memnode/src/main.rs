@@ -63,6 +63,10 @@ struct Args {
     /// (pShift off; experiments only).
     #[arg(long)]
     qos_even_split: bool,
+    /// Also serve RDMA clients on this device (e.g. mlx5_0, rxe0); needs a build with the
+    /// `rdma` feature.
+    #[arg(long, value_name = "NAME")]
+    rdma_device: Option<String>,
     /// Serve Prometheus text metrics (memory, verbs, RPCs, QoS) over HTTP at ADDR.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
@@ -119,6 +123,7 @@ fn run(args: Args) -> Result<(), String> {
             pshift: !args.qos_even_split,
         },
         metrics: args.metrics_listen,
+        rdma_device: args.rdma_device,
     })
     .map_err(|e| e.to_string())?;
     if let Some(secs) = profile {

@@ -58,6 +58,8 @@ pub struct NodeConfig {
     pub qos: crate::qos::QosConfig,
     /// Where to serve Prometheus text metrics (`None`: nowhere).
     pub metrics: Option<String>,
+    /// Serve RDMA clients on this device too (`None`: tcp and shm only).
+    pub rdma_device: Option<String>,
 }
 
 /// A node's place in the cluster.
@@ -76,6 +78,8 @@ pub enum Role {
 pub enum StartError {
     #[error("nothing to listen on: give --listen ADDR, --shm-socket PATH, or both")]
     NoListener,
+    #[error("RDMA: {0}")]
+    Rdma(String),
     #[error("region size {0} is too small: a memory node needs at least 1 MiB")]
     RegionTooSmall(u64),
     #[error("cannot create the {len}-byte region: {err}")]
@@ -108,7 +112,9 @@ struct Shared {
     /// Totals of closed connections.
     counters_retired: Mutex<VerbTotals>,
     rpcs: [AtomicU64; RPC_KINDS.len()],
-    open: [AtomicU64; 3],
+    open: [AtomicU64; 4],
+    /// The RDMA device clients may connect over (with every region registered).
+    rdma: Option<rackfs_verbs::rdma::RdmaNic>,
     connections_total: AtomicU64,
     auth_failures: AtomicU64,
     protocol_errors: AtomicU64,
@@ -165,6 +171,14 @@ impl MemNode {
         info.write(0, &page).expect("info page fits");
 
         let table = RegionTable::new(vec![Arc::new(data), Arc::new(info)]);
+        let rdma = match &cfg.rdma_device {
+            Some(d) => {
+                let nic = rackfs_verbs::rdma::RdmaNic::open(d, &table).map_err(StartError::Rdma)?;
+                info!(device = %nic.describe(), "serving RDMA clients");
+                Some(nic)
+            }
+            None => None,
+        };
         let welcome = Welcome {
             node_id: cfg.node_id,
             regions: table.infos(),
@@ -220,6 +234,7 @@ impl MemNode {
             qos,
             cfg,
             table,
+            rdma,
             welcome,
             counters_live: Mutex::new(Slab::new()),
             counters_retired: Mutex::new(VerbTotals::default()),
@@ -395,6 +410,7 @@ impl Shared {
             verbs,
             rpcs: std::array::from_fn(|i| self.rpcs[i].load(Ordering::Relaxed)),
             open: std::array::from_fn(|i| self.open[i].load(Ordering::Relaxed)),
+            rdma: self.rdma.as_ref().map(|n| n.describe()),
             connections_total: self.connections_total.load(Ordering::Relaxed),
             auth_failures: self.auth_failures.load(Ordering::Relaxed),
             protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
@@ -1004,6 +1020,11 @@ fn handshake<S: Read + Write>(
         |h| {
             if h.kind == ConnKind::Shm && !unix {
                 Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
+            } else if h.kind == ConnKind::Rdma && shared.rdma.is_none() {
+                Err(
+                    "this memory node serves no RDMA clients (start it with --rdma-device NAME)"
+                        .into(),
+                )
             } else {
                 Ok(())
             }
@@ -1118,6 +1139,13 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, shared: &Shared) {
             Some(u) => serve_shm(u, shared),
             None => unreachable!("refused in the handshake"),
         },
+        ConnKind::Rdma => {
+            let nic = shared.rdma.as_ref().expect("refused in the handshake");
+            match nic.serve(stream) {
+                Ok(()) => debug!(%peer, "rdma client gone; its queue pair is destroyed"),
+                Err(e) => warn!(%peer, error = %e, "rdma connection set-up failed"),
+            }
+        }
     }
 }
 

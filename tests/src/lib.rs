@@ -187,41 +187,64 @@ fn region_by(qp: &QueuePair, want_write: bool) -> RegionInfo {
         .expect("region of the wanted kind")
 }
 
-/// A real memory node reached over `shm` or `tcp`.
+/// How a test reaches a real memory node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Via {
+    Shm,
+    Tcp,
+    /// RC queue pairs on this RDMA device (the node serves it with `--rdma-device`).
+    Rdma(String),
+}
+
+/// A real memory node reached over `shm`, `tcp` or `rdma`.
 pub struct NodeEnv {
     pub node: MemNodeProcess,
-    pub shm: bool,
+    pub via: Via,
     data: RegionInfo,
     ro: RegionInfo,
 }
 
 impl NodeEnv {
     pub fn new(shm: bool) -> NodeEnv {
-        let node = MemNodeProcess::start("16M");
-        let qp = if shm { node.shm_qp() } else { node.tcp_qp() };
+        Self::over(if shm { Via::Shm } else { Via::Tcp })
+    }
+
+    pub fn over(via: Via) -> NodeEnv {
+        let node = match &via {
+            Via::Rdma(dev) => {
+                MemNodeProcess::start_with("16M", Secret::generate(), &["--rdma-device", dev])
+            }
+            _ => MemNodeProcess::start("16M"),
+        };
+        let qp = connect(&node, &via);
         NodeEnv {
             data: region_by(&qp, true),
             ro: region_by(&qp, false),
             node,
-            shm,
+            via,
         }
+    }
+}
+
+fn connect(node: &MemNodeProcess, via: &Via) -> QueuePair {
+    match via {
+        Via::Shm => node.shm_qp(),
+        Via::Tcp => node.tcp_qp(),
+        Via::Rdma(dev) => rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", Some(dev))
+            .unwrap_or_else(|e| panic!("rdma connect: {e}; node log: {}", node.stderr())),
     }
 }
 
 impl Env for NodeEnv {
     fn name(&self) -> &'static str {
-        if self.shm {
-            "shm"
-        } else {
-            "tcp"
+        match self.via {
+            Via::Shm => "shm",
+            Via::Tcp => "tcp",
+            Via::Rdma(_) => "rdma",
         }
     }
     fn qp(&mut self) -> QueuePair {
-        if self.shm {
-            self.node.shm_qp()
-        } else {
-            self.node.tcp_qp()
-        }
+        connect(&self.node, &self.via)
     }
     fn data_region(&self) -> RegionInfo {
         self.data

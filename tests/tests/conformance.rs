@@ -394,6 +394,78 @@ conformance!(shm, NodeEnv::new(true));
 conformance!(tcp, NodeEnv::new(false));
 conformance!(sim, SimEnv::new(42));
 
+/// The rdma transport on a real device or Soft-RoCE (`scripts/rdma-guest` runs this in a QEMU
+/// guest): `RACKFS_RDMA_DEVICE` names the device (default rxe0).
+#[cfg(feature = "rdma")]
+fn rdma_device() -> String {
+    std::env::var("RACKFS_RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into())
+}
+
+#[cfg(feature = "rdma")]
+conformance!(rdma, NodeEnv::over(rackfs_tests::Via::Rdma(rdma_device())));
+
+/// One node serves tcp, shm and rdma clients on one region at once: each transport's clients
+/// count on their own word (atomics of a device without global atomicity are atomic only
+/// among that device's requests) and all of them read each other's counts at the end.
+#[cfg(feature = "rdma")]
+#[test]
+fn shm_tcp_and_rdma_clients_share_a_region() {
+    let node = rackfs_tests::MemNodeProcess::start_with(
+        "16M",
+        rackfs_verbs::Secret::generate(),
+        &["--rdma-device", &rdma_device()],
+    );
+    let rdma = || {
+        rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", Some(&rdma_device()))
+            .expect("rdma connect")
+    };
+    let qps = [node.shm_qp(), node.tcp_qp(), rdma(), rdma()];
+    assert_eq!(qps[2].transport(), "rdma");
+    assert!(qps[2]
+        .rdma_atomics()
+        .is_some_and(|a| a.contains("CAS loops")));
+    let rkey = qps[0].regions()[0].rkey;
+    let word = move |i: usize| RemoteAddr::new(rkey, 64 * [0, 1, 2, 2][i] as u64);
+    let m = 300u64;
+    let threads: Vec<_> = qps
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, qp)| {
+            std::thread::spawn(move || {
+                for k in 0..m {
+                    qp.faa(word(i), 1).unwrap();
+                    // And a write each transport's neighbours will read back.
+                    qp.write(RemoteAddr::new(rkey, 4096 + 8 * i as u64), &k.to_le_bytes())
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    for qp in &qps {
+        let v = |off: u64| {
+            u64::from_le_bytes(
+                qp.read(RemoteAddr::new(rkey, off), 8)
+                    .unwrap()
+                    .try_into()
+                    .unwrap(),
+            )
+        };
+        assert_eq!((v(0), v(64), v(128)), (m, m, 2 * m), "{}", qp.transport());
+        for i in 0..4 {
+            assert_eq!(
+                v(4096 + 8 * i),
+                m - 1,
+                "{} reads {i}'s last write",
+                qp.transport()
+            );
+        }
+    }
+    let s = node.control().stats().unwrap();
+    assert!(s.rdma.is_some_and(|r| r.contains(&rdma_device())));
+}
+
 /// shm and tcp clients of one node increment one counter: the total is exact.
 #[test]
 fn shm_and_tcp_clients_share_atomics() {

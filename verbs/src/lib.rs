@@ -7,7 +7,8 @@
 //!   future (for protocol code written `async`, which also runs under the simulator) and a
 //!   blocking [`Posted::wait`].
 //! * Transports: [`shm`] (colocated node, memfd mapping), [`tcp`] (a software NIC over TCP),
-//!   [`sim`] (deterministic simulation with virtual time and injected delays).
+//!   [`rdma`] (RC queue pairs on an RDMA device, feature `rdma`), [`sim`] (deterministic
+//!   simulation with virtual time and injected delays).
 //! * Every request is checked against its region's key, bounds and access rights, and atomics
 //!   must be 8-byte aligned ([`Region::check`]); a bad request fails alone and the rest of its
 //!   batch is flushed, as on an RDMA queue pair.
@@ -19,6 +20,7 @@ pub mod counters;
 mod error;
 pub mod masked;
 mod qp;
+pub mod rdma;
 pub mod region;
 pub mod shm;
 pub mod sim;

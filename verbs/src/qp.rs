@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::region::RegionInfo;
 use crate::wr::{Batch, Completions, RemoteAddr};
-use crate::{shm, sim, tcp, VerbsError};
+use crate::{rdma, shm, sim, tcp, VerbsError};
 
 /// A connection from a client to one memory node over which work requests are posted.
 ///
@@ -21,6 +21,8 @@ pub struct QueuePair(pub(crate) Arc<Transport>);
 pub(crate) enum Transport {
     Shm(shm::ShmQp),
     Tcp(Arc<tcp::TcpConn>),
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    Rdma(Box<rdma::RdmaConn>),
     Sim(sim::SimQp),
 }
 
@@ -39,6 +41,7 @@ impl QueuePair {
         match &*self.0 {
             Transport::Shm(qp) => Posted::ready(qp.execute(&batch)),
             Transport::Tcp(conn) => conn.post(&batch),
+            Transport::Rdma(conn) => conn.post(&batch),
             Transport::Sim(qp) => qp.post(batch),
         }
     }
@@ -81,6 +84,7 @@ impl QueuePair {
         match &*self.0 {
             Transport::Shm(qp) => qp.regions(),
             Transport::Tcp(conn) => conn.regions(),
+            Transport::Rdma(conn) => conn.regions(),
             Transport::Sim(qp) => qp.regions(),
         }
     }
@@ -90,6 +94,7 @@ impl QueuePair {
         match &*self.0 {
             Transport::Shm(qp) => qp.node_id(),
             Transport::Tcp(conn) => conn.node_id(),
+            Transport::Rdma(conn) => conn.node_id(),
             Transport::Sim(_) => 0,
         }
     }
@@ -98,16 +103,26 @@ impl QueuePair {
         match &*self.0 {
             Transport::Shm(qp) => qp.peer(),
             Transport::Tcp(conn) => conn.peer(),
+            Transport::Rdma(conn) => conn.peer(),
             Transport::Sim(_) => "sim",
         }
     }
 
-    /// `"shm"`, `"tcp"` or `"sim"`.
+    /// `"shm"`, `"tcp"`, `"rdma"` or `"sim"`.
     pub fn transport(&self) -> &'static str {
         match &*self.0 {
             Transport::Shm(_) => "shm",
             Transport::Tcp(_) => "tcp",
+            Transport::Rdma(_) => "rdma",
             Transport::Sim(_) => "sim",
+        }
+    }
+
+    /// On rdma: the device's atomics and how masked atomics are done (`None` elsewhere).
+    pub fn rdma_atomics(&self) -> Option<&str> {
+        match &*self.0 {
+            Transport::Rdma(conn) => Some(conn.atomics()),
+            _ => None,
         }
     }
 

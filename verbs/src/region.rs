@@ -25,6 +25,39 @@ pub struct RegionInfo {
     pub access: Access,
 }
 
+impl RegionInfo {
+    /// Checks rights, bounds and alignment of one remote request against this region (the
+    /// node checks on tcp and shm; an rdma client checks before posting, so a bad request
+    /// gets the same specific error instead of breaking the queue pair).
+    pub fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
+        if !self.access.contains(op.access()) {
+            return Err(VerbsError::AccessDenied {
+                op,
+                rkey: self.rkey,
+                access: self.access,
+            });
+        }
+        self.check_bounds(op, offset, len)
+    }
+
+    fn check_bounds(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
+        let in_bounds = offset.checked_add(len).is_some_and(|end| end <= self.len);
+        if !in_bounds {
+            return Err(VerbsError::OutOfBounds {
+                op,
+                rkey: self.rkey,
+                offset,
+                len,
+                region_len: self.len,
+            });
+        }
+        if op.is_atomic() && !offset.is_multiple_of(8) {
+            return Err(VerbsError::Misaligned { op, offset });
+        }
+        Ok(())
+    }
+}
+
 enum Backing {
     /// A shared mapping of a memfd (unmapped on drop).
     Mapped { fd: OwnedFd },
@@ -115,6 +148,12 @@ impl Region {
         }
     }
 
+    /// The region's first byte, for registering it with an RDMA device.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     pub fn info(&self) -> RegionInfo {
         self.info
     }
@@ -137,34 +176,12 @@ impl Region {
 
     /// Checks rights, bounds and alignment of one remote request against this region.
     pub fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
-        if !self.info.access.contains(op.access()) {
-            return Err(VerbsError::AccessDenied {
-                op,
-                rkey: self.info.rkey,
-                access: self.info.access,
-            });
-        }
-        self.check_bounds(op, offset, len)
+        self.info.check(op, offset, len)
     }
 
     /// Bounds and alignment only: what local access by the region's owner must pass.
     fn check_bounds(&self, op: Opcode, offset: u64, len: u64) -> Result<(), VerbsError> {
-        let in_bounds = offset
-            .checked_add(len)
-            .is_some_and(|end| end <= self.len as u64);
-        if !in_bounds {
-            return Err(VerbsError::OutOfBounds {
-                op,
-                rkey: self.info.rkey,
-                offset,
-                len,
-                region_len: self.len as u64,
-            });
-        }
-        if op.is_atomic() && !offset.is_multiple_of(8) {
-            return Err(VerbsError::Misaligned { op, offset });
-        }
-        Ok(())
+        self.info.check_bounds(op, offset, len)
     }
 
     /// Copies `buf.len()` bytes at `offset` into `buf` (local access; see [`Region::check`] for

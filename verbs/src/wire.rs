@@ -35,6 +35,10 @@ pub enum FrameKind {
     Welcome = 4,
     Refused = 5,
     ShmRegions = 6,
+    /// rdma: the client's queue pair (after Welcome).
+    RdmaConnect = 7,
+    /// rdma: the node's queue pair and its registrations.
+    RdmaAccept = 8,
     VerbsRequest = 16,
     VerbsResponse = 17,
     ControlRequest = 32,
@@ -51,6 +55,8 @@ impl FrameKind {
             Welcome,
             Refused,
             ShmRegions,
+            RdmaConnect,
+            RdmaAccept,
             VerbsRequest,
             VerbsResponse,
             ControlRequest,
@@ -372,13 +378,20 @@ pub enum ConnKind {
     Control = 2,
     /// Map the regions' memfds (Unix socket only); the connection then only signals liveness.
     Shm = 3,
+    /// Set up an RDMA RC queue pair (TCP only); the connection then only signals liveness.
+    Rdma = 4,
 }
 
 impl ConnKind {
     pub fn from_u8(v: u8) -> Option<ConnKind> {
-        [ConnKind::Verbs, ConnKind::Control, ConnKind::Shm]
-            .into_iter()
-            .find(|k| *k as u8 == v)
+        [
+            ConnKind::Verbs,
+            ConnKind::Control,
+            ConnKind::Shm,
+            ConnKind::Rdma,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == v)
     }
 }
 
@@ -571,5 +584,71 @@ mod tests {
             decode_header(&big),
             Err(WireError::TooLarge { .. })
         ));
+    }
+}
+
+/// One end of an RDMA RC connection, as exchanged over the control channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RdmaEndpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+}
+
+impl RdmaEndpoint {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.qpn.to_le_bytes());
+        out.extend_from_slice(&self.psn.to_le_bytes());
+        out.extend_from_slice(&self.lid.to_le_bytes());
+        out.extend_from_slice(&self.gid);
+    }
+    pub fn decode(c: &mut Cursor<'_>) -> Result<RdmaEndpoint, WireError> {
+        Ok(RdmaEndpoint {
+            qpn: c.u32()?,
+            psn: c.u32()? & 0xff_ffff,
+            lid: c.u16()?,
+            gid: c.array()?,
+        })
+    }
+}
+
+/// The node's answer to [`FrameKind::RdmaConnect`]: its queue pair, what its device does
+/// with atomics, and per region (our key) the registration's address and RDMA rkey.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaAccept {
+    pub endpoint: RdmaEndpoint,
+    pub atomics: String,
+    pub regions: Vec<(u32, u64, u32)>,
+}
+
+impl RdmaAccept {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        self.endpoint.encode(&mut b);
+        put_str(&mut b, &self.atomics);
+        b.extend_from_slice(&(self.regions.len() as u16).to_le_bytes());
+        for (key, addr, rkey) in &self.regions {
+            b.extend_from_slice(&key.to_le_bytes());
+            b.extend_from_slice(&addr.to_le_bytes());
+            b.extend_from_slice(&rkey.to_le_bytes());
+        }
+        b
+    }
+    pub fn decode(body: &[u8]) -> Result<RdmaAccept, WireError> {
+        let mut c = Cursor::new(body, "rdma accept");
+        let endpoint = RdmaEndpoint::decode(&mut c)?;
+        let atomics = c.str()?;
+        let n = c.u16()? as usize;
+        let mut regions = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            regions.push((c.u32()?, c.u64()?, c.u32()?));
+        }
+        c.finish()?;
+        Ok(RdmaAccept {
+            endpoint,
+            atomics,
+            regions,
+        })
     }
 }

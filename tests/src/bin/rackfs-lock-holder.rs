@@ -37,8 +37,8 @@ fn main() {
             (l.parse::<u64>().expect("l"), r)
         })
         .expect("--range L:R");
-    let cl =
-        Cluster::connect(&[get("--cluster")], secret, transport, "lock-holder").expect("connect");
+    let cl = Cluster::connect(&[get("--cluster")], secret, transport, None, "lock-holder")
+        .expect("connect");
     let attr = match cl.primary.meta(MetaRequest::Lookup {
         parent: ROOT_INO,
         name: get("--file").into_bytes(),
