@@ -404,6 +404,30 @@ fn rdma_device() -> String {
 #[cfg(feature = "rdma")]
 conformance!(rdma, NodeEnv::over(rackfs_tests::Via::Rdma(rdma_device())));
 
+/// A queue pair in the error state fails the batch with a clear message, and the next batch
+/// runs on a newly connected queue pair; the node's memory is untouched by the failure.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_queue_pair_errors_reconnect() {
+    let mut env = NodeEnv::over(rackfs_tests::Via::Rdma(rdma_device()));
+    let qp = env.qp();
+    let a = RemoteAddr::new(env.data_region().rkey, 256);
+    qp.write(a, &7u64.to_le_bytes()).unwrap();
+    qp.rdma_inject_error();
+    let e = qp.faa(a, 1).unwrap_err();
+    assert!(
+        matches!(&e, VerbsError::ConnectionLost { reason, .. } if reason.contains("reconnected")),
+        "{e}"
+    );
+    assert_eq!(qp.faa(a, 1).unwrap(), 7, "the failed FAA did not execute");
+    assert_eq!(qp.read(a, 8).unwrap(), 8u64.to_le_bytes());
+    assert_eq!(
+        env.node.control().stats().unwrap().open[3],
+        1,
+        "the old queue pair is gone"
+    );
+}
+
 /// One node serves tcp, shm and rdma clients on one region at once: each transport's clients
 /// count on their own word (atomics of a device without global atomicity are atomic only
 /// among that device's requests) and all of them read each other's counts at the end.

@@ -269,6 +269,48 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
     qp.faa(RemoteAddr::new(qp.regions()[0].rkey, 0), 1).unwrap();
 }
 
+/// Without RDMA (this build, or a node started without --rdma-device) every way in says so.
+#[test]
+fn rdma_where_there_is_none_is_a_clear_error() {
+    let node = MemNodeProcess::start("16M");
+    // A node without --rdma-device refuses rdma clients in the handshake, with the reason.
+    let mut s = TcpStream::connect(&node.tcp).unwrap();
+    let e = client_handshake(&mut s, ConnKind::Rdma, &node.secret, "t", &node.tcp).unwrap_err();
+    assert!(e.to_string().contains("serves no RDMA clients"), "{e}");
+    if cfg!(feature = "rdma") {
+        // With the feature, a missing device is named (the host has none: the guest has rxe0).
+        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", Some("nosuchdev0"))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("no RDMA device named nosuchdev0"),
+            "{e}"
+        );
+    } else {
+        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", None).unwrap_err();
+        assert!(e.to_string().contains("--features rdma"), "{e}");
+        let out = std::process::Command::new(bin_path("rackfs-memnode"))
+            .args([
+                "--region",
+                "16M",
+                "--listen",
+                "127.0.0.1:0",
+                "--secret-file",
+            ])
+            .arg(&node.secret_file)
+            .args(["--rdma-device", "mlx5_0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        // This build's daemon says the feature is missing (one built with it names the device).
+        assert!(
+            err.contains("RDMA: this build has no RDMA support")
+                || err.contains("RDMA: no RDMA device named mlx5_0"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn daemon_rejects_bad_arguments_with_clear_messages() {
     let run = |args: &[&str]| {

@@ -118,6 +118,15 @@ impl QueuePair {
         }
     }
 
+    /// On rdma: moves the queue pair to the error state, as a fatal transport error would, to
+    /// test recovery (the next post fails; the one after runs on a new queue pair).
+    #[doc(hidden)]
+    pub fn rdma_inject_error(&self) {
+        if let Transport::Rdma(conn) = &*self.0 {
+            conn.inject_error();
+        }
+    }
+
     /// On rdma: the device's atomics and how masked atomics are done (`None` elsewhere).
     pub fn rdma_atomics(&self) -> Option<&str> {
         match &*self.0 {

@@ -15,7 +15,7 @@ use ibverbs_sys as ffi;
 /// Why an rdma-core call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("no RDMA device{}: {found} (load a driver, e.g. `rdma link add rxe0 type rxe netdev eth0`, or check `ibv_devices`)", .wanted.as_ref().map(|w| format!(" named {w}")).unwrap_or_default())]
+    #[error("no RDMA device{}: {found} (check `ibv_devices`; for Soft-RoCE: `rdma link add rxe0 type rxe netdev eth0`)", .wanted.as_ref().map(|w| format!(" named {w}")).unwrap_or_default())]
     Missing {
         wanted: Option<String>,
         found: String,
@@ -74,7 +74,7 @@ impl Device {
         if list.is_null() {
             return Err(DeviceError::Missing {
                 wanted: name.map(String::from),
-                found: "rdma-core found no devices (is the kernel module loaded?)".into(),
+                found: "rdma-core lists none".into(),
             });
         }
         let mut names = Vec::new();
@@ -459,6 +459,18 @@ impl Rc {
                 | M::IBV_QP_MAX_QP_RD_ATOMIC)
                 .0,
             "ibv_modify_qp(RTS)",
+        )
+    }
+
+    /// Moves the queue pair to the error state (what a fatal transport error does).
+    pub fn fail(&self) -> Result<(), DeviceError> {
+        // SAFETY: zero is valid for the attributes; only the state is set.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(
+            &mut a,
+            ffi::ibv_qp_attr_mask::IBV_QP_STATE.0,
+            "ibv_modify_qp(ERR)",
         )
     }
 

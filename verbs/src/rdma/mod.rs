@@ -70,6 +70,9 @@ mod absent {
         pub fn atomics(&self) -> &str {
             match self.never {}
         }
+        pub(crate) fn inject_error(&self) {
+            match self.never {}
+        }
     }
 
     pub fn connect(
@@ -393,6 +396,15 @@ mod imp {
 
         pub(crate) fn post(&self, batch: &Batch<'_>) -> Posted {
             Posted::ready(self.execute(batch))
+        }
+
+        /// Puts the queue pair into the error state, as a fatal transport error would (tests).
+        pub(crate) fn inject_error(&self) {
+            if let Some(link) = self.link.lock().expect("rdma link lock").as_ref() {
+                link.rc
+                    .fail()
+                    .expect("move the queue pair to the error state");
+            }
         }
 
         fn check(&self, wr: &WorkRequest<'_>) -> Result<(), VerbsError> {
