@@ -665,12 +665,12 @@ fn shared_file(rig: &mut Rig, cfg: &Config) -> String {
     let x = spawn_fio(
         "overlap-verify.fio",
         &[("DIR", a.display().to_string()), ("PATTERN", "0xaa".into())],
-        &[],
+        std::slice::from_ref(&rt),
     );
     let y = spawn_fio(
         "overlap-verify.fio",
         &[("DIR", b.display().to_string()), ("PATTERN", "0xbb".into())],
-        &[],
+        std::slice::from_ref(&rt),
     );
     fio_groups(x);
     fio_groups(y);
@@ -681,8 +681,8 @@ fn shared_file(rig: &mut Rig, cfg: &Config) -> String {
          `shared-disjoint.fio`, 4 KiB random writes to disjoint 16 MiB regions of one file: one \
          writer on one mount {} IOPS (median, {}-{}); 2 writers on each of two mounts {} IOPS in \
          all ({}-{}).\n\n\
-         `overlap-verify.fio`, two mounts overwriting the same 4 MiB in 16 KiB blocks with their \
-         own patterns, at once: **{mixed} of {units} units mixed** (every 4 KiB unit must hold \
+         `overlap-verify.fio`, two mounts overwriting the same 4 MiB in 16 KiB blocks at 4 KiB- \
+         aligned offsets with their own patterns, at once, for {} s: **{mixed} of {units} units mixed** (every 4 KiB unit must hold \
          one writer's pattern).\n\n",
         rate(median(&one)),
         rate(one.iter().cloned().fold(f64::MAX, f64::min)),
@@ -690,6 +690,7 @@ fn shared_file(rig: &mut Rig, cfg: &Config) -> String {
         rate(median(&two)),
         rate(two.iter().cloned().fold(f64::MAX, f64::min)),
         rate(two.iter().cloned().fold(0.0, f64::max)),
+        cfg.runtime,
     )
 }
 

@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rackfs_verbs::wire::{self, Challenge, Hello, Welcome};
+use rackfs_verbs::wire::{self, Challenge, Hello, RdmaAccept, Welcome};
 
 fuzz_target!(|data: &[u8]| {
     let mut input = data;
@@ -14,6 +14,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = Hello::decode(&body);
         let _ = Challenge::decode(&body);
         let _ = Welcome::decode(&body);
+        let _ = RdmaAccept::decode(&body);
     }
     let _ = wire::decode_verbs_request(data);
 });

@@ -488,105 +488,6 @@ impl Welcome {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn arb_wr() -> impl Strategy<Value = WorkRequest<'static>> {
-        let addr = (any::<u32>(), any::<u64>()).prop_map(|(k, o)| RemoteAddr::new(k, o));
-        prop_oneof![
-            (addr.clone(), any::<u32>()).prop_map(|(addr, len)| WorkRequest::Read {
-                addr,
-                len: len % 100_000
-            }),
-            (addr.clone(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(addr, d)| {
-                WorkRequest::Write {
-                    addr,
-                    data: Cow::Owned(d),
-                }
-            }),
-            (addr.clone(), any::<u64>(), any::<u64>()).prop_map(|(addr, compare, swap)| {
-                WorkRequest::Cas {
-                    addr,
-                    compare,
-                    swap,
-                }
-            }),
-            (addr.clone(), any::<u64>()).prop_map(|(addr, add)| WorkRequest::Faa { addr, add }),
-            (addr.clone(), any::<[u64; 4]>()).prop_map(|(addr, w)| WorkRequest::MaskedCas {
-                addr,
-                compare: w[0],
-                compare_mask: w[1],
-                swap: w[2],
-                swap_mask: w[3]
-            }),
-            (addr, any::<u64>(), any::<u64>()).prop_map(|(addr, add, boundary)| {
-                WorkRequest::MaskedFaa {
-                    addr,
-                    add,
-                    boundary,
-                }
-            }),
-        ]
-    }
-
-    proptest! {
-        #[test]
-        fn verbs_request_round_trips(seq: u64, wrs in proptest::collection::vec(arb_wr(), 0..20)) {
-            let mut body = Vec::new();
-            encode_verbs_request(&mut body, seq, &wrs);
-            let (s, decoded) = decode_verbs_request(&body).unwrap();
-            prop_assert_eq!(s, seq);
-            prop_assert_eq!(decoded, wrs);
-        }
-
-        #[test]
-        fn truncated_requests_are_errors(seq: u64, wrs in proptest::collection::vec(arb_wr(), 1..8), cut in 0usize..1000) {
-            let mut body = Vec::new();
-            encode_verbs_request(&mut body, seq, &wrs);
-            let cut = cut % body.len();
-            prop_assert!(decode_verbs_request(&body[..cut]).is_err());
-        }
-
-        #[test]
-        fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32) {
-            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone() };
-            prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
-            let c = Challenge { nonce, proof, node_name: name };
-            prop_assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
-            let w = Welcome { node_id: id, regions: vec![RegionInfo { rkey: id, len: 4096, access: Access::ALL }] };
-            prop_assert_eq!(Welcome::decode(&w.encode()).unwrap(), w);
-        }
-    }
-
-    #[test]
-    fn header_checks() {
-        let h = encode_header(FrameKind::Hello, 10);
-        assert_eq!(decode_header(&h).unwrap(), (FrameKind::Hello, 10));
-        let mut bad = h;
-        bad[0] = b'X';
-        assert!(matches!(decode_header(&bad), Err(WireError::BadMagic(_))));
-        let mut bad = h;
-        bad[2] = 9;
-        assert!(matches!(
-            decode_header(&bad),
-            Err(WireError::UnsupportedVersion { got: 9 })
-        ));
-        let mut bad = h;
-        bad[3] = 200;
-        assert!(matches!(
-            decode_header(&bad),
-            Err(WireError::UnknownKind(200))
-        ));
-        let big = encode_header(FrameKind::Hello, (MAX_FRAME_BODY + 1) as usize);
-        assert!(matches!(
-            decode_header(&big),
-            Err(WireError::TooLarge { .. })
-        ));
-    }
-}
-
 /// One end of an RDMA RC connection, as exchanged over the control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RdmaEndpoint {
@@ -650,5 +551,112 @@ impl RdmaAccept {
             atomics,
             regions,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_wr() -> impl Strategy<Value = WorkRequest<'static>> {
+        let addr = (any::<u32>(), any::<u64>()).prop_map(|(k, o)| RemoteAddr::new(k, o));
+        prop_oneof![
+            (addr.clone(), any::<u32>()).prop_map(|(addr, len)| WorkRequest::Read {
+                addr,
+                len: len % 100_000
+            }),
+            (addr.clone(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(addr, d)| {
+                WorkRequest::Write {
+                    addr,
+                    data: Cow::Owned(d),
+                }
+            }),
+            (addr.clone(), any::<u64>(), any::<u64>()).prop_map(|(addr, compare, swap)| {
+                WorkRequest::Cas {
+                    addr,
+                    compare,
+                    swap,
+                }
+            }),
+            (addr.clone(), any::<u64>()).prop_map(|(addr, add)| WorkRequest::Faa { addr, add }),
+            (addr.clone(), any::<[u64; 4]>()).prop_map(|(addr, w)| WorkRequest::MaskedCas {
+                addr,
+                compare: w[0],
+                compare_mask: w[1],
+                swap: w[2],
+                swap_mask: w[3]
+            }),
+            (addr, any::<u64>(), any::<u64>()).prop_map(|(addr, add, boundary)| {
+                WorkRequest::MaskedFaa {
+                    addr,
+                    add,
+                    boundary,
+                }
+            }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn verbs_request_round_trips(seq: u64, wrs in proptest::collection::vec(arb_wr(), 0..20)) {
+            let mut body = Vec::new();
+            encode_verbs_request(&mut body, seq, &wrs);
+            let (s, decoded) = decode_verbs_request(&body).unwrap();
+            prop_assert_eq!(s, seq);
+            prop_assert_eq!(decoded, wrs);
+        }
+
+        #[test]
+        fn truncated_requests_are_errors(seq: u64, wrs in proptest::collection::vec(arb_wr(), 1..8), cut in 0usize..1000) {
+            let mut body = Vec::new();
+            encode_verbs_request(&mut body, seq, &wrs);
+            let cut = cut % body.len();
+            prop_assert!(decode_verbs_request(&body[..cut]).is_err());
+        }
+
+        #[test]
+        fn rdma_accept_round_trips_and_truncations_fail(qpn: u32, psn in 0u32..1 << 24, lid: u16, gid: [u8; 16], atomics in ".{0,40}", regions in proptest::collection::vec(any::<(u32, u64, u32)>(), 0..4), cut in 0usize..400) {
+            let a = RdmaAccept { endpoint: RdmaEndpoint { qpn, psn, lid, gid }, atomics, regions };
+            let body = a.encode();
+            prop_assert_eq!(RdmaAccept::decode(&body).unwrap(), a);
+            prop_assert!(RdmaAccept::decode(&body[..cut % body.len()]).is_err());
+        }
+
+        #[test]
+        fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32) {
+            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone() };
+            prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+            let c = Challenge { nonce, proof, node_name: name };
+            prop_assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
+            let w = Welcome { node_id: id, regions: vec![RegionInfo { rkey: id, len: 4096, access: Access::ALL }] };
+            prop_assert_eq!(Welcome::decode(&w.encode()).unwrap(), w);
+        }
+    }
+
+    #[test]
+    fn header_checks() {
+        let h = encode_header(FrameKind::Hello, 10);
+        assert_eq!(decode_header(&h).unwrap(), (FrameKind::Hello, 10));
+        let mut bad = h;
+        bad[0] = b'X';
+        assert!(matches!(decode_header(&bad), Err(WireError::BadMagic(_))));
+        let mut bad = h;
+        bad[2] = 9;
+        assert!(matches!(
+            decode_header(&bad),
+            Err(WireError::UnsupportedVersion { got: 9 })
+        ));
+        let mut bad = h;
+        bad[3] = 200;
+        assert!(matches!(
+            decode_header(&bad),
+            Err(WireError::UnknownKind(200))
+        ));
+        let big = encode_header(FrameKind::Hello, (MAX_FRAME_BODY + 1) as usize);
+        assert!(matches!(
+            decode_header(&big),
+            Err(WireError::TooLarge { .. })
+        ));
     }
 }
