@@ -54,18 +54,32 @@ fn axes(o: &mut String, max: f64, unit: &str) {
     );
 }
 
-/// The value axis' top: 10% above the largest value.
+/// The value axis' top: four round steps (1, 2, 2.5 or 5 times a power of ten) that reach
+/// at least 5% above the largest value.
 fn top(series: &[(&str, Vec<f64>)]) -> f64 {
-    series
+    let max = series
         .iter()
         .flat_map(|s| s.1.iter().copied())
         .fold(1.0, f64::max)
-        * 1.1
+        * 1.05;
+    let raw = max / 4.0;
+    let p = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * p)
+        .find(|&s| s >= raw)
+        .unwrap_or(10.0 * p);
+    step * 4.0
 }
 
 fn short(v: f64) -> String {
-    if (1e3..1e5).contains(&v) {
-        format!("{:.1}k", v / 1e3)
+    let k = v / 1e3;
+    if (1e3..1e6).contains(&v) && k.fract() != 0.0 {
+        format!("{k:.1}k")
+    } else if (1e3..1e6).contains(&v) {
+        format!("{k:.0}k")
+    } else if v < 1e3 && v.fract() != 0.0 {
+        format!("{v:.1}")
     } else {
         crate::stats::rate(v)
     }

@@ -8,6 +8,62 @@ use std::time::Duration;
 use rackfs_fs::mount::is_rackfs_mount;
 use rackfs_tests::{bin_path, wait_for, Mount, TempDir, TestCluster};
 
+/// Two mounts opening the same new names with O_CREAT at once: each open succeeds (one
+/// creates, the other opens what was just created), as on a local filesystem; with O_EXCL
+/// exactly one wins; with O_TRUNC both succeed.
+#[test]
+fn concurrent_o_creat_from_two_mounts_never_fails() {
+    let c = TestCluster::start(1, "64M");
+    let (a, b) = (Mount::new(&c, ""), Mount::new(&c, "transport=tcp"));
+    let run = |m: &Mount, excl: bool, trunc: bool| {
+        let dir = m.dir.clone();
+        std::thread::spawn(move || {
+            (0..300)
+                .map(|i| {
+                    OpenOptions::new()
+                        .write(true)
+                        .create(!excl)
+                        .create_new(excl)
+                        .truncate(trunc)
+                        .open(dir.join(format!("{}{i}", if excl { "x" } else { "c" })))
+                        .map(|_| ())
+                        .map_err(|e| e.raw_os_error())
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    for trunc in [false, true] {
+        let (ra, rb) = (run(&a, false, trunc), run(&b, false, trunc));
+        for (i, (x, y)) in ra
+            .join()
+            .unwrap()
+            .into_iter()
+            .zip(rb.join().unwrap())
+            .enumerate()
+        {
+            assert_eq!((x, y), (Ok(()), Ok(())), "O_CREAT (trunc {trunc}) of c{i}");
+        }
+        for i in 0..300 {
+            fs::remove_file(a.path(&format!("c{i}"))).unwrap();
+        }
+    }
+    let (ra, rb) = (run(&a, true, false), run(&b, true, false));
+    for (i, (x, y)) in ra
+        .join()
+        .unwrap()
+        .into_iter()
+        .zip(rb.join().unwrap())
+        .enumerate()
+    {
+        let won = [x, y].iter().filter(|r| r.is_ok()).count();
+        assert_eq!(won, 1, "O_EXCL of x{i}: {x:?} {y:?}");
+        assert!(
+            [x, y].contains(&Err(Some(libc::EEXIST))),
+            "x{i}: {x:?} {y:?}"
+        );
+    }
+}
+
 #[test]
 fn writes_are_visible_on_another_mount_when_write_returns() {
     let c = TestCluster::start(2, "32M");
