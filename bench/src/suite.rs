@@ -463,11 +463,11 @@ fn header(cfg: &Config, have_filebench: bool) -> String {
     };
     format!(
         "# RackFS workload suite\n\n\
-         Produced by `rackfs-bench suite --set {:?} --runs {} --runtime {}` at commit `{commit}` on \
+         Produced by `rackfs-bench suite --set {} --runs {} --runtime {}` at commit `{commit}` on \
          {} ({} CPUs, kernel {}, fio {}). Every figure is the median of {} runs with min-max; the \
          systems take turns, rotating their order each run. One-job points pin fio and the FUSE \
          daemons to CPU 0 and the memory nodes to CPU 1. filebench: {}.\n\n",
-        cfg.set,
+        format!("{:?}", cfg.set).to_lowercase(),
         cfg.runs,
         cfg.runtime,
         sh("date -u +%Y-%m-%dT%H:%MZ"),
@@ -495,20 +495,28 @@ fn tables(cells: &[Cell], dir: &Path) -> String {
         ));
         for c in &here {
             let (m, lo, hi) = c.headline();
-            let unit = if c.bandwidth { " MB/s" } else { " IOPS" };
+            let (unit, fmt): (&str, fn(f64) -> String) = if c.bandwidth {
+                (" MB/s", |x| format!("{x:.0}"))
+            } else {
+                (" IOPS", rate)
+            };
             md.push_str(&format!(
                 "| {} | {} | {}{unit} | {}-{} | {:.1} | {:.1} |\n",
                 c.label,
                 c.system,
-                rate(m),
-                rate(lo),
-                rate(hi),
+                fmt(m),
+                fmt(lo),
+                fmt(hi),
                 c.metric(|r| r.p50_us).0,
                 c.metric(|r| r.p99_us).0
             ));
         }
-        let mut labels: Vec<String> = here.iter().map(|c| c.label.clone()).collect();
-        labels.dedup();
+        let mut labels: Vec<String> = Vec::new();
+        for c in &here {
+            if !labels.contains(&c.label) {
+                labels.push(c.label.clone());
+            }
+        }
         // tmpfs (no FUSE) runs 5-10x faster than any FUSE filesystem: it stays in the tables
         // and off the charts, whose scale it would flatten.
         let mut systems: Vec<String> = here
@@ -532,10 +540,11 @@ fn tables(cells: &[Cell], dir: &Path) -> String {
                     .map(|s| (s.as_str(), chunk.iter().map(|l| figure(l, s, f)).collect()))
                     .collect()
             };
+            let short = section.split(" (").next().unwrap_or(section);
             let title = if labels.len() > 3 {
-                format!("{section} ({}/{})", n + 1, labels.len().div_ceil(3))
+                format!("{short} ({}/{})", n + 1, labels.len().div_ceil(3))
             } else {
-                section.to_string()
+                short.to_string()
             };
             let head = series(&|c: &Cell| c.headline().0);
             let svg = plot::bars(&title, if bw { "MB/s" } else { "IOPS" }, chunk, &head);
@@ -678,8 +687,8 @@ fn shared_file(rig: &mut Rig, cfg: &Config) -> String {
          `shared-disjoint.fio`, 4 KiB random writes to disjoint 16 MiB regions of one file: one \
          writer on one mount {} IOPS (median, {}-{}); 2 writers on each of two mounts {} IOPS in \
          all ({}-{}).\n\n\
-         `overlap-verify.fio`, two mounts overwriting the same 4 MiB in 16 KiB blocks at 4 KiB- \
-         aligned offsets with their own patterns, at once, for {} s: **{mixed} of {units} units mixed** (every 4 KiB unit must hold \
+         `overlap-verify.fio`, two mounts overwriting the same 4 MiB in 16 KiB blocks at \
+         4 KiB-aligned offsets with their own patterns, at once, for {} s: **{mixed} of {units} units mixed** (every 4 KiB unit must hold \
          one writer's pattern).\n\n",
         rate(median(&one)),
         rate(one.iter().cloned().fold(f64::MAX, f64::min)),
@@ -707,7 +716,7 @@ pub fn check_units(file: &Path, patterns: &[u8]) -> std::io::Result<(usize, usiz
 
 /// Three mounts with different reservations, their IOPS each second against the reservation.
 fn qos_over_time(cfg: &Config) -> String {
-    let secs = cfg.runtime.max(4) * 2;
+    let secs = cfg.runtime.max(2) * 6;
     let capacity = 24_000u64;
     let c = TestCluster::start_with(
         1,
@@ -798,11 +807,12 @@ fn qos_over_time(cfg: &Config) -> String {
         ],
     );
     let f = plot::save(&cfg.out_dir, "suite-qos", &svg);
-    let med = |s: &Vec<f64>| median(&s[1.min(s.len())..]);
+    // The first two seconds include laying out the files.
+    let med = |s: &Vec<f64>| median(&s[2.min(s.len())..]);
     format!(
         "## QoS over time\n\nOne memory node with a QoS capacity of {capacity} IOPS; three mounts \
          reading 4 KiB at random (fio, one job each) for {secs} s: M1 reserves 12k IOPS, M2 6k, \
-         M3 nothing with a limit of 3k. Median IOPS per second after the first: M1 {}, M2 {}, M3 \
+         M3 nothing with a limit of 3k. Median IOPS per second after the first two: M1 {}, M2 {}, M3 \
          {}.\n\n![QoS over time]({f})\n\n",
         rate(med(&series[0])),
         rate(med(&series[1])),

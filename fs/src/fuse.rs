@@ -451,6 +451,10 @@ impl Filesystem for RackFs {
         }
         let a = match self.attr_of(MetaRequest::GetAttr { ino: ino.0 }) {
             Ok(a) => a,
+            // The kernel's cached name points at a file another mount removed: ESTALE makes
+            // the kernel look the name up again and retry the open (it then creates the file
+            // for O_CREAT, or returns ENOENT), as NFS clients do.
+            Err(e) if e == Errno::ENOENT => return reply.error(Errno::ESTALE),
             Err(e) => return reply.error(e),
         };
         match self.open_handle(&a, f) {
