@@ -145,9 +145,10 @@ fn reservations(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) 
 /// capacity is set below what it can serve, so the pool is what limits them: each should get
 /// its weight's share of it. The same mounts without weights get equal shares.
 fn weights(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
-    // A third of what the node serves, so the pool, not the CPU, is what holds the mounts
-    // back; the weight-3 mount's half stays well under what one mount can do alone.
-    let pool = (cap * 35 / 100).min(alone);
+    // A quarter of what the node serves, so the pool, not the CPU, is what holds the mounts
+    // back (three fio processes and three FUSE daemons share two CPUs); the weight-3 mount's
+    // half stays well under what one mount can do alone.
+    let pool = (cap / 4).min(alone * 3 / 4);
     let c = qos_cluster(pool, alone);
     let weighted = mount_all(&c, tmp, "w", &["weight=1", "weight=2", "weight=3"]);
     let equal = mount_all(&c, tmp, "eq", &["qos=on"; 3]);
