@@ -127,7 +127,7 @@ enum Cmd {
         /// The cluster's secret file (with --cluster).
         #[arg(long)]
         secret_file: Option<PathBuf>,
-        /// Where the report and charts go (default: bench/results/<today>).
+        /// Where the report and charts go (default: `bench/results/DATE`).
         #[arg(long)]
         out_dir: Option<PathBuf>,
     },

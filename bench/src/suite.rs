@@ -250,18 +250,29 @@ fn points(set: Set) -> Vec<Point> {
         bandwidth: false,
         qos: false,
     });
-    v.push(Point {
-        section: "metadata and small files",
-        label: "append-heavy log, 4 writers".into(),
-        file: "applog.fio",
-        env: vec![],
-        extra: vec![],
-        cpus: "0-1",
-        groups: vec![],
-        bandwidth: false,
-        qos: false,
-    });
+    v.push(Point::plain(
+        "metadata and small files",
+        "append-heavy log, 4 writers".into(),
+        "applog.fio",
+    ));
     v
+}
+
+impl Point {
+    /// A job file run as it is, unpinned, its first group reported as IOPS.
+    fn plain(section: &'static str, label: String, file: &'static str) -> Point {
+        Point {
+            section,
+            label,
+            file,
+            env: vec![],
+            extra: vec![],
+            cpus: "0-1",
+            groups: vec![],
+            bandwidth: false,
+            qos: false,
+        }
+    }
 }
 
 /// The filebench personalities, or their fio stand-ins.
@@ -271,21 +282,17 @@ fn filebench_points(have_filebench: bool) -> Vec<Point> {
     }
     ["fileserver", "varmail", "webserver", "randomrw"]
         .into_iter()
-        .map(|p| Point {
-            section: "filebench personalities (fio stand-ins: filebench is not installed)",
-            label: format!("{p} (fio equivalent)"),
-            file: match p {
-                "fileserver" => "fileserver-like.fio",
-                "varmail" => "varmail-like.fio",
-                "webserver" => "webserver-like.fio",
-                _ => "randomrw-like.fio",
-            },
-            env: vec![],
-            extra: vec![],
-            cpus: "0-1",
-            groups: vec![],
-            bandwidth: false,
-            qos: false,
+        .map(|p| {
+            Point::plain(
+                "filebench personalities (fio stand-ins: filebench is not installed)",
+                format!("{p} (fio equivalent)"),
+                match p {
+                    "fileserver" => "fileserver-like.fio",
+                    "varmail" => "varmail-like.fio",
+                    "webserver" => "webserver-like.fio",
+                    _ => "randomrw-like.fio",
+                },
+            )
         })
         .collect()
 }

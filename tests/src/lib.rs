@@ -226,7 +226,8 @@ impl NodeEnv {
     }
 }
 
-fn connect(node: &MemNodeProcess, via: &Via) -> QueuePair {
+/// A queue pair to `node` over `via`.
+pub fn connect(node: &MemNodeProcess, via: &Via) -> QueuePair {
     match via {
         Via::Shm => node.shm_qp(),
         Via::Tcp => node.tcp_qp(),

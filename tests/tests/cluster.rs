@@ -15,46 +15,42 @@ use rackfs_tests::{bin_path, wait_for, Mount, TempDir, TestCluster};
 fn concurrent_o_creat_from_two_mounts_never_fails() {
     let c = TestCluster::start(1, "64M");
     let (a, b) = (Mount::new(&c, ""), Mount::new(&c, "transport=tcp"));
-    let run = |m: &Mount, excl: bool, trunc: bool| {
-        let dir = m.dir.clone();
-        std::thread::spawn(move || {
-            (0..300)
-                .map(|i| {
-                    OpenOptions::new()
-                        .write(true)
-                        .create(!excl)
-                        .create_new(excl)
-                        .truncate(trunc)
-                        .open(dir.join(format!("{}{i}", if excl { "x" } else { "c" })))
-                        .map(|_| ())
-                        .map_err(|e| e.raw_os_error())
-                })
-                .collect::<Vec<_>>()
-        })
-    };
-    for trunc in [false, true] {
-        let (ra, rb) = (run(&a, false, trunc), run(&b, false, trunc));
-        for (i, (x, y)) in ra
-            .join()
+    // Both mounts open the same 300 names at once; the pairs of outcomes, by name.
+    let race = |excl: bool, trunc: bool| {
+        let run = |m: &Mount| {
+            let dir = m.dir.clone();
+            std::thread::spawn(move || {
+                (0..300)
+                    .map(|i| {
+                        OpenOptions::new()
+                            .write(true)
+                            .create(!excl)
+                            .create_new(excl)
+                            .truncate(trunc)
+                            .open(dir.join(format!("{}{i}", if excl { "x" } else { "c" })))
+                            .map(|_| ())
+                            .map_err(|e| e.raw_os_error())
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (ra, rb) = (run(&a), run(&b));
+        ra.join()
             .unwrap()
             .into_iter()
             .zip(rb.join().unwrap())
             .enumerate()
-        {
+            .collect::<Vec<_>>()
+    };
+    for trunc in [false, true] {
+        for (i, (x, y)) in race(false, trunc) {
             assert_eq!((x, y), (Ok(()), Ok(())), "O_CREAT (trunc {trunc}) of c{i}");
         }
         for i in 0..300 {
             fs::remove_file(a.path(&format!("c{i}"))).unwrap();
         }
     }
-    let (ra, rb) = (run(&a, true, false), run(&b, true, false));
-    for (i, (x, y)) in ra
-        .join()
-        .unwrap()
-        .into_iter()
-        .zip(rb.join().unwrap())
-        .enumerate()
-    {
+    for (i, (x, y)) in race(true, false) {
         let won = [x, y].iter().filter(|r| r.is_ok()).count();
         assert_eq!(won, 1, "O_EXCL of x{i}: {x:?} {y:?}");
         assert!(

@@ -7,8 +7,8 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_locks::{Geometry, LockConfig, LockTree};
-use rackfs_tests::{MemNodeProcess, Rng, Via};
-use rackfs_verbs::{block_on, QueuePair, RemoteAddr};
+use rackfs_tests::{connect, MemNodeProcess, Rng, Via};
+use rackfs_verbs::{block_on, RemoteAddr};
 
 /// Held ranges, checked on every grant.
 #[derive(Default)]
@@ -35,15 +35,6 @@ impl Oracle {
             .position(|h| *h == (c, l, r))
             .expect("released what was held");
         self.held.swap_remove(i);
-    }
-}
-
-fn connect(node: &MemNodeProcess, via: &Via) -> QueuePair {
-    match via {
-        Via::Shm => node.shm_qp(),
-        Via::Tcp => node.tcp_qp(),
-        Via::Rdma(dev) => rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "locks", Some(dev))
-            .expect("rdma connect"),
     }
 }
 
