@@ -573,6 +573,10 @@ fn tables(cells: &[Cell], dir: &Path) -> String {
 /// filebench's own personalities on every system (when installed): ops/s from its summary.
 fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
     let mut md = "## filebench personalities\n\n| personality | system | ops/s (median) | min-max |\n|---|---|---:|---:|\n".to_string();
+    // filebench needs address-space randomisation off while it runs; put it back afterwards.
+    let aslr = Path::new("/proc/sys/kernel/randomize_va_space");
+    let saved = std::fs::read_to_string(aslr).unwrap_or_else(|_| "2".into());
+    let _ = std::fs::write(aslr, "0");
     for p in ["fileserver", "varmail", "webserver", "randomrw"] {
         let src = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("filebench")
@@ -618,6 +622,7 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
             ));
         }
     }
+    let _ = std::fs::write(aslr, saved.trim());
     md
 }
 
