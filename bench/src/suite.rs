@@ -583,7 +583,7 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
             .join(format!("{p}.f"));
         let text = std::fs::read_to_string(&src).expect("read the personality");
         for s in &rig.systems {
-            let mut ops = Vec::new();
+            let (mut ops, mut failure) = (Vec::new(), None);
             for _ in 0..cfg.runs {
                 let f = std::env::temp_dir().join(format!("rackfs-{p}.f"));
                 std::fs::write(
@@ -592,12 +592,18 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
                         .replace("$RUNTIME", &cfg.runtime.max(5).to_string()),
                 )
                 .expect("write the personality");
-                let out = Command::new("filebench").arg("-f").arg(&f).output();
-                let line = out
+                // Bounded: a filebench that cannot start its workers hangs.
+                let out = Command::new("timeout")
+                    .arg((cfg.runtime.max(5) + 120).to_string())
+                    .arg("filebench")
+                    .arg("-f")
+                    .arg(&f)
+                    .output();
+                let text = out
                     .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
                     .unwrap_or_default();
                 // "IO Summary: 12345 ops 2057.4 ops/s ..."
-                if let Some(x) = line
+                match text
                     .lines()
                     .find(|l| l.contains("IO Summary"))
                     .and_then(|l| {
@@ -605,11 +611,29 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
                             .zip(l.split_whitespace().skip(1))
                             .find(|(_, u)| *u == "ops/s")
                             .and_then(|(v, _)| v.parse::<f64>().ok())
-                    })
-                {
-                    ops.push(x);
+                    }) {
+                    Some(x) => ops.push(x),
+                    // What filebench said last (its own error), or that it timed out.
+                    None => {
+                        failure = Some(
+                            text.lines()
+                                .rev()
+                                .find(|l| !l.trim().is_empty() && !l.contains("Shutting down"))
+                                .unwrap_or("no output: timed out")
+                                .trim()
+                                .to_string(),
+                        )
+                    }
                 }
                 clean(&s.dir);
+            }
+            if ops.is_empty() {
+                md.push_str(&format!(
+                    "| {p} | {} | failed: {} | - |\n",
+                    s.name,
+                    failure.unwrap_or_default().replace('|', "/")
+                ));
+                continue;
             }
             let lo = ops.iter().cloned().fold(f64::MAX, f64::min);
             let hi = ops.iter().cloned().fold(0.0, f64::max);
