@@ -599,8 +599,14 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
                     .arg("-f")
                     .arg(&f)
                     .output();
-                let text = out
-                    .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+                // filebench reports on stdout and complains on stderr.
+                let (text, errors) = out
+                    .map(|o| {
+                        (
+                            String::from_utf8_lossy(&o.stdout).to_string(),
+                            String::from_utf8_lossy(&o.stderr).to_string(),
+                        )
+                    })
                     .unwrap_or_default();
                 // "IO Summary: 12345 ops 2057.4 ops/s ..."
                 match text
@@ -613,11 +619,15 @@ fn filebench_runs(rig: &Rig, cfg: &Config) -> String {
                             .and_then(|(v, _)| v.parse::<f64>().ok())
                     }) {
                     Some(x) => ops.push(x),
-                    // What filebench said last (its own error), or that it timed out.
+                    // filebench's own complaint, else what it said last, else a timeout.
                     None => {
                         failure = Some(
-                            text.lines()
-                                .rev()
+                            errors
+                                .lines()
+                                .chain(text.lines())
+                                .find(|l| l.contains("Failed"))
+                                .into_iter()
+                                .chain(text.lines().rev())
                                 .find(|l| !l.trim().is_empty() && !l.contains("Shutting down"))
                                 .unwrap_or("no output: timed out")
                                 .trim()
