@@ -13,11 +13,13 @@ use std::process::{Child, Command, Stdio};
 use crate::mounts::{fio_iops, mount_all, Mounts};
 use crate::stats::median;
 
-/// fio 4 KiB random reads, one psync job, on `dir`; pinned to `cpu` if given.
-fn fio(dir: &Path, runtime: u32, cpu: Option<usize>) -> Child {
+/// fio 4 KiB random reads, one psync job, on `dir`, in a file named after `name` (all mounts
+/// of a cluster see the same files: two fio processes laying out one file at once would
+/// unlink it under each other); pinned to `cpu` if given.
+fn fio(dir: &Path, name: &str, runtime: u32, cpu: Option<usize>) -> Child {
     let mut cmd = Command::new("fio");
     cmd.args([
-        "--name=q",
+        &format!("--name={name}"),
         &format!("--directory={}", dir.display()),
         "--rw=randread",
         "--bs=4k",
@@ -44,7 +46,12 @@ fn iops(c: Child) -> f64 {
 
 /// IOPS of each mount, all reading at once.
 fn together(m: &Mounts, runtime: u32) -> Vec<f64> {
-    let running: Vec<Child> = m.dirs.iter().map(|d| fio(d, runtime, None)).collect();
+    let running: Vec<Child> = m
+        .dirs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| fio(d, &format!("q{i}"), runtime, None))
+        .collect();
     running.into_iter().map(iops).collect()
 }
 
@@ -66,7 +73,7 @@ pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
         let c = TestCluster::start(1, "512M");
         let m = mount_all(&c, &tmp, "measure", &["qos=off"; 3]);
         let all: f64 = together(&m, runtime).iter().sum();
-        let one = iops(fio(&m.dirs[0], runtime, None));
+        let one = iops(fio(&m.dirs[0], "q0", runtime, None));
         (all as u64, one as u64)
     };
     let mut md = format!(
@@ -201,9 +208,9 @@ fn cost(tmp: &TempDir, runtime: u32, runs: usize) -> String {
     for r in 0..runs.max(3) {
         for first in [r % 2 == 0, r % 2 == 1] {
             if first {
-                on.push(iops(fio(&pair.dirs[0], runtime, Some(1))));
+                on.push(iops(fio(&pair.dirs[0], "on", runtime, Some(1))));
             } else {
-                off.push(iops(fio(&pair.dirs[1], runtime, Some(1))));
+                off.push(iops(fio(&pair.dirs[1], "off", runtime, Some(1))));
             }
         }
     }
