@@ -73,6 +73,26 @@ pub fn mount_all(cluster: &TestCluster, tmp: &TempDir, tag: &str, opts: &[&str])
     m
 }
 
+/// fio 4 KiB random reads, one psync direct job named `name` in `dir`, for `runtime` s, JSON
+/// on a pipe; the caller adds the file's size or name (mounts of one cluster see the same
+/// files, so concurrent runs need their own names).
+pub fn randread(dir: &std::path::Path, name: &str, runtime: u32) -> Command {
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        &format!("--name={name}"),
+        &format!("--directory={}", dir.display()),
+        "--rw=randread",
+        "--bs=4k",
+        "--ioengine=psync",
+        "--direct=1",
+        "--time_based",
+        &format!("--runtime={runtime}"),
+        "--output-format=json",
+    ]);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
 /// Waits for a fio run started with `--output-format=json` and returns the IOPS of its
 /// first job (or group) on `side` (`read` or `write`).
 pub fn fio_iops(child: Child, side: &str) -> f64 {

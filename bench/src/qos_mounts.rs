@@ -8,36 +8,21 @@
 
 use rackfs_tests::{TempDir, TestCluster};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
-use crate::mounts::{fio_iops, mount_all, Mounts};
+use crate::mounts::{fio_iops, mount_all, randread, Mounts};
 use crate::stats::median;
 
 /// fio 4 KiB random reads, one psync job, on `dir`, in a file named after `name` (all mounts
 /// of a cluster see the same files: two fio processes laying out one file at once would
 /// unlink it under each other); pinned to `cpu` if given.
 fn fio(dir: &Path, name: &str, runtime: u32, cpu: Option<usize>) -> Child {
-    let mut cmd = Command::new("fio");
-    cmd.args([
-        &format!("--name={name}"),
-        &format!("--directory={}", dir.display()),
-        "--rw=randread",
-        "--bs=4k",
-        "--size=16M",
-        "--ioengine=psync",
-        "--direct=1",
-        "--time_based",
-        &format!("--runtime={runtime}"),
-        "--ramp_time=1",
-        "--output-format=json",
-    ]);
+    let mut cmd = randread(dir, name, runtime);
+    cmd.args(["--size=16M", "--ramp_time=1"]);
     if let Some(c) = cpu {
         cmd.arg(format!("--cpus_allowed={c}"));
     }
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run fio (apt-get install fio)")
+    cmd.spawn().expect("run fio (apt-get install fio)")
 }
 
 fn iops(c: Child) -> f64 {

@@ -11,35 +11,23 @@
 //! the mount reads are created one after the other.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use rackfs_memnode::control::{ControlRequest, ControlResponse};
 use rackfs_tests::{TempDir, TestCluster};
 
-use crate::mounts::{fio_iops, mount_all};
+use crate::mounts::{fio_iops, mount_all, randread};
 use crate::plot;
 
 /// fio 4 KiB random reads of `file` (or of an 8 MiB file of its own, named after the job),
 /// one psync job. (All mounts of a cluster see the same files.)
 fn fio(dir: &Path, name: &str, file: Option<&str>, runtime: u32) -> Command {
-    let mut cmd = Command::new("fio");
-    cmd.args([
-        &format!("--name={name}"),
-        &format!("--directory={}", dir.display()),
-        "--rw=randread",
-        "--bs=4k",
-        "--ioengine=psync",
-        "--direct=1",
-        "--time_based",
-        &format!("--runtime={runtime}"),
-        "--output-format=json",
-    ]);
+    let mut cmd = randread(dir, name, runtime);
     match file {
         Some(f) => cmd.args([&format!("--filename={f}"), "--size=1M"]),
         None => cmd.args(["--size=8M"]),
     };
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     cmd
 }
 
