@@ -15,7 +15,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rackfs_locks::{Geometry, LockConfig, LockTree};
-use rackfs_memnode::control::{ControlClient, ControlRequest};
+use rackfs_proto::control::ControlRequest;
+use rackfs_proto::ControlClient;
 use rackfs_tests::{MemNodeProcess, Rng};
 use rackfs_verbs::{block_on, Batch, QueuePair, RemoteAddr};
 
@@ -126,7 +127,7 @@ impl Locker {
                 })
             }
             Locker::Rpc(c, space) => {
-                c.call(&ControlRequest::RangeLock {
+                c.call(&ControlRequest::BaselineRangeLock {
                     space: *space,
                     l,
                     r,
@@ -135,7 +136,7 @@ impl Locker {
                 let space = *space;
                 Box::new(move |me| {
                     if let Locker::Rpc(c, _) = me {
-                        c.call(&ControlRequest::RangeUnlock { space, l, r })
+                        c.call(&ControlRequest::BaselineRangeUnlock { space, l, r })
                             .expect("rpc unlock");
                     }
                 })
@@ -274,7 +275,11 @@ fn rand_space() -> u64 {
 }
 
 pub fn run(cfg: &Config) -> Vec<Row> {
-    let node = MemNodeProcess::start("256M");
+    let node = MemNodeProcess::start_with(
+        "256M",
+        rackfs_verbs::Secret::generate(),
+        &["--baseline-lock-server"],
+    );
     let mut rows = Vec::new();
     for &transport in &cfg.transports {
         for &space in &cfg.spaces {

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use rackfs_memnode::control::{ControlRequest, ControlResponse};
+use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_tests::TestCluster;
 use rackfs_verbs::{block_on, RemoteAddr};

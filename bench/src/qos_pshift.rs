@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use rackfs_memnode::control::{ControlRequest, ControlResponse};
+use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_tests::{TempDir, TestCluster};
 
 use crate::mounts::{fio_iops, mount_all, randread};

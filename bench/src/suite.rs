@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use rackfs_memnode::control::NodeStats;
+use rackfs_proto::control::NodeStats;
 use rackfs_tests::{TempDir, TestCluster};
 
 use crate::fio::{rig, Rig, Target};

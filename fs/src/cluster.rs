@@ -5,10 +5,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 
 use rackfs_locks::LockConfig;
-use rackfs_memnode::control::{ClusterInfo, ControlClient, NodeAddr};
-use rackfs_memnode::control::{ControlRequest, ControlResponse};
-use rackfs_memnode::meta::MetaRequest;
-use rackfs_memnode::RpcError;
+use rackfs_proto::control::{ClusterInfo, NodeAddr};
+use rackfs_proto::control::{ControlRequest, ControlResponse};
+use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::ControlClient;
+use rackfs_proto::RpcError;
 use rackfs_qos::engine::InFlight;
 use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
@@ -78,7 +79,8 @@ impl Cluster {
         for addr in addrs {
             let first = match ControlClient::connect(addr, &secret, name) {
                 Ok(c) => c,
-                Err(e @ VerbsError::Auth { .. }) => return Err(e.into()),
+                Err(RpcError::Connection(e @ VerbsError::Auth { .. })) => return Err(e.into()),
+                Err(e @ RpcError::Version { .. }) => return Err(e.into()),
                 Err(e) => {
                     last = e.to_string();
                     continue;

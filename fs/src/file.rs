@@ -4,7 +4,7 @@
 //! Every batch that touches a stripe reads the stripe's owner tag first, on the same queue pair,
 //! so the tag check executes before the data ops; a mismatch means the stripe was freed by a
 //! truncate or unlink elsewhere, and the operation is redone with a fresh layout (see
-//! `rackfs_memnode::meta`). The file size lives in the file record on the primary and only
+//! `rackfs_proto::record`). The file size lives in the file record on the primary and only
 //! grows by CAS-max, so concurrent extending writes from different mounts never lose size.
 //! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
 
@@ -13,11 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rackfs_memnode::control::ControlResponse;
-use rackfs_memnode::meta::{
-    FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE, REC_MTIME, REC_SIZE,
-};
-use rackfs_memnode::server::TAG_SPACE;
+use rackfs_proto::control::ControlResponse;
+use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
+use rackfs_proto::record::{REC_MTIME, REC_SIZE, TAG_SPACE};
 use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 
 use crate::cluster::Cluster;

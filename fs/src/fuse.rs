@@ -19,11 +19,11 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
     WriteFlags,
 };
-use rackfs_memnode::control::ControlResponse;
-use rackfs_memnode::meta::{
+use rackfs_proto::control::ControlResponse;
+use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE,
 };
-use rackfs_memnode::RpcError;
+use rackfs_proto::RpcError;
 
 use crate::cluster::Cluster;
 use crate::file::FileData;

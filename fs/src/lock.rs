@@ -4,7 +4,7 @@
 //! O_APPEND write locks from the end of file, `ftruncate` locks the whole file; reads take no
 //! lock. The tree is created by the primary on the first lock of a file and *replaced* to grow
 //! it (a lock beyond the tree, up to [`MAX_HEIGHT`]), to shrink it (truncate) and to recover
-//! it (a mount died holding locks): see `rackfs_memnode::locktree`. A mount caches its handle on
+//! it (a mount died holding locks): see `rackfs_meta::locktree`. A mount caches its handle on
 //! the published tree and re-reads the file record when an acquisition finds the tree retired
 //! or when it has not seen the tree live for `LAYOUT_LEASE` (a quarter of the service's grace, so it
 //! never touches a freed tree).
@@ -14,9 +14,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use rackfs_locks::{LockConfig, LockError, LockTree, RangeGuard};
-use rackfs_memnode::control::ControlResponse;
-use rackfs_memnode::locktree::{TreeWord, MAX_HEIGHT};
-use rackfs_memnode::meta::{MetaRequest, REC_LOCKS};
+use rackfs_proto::control::ControlResponse;
+use rackfs_proto::locktree::{TreeWord, MAX_HEIGHT};
+use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::record::REC_LOCKS;
 use rackfs_verbs::{block_on, RemoteAddr, VerbsError};
 
 use crate::cluster::Cluster;
@@ -25,7 +26,13 @@ use crate::cluster::Cluster;
 pub const LOCK_UNIT: u64 = 4096;
 
 /// How long a cached tree handle is trusted without seeing the tree live.
-const LAYOUT_LEASE: Duration = rackfs_memnode::locktree::CLIENT_LEASE;
+const LAYOUT_LEASE: Duration = rackfs_proto::locktree::CLIENT_LEASE;
+
+/// The shape and offset of a published tree.
+fn geometry(w: TreeWord) -> Option<(rackfs_locks::Geometry, u64)> {
+    w.tree()
+        .map(|(height, offset)| (rackfs_locks::Geometry { height }, offset))
+}
 
 /// How long one lock request keeps meeting retired trees (a recovery waiting for holders
 /// to release) before it gives up with EIO.
@@ -107,7 +114,7 @@ impl FileLocks {
         if word.tree().is_none() {
             word = self.publish(cl, TreeWord::NONE, units)?;
         }
-        let (geo, offset) = word.tree().ok_or(libc::EIO)?;
+        let (geo, offset) = geometry(word).ok_or(libc::EIO)?;
         let t = Arc::new(Tree {
             word,
             tree: LockTree::new(
@@ -138,7 +145,7 @@ impl FileLocks {
         while started.elapsed() < REPLACEMENT_PATIENCE {
             // A new tree is sized for the range (an open-ended one: for its start).
             let t = self.current(cl, if r == u64::MAX { l + 1 } else { r })?;
-            let (geo, _) = t.word.tree().expect("a published tree");
+            let (geo, _) = geometry(t.word).expect("a published tree");
             if r != u64::MAX && r > geo.units() && geo.height < MAX_HEIGHT {
                 self.grow(cl, &t, r)?;
                 continue;
@@ -187,8 +194,8 @@ impl FileLocks {
         let new = res?;
         tracing::debug!(
             ino = self.ino,
-            from = ?t.word.tree().map(|(g, _)| g.height),
-            to = ?new.tree().map(|(g, _)| g.height),
+            from = ?t.word.tree().map(|(h, _)| h),
+            to = ?new.tree().map(|(h, _)| h),
             took = ?started.elapsed(),
             "lock tree grown"
         );
@@ -198,7 +205,7 @@ impl FileLocks {
     /// Scale-down, while holding the whole file (`held` covers `[0, inf)`): replace the tree
     /// by the smallest one covering `units`, returning the rest of its memory.
     pub fn shrink(&self, cl: &Cluster, held: &Held, units: u64) -> Result<(), i32> {
-        let (geo, _) = held.tree.word.tree().expect("a published tree");
+        let (geo, _) = geometry(held.tree.word).expect("a published tree");
         if rackfs_locks::Geometry::for_units(units.max(1)).height >= geo.height {
             return Ok(());
         }

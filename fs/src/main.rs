@@ -7,8 +7,9 @@ use clap::{Parser, Subcommand};
 use rackfs_fs::mount::{mount_command, state_dir};
 use rackfs_fs::options::TransportChoice;
 use rackfs_fs::up::{self, read_state, state_value, UpConfig};
-use rackfs_memnode::control::{ControlClient, ControlRequest, ControlResponse};
-use rackfs_memnode::size::{format_size, parse_size};
+use rackfs_proto::control::{ControlRequest, ControlResponse};
+use rackfs_proto::size::{format_size, parse_size};
+use rackfs_proto::ControlClient;
 use rackfs_verbs::{Opcode, Secret};
 
 #[derive(Parser)]
@@ -209,12 +210,8 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
                 .tcp
                 .clone()
                 .unwrap_or_else(|| format!("unix:{}", n.shm.clone().unwrap_or_default()));
-            match ControlClient::connect(&target, &secret, "rackfs-status").and_then(|c| {
-                c.stats().map_err(|e| rackfs_verbs::VerbsError::Protocol {
-                    peer: target.clone(),
-                    reason: e.to_string(),
-                })
-            }) {
+            match ControlClient::connect(&target, &secret, "rackfs-status").and_then(|c| c.stats())
+            {
                 Ok(s) => {
                     println!(
                         "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
@@ -255,7 +252,7 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
 
 /// The QoS part of `rackfs status`: per mount R, L, weight, achieved IOPS, tokens from
 /// reservation and pool, periods that missed the reservation; per node its capacity.
-fn print_qos(q: &rackfs_memnode::control::QosStatus) {
+fn print_qos(q: &rackfs_proto::control::QosStatus) {
     println!("  QoS (IOPS = 4 KiB one-sided operations per second):");
     for n in &q.nodes {
         let per_s = |t: u64| t * 1000 / n.period_ms.max(1);

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rackfs_memnode::size::parse_size;
+use rackfs_proto::size::parse_size;
 
 /// Which transport a mount uses to reach memory nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

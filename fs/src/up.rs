@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfs_memnode::size::format_size;
+use rackfs_proto::size::format_size;
 use rackfs_verbs::Secret;
 
 use crate::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};

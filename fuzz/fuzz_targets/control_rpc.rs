@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rackfs_memnode::control::{ControlRequest, ControlResponse};
+use rackfs_proto::control::{ControlRequest, ControlResponse};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok((id, req)) = ControlRequest::decode(data) {

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::size::format_size;
+use rackfs_proto::size::format_size;
 
 /// Allocation granule in bytes.
 pub const GRANULE: u64 = 64;

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use rackfs_memnode::size::{format_size, parse_size};
 use rackfs_memnode::{MemNode, NodeConfig, Role};
+use rackfs_proto::size::{format_size, parse_size};
 use rackfs_verbs::Secret;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -67,6 +67,10 @@ struct Args {
     /// `rdma` feature.
     #[arg(long, value_name = "NAME")]
     rdma_device: Option<String>,
+    /// Also serve the CPU range-lock server that `rackfs-bench locks` measures Citron against
+    /// (benchmarks only: every lock operation costs this node's CPU).
+    #[arg(long)]
+    baseline_lock_server: bool,
     /// Serve Prometheus text metrics (memory, verbs, RPCs, QoS) over HTTP at ADDR.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
@@ -124,6 +128,7 @@ fn run(args: Args) -> Result<(), String> {
         },
         metrics: args.metrics_listen,
         rdma_device: args.rdma_device,
+        baseline_lock_server: args.baseline_lock_server,
     })
     .map_err(|e| e.to_string())?;
     if let Some(secs) = profile {

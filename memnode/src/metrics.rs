@@ -9,7 +9,7 @@ use std::net::TcpListener;
 
 use rackfs_verbs::Opcode;
 
-use crate::control::{NodeStats, QosNodeStatus, RPC_KINDS};
+use rackfs_proto::control::{NodeStats, QosNodeStatus, RPC_KINDS};
 
 /// The exposition text for one node.
 pub fn render(s: &NodeStats, qos: Option<&QosNodeStatus>) -> String {

@@ -1,21 +1,16 @@
-//! QoS on the memory nodes: every node runs a Haechi monitor on its own QoS area
-//! ([`NodeQos`]); the primary also runs the cluster's controller ([`ClusterQos`]): admission
-//! control of mounts' reservations and limits (IOPS), and each period the pShift placement of
-//! every mount's reservation over the nodes by its demand on each, pushed to the nodes.
-//!
-//! Units: mount options and admission are in IOPS (tokens per second); monitors and engines
-//! count tokens per period (`IOPS * period`).
+//! QoS on a memory node: the Haechi monitor on the node's own QoS area ([`NodeQos`]). The
+//! monitor is the only writer of the area's period, pool and share words; mounts write their
+//! report slots (see `rackfs_qos::area`). The primary's placement logic is
+//! `rackfs_meta::placement`; the controller loop that runs it is [`crate::qos_controller`].
 
-use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use rackfs_meta::placement::per_period;
+use rackfs_proto::control::{QosNodeStatus, QosPeriod};
 use rackfs_qos::monitor::PeriodRecord;
-use rackfs_qos::pshift::{self, Problem};
 use rackfs_qos::{CapacityEstimator, MonitorConfig, MountShare, QosMonitor};
 use rackfs_verbs::Region;
-
-use crate::control::{ErrorCode, QosMount, QosNodeStatus, QosPeriod};
 
 /// A node's QoS settings.
 #[derive(Debug, Clone)]
@@ -46,10 +41,6 @@ impl Default for QosConfig {
             pshift: true,
         }
     }
-}
-
-fn per_period(iops: u64, period: Duration) -> u64 {
-    (iops as u128 * period.as_micros() / 1_000_000) as u64
 }
 
 /// One node's monitor and where its area is.
@@ -135,240 +126,5 @@ impl NodeQos {
                 .unwrap_or(self.cfg.capacity_iops.unwrap_or(ASSUMED_IOPS)),
             periods: m.history.iter().rev().take(16).rev().map(convert).collect(),
         }
-    }
-}
-
-/// Shares placed on each node: per node, (slot, reservation, limit, weight); tokens per period.
-pub type Placement = BTreeMap<u32, Vec<(u16, u64, u64, u32)>>;
-
-/// A mount's admitted QoS.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MountQos {
-    pub session: u64,
-    pub reservation: u64,
-    pub limit: u64,
-    pub weight: u32,
-}
-
-/// The primary's QoS controller (see the module docs).
-#[derive(Default)]
-pub struct ClusterQos {
-    pub mounts: BTreeMap<u16, MountQos>,
-    /// The last placement.
-    pub placed: Placement,
-    /// Split reservations evenly instead of by demand (experiments: pShift off).
-    pub even_split: bool,
-}
-
-impl ClusterQos {
-    /// Admission control for `slot` asking `reservation` and `limit` IOPS, given the nodes'
-    /// capacities and the largest rate one mount can reach (both IOPS).
-    pub fn admit(
-        &mut self,
-        slot: u16,
-        q: MountQos,
-        nodes: &[QosNodeStatus],
-    ) -> Result<(), (ErrorCode, String)> {
-        if q.limit > 0 && q.limit < q.reservation {
-            return Err((
-                ErrorCode::Invalid,
-                format!(
-                    "limit {} IOPS is below reservation {} IOPS",
-                    q.limit, q.reservation
-                ),
-            ));
-        }
-        if q.weight == 0 {
-            return Err((ErrorCode::Invalid, "weight must be at least 1".into()));
-        }
-        let iops = |n: &QosNodeStatus| n.capacity * 1000 / n.period_ms.max(1);
-        let capacity: u64 = nodes.iter().map(iops).sum();
-        let others: u64 = self
-            .mounts
-            .iter()
-            .filter(|(&s, _)| s != slot)
-            .map(|(_, m)| m.reservation)
-            .sum();
-        if others + q.reservation > capacity {
-            return Err((
-                ErrorCode::Refused,
-                format!(
-                    "reservation {} IOPS refused by the aggregate constraint: the cluster's \
-                     capacity is {capacity} IOPS and {others} IOPS are reserved by other \
-                     mounts, so at most {} IOPS can be reserved now",
-                    q.reservation,
-                    capacity.saturating_sub(others)
-                ),
-            ));
-        }
-        // Local constraint: one mount reaches each node at most at client_iops.
-        let local: u64 = nodes.iter().map(|n| n.client_iops.min(iops(n))).sum();
-        if q.reservation > local {
-            return Err((
-                ErrorCode::Refused,
-                format!(
-                    "reservation {} IOPS refused by the local constraint: one mount can do at \
-                     most {local} IOPS over the {} memory node(s), {} IOPS short",
-                    q.reservation,
-                    nodes.len(),
-                    q.reservation - local
-                ),
-            ));
-        }
-        self.mounts.insert(slot, q);
-        Ok(())
-    }
-
-    /// Forgets the mount of an ended session.
-    pub fn end_session(&mut self, session: u64) -> bool {
-        let before = self.mounts.len();
-        self.mounts.retain(|_, m| m.session != session);
-        before != self.mounts.len()
-    }
-
-    /// Places every mount's reservation and limit over `nodes` by its demand in their last
-    /// period (pShift); mounts with no recent demand are split evenly. Returns each node's
-    /// shares: (slot, reservation, limit) in tokens per period.
-    pub fn place(&mut self, nodes: &[QosNodeStatus]) -> Placement {
-        let slots: Vec<u16> = self.mounts.keys().copied().collect();
-        let n = nodes.len().max(1) as u64;
-        let demand: Vec<Vec<u64>> = slots
-            .iter()
-            .map(|s| {
-                nodes
-                    .iter()
-                    .map(|node| {
-                        if self.even_split {
-                            return 0;
-                        }
-                        node.periods.last().map_or(0, |p| {
-                            p.mounts.iter().find(|m| m.0 == *s).map_or(0, |m| m.4)
-                        })
-                    })
-                    .collect()
-            })
-            .collect();
-        let period = |node: &QosNodeStatus| Duration::from_millis(node.period_ms);
-        let reservation: Vec<u64> = slots
-            .iter()
-            .map(|s| per_period(self.mounts[s].reservation, period(&nodes[0])))
-            .collect();
-        // A mount without demand anywhere gets an even split (as demand) so it keeps its
-        // reservation everywhere until it shows where it works. One that asked for less than
-        // its reservation (it may have been held back: demand is measured in a closed loop)
-        // has its demand scaled up to the reservation, in the same proportions.
-        let demand: Vec<Vec<u64>> = demand
-            .into_iter()
-            .zip(&reservation)
-            .map(|(d, &r)| {
-                let total: u64 = d.iter().sum();
-                if total == 0 {
-                    vec![r.div_ceil(n); d.len()]
-                } else if total < r {
-                    d.iter()
-                        .map(|&x| (x as u128 * r as u128).div_ceil(total as u128) as u64)
-                        .collect()
-                } else {
-                    d
-                }
-            })
-            .collect();
-        let problem = Problem {
-            reservation: reservation.clone(),
-            demand: demand.clone(),
-            capacity: nodes.iter().map(|n| n.capacity).collect(),
-        };
-        let alloc = pshift::allocate(&problem, pshift::Options::default());
-        let mut out = Placement::new();
-        for (i, s) in slots.iter().enumerate() {
-            let m = self.mounts[s];
-            let d_total: u64 = demand[i].iter().sum::<u64>().max(1);
-            for (j, node) in nodes.iter().enumerate() {
-                // The limit follows demand (a node where the mount does not work needs none).
-                let limit = if m.limit == 0 {
-                    0
-                } else {
-                    (per_period(m.limit, period(node)) as u128 * demand[i][j] as u128
-                        / d_total as u128) as u64
-                }
-                .max(if m.limit == 0 { 0 } else { alloc[i][j].max(1) });
-                out.entry(node.node_id)
-                    .or_default()
-                    .push((*s, alloc[i][j], limit, m.weight));
-            }
-        }
-        for node in nodes {
-            out.entry(node.node_id).or_default();
-        }
-        self.placed = out.clone();
-        out
-    }
-
-    /// The admitted mounts with their current placement.
-    pub fn report(&self) -> Vec<QosMount> {
-        self.mounts
-            .iter()
-            .map(|(&slot, m)| QosMount {
-                slot,
-                reservation: m.reservation,
-                limit: m.limit,
-                weight: m.weight,
-                shares: self
-                    .placed
-                    .iter()
-                    .filter_map(|(&node, v)| v.iter().find(|e| e.0 == slot).map(|e| (node, e.1)))
-                    .collect(),
-            })
-            .collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn node(id: u32, demand: &[(u16, u64)]) -> QosNodeStatus {
-        QosNodeStatus {
-            node_id: id,
-            period_ms: 1000,
-            capacity: 10_000,
-            profiled: true,
-            client_iops: 10_000,
-            periods: vec![QosPeriod {
-                period: 1,
-                capacity: 10_000,
-                mounts: demand.iter().map(|&(s, d)| (s, 0, d, 0, d)).collect(),
-                ..QosPeriod::default()
-            }],
-        }
-    }
-
-    fn share(p: &Placement, node: u32, slot: u16) -> u64 {
-        p[&node].iter().find(|x| x.0 == slot).map_or(0, |x| x.1)
-    }
-
-    #[test]
-    fn reservations_follow_demand_even_when_held_below_it() {
-        let mut c = ClusterQos::default();
-        let q = MountQos {
-            session: 1,
-            reservation: 6000,
-            limit: 0,
-            weight: 1,
-        };
-        c.mounts.insert(0, q);
-        // No demand yet: an even split.
-        let p = c.place(&[node(0, &[]), node(1, &[])]);
-        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (3000, 3000));
-        // Held back to 4000 on node 1 only: the whole reservation moves there.
-        let p = c.place(&[node(0, &[]), node(1, &[(0, 4000)])]);
-        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (0, 6000));
-        // Demand over both nodes, below the reservation: split in its proportions.
-        let p = c.place(&[node(0, &[(0, 1000)]), node(1, &[(0, 3000)])]);
-        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (1500, 4500));
-        // pShift off: always even.
-        c.even_split = true;
-        let p = c.place(&[node(0, &[]), node(1, &[(0, 4000)])]);
-        assert_eq!((share(&p, 0, 0), share(&p, 1, 0)), (3000, 3000));
     }
 }

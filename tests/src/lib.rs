@@ -128,8 +128,8 @@ impl MemNodeProcess {
         rackfs_verbs::shm::connect(&self.shm, &self.secret, "test").expect("shm connect")
     }
 
-    pub fn control(&self) -> rackfs_memnode::ControlClient {
-        rackfs_memnode::ControlClient::connect_tcp(&self.tcp, &self.secret, "test")
+    pub fn control(&self) -> rackfs_proto::ControlClient {
+        rackfs_proto::ControlClient::connect_tcp(&self.tcp, &self.secret, "test")
             .expect("control connect")
     }
 
@@ -414,7 +414,7 @@ impl TestCluster {
         self.nodes[0].as_ref().expect("primary running").tcp.clone()
     }
 
-    pub fn control(&self, i: usize) -> rackfs_memnode::ControlClient {
+    pub fn control(&self, i: usize) -> rackfs_proto::ControlClient {
         self.nodes[i].as_ref().expect("node running").control()
     }
 

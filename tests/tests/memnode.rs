@@ -5,8 +5,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use rackfs_memnode::control::ErrorCode;
-use rackfs_memnode::RpcError;
+use rackfs_proto::control::{ErrorCode, RPC_KINDS};
+use rackfs_proto::RpcError;
 use rackfs_tests::{bin_path, wait_for, MemNodeProcess};
 use rackfs_verbs::auth::client_handshake;
 use rackfs_verbs::wire::{self, ConnKind, FrameKind};
@@ -120,7 +120,8 @@ fn allocation_reuses_space_and_reports_full_nodes() {
         })
     ));
     let s = ctl.stats().unwrap();
-    assert_eq!(s.rpcs[2], 6, "alloc RPCs counted: {:?}", s.rpcs);
+    let alloc = RPC_KINDS.iter().position(|k| *k == "alloc").unwrap();
+    assert_eq!(s.rpcs[alloc], 6, "alloc RPCs counted: {:?}", s.rpcs);
 }
 
 #[test]
@@ -387,31 +388,78 @@ fn sigterm_shuts_down_cleanly() {
 }
 
 #[test]
-fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
-    use rackfs_memnode::control::ControlRequest;
+fn baseline_lock_server_is_refused_unless_asked_for() {
+    use rackfs_proto::control::ControlRequest;
     let node = MemNodeProcess::start("8M");
+    let lock = ControlRequest::BaselineRangeLock {
+        space: 7,
+        l: 0,
+        r: 100,
+    };
+    match node.control().call(&lock) {
+        Err(RpcError::Refused {
+            code: ErrorCode::Invalid,
+            message,
+        }) => assert!(message.contains("--baseline-lock-server"), "{message}"),
+        other => panic!("a production node served the baseline lock RPC: {other:?}"),
+    }
+}
+
+#[test]
+fn another_protocol_version_is_refused_by_name() {
+    use rackfs_proto::control::{ControlRequest, PROTOCOL_VERSION};
+    let node = MemNodeProcess::start("8M");
+    let c = node.control(); // said hello with this build's version: accepted
+    c.call(&ControlRequest::Ping).unwrap();
+    let other = PROTOCOL_VERSION + 1;
+    match c.hello(other) {
+        Err(e @ RpcError::Version { ours, theirs, .. }) => {
+            assert_eq!((ours, theirs), (other, PROTOCOL_VERSION));
+            assert_eq!(e.errno(), libc::EPROTO);
+            assert!(e.to_string().contains("protocol version"), "{e}");
+        }
+        r => panic!("a node accepted protocol version {other}: {r:?}"),
+    }
+    // Nothing more is served on that connection, with a message naming both versions.
+    match c.call(&ControlRequest::Ping) {
+        Err(RpcError::Refused {
+            code: ErrorCode::Version,
+            message,
+        }) => assert!(
+            message.contains(&format!("{PROTOCOL_VERSION}"))
+                && message.contains(&format!("{other}")),
+            "{message}"
+        ),
+        r => panic!("served after a version mismatch: {r:?}"),
+    }
+}
+
+#[test]
+fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
+    use rackfs_proto::control::ControlRequest;
+    let node = MemNodeProcess::start_with("8M", Secret::generate(), &["--baseline-lock-server"]);
     let a = node.control();
     let b = node.control();
-    a.call(&ControlRequest::RangeLock {
+    a.call(&ControlRequest::BaselineRangeLock {
         space: 7,
         l: 0,
         r: 100,
     })
     .unwrap();
-    b.call(&ControlRequest::RangeLock {
+    b.call(&ControlRequest::BaselineRangeLock {
         space: 7,
         l: 100,
         r: 200,
     })
     .unwrap(); // disjoint: granted
-    b.call(&ControlRequest::RangeLock {
+    b.call(&ControlRequest::BaselineRangeLock {
         space: 8,
         l: 0,
         r: 100,
     })
     .unwrap(); // other space: granted
     let waiter = std::thread::spawn(move || {
-        b.call(&ControlRequest::RangeLock {
+        b.call(&ControlRequest::BaselineRangeLock {
             space: 7,
             l: 50,
             r: 60,
@@ -424,7 +472,7 @@ fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
     drop(a); // the holder's session ends: its ranges are released
     let b = waiter.join().unwrap();
     assert!(matches!(
-        b.call(&ControlRequest::RangeUnlock {
+        b.call(&ControlRequest::BaselineRangeUnlock {
             space: 7,
             l: 0,
             r: 100
@@ -434,7 +482,7 @@ fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
             ..
         })
     ));
-    b.call(&ControlRequest::RangeUnlock {
+    b.call(&ControlRequest::BaselineRangeUnlock {
         space: 7,
         l: 50,
         r: 60,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use rackfs_fs::cluster::Cluster;
 use rackfs_fs::lock::FileLocks;
 use rackfs_fs::options::TransportChoice;
-use rackfs_memnode::control::ControlResponse;
-use rackfs_memnode::meta::{MetaRequest, ROOT_INO};
+use rackfs_proto::control::ControlResponse;
+use rackfs_proto::namespace::{MetaRequest, ROOT_INO};
 use rackfs_verbs::Secret;
 
 fn main() {

@@ -1,8 +1,8 @@
-//! The memory node's part in Citron range locks: allocating, replacing and recovering the lock
-//! trees of files (the lock protocol itself is one-sided, in `rackfs_locks`).
+//! The lock-tree service: allocating, replacing and recovering the Citron lock trees of files
+//! (the lock protocol itself is one-sided, in `rackfs_locks`).
 //!
 //! Each regular file may have one lock tree in the primary's region, published in its file
-//! record as a [`TreeWord`] (0: none yet). The service is the only writer of that word and of
+//! record as a [`TreeWord`] (written in the file record's lock word, [`rackfs_proto::record::REC_LOCKS`]) (0: none yet). The service is the only writer of that word and of
 //! every tree's `state` word; clients write the node words, the spillover mutex, the maximizer
 //! and their own client slot. A tree is never resized: it is replaced (see `rackfs_locks::tree`):
 //! * **create / grow / shrink**, on request ([`LockTrees::publish`]): the caller holds the
@@ -15,50 +15,28 @@
 //!   connection when its session ended are caught too; only then is the slot reused.
 //!
 //! A retired tree's memory is freed once the slots that were live at its retirement read 0 and
-//! `grace` has passed (at least [`MIN_GRACE`]): clients re-read a tree's published word when
-//! they have not seen it live for [`CLIENT_LEASE`], a quarter of that, so none touches freed
+//! `grace` has passed (at least [`rackfs_proto::locktree::MIN_GRACE`]): clients re-read a tree's published word when
+//! they have not seen it live for [`rackfs_proto::locktree::CLIENT_LEASE`], a quarter of that, so none touches freed
 //! memory (an acquisition's first verb is its slot increment, before it can see `RETIRED`).
 
+//!
+//! Time comes from [`Storage::elapsed`], so the service runs under a simulated clock too.
+
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rackfs_locks::tree::{slot_offset, CLIENT_SLOTS, RETIRED, STATE_OFFSET};
 use rackfs_locks::{Geometry, LockTree};
-use rackfs_verbs::Region;
+use rackfs_proto::control::ErrorCode;
+use rackfs_proto::locktree::{TreeWord, MAX_HEIGHT, MIN_GRACE};
+use rackfs_proto::Refusal;
 use tracing::{info, warn};
 
-use crate::control::ErrorCode;
+use crate::storage::Storage;
 
-/// How long a client may use a tree handle without seeing the tree live.
-pub const CLIENT_LEASE: Duration = Duration::from_millis(500);
-/// The least time a retired tree stays allocated: four client leases.
-pub const MIN_GRACE: Duration = Duration::from_secs(2);
-
-/// Tallest tree the service builds: `64 * 4^9` units of 4 KiB = 64 GiB, 2.7 MiB of tree.
-/// Beyond that a file's ranges are covered by the tree's spillover mutex.
-pub const MAX_HEIGHT: u32 = 9;
-
-/// A published tree: `1 << 63 | height << 56 | offset` in the primary's region (0: none).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TreeWord(pub u64);
-
-impl TreeWord {
-    pub const NONE: TreeWord = TreeWord(0);
-
-    pub fn new(geo: Geometry, offset: u64) -> TreeWord {
-        debug_assert!(offset < 1 << 56 && geo.height < 128);
-        TreeWord(1 << 63 | (geo.height as u64) << 56 | offset)
-    }
-
-    /// The tree's shape and offset, if there is one.
-    pub fn tree(self) -> Option<(Geometry, u64)> {
-        (self.0 >> 63 == 1).then_some((
-            Geometry {
-                height: (self.0 >> 56 & 0x7f) as u32,
-            },
-            self.0 & ((1 << 56) - 1),
-        ))
-    }
+fn geometry(w: TreeWord) -> (Geometry, u64) {
+    let (height, base) = w.tree().expect("a published tree");
+    (Geometry { height }, base)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,25 +44,18 @@ enum Slot {
     Free,
     Live(u64),
     /// The session ended; watched until then, reused after.
-    Dead(Instant),
+    Dead(Duration),
 }
 
 /// A retired tree waiting to be freed, or (with `recover`) to be replaced first.
 struct Retired {
     ino: u64,
     word: TreeWord,
-    at: Instant,
+    at: Duration,
     /// Slots live at retirement: the tree is quiet once they all read 0.
     watch: Vec<u16>,
     /// Retired by recovery: publish a fresh tree once quiet (if still the published one).
     recover: bool,
-}
-
-/// Memory the service needs: allocate and free plain extents in its own region.
-pub trait TreeMemory {
-    fn region(&self) -> &Region;
-    fn alloc(&self, len: u64) -> Result<u64, (ErrorCode, String)>;
-    fn free(&self, offset: u64);
 }
 
 /// Lock trees of the files of this node (see the module docs).
@@ -112,7 +83,7 @@ impl LockTrees {
     }
 
     /// The client slot of `session`, assigned on first request.
-    pub fn attach(&mut self, session: u64) -> Result<u16, (ErrorCode, String)> {
+    pub fn attach(&mut self, session: u64) -> Result<u16, Refusal> {
         if let Some(i) = self.slots.iter().position(|s| *s == Slot::Live(session)) {
             return Ok(i as u16);
         }
@@ -121,7 +92,7 @@ impl LockTrees {
                 self.slots[i] = Slot::Live(session);
                 Ok(i as u16)
             }
-            None => Err((
+            None => Err(Refusal::new(
                 ErrorCode::OutOfMemory,
                 format!(
                     "all {CLIENT_SLOTS} lock client slots are in use (one per mount; slots of \
@@ -133,10 +104,11 @@ impl LockTrees {
     }
 
     /// A session ended: its slot is dead (see the module docs).
-    pub fn end_session(&mut self, session: u64) {
+    pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
+        let until = st.elapsed() + self.dead_for;
         for s in &mut self.slots {
             if *s == Slot::Live(session) {
-                *s = Slot::Dead(Instant::now() + self.dead_for);
+                *s = Slot::Dead(until);
             }
         }
     }
@@ -147,24 +119,32 @@ impl LockTrees {
             .collect()
     }
 
-    fn retire(&mut self, mem: &dyn TreeMemory, ino: u64, word: TreeWord, recover: bool) {
-        let (_, base) = word.tree().expect("a published tree");
-        mem.region()
+    fn retire(&mut self, st: &dyn Storage, ino: u64, word: TreeWord, recover: bool) {
+        let (_, base) = geometry(word);
+        st.local()
+            .1
             .store(base + STATE_OFFSET, RETIRED)
             .expect("tree in region");
         self.retired.push(Retired {
             ino,
             word,
-            at: Instant::now(),
+            at: st.elapsed(),
             watch: self.live_slots(),
             recover,
         });
     }
 
-    fn alloc_tree(mem: &dyn TreeMemory, geo: Geometry) -> Result<TreeWord, (ErrorCode, String)> {
+    fn alloc_tree(st: &dyn Storage, geo: Geometry) -> Result<TreeWord, Refusal> {
         // Plain extents come zeroed: a fresh tree with every lock free.
-        let off = mem.alloc(LockTree::memory_len(geo))?;
-        Ok(TreeWord::new(geo, off))
+        let off = st.alloc(st.local().0, LockTree::memory_len(geo), None)?;
+        Ok(TreeWord::new(geo.height, off))
+    }
+
+    fn free_tree(st: &dyn Storage, word: TreeWord) {
+        let (_, base) = geometry(word);
+        if let Err(e) = st.free(st.local().0, base) {
+            warn!(offset = base, error = %e, "cannot free a retired lock tree");
+        }
     }
 
     /// Publishes a tree covering at least `units` for file `ino` (record at `record`) in place
@@ -172,13 +152,14 @@ impl LockTrees {
     /// the published tree, nothing changes. Returns the published word.
     pub fn publish(
         &mut self,
-        mem: &dyn TreeMemory,
+        st: &dyn Storage,
         ino: u64,
         record_word: u64,
         old: TreeWord,
         units: u64,
-    ) -> Result<TreeWord, (ErrorCode, String)> {
-        let current = TreeWord(mem.region().load(record_word).expect("record in region"));
+    ) -> Result<TreeWord, Refusal> {
+        let region = st.local().1;
+        let current = TreeWord(region.load(record_word).expect("record in region"));
         if current != old {
             return Ok(current);
         }
@@ -186,21 +167,19 @@ impl LockTrees {
         let geo = Geometry {
             height: geo.height.min(MAX_HEIGHT),
         };
-        let new = Self::alloc_tree(mem, geo)?;
+        let new = Self::alloc_tree(st, geo)?;
         if old.tree().is_some() {
-            self.retire(mem, ino, old, false);
+            self.retire(st, ino, old, false);
         }
-        mem.region()
-            .store(record_word, new.0)
-            .expect("record in region");
+        region.store(record_word, new.0).expect("record in region");
         self.trees.insert(ino, (record_word, new));
         Ok(new)
     }
 
     /// The file is gone: retire its tree (freed once quiet).
-    pub fn forget(&mut self, mem: &dyn TreeMemory, ino: u64) {
+    pub fn forget(&mut self, st: &dyn Storage, ino: u64) {
         if let Some((_, w)) = self.trees.remove(&ino) {
-            self.retire(mem, ino, w, false);
+            self.retire(st, ino, w, false);
         }
     }
 
@@ -211,16 +190,16 @@ impl LockTrees {
             .map(|(_, w)| w)
             .chain(self.retired.iter().map(|r| &r.word))
             .filter_map(|w| w.tree())
-            .map(|(g, _)| LockTree::memory_len(g))
+            .map(|(height, _)| LockTree::memory_len(Geometry { height }))
             .sum()
     }
 
     /// Recovery and reaping; called every millisecond or so.
-    pub fn tick(&mut self, mem: &dyn TreeMemory) {
-        let now = Instant::now();
-        let region = mem.region();
+    pub fn tick(&mut self, st: &dyn Storage) {
+        let now = st.elapsed();
+        let region = st.local().1;
         let quiet = |w: TreeWord, watch: &[u16]| {
-            let (_, base) = w.tree().expect("tree");
+            let (_, base) = geometry(w);
             watch
                 .iter()
                 .all(|&c| region.load(base + slot_offset(c)).expect("tree in region") == 0)
@@ -232,7 +211,7 @@ impl LockTrees {
         if !dead.is_empty() {
             let mut hit = Vec::new();
             for (&ino, &(_, w)) in &self.trees {
-                let (_, base) = w.tree().expect("tree");
+                let (_, base) = geometry(w);
                 let retired = region.load(base + STATE_OFFSET).expect("tree") & RETIRED != 0;
                 if !retired
                     && dead
@@ -247,7 +226,7 @@ impl LockTrees {
                     ino,
                     "a client died inside this file's lock tree: recovering it"
                 );
-                self.retire(mem, ino, w, true);
+                self.retire(st, ino, w, true);
             }
         }
         for s in &mut self.slots {
@@ -265,15 +244,15 @@ impl LockTrees {
             if r.recover {
                 if let Some(&(record, w)) = self.trees.get(&r.ino) {
                     if w == r.word {
-                        let (geo, _) = w.tree().expect("tree");
-                        match Self::alloc_tree(mem, geo) {
+                        let (geo, _) = geometry(w);
+                        match Self::alloc_tree(st, geo) {
                             Ok(new) => {
                                 region.store(record, new.0).expect("record in region");
                                 self.trees.insert(r.ino, (record, new));
                                 self.recoveries += 1;
                                 info!(ino = r.ino, "lock tree recovered");
                             }
-                            Err((_, e)) => {
+                            Err(e) => {
                                 warn!(ino = r.ino, error = %e, "cannot allocate a recovered lock tree yet");
                                 keep.push(r);
                                 continue;
@@ -283,8 +262,7 @@ impl LockTrees {
                 }
             }
             if now >= r.at + self.grace {
-                let (_, base) = r.word.tree().expect("tree");
-                mem.free(base);
+                Self::free_tree(st, r.word);
             } else {
                 keep.push(Retired {
                     recover: false,
@@ -293,24 +271,5 @@ impl LockTrees {
             }
         }
         self.retired = keep;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #[test]
-        fn tree_word_round_trips(height in 0u32..=MAX_HEIGHT, offset in 0u64..(1 << 56)) {
-            let g = Geometry { height };
-            prop_assert_eq!(TreeWord::new(g, offset).tree(), Some((g, offset)));
-        }
-    }
-
-    #[test]
-    fn none_has_no_tree() {
-        assert_eq!(TreeWord::NONE.tree(), None);
     }
 }

@@ -5,21 +5,25 @@
 //! request, in order. A body is a request id and the message, encoded with `postcard` (compact,
 //! versioned by the frame header); decoding is strict — unknown variants, short input and
 //! trailing bytes are errors — so a malformed body closes the connection instead of panicking.
+//!
+//! The first request on every control connection is [`ControlRequest::Hello`] with the
+//! client's [`PROTOCOL_VERSION`]; the node answers with its own and, when they differ, refuses
+//! every later request with [`ErrorCode::Version`]. `Hello` is variant 0 of both enums in every
+//! version, so the check itself never breaks.
 
-use std::io::{BufReader, BufWriter, Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::sync::Mutex;
-
-use rackfs_verbs::auth::{client_handshake, Secret};
-use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
-use rackfs_verbs::{Access, RegionInfo, VerbTotals, VerbsError};
+use rackfs_verbs::wire::WireError;
+use rackfs_verbs::VerbTotals;
 use serde::{Deserialize, Serialize};
 
-use crate::meta::{Attr, DirEntry, MetaRequest, StripeExtent};
+use crate::namespace::{Attr, DirEntry, MetaRequest, StripeExtent};
+
+/// The version of this crate's contract: control messages and remote-memory formats. Bump it
+/// on any change a peer of the previous version would misread.
+pub const PROTOCOL_VERSION: u32 = 1;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 13] = [
+pub const RPC_KINDS: [&str; 14] = [
+    "hello",
     "ping",
     "stats",
     "alloc",
@@ -28,8 +32,8 @@ pub const RPC_KINDS: [&str; 13] = [
     "join",
     "zero",
     "meta",
-    "range_lock",
-    "range_unlock",
+    "baseline_range_lock",
+    "baseline_range_unlock",
     "qos_shares",
     "qos_set",
     "qos_status",
@@ -37,10 +41,14 @@ pub const RPC_KINDS: [&str; 13] = [
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlRequest {
+    /// The client's protocol version; must be the connection's first request.
+    Hello {
+        version: u32,
+    },
     Ping,
     Stats,
     /// Allocate an extent of the data region. With a `tag`, the extent is a file stripe: its
-    /// first 8 bytes hold the owner tag and the data starts [`crate::server::TAG_SPACE`] later;
+    /// first 8 bytes hold the owner tag and the data starts [`crate::record::TAG_SPACE`] later;
     /// freeing it tombstones the tag and quarantines the memory before reuse.
     Alloc {
         len: u64,
@@ -65,14 +73,15 @@ pub enum ControlRequest {
     /// A namespace operation (primary only).
     Meta(MetaRequest),
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
-    /// answered when granted. The baseline Citron is measured against: every lock operation
-    /// costs this node's CPU. Ranges a session holds are released when it disconnects.
-    RangeLock {
+    /// answered when granted. The *baseline* Citron is measured against (every lock operation
+    /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
+    /// and refuses it otherwise. Ranges a session holds are released when it disconnects.
+    BaselineRangeLock {
         space: u64,
         l: u64,
         r: u64,
     },
-    RangeUnlock {
+    BaselineRangeUnlock {
         space: u64,
         l: u64,
         r: u64,
@@ -99,19 +108,20 @@ pub enum ControlRequest {
 impl ControlRequest {
     pub fn kind_index(&self) -> usize {
         match self {
-            ControlRequest::Ping => 0,
-            ControlRequest::Stats => 1,
-            ControlRequest::Alloc { .. } => 2,
-            ControlRequest::Free { .. } => 3,
-            ControlRequest::Cluster => 4,
-            ControlRequest::Join { .. } => 5,
-            ControlRequest::Zero { .. } => 6,
-            ControlRequest::Meta(_) => 7,
-            ControlRequest::RangeLock { .. } => 8,
-            ControlRequest::RangeUnlock { .. } => 9,
-            ControlRequest::QosShares { .. } => 10,
-            ControlRequest::QosSet { .. } => 11,
-            ControlRequest::QosStatus => 12,
+            ControlRequest::Hello { .. } => 0,
+            ControlRequest::Ping => 1,
+            ControlRequest::Stats => 2,
+            ControlRequest::Alloc { .. } => 3,
+            ControlRequest::Free { .. } => 4,
+            ControlRequest::Cluster => 5,
+            ControlRequest::Join { .. } => 6,
+            ControlRequest::Zero { .. } => 7,
+            ControlRequest::Meta(_) => 8,
+            ControlRequest::BaselineRangeLock { .. } => 9,
+            ControlRequest::BaselineRangeUnlock { .. } => 10,
+            ControlRequest::QosShares { .. } => 11,
+            ControlRequest::QosSet { .. } => 12,
+            ControlRequest::QosStatus => 13,
         }
     }
 }
@@ -157,6 +167,8 @@ pub enum ErrorCode {
     Internal,
     /// Admission control refused a QoS request.
     Refused,
+    /// The peer speaks another protocol version.
+    Version,
 }
 
 impl ErrorCode {
@@ -174,6 +186,7 @@ impl ErrorCode {
             ErrorCode::TooBig => libc::EFBIG,
             ErrorCode::Permission => libc::EPERM,
             ErrorCode::Refused => libc::EDQUOT,
+            ErrorCode::Version => libc::EPROTO,
             ErrorCode::NotPrimary | ErrorCode::Unavailable | ErrorCode::Internal => libc::EIO,
         }
     }
@@ -261,9 +274,39 @@ pub struct FsStat {
     pub files: u64,
 }
 
+/// A request the node refused: the error class and a message saying why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl Refusal {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Refusal {
+        Refusal {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Refusal> for ControlResponse {
+    fn from(r: Refusal) -> ControlResponse {
+        ControlResponse::Error {
+            code: r.code,
+            message: r.message,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlResponse {
     Ok,
+    /// The node accepts the client's protocol version.
+    Hello {
+        version: u32,
+    },
     Pong,
     Stats(Box<NodeStats>),
     Allocated {
@@ -347,218 +390,6 @@ impl ControlResponse {
     }
 }
 
-/// Why a control RPC failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RpcError {
-    /// The node refused the request (out of memory, invalid, ...); `message` says why.
-    #[error("{message}")]
-    Refused { code: ErrorCode, message: String },
-    #[error(transparent)]
-    Connection(#[from] VerbsError),
-    #[error("unexpected reply from {peer}: {what}")]
-    Unexpected { peer: String, what: String },
-}
-
-impl RpcError {
-    /// The errno a filesystem returns for this failure (EIO for a lost or confused node).
-    pub fn errno(&self) -> i32 {
-        match self {
-            RpcError::Refused { code, .. } => code.errno(),
-            _ => libc::EIO,
-        }
-    }
-}
-
-struct Stream {
-    reader: BufReader<Box<dyn Read + Send>>,
-    writer: BufWriter<Box<dyn Write + Send>>,
-}
-
-/// A blocking control-RPC client of one memory node.
-pub struct ControlClient {
-    peer: String,
-    node_id: u32,
-    node_name: String,
-    regions: Vec<RegionInfo>,
-    conn: Mutex<(Stream, u64)>,
-}
-
-impl ControlClient {
-    /// Connects to `addr`: `host:port`, or `unix:PATH` for the node's Unix socket.
-    pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
-        match addr.strip_prefix("unix:") {
-            Some(path) => Self::connect_unix(Path::new(path), secret, client_name),
-            None => Self::connect_tcp(addr, secret, client_name),
-        }
-    }
-
-    /// Connects over TCP (`host:port`).
-    pub fn connect_tcp(addr: &str, secret: &Secret, client_name: &str) -> Result<Self, VerbsError> {
-        let mut s = rackfs_verbs::tcp::dial(addr)?;
-        let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, addr)?;
-        let r = s.try_clone().map_err(|e| VerbsError::Connect {
-            peer: addr.into(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self::new(addr.into(), acc, Box::new(r), Box::new(s)))
-    }
-
-    /// Connects over the node's Unix socket.
-    pub fn connect_unix(
-        path: &Path,
-        secret: &Secret,
-        client_name: &str,
-    ) -> Result<Self, VerbsError> {
-        let peer = format!("unix:{}", path.display());
-        let io = |e: std::io::Error| VerbsError::Connect {
-            peer: peer.clone(),
-            reason: e.to_string(),
-        };
-        let mut s = UnixStream::connect(path).map_err(io)?;
-        let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, &peer)?;
-        let r = s.try_clone().map_err(io)?;
-        Ok(Self::new(peer, acc, Box::new(r), Box::new(s)))
-    }
-
-    fn new(
-        peer: String,
-        acc: rackfs_verbs::auth::Accepted,
-        r: Box<dyn Read + Send>,
-        w: Box<dyn Write + Send>,
-    ) -> Self {
-        ControlClient {
-            peer,
-            node_id: acc.welcome.node_id,
-            node_name: acc.node_name,
-            regions: acc.welcome.regions,
-            conn: Mutex::new((
-                Stream {
-                    reader: BufReader::new(r),
-                    writer: BufWriter::new(w),
-                },
-                0,
-            )),
-        }
-    }
-
-    pub fn peer(&self) -> &str {
-        &self.peer
-    }
-    pub fn node_id(&self) -> u32 {
-        self.node_id
-    }
-    pub fn node_name(&self) -> &str {
-        &self.node_name
-    }
-    /// The node's regions; the first is its data region.
-    pub fn regions(&self) -> &[RegionInfo] {
-        &self.regions
-    }
-
-    /// Sends one request and waits for its response; an error response becomes `Refused`.
-    pub fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
-        let lost = |reason: String| {
-            RpcError::Connection(VerbsError::ConnectionLost {
-                peer: self.peer.clone(),
-                reason,
-            })
-        };
-        let mut guard = self.conn.lock().expect("control connection lock");
-        let (stream, next_id) = &mut *guard;
-        let id = *next_id;
-        *next_id += 1;
-        wire::write_frame(
-            &mut stream.writer,
-            FrameKind::ControlRequest,
-            &req.encode(id),
-        )
-        .and_then(|_| stream.writer.flush())
-        .map_err(|e| lost(e.to_string()))?;
-        let mut body = Vec::new();
-        let kind =
-            wire::read_frame(&mut stream.reader, &mut body).map_err(|e| lost(e.to_string()))?;
-        let unexpected = |what: String| RpcError::Unexpected {
-            peer: self.peer.clone(),
-            what,
-        };
-        if kind != FrameKind::ControlResponse {
-            return Err(unexpected(format!("a {kind:?} frame")));
-        }
-        let (rid, resp) = ControlResponse::decode(&body).map_err(|e| unexpected(e.to_string()))?;
-        if rid != id {
-            return Err(unexpected(format!("response {rid} to request {id}")));
-        }
-        match resp {
-            ControlResponse::Error { code, message } => Err(RpcError::Refused { code, message }),
-            other => Ok(other),
-        }
-    }
-
-    fn mismatch(&self, got: ControlResponse) -> RpcError {
-        RpcError::Unexpected {
-            peer: self.peer.clone(),
-            what: format!("{got:?}"),
-        }
-    }
-
-    pub fn stats(&self) -> Result<NodeStats, RpcError> {
-        match self.call(&ControlRequest::Stats)? {
-            ControlResponse::Stats(s) => Ok(*s),
-            other => Err(self.mismatch(other)),
-        }
-    }
-
-    /// Allocates an extent; returns its region and offset.
-    pub fn alloc(&self, len: u64, align: u64) -> Result<(RegionInfo, u64), RpcError> {
-        self.alloc_tagged(len, align, None)
-    }
-
-    /// Allocates an extent, optionally tagged as a file stripe (see [`ControlRequest::Alloc`]).
-    pub fn alloc_tagged(
-        &self,
-        len: u64,
-        align: u64,
-        tag: Option<u64>,
-    ) -> Result<(RegionInfo, u64), RpcError> {
-        match self.call(&ControlRequest::Alloc { len, align, tag })? {
-            ControlResponse::Allocated {
-                rkey,
-                region_len,
-                offset,
-                ..
-            } => Ok((
-                RegionInfo {
-                    rkey,
-                    len: region_len,
-                    access: Access::ALL,
-                },
-                offset,
-            )),
-            other => Err(self.mismatch(other)),
-        }
-    }
-
-    /// Frees the extent at `offset`; returns how many bytes come back.
-    pub fn free(&self, offset: u64) -> Result<u64, RpcError> {
-        match self.call(&ControlRequest::Free { offset })? {
-            ControlResponse::Freed { len } => Ok(len),
-            other => Err(self.mismatch(other)),
-        }
-    }
-
-    pub fn cluster(&self) -> Result<ClusterInfo, RpcError> {
-        match self.call(&ControlRequest::Cluster)? {
-            ControlResponse::Cluster(c) => Ok(c),
-            other => Err(self.mismatch(other)),
-        }
-    }
-
-    /// A namespace operation on the primary.
-    pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
-        self.call(&ControlRequest::Meta(req))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -566,12 +397,13 @@ mod tests {
 
     proptest! {
         #[test]
-        fn requests_round_trip(id: u64, len: u64, align: u64, tag: Option<u64>, which in 0u8..5) {
+        fn requests_round_trip(id: u64, len: u64, align: u64, tag: Option<u64>, which in 0u8..6) {
             let req = match which {
                 0 => ControlRequest::Ping,
                 1 => ControlRequest::Stats,
                 2 => ControlRequest::Alloc { len, align, tag },
                 3 => ControlRequest::Free { offset: len },
+                4 => ControlRequest::Hello { version: len as u32 },
                 _ => ControlRequest::Meta(MetaRequest::Lookup { parent: len, name: align.to_le_bytes().to_vec() }),
             };
             prop_assert_eq!(ControlRequest::decode(&req.encode(id)).unwrap(), (id, req));

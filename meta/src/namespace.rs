@@ -1,222 +1,34 @@
-//! The metadata service of the primary memory node: namespace, attributes and file layouts.
+//! The namespace: directories, inodes, attributes and the layouts of regular files.
 //!
-//! Namespace operations arrive by control RPC and run under one lock. Regular files also have
-//! state that clients read and update one-sidedly, kept in the primary's region:
+//! The service runs one request at a time (its owner serialises them). Regular files also have
+//! state that mounts read and update one-sidedly in the primary's region: the file record and
+//! the extent table, whose formats and writers are stated in [`rackfs_proto::record`]. This
+//! type is the only writer of the record's table words and of the tables, and writes them in
+//! the order stated there; it frees a file's stripes (quarantined by their data node), tables
+//! and record only when the file has no names and no opens left.
 //!
-//! * a **file record** of [`RECORD_LEN`] bytes: `size` (word 0; clients grow it with CAS-max,
-//!   the service sets it on truncate), `mtime` in ns (word 1; clients write it after data
-//!   writes), the extent table's offset and capacity (words 2-3; only the service writes them,
-//!   table before record, so a reader never sees a table that is not yet filled), the stripe
-//!   unit (word 4), the inode number (word 5) and the published lock tree (word 6, a
-//!   [`crate::locktree::TreeWord`]; only the service writes it, see [`crate::locktree`]);
-//! * an **extent table**: per stripe index, 16 bytes `location, tag` where location is
-//!   `node_id << 48 | data offset` on that node and `tag` identifies the allocation (0: hole).
-//!   Only the service writes it: location then tag on allocation, tag then location on free.
-//!
-//! Every stripe extent carries its tag in its first 8 bytes on its data node. A client reads
-//! that tag in the same batch as the stripe's data: a mismatch means its cached layout is
-//! stale (the stripe was freed by truncate or unlink) and the operation is redone. Freed
-//! stripes are quarantined before reuse, so a stale operation never touches another file's data.
-//! When a table grows it is copied and the old copy kept until the file is deleted, because
-//! clients may still read it; they re-check the record after reading entries from a table.
+//! Time comes from [`Storage::wall_ns`], so the service runs under a simulated clock too.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{SystemTime, UNIX_EPOCH};
 
+use rackfs_proto::control::{ControlResponse, ErrorCode};
+use rackfs_proto::namespace::{
+    Attr, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent, MAX_FILE_SIZE,
+    MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
+};
+use rackfs_proto::record::{
+    location, ENTRY_LEN, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE, REC_TABLE,
+    REC_TABLE_CAP, TAG_SPACE,
+};
+use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
-use serde::{Deserialize, Serialize};
 
-use crate::control::{ControlResponse, ErrorCode, FsStat};
-use crate::locktree::{LockTrees, TreeMemory, TreeWord};
+use crate::storage::Storage;
 
-pub const ROOT_INO: u64 = 1;
-pub const RECORD_LEN: u64 = 64;
-pub const REC_SIZE: u64 = 0;
-pub const REC_MTIME: u64 = 8;
-pub const REC_TABLE: u64 = 16;
-pub const REC_TABLE_CAP: u64 = 24;
-pub const REC_STRIPE: u64 = 32;
-pub const REC_INO: u64 = 40;
-pub const REC_LOCKS: u64 = 48;
-pub const ENTRY_LEN: u64 = 16;
-/// Largest file size (EFBIG beyond).
-pub const MAX_FILE_SIZE: u64 = 1 << 46;
-pub const MAX_NAME: usize = 255;
-/// Stripe units allowed: multiples of 4 KiB from 4 KiB to 64 MiB.
-pub const MAX_STRIPE_UNIT: u64 = 64 << 20;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Kind {
-    File,
-    Dir,
-    Symlink,
-    Fifo,
-    Socket,
-    CharDev,
-    BlockDev,
-}
-
-/// What to create.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NewKind {
-    File { stripe_unit: u64 },
-    Dir,
-    Symlink(Vec<u8>),
-    Special { kind: Kind, rdev: u32 },
-}
-
-/// Where a regular file's record lives (always on the primary).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileLayout {
-    pub node: u32,
-    pub record: u64,
-    pub stripe_unit: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Attr {
-    pub ino: u64,
-    pub kind: Kind,
-    pub perm: u16,
-    pub nlink: u32,
-    pub uid: u32,
-    pub gid: u32,
-    pub size: u64,
-    pub atime_ns: u64,
-    pub mtime_ns: u64,
-    pub ctime_ns: u64,
-    pub rdev: u32,
-    pub layout: Option<FileLayout>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SetAttr {
-    pub perm: Option<u16>,
-    pub uid: Option<u32>,
-    pub gid: Option<u32>,
-    pub size: Option<u64>,
-    pub atime_ns: Option<u64>,
-    pub mtime_ns: Option<u64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DirEntry {
-    /// Position in the directory: stable while the entry exists, never reused.
-    pub cookie: u64,
-    pub ino: u64,
-    pub kind: Kind,
-    pub name: Vec<u8>,
-}
-
-/// One allocated stripe: data at `offset` on `node`, tag at `offset - TAG_SPACE`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StripeExtent {
-    pub node: u32,
-    pub offset: u64,
-    pub tag: u64,
-}
-
-pub const RENAME_NOREPLACE: u32 = 1;
-pub const RENAME_EXCHANGE: u32 = 2;
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum MetaRequest {
-    Lookup {
-        parent: u64,
-        name: Vec<u8>,
-    },
-    GetAttr {
-        ino: u64,
-    },
-    SetAttr {
-        ino: u64,
-        set: SetAttr,
-    },
-    Create {
-        parent: u64,
-        name: Vec<u8>,
-        kind: NewKind,
-        perm: u16,
-        uid: u32,
-        gid: u32,
-    },
-    Link {
-        ino: u64,
-        parent: u64,
-        name: Vec<u8>,
-    },
-    Unlink {
-        parent: u64,
-        name: Vec<u8>,
-    },
-    Rmdir {
-        parent: u64,
-        name: Vec<u8>,
-    },
-    Rename {
-        parent: u64,
-        name: Vec<u8>,
-        new_parent: u64,
-        new_name: Vec<u8>,
-        flags: u32,
-    },
-    /// Entries with cookies greater than `after`, at most `max`.
-    ReadDir {
-        ino: u64,
-        after: u64,
-        max: u32,
-    },
-    ReadLink {
-        ino: u64,
-    },
-    /// A mount opened the file: it is kept, even unlinked, until released.
-    Open {
-        ino: u64,
-    },
-    Release {
-        ino: u64,
-    },
-    /// Allocate stripe `stripe` of a file if it is a hole; returns its extent either way.
-    AllocStripe {
-        ino: u64,
-        stripe: u64,
-    },
-    StatFs,
-    /// This session's client slot in lock trees (assigned on first request).
-    LockSlot,
-    /// Publish a lock tree covering at least `units` for file `ino` in place of `old` (a
-    /// [`crate::locktree::TreeWord`]; 0 for none), which the caller holds entirely. Answered
-    /// with the published word, unchanged if `old` was not the published tree.
-    LockTree {
-        ino: u64,
-        old: u64,
-        units: u64,
-    },
-}
-
-/// What the service needs from its node: memory on any data node, and its own region.
-pub trait Storage: Send + Sync {
-    /// Ids of the nodes that hold file data, this one included.
-    fn data_nodes(&self) -> Vec<u32>;
-    /// Allocates on `node`; a tagged extent's data starts `TAG_SPACE` after the returned offset.
-    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, (ErrorCode, String)>;
-    fn free(&self, node: u32, offset: u64) -> Result<(), (ErrorCode, String)>;
-    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), (ErrorCode, String)>;
-    /// This node's id and data region (where records and tables live).
-    fn local(&self) -> (u32, &Region);
-    fn fs_stat(&self) -> FsStat;
-}
-
-type MetaResult<T> = Result<T, (ErrorCode, String)>;
+type MetaResult<T> = Result<T, Refusal>;
 
 fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
-    Err((code, msg.into()))
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+    Err(Refusal::new(code, msg))
 }
 
 struct FileState {
@@ -260,31 +72,14 @@ pub struct Namespace {
     next_tag: u64,
     /// Opens held per client session, released when the session ends.
     sessions: HashMap<u64, HashMap<u64, u32>>,
-    pub locks: LockTrees,
-}
-
-/// The lock service's memory: plain extents of the service's own region.
-pub struct LocalTreeMemory<'a>(pub &'a dyn Storage);
-
-impl TreeMemory for LocalTreeMemory<'_> {
-    fn region(&self) -> &Region {
-        self.0.local().1
-    }
-    fn alloc(&self, len: u64) -> Result<u64, (ErrorCode, String)> {
-        self.0.alloc(self.0.local().0, len, None)
-    }
-    fn free(&self, offset: u64) {
-        if let Err((_, e)) = self.0.free(self.0.local().0, offset) {
-            tracing::warn!(offset, error = %e, "cannot free a retired lock tree");
-        }
-    }
+    /// Regular files deleted since [`Namespace::take_deleted`] was last called (their lock
+    /// trees are to be retired).
+    deleted: Vec<u64>,
 }
 
 impl Namespace {
-    /// An empty namespace; `lock_grace`: how long retired lock trees and the slots of ended
-    /// sessions are kept (see [`crate::locktree`]).
-    pub fn new(lock_grace: std::time::Duration) -> Namespace {
-        let t = now_ns();
+    /// A namespace with an empty root directory created at `t` (ns since the epoch).
+    pub fn new(t: u64) -> Namespace {
         let root = Inode {
             kind: Kind::Dir,
             perm: 0o755,
@@ -309,7 +104,7 @@ impl Namespace {
             next_ino: ROOT_INO + 1,
             next_tag: 1,
             sessions: HashMap::new(),
-            locks: LockTrees::new(lock_grace, lock_grace),
+            deleted: Vec::new(),
         }
     }
 
@@ -358,37 +153,21 @@ impl Namespace {
             MetaRequest::AllocStripe { ino, stripe } => self
                 .alloc_stripe(ino, stripe, st)
                 .map(ControlResponse::Stripe),
-            MetaRequest::LockSlot => self.locks.attach(session).map(ControlResponse::LockSlot),
-            MetaRequest::LockTree { ino, old, units } => {
-                let record = match self.get(ino).map(|i| i.file.as_ref().map(|f| f.record)) {
-                    Ok(Some(r)) => Ok(r),
-                    Ok(None) => err(ErrorCode::Invalid, "not a regular file"),
-                    Err(e) => Err(e),
-                };
-                record.and_then(|record| {
-                    self.locks
-                        .publish(
-                            &LocalTreeMemory(st),
-                            ino,
-                            record + REC_LOCKS,
-                            TreeWord(old),
-                            units,
-                        )
-                        .map(|w| ControlResponse::LockTree(w.0))
-                })
-            }
+            MetaRequest::LockSlot | MetaRequest::LockTree { .. } => err(
+                ErrorCode::Internal,
+                "lock requests are the lock-tree service's, not the namespace's",
+            ),
             MetaRequest::StatFs => {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
                 Ok(ControlResponse::FsStat(s))
             }
         };
-        r.unwrap_or_else(|(code, message)| ControlResponse::Error { code, message })
+        r.unwrap_or_else(ControlResponse::from)
     }
 
     /// Releases every open held by a session that ended (its mount went away).
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
-        self.locks.end_session(session);
         if let Some(opens) = self.sessions.remove(&session) {
             for (ino, n) in opens {
                 if let Some(i) = self.inodes.get_mut(&ino) {
@@ -397,6 +176,24 @@ impl Namespace {
                 self.maybe_delete(ino, st);
             }
         }
+    }
+
+    /// The offset of regular file `ino`'s record in the service's region.
+    pub fn record(&self, ino: u64) -> MetaResult<u64> {
+        match self.get(ino)?.file.as_ref() {
+            Some(f) => Ok(f.record),
+            None => err(ErrorCode::Invalid, "not a regular file"),
+        }
+    }
+
+    /// Regular files deleted since the last call.
+    pub fn take_deleted(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.deleted)
+    }
+
+    /// How many inodes exist.
+    pub fn inodes(&self) -> u64 {
+        self.inodes.len() as u64
     }
 
     fn get(&self, ino: u64) -> MetaResult<&Inode> {
@@ -500,7 +297,7 @@ impl Namespace {
                 format!("{} exists", String::from_utf8_lossy(name)),
             );
         }
-        let t = now_ns();
+        let t = st.wall_ns();
         let ino = self.next_ino;
         let mut inode = Inode {
             kind: Kind::File,
@@ -596,7 +393,7 @@ impl Namespace {
         let cookie = d
             .by_name
             .remove(name)
-            .ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
+            .ok_or_else(|| Refusal::new(ErrorCode::NotFound, "no such entry"))?;
         let (_, ino) = d
             .entries
             .remove(&cookie)
@@ -627,7 +424,7 @@ impl Namespace {
                 format!("{} exists", String::from_utf8_lossy(name)),
             );
         }
-        let t = now_ns();
+        let t = st.wall_ns();
         self.add_entry(parent, name, ino, t)?;
         let i = self.get_mut(ino)?;
         i.nlink += 1;
@@ -656,7 +453,7 @@ impl Namespace {
             }
             _ => {}
         }
-        let t = now_ns();
+        let t = st.wall_ns();
         self.remove_entry(parent, name, t)?;
         self.drop_link(ino, parent, t, st);
         Ok(())
@@ -689,10 +486,10 @@ impl Namespace {
         }
         let i = self.inodes.remove(&ino).expect("present");
         if let Some(f) = i.file {
-            self.locks.forget(&LocalTreeMemory(st), ino);
+            self.deleted.push(ino);
             let (me, _) = st.local();
             for (_, s) in f.stripes {
-                let _ = st.free(s.node, s.offset - crate::server::TAG_SPACE);
+                let _ = st.free(s.node, s.offset - TAG_SPACE);
             }
             for t in f
                 .retired_tables
@@ -743,12 +540,11 @@ impl Namespace {
         if src_is_dir {
             self.ensure_not_inside(src, new_parent)?;
         }
-        let t = now_ns();
+        let t = st.wall_ns();
         if flags & RENAME_EXCHANGE != 0 {
-            let dst = dst.ok_or((
-                ErrorCode::NotFound,
-                "exchange target does not exist".to_string(),
-            ))?;
+            let dst = dst.ok_or_else(|| {
+                Refusal::new(ErrorCode::NotFound, "exchange target does not exist")
+            })?;
             let dst_is_dir = self.get(dst)?.kind == Kind::Dir;
             if dst_is_dir {
                 self.ensure_not_inside(dst, parent)?;
@@ -809,7 +605,7 @@ impl Namespace {
         let c = *d
             .by_name
             .get(name)
-            .ok_or((ErrorCode::NotFound, "no such entry".to_string()))?;
+            .ok_or_else(|| Refusal::new(ErrorCode::NotFound, "no such entry"))?;
         d.entries.get_mut(&c).expect("agree").1 = ino;
         Ok(())
     }
@@ -890,7 +686,7 @@ impl Namespace {
     }
 
     fn setattr(&mut self, ino: u64, set: SetAttr, st: &dyn Storage) -> MetaResult<ControlResponse> {
-        let t = now_ns();
+        let t = st.wall_ns();
         if let Some(size) = set.size {
             self.truncate(ino, size, st)?;
         }
@@ -926,7 +722,7 @@ impl Namespace {
             );
         }
         let (_, region) = st.local();
-        let t = now_ns();
+        let t = st.wall_ns();
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return err(
@@ -957,7 +753,7 @@ impl Namespace {
                 let e = f.table + k * ENTRY_LEN;
                 write_word(region, e + 8, 0);
                 write_word(region, e, 0);
-                st.free(s.node, s.offset - crate::server::TAG_SPACE)?;
+                st.free(s.node, s.offset - TAG_SPACE)?;
             }
         }
         Ok(())
@@ -1001,11 +797,11 @@ impl Namespace {
         let base = st.alloc(node, f.stripe_unit, Some(tag))?;
         let s = StripeExtent {
             node,
-            offset: base + crate::server::TAG_SPACE,
+            offset: base + TAG_SPACE,
             tag,
         };
         let e = f.table + stripe * ENTRY_LEN;
-        write_word(region, e, (node as u64) << 48 | s.offset);
+        write_word(region, e, location(node, s.offset));
         write_word(region, e + 8, tag);
         f.stripes.insert(stripe, s);
         self.next_tag += 1;

@@ -1,8 +1,20 @@
 //! Human-readable byte sizes: `512M`, `64G`, `1.5GiB`, `4096`.
 
+/// Why a size did not parse; the message names the input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid size {input:?}: {why}")]
+pub struct SizeError {
+    pub input: String,
+    pub why: String,
+}
+
 /// Parses a size: a number (decimals allowed) and an optional binary unit `K`, `M`, `G`, `T`,
 /// `P` (each may be followed by `i`/`iB`/`B`; case-insensitive). A bare number is bytes.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
+    let fail = |why: String| SizeError {
+        input: s.into(),
+        why,
+    };
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -10,8 +22,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let (num, unit) = t.split_at(split);
     if num.is_empty() || num.matches('.').count() > 1 || num.starts_with('.') || num.ends_with('.')
     {
-        return Err(format!(
-            "invalid size {s:?}: expected a number with an optional unit, like 512M or 64G"
+        return Err(fail(
+            "expected a number with an optional unit, like 512M or 64G".into(),
         ));
     }
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
@@ -22,18 +34,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "t" | "tb" | "ti" | "tib" => 40,
         "p" | "pb" | "pi" | "pib" => 50,
         other => {
-            return Err(format!(
-                "invalid size {s:?}: unknown unit {other:?} (use K, M, G, T or P)"
-            ))
+            return Err(fail(format!(
+                "unknown unit {other:?} (use K, M, G, T or P)"
+            )))
         }
     };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
-    let too_big = || format!("invalid size {s:?}: too large");
+    let too_big = || fail("too large".into());
     let int: u64 = int.parse().map_err(|_| too_big())?;
     let mut bytes = int.checked_mul(1u64 << shift).ok_or_else(too_big)?;
     if !frac.is_empty() {
         if frac.len() > 9 {
-            return Err(format!("invalid size {s:?}: at most 9 decimal places"));
+            return Err(fail("at most 9 decimal places".into()));
         }
         let f: u64 = frac.parse().map_err(|_| too_big())?;
         let scale = 10u128.pow(frac.len() as u32);

@@ -1,0 +1,45 @@
+//! How a memory node is started: its configuration and its place in the cluster.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rackfs_verbs::Secret;
+
+use crate::qos::QosConfig;
+
+/// How to start a memory node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node_id: u32,
+    pub name: String,
+    /// TCP address for verbs and control connections (`None`: no TCP listener).
+    pub listen: Option<String>,
+    /// Unix socket for shm (and local control) connections.
+    pub shm_socket: Option<PathBuf>,
+    pub region_len: u64,
+    pub secret: Secret,
+    /// Adaptive-polling budget of NIC threads before they sleep in `read`.
+    pub poll: Duration,
+    pub role: Role,
+    /// How long freed file stripes are held back before their memory is reused.
+    pub quarantine: Duration,
+    pub qos: QosConfig,
+    /// Where to serve Prometheus text metrics (`None`: nowhere).
+    pub metrics: Option<String>,
+    /// Serve RDMA clients on this device too (`None`: tcp and shm only).
+    pub rdma_device: Option<String>,
+    /// Serve the CPU range-lock server that benchmarks compare Citron with (off in
+    /// production: its RPCs are refused).
+    pub baseline_lock_server: bool,
+}
+
+/// A node's place in the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Runs the metadata service; other nodes join it.
+    Primary,
+    /// Offers its region to the primary at this address (`host:port` or `unix:PATH`).
+    Join(String),
+    /// Serves verbs and allocation only (no namespace).
+    Standalone,
+}

@@ -1,0 +1,272 @@
+//! Client connections: accept loops, authentication, and serving each connection as the kind
+//! it asked for.
+//!
+//! One thread per connection. A verbs connection's thread is a NIC: it executes work requests
+//! and nothing else. A control connection's thread answers RPCs through [`Node::control`]; the
+//! connection is one client session. An shm connection's thread hands the client the regions'
+//! memfds, then waits for the connection to close, which is how the node learns the client is
+//! gone (its verb counters are then folded into the node's totals).
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
+use rackfs_proto::Refusal;
+use rackfs_verbs::auth::{server_handshake, HandshakeError};
+use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
+use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
+use rackfs_verbs::{Access, Region, VerbCounters};
+use tracing::{debug, warn};
+
+use crate::node::Node;
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn accept_tcp(listener: TcpListener, node: Arc<Node>) {
+    for conn in listener.incoming() {
+        if node.is_stopping() {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                let peer = stream
+                    .peer_addr()
+                    .map_or_else(|_| "?".into(), |a| a.to_string());
+                let _ = stream.set_nodelay(true);
+                let s = node.clone();
+                spawn_conn(peer.clone(), move || serve_conn(stream, &peer, &s));
+            }
+            Err(e) => warn!(error = %e, "accept failed"),
+        }
+    }
+}
+
+pub fn accept_unix(listener: UnixListener, node: Arc<Node>) {
+    for conn in listener.incoming() {
+        if node.is_stopping() {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                let s = node.clone();
+                spawn_conn("unix".into(), move || serve_conn(stream, "unix", &s));
+            }
+            Err(e) => warn!(error = %e, "accept failed"),
+        }
+    }
+}
+
+fn spawn_conn(peer: String, f: impl FnOnce() + Send + 'static) {
+    if let Err(e) = std::thread::Builder::new()
+        .name(format!("conn-{peer}"))
+        .spawn(f)
+    {
+        warn!(%peer, error = %e, "cannot start a connection thread; dropping the connection");
+    }
+}
+
+/// Authenticates a fresh connection; logs and counts failures.
+fn handshake<S: Read + Write>(
+    stream: &mut S,
+    peer: &str,
+    node: &Node,
+    unix: bool,
+) -> Option<ConnKind> {
+    node.counters
+        .connections_total
+        .fetch_add(1, Ordering::Relaxed);
+    let result = server_handshake(
+        stream,
+        &node.cfg.secret,
+        &node.cfg.name,
+        &node.welcome,
+        |h| {
+            if h.kind == ConnKind::Shm && !unix {
+                Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
+            } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
+                Err(
+                    "this memory node serves no RDMA clients (start it with --rdma-device NAME)"
+                        .into(),
+                )
+            } else {
+                Ok(())
+            }
+        },
+    );
+    match result {
+        Ok(hello) => {
+            debug!(%peer, client = %hello.client_name, kind = ?hello.kind, "client authenticated");
+            Some(hello.kind)
+        }
+        Err(HandshakeError::WrongSecret { client }) => {
+            node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, %client, "refused a client: wrong cluster secret");
+            None
+        }
+        Err(HandshakeError::Wire(WireError::Closed)) => None,
+        Err(e) => {
+            node.counters
+                .protocol_errors
+                .fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, error = %e, "handshake failed; closing the connection");
+            None
+        }
+    }
+}
+
+fn log_end(node: &Node, peer: &str, what: &str, r: Result<(), WireError>) {
+    match r {
+        Ok(()) | Err(WireError::Closed) => debug!(%peer, "{what} connection closed"),
+        Err(WireError::Io(e)) => debug!(%peer, error = %e, "{what} connection dropped"),
+        Err(e) => {
+            node.counters
+                .protocol_errors
+                .fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, error = %e, "closing {what} connection: malformed input");
+        }
+    }
+}
+
+/// A stream a client connects over: TCP or Unix.
+trait Conn: Read + Write + AsRawFd + Send + Sized + 'static {
+    fn duplicate(&self) -> std::io::Result<Self>;
+    fn set_timeout(&self, t: Option<Duration>);
+    /// The Unix stream itself, for shm clients (`None` over TCP).
+    fn into_unix(self) -> Option<UnixStream>;
+}
+
+impl Conn for TcpStream {
+    fn duplicate(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn set_timeout(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+    }
+    fn into_unix(self) -> Option<UnixStream> {
+        None
+    }
+}
+
+impl Conn for UnixStream {
+    fn duplicate(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn set_timeout(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+    }
+    fn into_unix(self) -> Option<UnixStream> {
+        Some(self)
+    }
+}
+
+/// Authenticates a connection and serves it as the kind of connection it asked for.
+fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
+    stream.set_timeout(Some(HANDSHAKE_TIMEOUT));
+    let unix = std::any::TypeId::of::<S>() == std::any::TypeId::of::<UnixStream>();
+    let Some(kind) = handshake(&mut stream, peer, node, unix) else {
+        return;
+    };
+    stream.set_timeout(None);
+    let _open = node.counters.open(kind);
+    let Ok(clone) = stream.duplicate() else {
+        return;
+    };
+    match kind {
+        ConnKind::Verbs => {
+            let fd = (stream.as_raw_fd(), node.cfg.poll);
+            let r = node.counters.with_verbs(VerbCounters::local(), |c| {
+                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &node.table, c)
+            });
+            log_end(node, peer, "verbs", r);
+        }
+        ConnKind::Control => log_end(node, peer, "control", serve_control(clone, stream, node)),
+        ConnKind::Shm => match stream.into_unix() {
+            Some(u) => serve_shm(u, node),
+            None => unreachable!("refused in the handshake"),
+        },
+        ConnKind::Rdma => {
+            let nic = node.rdma.as_ref().expect("refused in the handshake");
+            match nic.serve(stream) {
+                Ok(()) => debug!(%peer, "rdma client gone; its queue pair is destroyed"),
+                Err(e) => warn!(%peer, error = %e, "rdma connection set-up failed"),
+            }
+        }
+    }
+}
+
+fn serve_shm(mut stream: UnixStream, node: &Node) {
+    let counters =
+        match Region::create_memfd("rackfs-shm-counters", COUNTER_BLOCK_LEN, 0, Access::ALL) {
+            Ok(r) => VerbCounters::in_region(Arc::new(r)),
+            Err(e) => {
+                warn!(error = %e, "cannot create an shm counter block; dropping the client");
+                return;
+            }
+        };
+    if let Err(e) = rackfs_verbs::shm::send_regions(&stream, &node.table, counters.region()) {
+        warn!(error = %e, "cannot send regions to an shm client");
+        return;
+    }
+    node.counters.with_verbs(counters, |_| {
+        // The client never writes here; the read returns when it disconnects or dies.
+        let mut buf = [0u8; 64];
+        while let Ok(n) = stream.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+    });
+    debug!("shm client disconnected");
+}
+
+/// Serves control RPCs; the connection is one client session (its opens end with it).
+fn serve_control(r: impl Read, w: impl Write, node: &Node) -> Result<(), WireError> {
+    let session = node.next_session.fetch_add(1, Ordering::Relaxed);
+    let result = serve_session(r, w, node, session);
+    node.end_session(session);
+    result
+}
+
+fn serve_session(r: impl Read, w: impl Write, node: &Node, session: u64) -> Result<(), WireError> {
+    let mut reader = BufReader::new(r);
+    let mut writer = BufWriter::new(w);
+    let mut body = Vec::new();
+    // The client's protocol version, once it said hello with another one than ours.
+    let mut other_version = None;
+    loop {
+        let kind = wire::read_frame(&mut reader, &mut body)?;
+        if kind != FrameKind::ControlRequest {
+            return Err(WireError::Unexpected {
+                expected: FrameKind::ControlRequest,
+                got: kind,
+            });
+        }
+        let (id, req) = ControlRequest::decode(&body)?;
+        if let ControlRequest::Hello { version } = req {
+            if version != PROTOCOL_VERSION {
+                warn!(
+                    session,
+                    client = version,
+                    node = PROTOCOL_VERSION,
+                    "a client speaks another protocol version; refusing its requests"
+                );
+                other_version = Some(version);
+            }
+        }
+        let resp = match other_version {
+            Some(v) if !matches!(req, ControlRequest::Hello { .. }) => Refusal::new(
+                ErrorCode::Version,
+                format!("this node speaks protocol version {PROTOCOL_VERSION}, the client {v}"),
+            )
+            .into(),
+            _ => node.control(session, req),
+        };
+        wire::write_frame(&mut writer, FrameKind::ControlResponse, &resp.encode(id))?;
+        writer.flush()?;
+    }
+}

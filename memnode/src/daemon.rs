@@ -1,0 +1,277 @@
+//! Starting and stopping a memory node: regions, listeners, and one thread per background
+//! duty (quarantine reaper, QoS monitor and controller, lock-tree tending, metrics).
+//!
+//! Remote memory ownership: the node's CPU writes region memory only when it initialises the
+//! read-only info region at start-up, and where its parts say so (the store's tags and zeroing,
+//! the QoS monitor's area words, the metadata service's records, tables and lock-tree words);
+//! everything else in the data region is written by clients through verbs, into extents the
+//! allocator handed out.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rackfs_meta::MetaService;
+use rackfs_proto::control::{NodeAddr, NodeStats};
+use rackfs_verbs::wire::Welcome;
+use rackfs_verbs::{Access, Region, RegionTable};
+use tracing::info;
+
+use crate::baseline::BaselineLocks;
+use crate::config::{NodeConfig, Role};
+use crate::counters::NodeCounters;
+use crate::membership::Membership;
+use crate::node::Node;
+use crate::qos::NodeQos;
+use crate::qos_controller::QosController;
+use crate::store::Store;
+
+/// Magic at offset 0 of the read-only info region.
+pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
+const INFO_REGION_LEN: u64 = 4096;
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("nothing to listen on: give --listen ADDR, --shm-socket PATH, or both")]
+    NoListener,
+    #[error("RDMA: {0}")]
+    Rdma(String),
+    #[error("region size {0} is too small: a memory node needs at least 1 MiB")]
+    RegionTooSmall(u64),
+    #[error("cannot create the {len}-byte region: {err}")]
+    Region { len: u64, err: std::io::Error },
+    #[error("cannot listen on {addr}: {err}")]
+    Listen { addr: String, err: std::io::Error },
+    #[error("cannot join the primary at {addr}: {reason}")]
+    Join { addr: String, reason: String },
+}
+
+/// A running memory node.
+pub struct MemNode {
+    node: Arc<Node>,
+    tcp_addr: Option<SocketAddr>,
+}
+
+/// A fresh random remote key: a client from before a restart gets `BadKey`, never new memory.
+fn random_rkey() -> u32 {
+    let n = rackfs_verbs::auth::nonce();
+    u32::from_le_bytes([n[0], n[1], n[2], n[3]]) | 1
+}
+
+/// Runs `tick` every `every` on a named thread until the node stops.
+fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + Send + 'static) {
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            while !n.is_stopping() {
+                std::thread::sleep(every);
+                tick(&n);
+            }
+        })
+        .expect("spawn a node thread");
+}
+
+impl MemNode {
+    /// Creates the regions, binds the listeners and starts serving.
+    pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
+        if cfg.listen.is_none() && cfg.shm_socket.is_none() {
+            return Err(StartError::NoListener);
+        }
+        if cfg.region_len < 1 << 20 {
+            return Err(StartError::RegionTooSmall(cfg.region_len));
+        }
+        let len = cfg.region_len.next_multiple_of(4096);
+        let data = Region::create_memfd("rackfs-region", len, random_rkey(), Access::ALL)
+            .map_err(|err| StartError::Region { len, err })?;
+        let info =
+            Region::create_memfd("rackfs-info", INFO_REGION_LEN, random_rkey(), Access::READ)
+                .map_err(|err| StartError::Region { len, err })?;
+        let mut page = INFO_MAGIC.to_vec();
+        page.extend_from_slice(&(cfg.node_id as u64).to_le_bytes());
+        page.extend_from_slice(&len.to_le_bytes());
+        page.extend_from_slice(&(data.info().rkey as u64).to_le_bytes());
+        info.write(0, &page).expect("info page fits");
+
+        let data = Arc::new(data);
+        let table = RegionTable::new(vec![data.clone(), Arc::new(info)]);
+        let rdma = match &cfg.rdma_device {
+            Some(d) => {
+                let nic = rackfs_verbs::rdma::RdmaNic::open(d, &table).map_err(StartError::Rdma)?;
+                info!(device = %nic.describe(), "serving RDMA clients");
+                Some(nic)
+            }
+            None => None,
+        };
+        let welcome = Welcome {
+            node_id: cfg.node_id,
+            regions: table.infos(),
+        };
+        let tcp = match &cfg.listen {
+            Some(addr) => Some(TcpListener::bind(addr).map_err(|err| StartError::Listen {
+                addr: addr.clone(),
+                err,
+            })?),
+            None => None,
+        };
+        let unix = match &cfg.shm_socket {
+            Some(path) => {
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path); // stale socket of a dead node
+                }
+                Some(UnixListener::bind(path).map_err(|err| StartError::Listen {
+                    addr: path.display().to_string(),
+                    err,
+                })?)
+            }
+            None => None,
+        };
+        let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+        let store = Store::new(&cfg.name, data.clone(), cfg.quarantine);
+        // Cluster members run QoS on an area of their region; a standalone node (benchmarks,
+        // verbs tests) leaves its whole region to its clients.
+        let qos = (cfg.role != Role::Standalone).then(|| {
+            let area = store
+                .alloc(rackfs_qos::area::AREA_LEN, 64, None)
+                .expect("a fresh region has room for the QoS area");
+            NodeQos::new(cfg.qos.clone(), &data, area)
+        });
+        let me = NodeAddr {
+            node_id: cfg.node_id,
+            name: cfg.name.clone(),
+            tcp: tcp_addr.map(|a| a.to_string()),
+            shm: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
+            capacity: len,
+            qos_area: qos.as_ref().map_or(0, |q| q.area),
+        };
+        let is_primary = cfg.role == Role::Primary;
+        let node = Arc::new(Node {
+            members: Membership::new(me, is_primary),
+            meta: None,
+            controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
+            baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
+            qos,
+            store,
+            table,
+            rdma,
+            welcome,
+            counters: NodeCounters::default(),
+            next_session: AtomicU64::new(1),
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+            cfg,
+        });
+        // The metadata service's clock and memory are the node's, so it is made from it.
+        let node = if is_primary {
+            let mut n = Arc::into_inner(node).expect("not shared yet");
+            n.meta = Some(Mutex::new(MetaService::new(n.cfg.quarantine, &n)));
+            Arc::new(n)
+        } else {
+            node
+        };
+        every(&node, "quarantine", node.store.reap_interval(), |n| {
+            n.store.reap()
+        });
+        if let Some(q) = &node.qos {
+            every(&node, "qos-monitor", q.cfg.check, |n| {
+                n.qos.as_ref().expect("QoS node").tick(n.data_region())
+            });
+        }
+        if node.controller.is_some() {
+            every(
+                &node,
+                "qos-controller",
+                node.cfg.qos.period,
+                Node::place_qos,
+            );
+        }
+        if node.meta.is_some() {
+            every(&node, "lock-trees", Duration::from_millis(1), |n| {
+                let meta = n.meta.as_ref().expect("primary");
+                meta.lock().expect("metadata lock").tick(n);
+            });
+        }
+        if let Some(addr) = &node.cfg.metrics {
+            let l = TcpListener::bind(addr).map_err(|err| StartError::Listen {
+                addr: addr.clone(),
+                err,
+            })?;
+            let n = node.clone();
+            std::thread::Builder::new()
+                .name("metrics".into())
+                .spawn(move || {
+                    crate::metrics::serve(l, || {
+                        let qos = n.qos.as_ref().map(|q| q.status(n.cfg.node_id));
+                        crate::metrics::render(&n.stats(), qos.as_ref())
+                    })
+                })
+                .expect("spawn metrics thread");
+        }
+        if let Some(l) = tcp {
+            let n = node.clone();
+            std::thread::Builder::new()
+                .name("accept-tcp".into())
+                .spawn(move || crate::conn::accept_tcp(l, n))
+                .expect("spawn accept thread");
+        }
+        if let Some(l) = unix {
+            let n = node.clone();
+            std::thread::Builder::new()
+                .name("accept-unix".into())
+                .spawn(move || crate::conn::accept_unix(l, n))
+                .expect("spawn accept thread");
+        }
+        if let Role::Join(addr) = &node.cfg.role {
+            node.members
+                .join(addr, &node.cfg.secret)
+                .map_err(|reason| StartError::Join {
+                    addr: addr.clone(),
+                    reason,
+                })?;
+        }
+        info!(
+            node = node.cfg.node_id,
+            role = ?node.cfg.role,
+            name = %node.cfg.name,
+            region = len,
+            tcp = ?tcp_addr,
+            shm = ?node.cfg.shm_socket,
+            "memory node serving"
+        );
+        Ok(MemNode { node, tcp_addr })
+    }
+
+    /// The bound TCP address (useful with port 0).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        self.node.stats()
+    }
+
+    /// Stops accepting connections and removes the Unix socket. Open connections keep working
+    /// until the process exits.
+    pub fn shutdown(&self) {
+        if self.node.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the accept loops so they notice.
+        if let Some(a) = self.tcp_addr {
+            let _ = TcpStream::connect_timeout(&a, Duration::from_millis(200));
+        }
+        if let Some(p) = &self.node.cfg.shm_socket {
+            let _ = UnixStream::connect(p);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for MemNode {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,159 @@
+//! Cluster membership as a node knows it: where it is reached itself, the primary, and (on the
+//! primary) every other data node with a control connection to it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
+use rackfs_proto::{ControlClient, Refusal};
+use rackfs_verbs::Secret;
+use tracing::info;
+
+/// Another node of the cluster, as the primary knows it.
+struct Peer {
+    addr: NodeAddr,
+    control: Arc<ControlClient>,
+}
+
+/// This node, the primary and the peers.
+pub struct Membership {
+    me: Mutex<NodeAddr>,
+    /// The primary's address (a joined node's view; the primary's own on the primary).
+    primary: Mutex<Option<NodeAddr>>,
+    /// Every other data node (primary only).
+    peers: Mutex<BTreeMap<u32, Peer>>,
+    is_primary: bool,
+}
+
+impl Membership {
+    pub fn new(me: NodeAddr, is_primary: bool) -> Membership {
+        Membership {
+            primary: Mutex::new(is_primary.then(|| me.clone())),
+            me: Mutex::new(me),
+            peers: Mutex::new(BTreeMap::new()),
+            is_primary,
+        }
+    }
+
+    pub fn me(&self) -> NodeAddr {
+        self.me.lock().expect("me lock").clone()
+    }
+
+    /// Ids of every data node this node knows, itself included, in order.
+    pub fn data_nodes(&self) -> Vec<u32> {
+        let mut v = vec![self.me.lock().expect("me lock").node_id];
+        v.extend(self.peers.lock().expect("peers lock").keys());
+        v.sort_unstable();
+        v
+    }
+
+    /// The control connection to peer `node`.
+    pub fn peer(&self, node: u32) -> Result<Arc<ControlClient>, Refusal> {
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .get(&node)
+            .map(|p| p.control.clone())
+            .ok_or_else(|| {
+                Refusal::new(
+                    ErrorCode::Unavailable,
+                    format!("node {node} is not in the cluster"),
+                )
+            })
+    }
+
+    /// Every peer's id and control connection.
+    pub fn peers(&self) -> Vec<(u32, Arc<ControlClient>)> {
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .iter()
+            .map(|(&id, p)| (id, p.control.clone()))
+            .collect()
+    }
+
+    /// The cluster as this node knows it (`None` before it joined one).
+    pub fn cluster_info(&self) -> Option<ClusterInfo> {
+        let primary = self.primary.lock().expect("primary lock").clone()?;
+        let mut nodes = vec![self.me()];
+        nodes.extend(
+            self.peers
+                .lock()
+                .expect("peers lock")
+                .values()
+                .map(|p| p.addr.clone()),
+        );
+        nodes.sort_by_key(|n| n.node_id);
+        Some(ClusterInfo { primary, nodes })
+    }
+
+    /// Offers this node to the primary at `addr`.
+    pub fn join(&self, addr: &str, secret: &Secret) -> Result<(), String> {
+        let me = self.me();
+        let c = ControlClient::connect(addr, secret, &format!("node-{}", me.name))
+            .map_err(|e| e.to_string())?;
+        match c.call(&ControlRequest::Join { node: me }) {
+            Ok(ControlResponse::Cluster(info)) => {
+                info!(primary = %info.primary.name, nodes = info.nodes.len(), "joined the cluster");
+                *self.primary.lock().expect("primary lock") = Some(info.primary);
+                Ok(())
+            }
+            Ok(other) => Err(format!("unexpected reply {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// The primary's side of a join: connects back to the node and adds it.
+    pub fn accept_join(&self, node: NodeAddr, secret: &Secret) -> Result<ClusterInfo, Refusal> {
+        let me = self.me();
+        if !self.is_primary {
+            return Err(Refusal::new(
+                ErrorCode::NotPrimary,
+                format!("node {} is not the primary", me.name),
+            ));
+        }
+        if node.node_id == me.node_id {
+            return Err(Refusal::new(
+                ErrorCode::Exists,
+                format!("node id {} is the primary's own id", node.node_id),
+            ));
+        }
+        if let Some(p) = self.peers.lock().expect("peers lock").get(&node.node_id) {
+            if p.addr.name != node.name || p.addr.tcp != node.tcp {
+                return Err(Refusal::new(
+                    ErrorCode::Exists,
+                    format!(
+                        "node id {} is already in the cluster as {}",
+                        node.node_id, p.addr.name
+                    ),
+                ));
+            }
+        }
+        let addr = match (&node.tcp, &node.shm) {
+            (Some(t), _) => t.clone(),
+            (None, Some(p)) => format!("unix:{p}"),
+            (None, None) => {
+                return Err(Refusal::new(
+                    ErrorCode::Invalid,
+                    "a joining node must listen somewhere",
+                ))
+            }
+        };
+        let control = ControlClient::connect(&addr, secret, &format!("primary-{}", me.name))
+            .map_err(|e| {
+                Refusal::new(
+                    ErrorCode::Unavailable,
+                    format!("cannot reach joining node {} at {addr}: {e}", node.name),
+                )
+            })?;
+        info!(node = node.node_id, name = %node.name, %addr, "node joined");
+        self.peers.lock().expect("peers lock").insert(
+            node.node_id,
+            Peer {
+                addr: node,
+                control: Arc::new(control),
+            },
+        );
+        Ok(self.cluster_info().expect("the primary knows itself"))
+    }
+}

@@ -1,0 +1,305 @@
+//! A running node's parts and the control RPC that drives them.
+//!
+//! [`Node`] composes owned parts, each with its own state and lock: the [`Store`] (region,
+//! allocator, quarantine), [`Membership`], the [`NodeCounters`], and on the primary the
+//! metadata service ([`MetaService`], one lock for the namespace and lock trees) and the
+//! [`QosController`]. [`Node::control`] answers one request; connections and threads live in
+//! [`crate::conn`] and [`crate::daemon`]. The node is the metadata service's [`Storage`]:
+//! local memory from the store, remote memory through peers' control connections.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rackfs_meta::{MetaService, Storage};
+use rackfs_proto::control::{
+    ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, PROTOCOL_VERSION,
+};
+use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::{Refusal, RpcError};
+use rackfs_verbs::wire::Welcome;
+use rackfs_verbs::{Region, RegionTable};
+
+use crate::alloc::GRANULE;
+use crate::baseline::BaselineLocks;
+use crate::config::NodeConfig;
+use crate::counters::NodeCounters;
+use crate::membership::Membership;
+use crate::qos::NodeQos;
+use crate::qos_controller::{QosController, QosNodes, QosRequest};
+use crate::store::Store;
+
+/// A memory node's parts (see the module docs).
+pub struct Node {
+    pub cfg: NodeConfig,
+    /// The regions clients reach: data first, then the read-only info page.
+    pub table: RegionTable,
+    pub welcome: Welcome,
+    pub store: Store,
+    pub members: Membership,
+    pub counters: NodeCounters,
+    /// The metadata service (primary only).
+    pub meta: Option<Mutex<MetaService>>,
+    /// This node's QoS monitor (cluster members only).
+    pub qos: Option<NodeQos>,
+    /// The cluster's QoS controller (primary only).
+    pub controller: Option<QosController>,
+    /// The benchmark baseline lock server (only when asked for).
+    pub baseline: Option<BaselineLocks>,
+    /// The RDMA device clients may connect over (with every region registered).
+    pub rdma: Option<rackfs_verbs::rdma::RdmaNic>,
+    pub next_session: AtomicU64,
+    pub started: Instant,
+    pub stopping: AtomicBool,
+}
+
+fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
+    Refusal::new(code, message).into()
+}
+
+impl Node {
+    pub fn data_region(&self) -> &Region {
+        self.store.region()
+    }
+
+    /// Whether the node is shutting down (its threads end their loops).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// The nodes the QoS controller drives.
+    fn qos_nodes(&self) -> QosNodes<'_> {
+        QosNodes {
+            own: self.qos.as_ref(),
+            node_id: self.cfg.node_id,
+            members: &self.members,
+        }
+    }
+
+    /// One round of the QoS controller (primary only).
+    pub fn place_qos(&self) {
+        if let Some(c) = &self.controller {
+            c.place(&self.qos_nodes());
+        }
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        let mut s = NodeStats {
+            node_id: self.cfg.node_id,
+            name: self.cfg.name.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            rdma: self.rdma.as_ref().map(|n| n.describe()),
+            ..NodeStats::default()
+        };
+        self.store.fill_stats(&mut s);
+        self.counters.fill_stats(&mut s);
+        if let Some(m) = &self.meta {
+            let m = m.lock().expect("metadata lock");
+            s.lock_trees = m.locks.memory();
+            s.lock_recoveries = m.locks.recoveries;
+        }
+        s
+    }
+
+    /// A client session ended: its opens, lock slot, QoS and baseline locks go.
+    pub fn end_session(&self, session: u64) {
+        if let Some(m) = &self.meta {
+            m.lock().expect("metadata lock").end_session(session, self);
+        }
+        if let Some(b) = &self.baseline {
+            b.end_session(session);
+        }
+        if let Some(c) = &self.controller {
+            c.end_session(&self.qos_nodes(), session);
+        }
+    }
+
+    /// Answers one control request of client session `session`.
+    pub fn control(&self, session: u64, req: ControlRequest) -> ControlResponse {
+        self.counters.rpc(req.kind_index());
+        match req {
+            ControlRequest::Hello { .. } => ControlResponse::Hello {
+                version: PROTOCOL_VERSION,
+            },
+            ControlRequest::Ping => ControlResponse::Pong,
+            ControlRequest::Stats => ControlResponse::Stats(Box::new(self.stats())),
+            ControlRequest::Alloc { len, align, tag } => match self.store.alloc(len, align, tag) {
+                Ok(offset) => ControlResponse::Allocated {
+                    rkey: self.welcome.regions[0].rkey,
+                    region_len: self.welcome.regions[0].len,
+                    offset,
+                    len: len.next_multiple_of(GRANULE),
+                },
+                Err(e) => Refusal::from(e).into(),
+            },
+            ControlRequest::Free { offset } => match self.store.free(offset) {
+                Ok(len) => ControlResponse::Freed { len },
+                Err(e) => Refusal::from(e).into(),
+            },
+            ControlRequest::Zero { offset, len } => self
+                .store
+                .zero(offset, len)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            ControlRequest::Cluster => match self.members.cluster_info() {
+                Some(c) => ControlResponse::Cluster(c),
+                None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
+            },
+            ControlRequest::Join { node } => self
+                .members
+                .accept_join(node, &self.cfg.secret)
+                .map_or_else(ControlResponse::from, ControlResponse::Cluster),
+            ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
+                Some(b) => b
+                    .lock(session, space, l, r)
+                    .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+                None => no_baseline(),
+            },
+            ControlRequest::BaselineRangeUnlock { space, l, r } => match &self.baseline {
+                Some(b) => b
+                    .unlock(session, space, l, r)
+                    .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+                None => no_baseline(),
+            },
+            ControlRequest::QosShares { shares } => match &self.qos {
+                Some(q) => {
+                    q.set_shares(&shares);
+                    ControlResponse::QosNode(q.status(self.cfg.node_id))
+                }
+                None => refused(ErrorCode::Invalid, "a standalone node takes no part in QoS"),
+            },
+            ControlRequest::QosSet {
+                slot,
+                reservation,
+                limit,
+                weight,
+            } => {
+                let req = QosRequest {
+                    reservation,
+                    limit,
+                    weight,
+                };
+                self.qos_set(session, slot, req)
+                    .unwrap_or_else(ControlResponse::from)
+            }
+            ControlRequest::QosStatus => match &self.controller {
+                Some(c) => ControlResponse::QosStatus(c.status(&self.qos_nodes())),
+                None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
+            },
+            ControlRequest::Meta(m) => match &self.meta {
+                Some(meta) => meta.lock().expect("metadata lock").handle(session, m, self),
+                None => refused(
+                    ErrorCode::NotPrimary,
+                    format!(
+                        "node {} is not the primary; namespace operations go to the primary",
+                        self.cfg.name
+                    ),
+                ),
+            },
+        }
+    }
+
+    /// Sets the QoS of `slot`'s mount, or (`None`) of the caller's own mount.
+    fn qos_set(
+        &self,
+        session: u64,
+        slot: Option<u16>,
+        req: QosRequest,
+    ) -> Result<ControlResponse, Refusal> {
+        let (Some(c), Some(meta)) = (&self.controller, &self.meta) else {
+            return Err(Refusal::new(
+                ErrorCode::NotPrimary,
+                "QoS is set on the primary",
+            ));
+        };
+        let (slot, session) = match slot {
+            Some(s) => (s, c.session_of(s)?),
+            None => (
+                meta.lock().expect("metadata lock").locks.attach(session)?,
+                session,
+            ),
+        };
+        c.admit(&self.qos_nodes(), slot, session, req)
+    }
+}
+
+fn no_baseline() -> ControlResponse {
+    refused(
+        ErrorCode::Invalid,
+        "this node serves no baseline lock server (benchmarks start it with \
+         --baseline-lock-server)",
+    )
+}
+
+impl Storage for Node {
+    fn data_nodes(&self) -> Vec<u32> {
+        self.members.data_nodes()
+    }
+
+    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
+        if node == self.cfg.node_id {
+            let align = if tag.is_some() { TAG_SPACE } else { GRANULE };
+            return Ok(self.store.alloc(len, align, tag)?);
+        }
+        self.members
+            .peer(node)?
+            .alloc_tagged(len, TAG_SPACE, tag)
+            .map(|(_, off)| off)
+            .map_err(RpcError::into_refusal)
+    }
+
+    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+        if node == self.cfg.node_id {
+            return self
+                .store
+                .free(offset)
+                .map(|_| ())
+                .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()));
+        }
+        self.members
+            .peer(node)?
+            .free(offset)
+            .map(|_| ())
+            .map_err(RpcError::into_refusal)
+    }
+
+    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+        if node == self.cfg.node_id {
+            return self.store.zero(offset, len);
+        }
+        self.members
+            .peer(node)?
+            .call(&ControlRequest::Zero { offset, len })
+            .map(|_| ())
+            .map_err(RpcError::into_refusal)
+    }
+
+    fn local(&self) -> (u32, &Region) {
+        (self.cfg.node_id, self.data_region())
+    }
+
+    fn fs_stat(&self) -> FsStat {
+        // Not `self.stats()`: that takes the metadata lock, which the caller holds.
+        let (mut capacity, mut free) = self.store.capacity_free();
+        for (_, p) in self.members.peers() {
+            if let Ok(st) = p.stats() {
+                capacity += st.capacity;
+                free += st.free;
+            }
+        }
+        FsStat {
+            capacity,
+            free,
+            files: 0,
+        }
+    }
+
+    fn wall_ns(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}

@@ -1,0 +1,169 @@
+//! What the metadata service needs from the node it runs on, and an in-memory stand-in.
+//!
+//! The service never opens a socket, starts a thread or reads a clock: memory on the data
+//! nodes, its own region and time all come through [`Storage`]. The daemon implements it over
+//! its allocator and its peers' control connections; [`MemStorage`] implements it in process
+//! for tests, with a clock the test moves.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rackfs_proto::control::{ErrorCode, FsStat};
+use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::Refusal;
+use rackfs_verbs::{Access, Region};
+
+/// The service's view of its node and cluster.
+pub trait Storage: Send + Sync {
+    /// Ids of the nodes that hold file data, this one included.
+    fn data_nodes(&self) -> Vec<u32>;
+    /// Allocates `len` bytes on `node`. A tagged extent is a file stripe: its tag is written in
+    /// its first 8 bytes and its data starts [`TAG_SPACE`] after the returned offset.
+    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
+    /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined).
+    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal>;
+    /// Zeroes `len` bytes at `offset` of an allocated extent on `node`.
+    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal>;
+    /// This node's id and data region (where records, tables and lock trees live).
+    fn local(&self) -> (u32, &Region);
+    /// Capacity and free bytes over the data nodes.
+    fn fs_stat(&self) -> FsStat;
+    /// Wall-clock time, ns since the Unix epoch (file timestamps).
+    fn wall_ns(&self) -> u64;
+    /// Monotonic time since a fixed start (lock-tree grace periods).
+    fn elapsed(&self) -> Duration;
+}
+
+/// Allocation bookkeeping of one simulated node: live extents by offset.
+#[derive(Default)]
+struct SimNode {
+    live: BTreeMap<u64, u64>,
+    next: u64,
+    used: u64,
+}
+
+/// An in-memory [`Storage`]: `nodes` data nodes of `capacity` bytes each; node 0's memory is a
+/// real region (records and lock trees are read and written there), the others are bookkeeping
+/// only. Freed memory is not reused, so a stale offset never aliases a live one. Time stands
+/// still until [`MemStorage::advance`].
+pub struct MemStorage {
+    region: Region,
+    capacity: u64,
+    nodes: Vec<Mutex<SimNode>>,
+    now: AtomicU64,
+}
+
+impl MemStorage {
+    pub fn new(nodes: u32, capacity: u64) -> MemStorage {
+        let region = Region::create_memfd("rackfs-meta-test", capacity, 1, Access::ALL)
+            .expect("a memfd region for the in-memory storage");
+        MemStorage {
+            region,
+            capacity,
+            nodes: (0..nodes.max(1)).map(|_| Mutex::default()).collect(),
+            now: AtomicU64::new(1_000_000_000),
+        }
+    }
+
+    /// Moves the clock forward.
+    pub fn advance(&self, by: Duration) {
+        self.now.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);
+    }
+
+    /// Bytes allocated on `node` (freed extents no longer count).
+    pub fn used(&self, node: u32) -> u64 {
+        self.nodes[node as usize].lock().expect("node lock").used
+    }
+
+    fn node(&self, node: u32) -> Result<&Mutex<SimNode>, Refusal> {
+        self.nodes
+            .get(node as usize)
+            .ok_or_else(|| Refusal::new(ErrorCode::Unavailable, format!("no node {node}")))
+    }
+}
+
+impl Storage for MemStorage {
+    fn data_nodes(&self) -> Vec<u32> {
+        (0..self.nodes.len() as u32).collect()
+    }
+
+    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
+        let mut n = self.node(node)?.lock().expect("node lock");
+        let (len, align) = match tag {
+            Some(_) => (len + TAG_SPACE, TAG_SPACE),
+            None => (len.next_multiple_of(64), 64),
+        };
+        let offset = n.next.next_multiple_of(align);
+        if offset + len > self.capacity {
+            return Err(Refusal::new(
+                ErrorCode::OutOfMemory,
+                format!("node {node} has no {len} bytes left"),
+            ));
+        }
+        n.next = offset + len;
+        n.used += len;
+        n.live.insert(offset, len);
+        if let (Some(t), 0) = (tag, node) {
+            self.region.store(offset, t).expect("tag inside the region");
+        }
+        Ok(offset)
+    }
+
+    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+        let mut n = self.node(node)?.lock().expect("node lock");
+        let len = n.live.remove(&offset).ok_or_else(|| {
+            Refusal::new(
+                ErrorCode::NotFound,
+                format!("no extent at {offset:#x} on node {node}"),
+            )
+        })?;
+        n.used -= len;
+        if node == 0 {
+            self.region.discard(offset, len).expect("extent in region");
+        }
+        Ok(())
+    }
+
+    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+        let n = self.node(node)?.lock().expect("node lock");
+        let inside = n
+            .live
+            .range(..=offset)
+            .next_back()
+            .is_some_and(|(&o, &l)| offset + len <= o + l);
+        if !inside {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!("{len} bytes at {offset:#x} are not inside one extent"),
+            ));
+        }
+        if node == 0 {
+            self.region.discard(offset, len).expect("extent in region");
+        }
+        Ok(())
+    }
+
+    fn local(&self) -> (u32, &Region) {
+        (0, &self.region)
+    }
+
+    fn fs_stat(&self) -> FsStat {
+        let n = self.nodes.len() as u64;
+        let used: u64 = (0..n as u32).map(|i| self.used(i)).sum();
+        FsStat {
+            capacity: self.capacity * n,
+            free: self.capacity * n - used,
+            files: 0,
+        }
+    }
+
+    fn wall_ns(&self) -> u64 {
+        self.now.load(Ordering::SeqCst)
+    }
+
+    fn elapsed(&self) -> Duration {
+        Duration::from_nanos(self.now.load(Ordering::SeqCst))
+    }
+}

@@ -1,0 +1,161 @@
+//! Namespace messages: the requests a mount sends to the metadata service and the attributes,
+//! directory entries and stripe extents it gets back.
+
+use serde::{Deserialize, Serialize};
+
+/// The root directory's inode number.
+pub const ROOT_INO: u64 = 1;
+/// Largest file size (EFBIG beyond).
+pub const MAX_FILE_SIZE: u64 = 1 << 46;
+pub const MAX_NAME: usize = 255;
+/// Stripe units allowed: multiples of 4 KiB from 4 KiB to 64 MiB.
+pub const MAX_STRIPE_UNIT: u64 = 64 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDev,
+    BlockDev,
+}
+
+/// What to create.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NewKind {
+    File { stripe_unit: u64 },
+    Dir,
+    Symlink(Vec<u8>),
+    Special { kind: Kind, rdev: u32 },
+}
+
+/// Where a regular file's record lives (always on the primary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileLayout {
+    pub node: u32,
+    pub record: u64,
+    pub stripe_unit: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attr {
+    pub ino: u64,
+    pub kind: Kind,
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub atime_ns: u64,
+    pub mtime_ns: u64,
+    pub ctime_ns: u64,
+    pub rdev: u32,
+    pub layout: Option<FileLayout>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetAttr {
+    pub perm: Option<u16>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime_ns: Option<u64>,
+    pub mtime_ns: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// Position in the directory: stable while the entry exists, never reused.
+    pub cookie: u64,
+    pub ino: u64,
+    pub kind: Kind,
+    pub name: Vec<u8>,
+}
+
+/// One allocated stripe: data at `offset` on `node`, tag at `offset -` [`crate::record::TAG_SPACE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StripeExtent {
+    pub node: u32,
+    pub offset: u64,
+    pub tag: u64,
+}
+
+pub const RENAME_NOREPLACE: u32 = 1;
+pub const RENAME_EXCHANGE: u32 = 2;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaRequest {
+    Lookup {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    GetAttr {
+        ino: u64,
+    },
+    SetAttr {
+        ino: u64,
+        set: SetAttr,
+    },
+    Create {
+        parent: u64,
+        name: Vec<u8>,
+        kind: NewKind,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+    },
+    Link {
+        ino: u64,
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Unlink {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rmdir {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rename {
+        parent: u64,
+        name: Vec<u8>,
+        new_parent: u64,
+        new_name: Vec<u8>,
+        flags: u32,
+    },
+    /// Entries with cookies greater than `after`, at most `max`.
+    ReadDir {
+        ino: u64,
+        after: u64,
+        max: u32,
+    },
+    ReadLink {
+        ino: u64,
+    },
+    /// A mount opened the file: it is kept, even unlinked, until released.
+    Open {
+        ino: u64,
+    },
+    Release {
+        ino: u64,
+    },
+    /// Allocate stripe `stripe` of a file if it is a hole; returns its extent either way.
+    AllocStripe {
+        ino: u64,
+        stripe: u64,
+    },
+    StatFs,
+    /// This session's client slot in lock trees (assigned on first request).
+    LockSlot,
+    /// Publish a lock tree covering at least `units` for file `ino` in place of `old` (a
+    /// [`crate::locktree::TreeWord`]; 0 for none), which the caller holds entirely. Answered
+    /// with the published word, unchanged if `old` was not the published tree.
+    LockTree {
+        ino: u64,
+        old: u64,
+        units: u64,
+    },
+}
