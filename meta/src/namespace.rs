@@ -412,16 +412,18 @@ impl Namespace {
         st: &dyn Storage,
     ) -> MetaResult<ControlResponse> {
         check_name(name)?;
-        if self.get(ino)?.kind == Kind::Dir {
-            return err(
-                ErrorCode::Permission,
-                "hard links to directories are not allowed",
-            );
-        }
+        // Linux's order (linkat): the source, the new name's parent, the new name, then kind.
+        let is_dir = self.get(ino)?.kind == Kind::Dir;
         if self.dir(parent)?.by_name.contains_key(name) {
             return err(
                 ErrorCode::Exists,
                 format!("{} exists", String::from_utf8_lossy(name)),
+            );
+        }
+        if is_dir {
+            return err(
+                ErrorCode::Permission,
+                "hard links to directories are not allowed",
             );
         }
         let t = st.wall_ns();
@@ -526,29 +528,46 @@ impl Namespace {
                 return err(ErrorCode::Invalid, "cannot rename . or ..");
             }
         }
-        let src = self.lookup(parent, name)?;
+        // Linux's order (renameat2): both parents, the source, NOREPLACE, EXCHANGE's target,
+        // the ancestor traps, the same inode, then kinds and emptiness.
+        self.dir(parent)?;
         self.dir(new_parent)?;
+        let src = self.lookup(parent, name)?;
         let dst = self
             .dir(new_parent)?
             .by_name
             .get(new_name)
             .map(|c| self.dir(new_parent).expect("dir").entries[c].1);
-        if parent == new_parent && name == new_name {
-            return Ok(());
+        let exchange = flags & RENAME_EXCHANGE != 0;
+        if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
+            return err(ErrorCode::Exists, "target exists");
+        }
+        if exchange && dst.is_none() {
+            return err(ErrorCode::NotFound, "exchange target does not exist");
         }
         let src_is_dir = self.get(src)?.kind == Kind::Dir;
-        if src_is_dir {
-            self.ensure_not_inside(src, new_parent)?;
+        let into_itself = || err(ErrorCode::Invalid, "cannot move a directory into itself");
+        if src_is_dir && self.contains(src, new_parent)? {
+            return into_itself();
+        }
+        let dst_is_dir = match dst {
+            Some(d) => self.get(d)?.kind == Kind::Dir,
+            None => false,
+        };
+        if let Some(d) = dst.filter(|_| dst_is_dir) {
+            if self.contains(d, parent)? {
+                return if exchange {
+                    into_itself()
+                } else {
+                    err(ErrorCode::NotEmpty, "target directory not empty")
+                };
+            }
+        }
+        if dst == Some(src) {
+            return Ok(()); // one name, or two hard links of one file: nothing to do
         }
         let t = st.wall_ns();
-        if flags & RENAME_EXCHANGE != 0 {
-            let dst = dst.ok_or_else(|| {
-                Refusal::new(ErrorCode::NotFound, "exchange target does not exist")
-            })?;
-            let dst_is_dir = self.get(dst)?.kind == Kind::Dir;
-            if dst_is_dir {
-                self.ensure_not_inside(dst, parent)?;
-            }
+        if let (true, Some(dst)) = (exchange, dst) {
             self.set_entry(parent, name, dst)?;
             self.set_entry(new_parent, new_name, src)?;
             self.reparent(src, new_parent, src_is_dir, parent)?;
@@ -559,14 +578,8 @@ impl Namespace {
             return Ok(());
         }
         if let Some(dst) = dst {
-            if flags & RENAME_NOREPLACE != 0 {
-                return err(ErrorCode::Exists, "target exists");
-            }
-            if dst == src {
-                return Ok(()); // two hard links of one file: nothing to do
-            }
             let d = self.get(dst)?;
-            match (src_is_dir, d.kind == Kind::Dir) {
+            match (src_is_dir, dst_is_dir) {
                 (true, false) => return err(ErrorCode::NotDir, "target is not a directory"),
                 (false, true) => return err(ErrorCode::IsDir, "target is a directory"),
                 (true, true) if !d.dir.as_ref().expect("dir").entries.is_empty() => {
@@ -584,16 +597,15 @@ impl Namespace {
         Ok(())
     }
 
-    /// A directory may not move into its own subtree: fails if `dir` is `target` or one of
-    /// its ancestors.
-    fn ensure_not_inside(&self, dir: u64, target: u64) -> MetaResult<()> {
+    /// Whether directory `dir` is `target` or one of its ancestors.
+    fn contains(&self, dir: u64, target: u64) -> MetaResult<bool> {
         let mut p = target;
         loop {
             if p == dir {
-                return err(ErrorCode::Invalid, "cannot move a directory into itself");
+                return Ok(true);
             }
             if p == ROOT_INO {
-                return Ok(());
+                return Ok(false);
             }
             p = self.dir(p)?.parent;
         }
@@ -738,23 +750,26 @@ impl Namespace {
         write_word(region, f.record + REC_SIZE, size);
         write_word(region, f.record + REC_MTIME, t);
         i.mtime = t;
-        if size < old {
-            let unit = f.stripe_unit;
-            let keep = size.div_ceil(unit);
-            // Zero the cut-off tail of the last kept stripe, so a later extension reads zeros.
-            if !size.is_multiple_of(unit) {
-                if let Some(s) = f.stripes.get(&(size / unit)) {
-                    st.zero(s.node, s.offset + size % unit, unit - size % unit)?;
-                }
+        let unit = f.stripe_unit;
+        // Zero the cut-off tail of the last kept stripe, so a later extension reads zeros.
+        if size < old && !size.is_multiple_of(unit) {
+            if let Some(s) = f.stripes.get(&(size / unit)) {
+                st.zero(s.node, s.offset + size % unit, unit - size % unit)?;
             }
-            let gone: Vec<u64> = f.stripes.range(keep..).map(|(&k, _)| k).collect();
-            for k in gone {
-                let s = f.stripes.remove(&k).expect("present");
-                let e = f.table + k * ENTRY_LEN;
-                write_word(region, e + 8, 0);
-                write_word(region, e, 0);
-                st.free(s.node, s.offset - TAG_SPACE)?;
-            }
+        }
+        // Stripes wholly beyond the new size go, even when the file grows: a stripe allocated
+        // past the end by a write that never set the size would otherwise stay until unlink.
+        let gone: Vec<u64> = f
+            .stripes
+            .range(size.div_ceil(unit)..)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in gone {
+            let s = f.stripes.remove(&k).expect("present");
+            let e = f.table + k * ENTRY_LEN;
+            write_word(region, e + 8, 0);
+            write_word(region, e, 0);
+            st.free(s.node, s.offset - TAG_SPACE)?;
         }
         Ok(())
     }
