@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use rackfs_tests::{bin_path, wait_for, TempDir, TestCluster};
+use rackfs_tests::{bin_path, pin, wait_for, Fio, Mount, TempDir, TestCluster};
 
 use crate::stats::{median, rate};
 
@@ -97,13 +97,17 @@ pub enum Target {
 /// Everything mounted for a benchmark, unmounted on drop.
 pub struct Rig {
     pub systems: Vec<System>,
+    /// The FUSE ceiling's daemon (`rackfs-memfs`).
     daemons: Vec<Child>,
+    /// tmpfs and memfs mount points.
     mounts: Vec<PathBuf>,
+    rackfs: Vec<Mount>,
     /// The embedded cluster (kept running while mounted).
     cluster: Option<TestCluster>,
     pub addr: String,
     pub secret_file: PathBuf,
-    tmp: TempDir,
+    /// Holds the tmpfs and memfs mount points.
+    _tmp: TempDir,
 }
 
 impl Drop for Rig {
@@ -122,33 +126,20 @@ impl Rig {
     /// Pins every FUSE daemon (all threads) to `cpus`.
     pub fn pin_daemons(&self, cpus: &str) {
         for d in &self.daemons {
-            let _ = Command::new("taskset")
-                .args(["-a", "-p", "-c", cpus, &d.id().to_string()])
-                .stdout(Stdio::null())
-                .status();
+            pin(d.id(), cpus);
+        }
+        for m in &self.rackfs {
+            m.pin(cpus);
         }
     }
 
-    /// Mounts the rig's cluster once more at `tmp/name` with extra mount options.
-    pub fn mount_rackfs(&mut self, name: &str, options: &str, cpus: &str) -> PathBuf {
-        let dir = self.tmp.path().join(name);
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let opts = format!("secret_file={},{options}", self.secret_file.display());
-        self.daemons.push(
-            pinned(cpus, &bin_path("rackfs"))
-                .args(["mount", "--foreground", &self.addr])
-                .arg(&dir)
-                .args(["-o", &opts])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("rackfs mount"),
-        );
-        assert!(
-            wait_for(Duration::from_secs(10), || mounted(&dir, "rackfs:")),
-            "rackfs mounted with {options}"
-        );
-        self.mounts.push(dir.clone());
+    /// Mounts the rig's cluster once more with extra mount options, its daemon on `cpus`.
+    pub fn mount_rackfs(&mut self, options: &str, cpus: &str) -> PathBuf {
+        let m = Mount::try_new(&self.addr, &self.secret_file, options)
+            .unwrap_or_else(|log| panic!("rackfs mount with {options} failed: {log}"));
+        m.pin(cpus);
+        let dir = m.dir.clone();
+        self.rackfs.push(m);
         dir
     }
 }
@@ -209,10 +200,7 @@ pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
             let c = TestCluster::start(*nodes, region);
             // The memory nodes' NIC threads run on CPU 1 (they only matter for tcp).
             for n in c.nodes.iter().flatten() {
-                let _ = Command::new("taskset")
-                    .args(["-a", "-p", "-c", "1", &n.child.id().to_string()])
-                    .stdout(Stdio::null())
-                    .status();
+                pin(n.child.id(), "1");
             }
             let (a, s) = (c.addr(), c.secret_file.clone());
             (Some(c), a, s)
@@ -223,10 +211,11 @@ pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
         systems: Vec::new(),
         daemons,
         mounts: vec![tmpfs.clone(), memfs.clone()],
+        rackfs: Vec::new(),
         cluster,
         addr,
         secret_file,
-        tmp,
+        _tmp: tmp,
     };
     // shm needs the nodes on this host; an existing cluster is reached over tcp only.
     let transports: &[(&str, &'static str)] = if rig.cluster.is_some() {
@@ -236,11 +225,7 @@ pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
     };
     let mut rackfs = Vec::new();
     for (t, name) in transports {
-        let dir = rig.mount_rackfs(
-            &format!("rackfs-{t}"),
-            &format!("transport={t}"),
-            daemon_cpus,
-        );
+        let dir = rig.mount_rackfs(&format!("transport={t}"), daemon_cpus);
         rackfs.push(System {
             name,
             dir,
@@ -267,44 +252,30 @@ pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
 }
 
 fn run_fio(dir: &Path, w: &Workload, direct: bool, cfg: &Config, cpus: &str) -> FioResult {
-    let out = Command::new("fio")
-        .args([
-            "--name=job",
-            &format!("--directory={}", dir.display()),
-            &format!("--rw={}", w.rw),
-            &format!("--bs={}", w.bs),
-            &format!("--size={}", cfg.size_per_job),
-            &format!("--numjobs={}", w.jobs),
-            "--ioengine=psync",
-            &format!("--direct={}", u8::from(direct)),
-            "--time_based",
-            &format!("--runtime={}", cfg.runtime_s),
-            "--ramp_time=1",
-            "--group_reporting",
-            &format!("--cpus_allowed={cpus}"),
-            "--output-format=json",
-        ])
-        .output()
-        .expect("run fio (apt-get install fio)");
-    assert!(
-        out.status.success(),
-        "fio failed on {}: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
+    let report = Fio::job("job", dir)
+        .opt("rw", w.rw)
+        .opt("bs", w.bs)
+        .opt("size", cfg.size_per_job)
+        .opt("numjobs", w.jobs)
+        .opt("ioengine", "psync")
+        .opt("direct", u8::from(direct))
+        .flag("time_based")
+        .opt("runtime", cfg.runtime_s)
+        .opt("ramp_time", 1)
+        .flag("group_reporting")
+        .opt("cpus_allowed", cpus)
+        .run();
+    let j = report.first();
     let side = if w.rw.contains("read") {
-        "read"
+        &j.read
     } else {
-        "write"
+        &j.write
     };
-    let j = &v["jobs"][0][side];
-    let pct = |p: &str| j["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
     FioResult {
-        iops: j["iops"].as_f64().unwrap_or(0.0),
-        bw: j["bw_bytes"].as_f64().unwrap_or(0.0),
-        p50_us: pct("50.000000"),
-        p99_us: pct("99.000000"),
+        iops: side.iops,
+        bw: side.bw_bytes,
+        p50_us: side.p50_us,
+        p99_us: side.p99_us,
     }
 }
 

@@ -1,6 +1,7 @@
-//! Small SVG charts for the reports (grouped bars, lines), converted to PNG when ImageMagick's
-//! `convert` or `rsvg-convert` is installed. No plotting library: the charts are a few dozen
-//! shapes, and the SVG itself is kept next to the PNG.
+//! Small SVG charts for the reports (grouped bars, lines), saved as PNG when ImageMagick's
+//! `convert` or `rsvg-convert` is installed (`scripts/test` installs `rsvg-convert`), as SVG
+//! only when neither is. One format per chart: the SVG is not kept beside its PNG. No plotting
+//! library: the charts are a few dozen shapes.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -180,8 +181,8 @@ pub fn lines(title: &str, unit: &str, xlabel: &str, series: &[(&str, Vec<f64>)])
     o + "</svg>"
 }
 
-/// Writes `name.svg` in `dir`, and `name.png` if a converter is installed. Returns the file
-/// the report should link (the PNG when there is one).
+/// Writes `name.png` in `dir` if a converter is installed, else `name.svg`. Returns the file
+/// the report should link.
 pub fn save(dir: &Path, name: &str, svg: &str) -> String {
     let svg_path = dir.join(format!("{name}.svg"));
     std::fs::write(&svg_path, svg).unwrap_or_else(|e| panic!("write {}: {e}", svg_path.display()));
@@ -200,6 +201,7 @@ pub fn save(dir: &Path, name: &str, svg: &str) -> String {
             .map(|s| s.success())
             .unwrap_or(false);
     if converted {
+        let _ = std::fs::remove_file(&svg_path);
         format!("{name}.png")
     } else {
         format!("{name}.svg")

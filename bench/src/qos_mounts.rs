@@ -6,32 +6,35 @@
 //! The node's capacity is measured first, in the same run: the three mounts with `qos=off`
 //! reading at once; the QoS cluster is then started with that figure as `--qos-capacity`.
 
-use rackfs_tests::{TempDir, TestCluster};
+use rackfs_tests::TestCluster;
 use std::path::Path;
-use std::process::Child;
 
-use crate::mounts::{fio_iops, mount_all, randread, Mounts};
+use rackfs_tests::fio::FioRun;
+
+use crate::mounts::{mount_all, randread, Mounts};
 use crate::stats::median;
 
 /// fio 4 KiB random reads, one psync job, on `dir`, in a file named after `name` (all mounts
 /// of a cluster see the same files: two fio processes laying out one file at once would
 /// unlink it under each other); pinned to `cpu` if given.
-fn fio(dir: &Path, name: &str, runtime: u32, cpu: Option<usize>) -> Child {
-    let mut cmd = randread(dir, name, runtime);
-    cmd.args(["--size=16M", "--ramp_time=1"]);
-    if let Some(c) = cpu {
-        cmd.arg(format!("--cpus_allowed={c}"));
+fn fio(dir: &Path, name: &str, runtime: u32, cpu: Option<usize>) -> FioRun {
+    let f = randread(dir, name, runtime)
+        .opt("size", "16M")
+        .opt("ramp_time", 1);
+    match cpu {
+        Some(c) => f.opt("cpus_allowed", c),
+        None => f,
     }
-    cmd.spawn().expect("run fio (apt-get install fio)")
+    .spawn()
 }
 
-fn iops(c: Child) -> f64 {
-    fio_iops(c, "read")
+fn iops(run: FioRun) -> f64 {
+    run.wait().first().read.iops
 }
 
 /// IOPS of each mount, all reading at once.
 fn together(m: &Mounts, runtime: u32) -> Vec<f64> {
-    let running: Vec<Child> = m
+    let running: Vec<FioRun> = m
         .dirs
         .iter()
         .enumerate()
@@ -52,11 +55,10 @@ pub enum Part {
 }
 
 pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
-    let tmp = TempDir::new("bench-qos");
     // Capacity: three unaccounted mounts at once, and one alone (the local constraint).
     let (capacity, alone) = {
         let c = TestCluster::start(1, "512M");
-        let m = mount_all(&c, &tmp, "measure", &["qos=off"; 3]);
+        let m = mount_all(&c, &["qos=off"; 3]);
         let all: f64 = together(&m, runtime).iter().sum();
         let one = iops(fio(&m.dirs[0], "q0", runtime, None));
         (all as u64, one as u64)
@@ -67,13 +69,13 @@ pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
          node).\n\n"
     );
     if parts.contains(&Part::Reservations) {
-        md.push_str(&reservations(&tmp, capacity, alone, runtime, runs));
+        md.push_str(&reservations(capacity, alone, runtime, runs));
     }
     if parts.contains(&Part::Weights) {
-        md.push_str(&weights(&tmp, capacity, alone, runtime, runs));
+        md.push_str(&weights(capacity, alone, runtime, runs));
     }
     if parts.contains(&Part::Cost) {
-        md.push_str(&cost(&tmp, runtime, runs));
+        md.push_str(&cost(runtime, runs));
     }
     md
 }
@@ -92,7 +94,7 @@ fn qos_cluster(capacity: u64, alone: u64) -> TestCluster {
 }
 
 /// Three mounts with different reservations and a limit, with and without QoS, alternating.
-fn reservations(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
+fn reservations(cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
     // M1 reserves the most one mount can surely do (80% of its rate alone, at most 45% of the
     // node), M2 a quarter of the node, M3 nothing but is limited to a tenth.
     let r1 = (cap * 45 / 100).min(alone * 8 / 10);
@@ -100,15 +102,13 @@ fn reservations(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) 
     let c = qos_cluster(cap, alone);
     let with = mount_all(
         &c,
-        tmp,
-        "qos",
         &[
             &format!("reservation={r1}"),
             &format!("reservation={r2}"),
             &format!("limit={l3}"),
         ],
     );
-    let without = mount_all(&c, tmp, "bare", &["qos=off"; 3]);
+    let without = mount_all(&c, &["qos=off"; 3]);
     let (q, b) = alternate(&with, &without, runtime, runs);
     let mut md = format!(
         "## Reservations and a limit\n\n\
@@ -136,14 +136,14 @@ fn reservations(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) 
 /// Three backlogged mounts with weights 1, 2 and 3 and nothing reserved on a node whose QoS
 /// capacity is set below what it can serve, so the pool is what limits them: each should get
 /// its weight's share of it. The same mounts without weights get equal shares.
-fn weights(tmp: &TempDir, cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
+fn weights(cap: u64, alone: u64, runtime: u32, runs: usize) -> String {
     // A quarter of what the node serves, so the pool, not the CPU, is what holds the mounts
     // back (three fio processes and three FUSE daemons share two CPUs); the weight-3 mount's
     // half stays well under what one mount can do alone.
     let pool = (cap / 4).min(alone * 3 / 4);
     let c = qos_cluster(pool, alone);
-    let weighted = mount_all(&c, tmp, "w", &["weight=1", "weight=2", "weight=3"]);
-    let equal = mount_all(&c, tmp, "eq", &["qos=on"; 3]);
+    let weighted = mount_all(&c, &["weight=1", "weight=2", "weight=3"]);
+    let equal = mount_all(&c, &["qos=on"; 3]);
     let (w, e) = alternate(&weighted, &equal, runtime, runs);
     let mw: Vec<f64> = w.iter().map(|x| median(x)).collect();
     let me: Vec<f64> = e.iter().map(|x| median(x)).collect();
@@ -185,9 +185,9 @@ fn alternate(a: &Mounts, b: &Mounts, runtime: u32, runs: usize) -> (Vec<Vec<f64>
 
 /// QoS's own cost: one mount with qos=on and nothing reserved against one with qos=off,
 /// alternating; fio and both mount daemons pinned to CPU 1 (caller and daemon share a CPU).
-fn cost(tmp: &TempDir, runtime: u32, runs: usize) -> String {
+fn cost(runtime: u32, runs: usize) -> String {
     let c = qos_cluster(100_000_000, 100_000_000);
-    let pair = mount_all(&c, tmp, "cost", &["qos=on", "qos=off"]);
+    let pair = mount_all(&c, &["qos=on", "qos=off"]);
     pair.pin(1);
     let (mut on, mut off) = (Vec::new(), Vec::new());
     for r in 0..runs.max(3) {

@@ -11,24 +11,24 @@
 //! the mount reads are created one after the other.
 
 use std::path::Path;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_tests::{TempDir, TestCluster};
 
-use crate::mounts::{fio_iops, mount_all, randread};
+use rackfs_tests::fio::{Fio, FioRun};
+
+use crate::mounts::{mount_all, randread};
 use crate::plot;
 
 /// fio 4 KiB random reads of `file` (or of an 8 MiB file of its own, named after the job),
 /// one psync job. (All mounts of a cluster see the same files.)
-fn fio(dir: &Path, name: &str, file: Option<&str>, runtime: u32) -> Command {
-    let mut cmd = randread(dir, name, runtime);
+fn fio(dir: &Path, name: &str, file: Option<&str>, runtime: u32) -> Fio {
+    let f = randread(dir, name, runtime);
     match file {
-        Some(f) => cmd.args([&format!("--filename={f}"), "--size=1M"]),
-        None => cmd.args(["--size=8M"]),
-    };
-    cmd
+        Some(file) => f.opt("filename", file).opt("size", "1M"),
+        None => f.opt("size", "8M"),
+    }
 }
 
 /// One second: the reserving mount's IOPS (fio's log), and its reservation share on each
@@ -65,8 +65,6 @@ fn one(
     let c = TestCluster::start_with(2, "256M", &flags);
     let m = mount_all(
         &c,
-        tmp,
-        tag,
         &[&format!("reservation={reservation}"), "qos=on", "qos=on"],
     );
     // Two one-stripe files created back to back: consecutive inodes, different nodes.
@@ -84,14 +82,10 @@ fn one(
         .find(|q| q.reservation == reservation)
         .expect("the reserving mount is admitted")
         .slot;
-    let others: Vec<Child> = m.dirs[1..]
+    let others: Vec<FioRun> = m.dirs[1..]
         .iter()
         .enumerate()
-        .map(|(i, d)| {
-            fio(d, &format!("m{}", i + 2), None, phase * 2 + 2)
-                .spawn()
-                .expect("run fio (apt-get install fio)")
-        })
+        .map(|(i, d)| fio(d, &format!("m{}", i + 2), None, phase * 2 + 2).spawn())
         .collect();
     // Once a second, while the reserving mount reads a, then b: each node's last finished
     // period (the nodes' periods are not aligned, so each sample is every node's last second).
@@ -115,24 +109,24 @@ fn one(
     let start = Instant::now();
     for (k, f) in ["a", "b"].into_iter().enumerate() {
         let log = tmp.path().join(format!("{tag}-{f}"));
-        let mut cmd = fio(&m.dirs[0], "m1", Some(f), phase);
-        cmd.arg(format!("--write_iops_log={}", log.display()))
-            .arg("--log_avg_msec=1000");
-        let run = cmd.spawn().expect("run fio (apt-get install fio)");
+        let run = fio(&m.dirs[0], "m1", Some(f), phase)
+            .opt("write_iops_log", log.display())
+            .opt("log_avg_msec", 1000)
+            .spawn();
         let mut shares = Vec::new();
         for t in 1..=phase {
             let at = start + Duration::from_secs((k as u32 * phase + t) as u64);
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
             shares.push(last());
         }
-        fio_iops(run, "read");
+        run.wait();
         for (mut s, iops) in shares.into_iter().zip(iops_log(&log)) {
             s.iops = iops;
             out.push(s);
         }
     }
     for o in others {
-        fio_iops(o, "read");
+        o.wait();
     }
     out
 }

@@ -11,11 +11,12 @@
 //! depending on timing).
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
-use rackfs_tests::{TempDir, TestCluster};
+use rackfs_tests::TestCluster;
 
-use crate::mounts::{fio_iops, mount_all, Mounts};
+use rackfs_tests::fio::{Fio, FioRun};
+
+use crate::mounts::{mount_all, Mounts};
 
 use crate::stats::{median, rate};
 
@@ -34,42 +35,35 @@ pub struct Row {
 }
 
 /// Starts fio writing to `file` with `jobs` jobs, the first at region `first`.
-fn fio(file: &Path, jobs: u32, first: u32, runtime: u32, extra: &[&str]) -> Child {
-    Command::new("fio")
-        .args([
-            "--name=w",
-            &format!("--filename={}", file.display()),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--ioengine=psync",
-            "--direct=1",
-            &format!("--size={REGION}"),
-            &format!("--offset={}", first as u64 * REGION),
-            &format!("--offset_increment={REGION}"),
-            &format!("--numjobs={jobs}"),
-            "--time_based",
-            &format!("--runtime={runtime}"),
-            "--ramp_time=1",
-            "--group_reporting",
-            "--output-format=json",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+fn fio(file: &Path, jobs: u32, first: u32, runtime: u32) -> FioRun {
+    Fio::default()
+        .opt("name", "w")
+        .opt("filename", file.display())
+        .opt("rw", "randwrite")
+        .opt("bs", "4k")
+        .opt("ioengine", "psync")
+        .opt("direct", 1)
+        .opt("size", REGION)
+        .opt("offset", first as u64 * REGION)
+        .opt("offset_increment", REGION)
+        .opt("numjobs", jobs)
+        .flag("time_based")
+        .opt("runtime", runtime)
+        .opt("ramp_time", 1)
+        .flag("group_reporting")
         .spawn()
-        .expect("run fio (apt-get install fio)")
 }
 
-fn iops(child: Child) -> f64 {
-    fio_iops(child, "write")
+fn iops(run: FioRun) -> f64 {
+    run.wait().first().write.iops
 }
 
 /// Aggregate IOPS of `writers` disjoint writers over the two mounts of `pair`.
 fn disjoint(pair: &Mounts, writers: u32, runtime: u32) -> f64 {
     let on_a = writers.div_ceil(2);
     let on_b = writers - on_a;
-    let a = fio(&pair.dirs[0].join("shared"), on_a, 0, runtime, &[]);
-    let b = (on_b > 0).then(|| fio(&pair.dirs[1].join("shared"), on_b, on_a, runtime, &[]));
+    let a = fio(&pair.dirs[0].join("shared"), on_a, 0, runtime);
+    let b = (on_b > 0).then(|| fio(&pair.dirs[1].join("shared"), on_b, on_a, runtime));
     iops(a) + b.map_or(0.0, iops)
 }
 
@@ -80,38 +74,26 @@ fn overlap(pair: &Mounts, runtime: u32) -> (usize, usize) {
     let name = "overlap";
     std::fs::write(pair.dirs[0].join(name), vec![0u8; len as usize]).expect("overlap file");
     let run = |dir: &Path, pattern: &str| {
-        Command::new("fio")
-            .args([
-                "--name=o",
-                &format!("--filename={}", dir.join(name).display()),
-                "--rw=randwrite",
-                "--bs=16k",
-                "--blockalign=4k",
-                "--ioengine=psync",
-                "--direct=1",
-                &format!("--size={len}"),
-                // The pattern alone, no verify header: a unit is one writer's or mixed.
-                "--verify=pattern",
-                &format!("--verify_pattern={pattern}"),
-                "--do_verify=0",
-                "--time_based",
-                &format!("--runtime={runtime}"),
-                "--output-format=json",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        Fio::default()
+            .opt("name", "o")
+            .opt("filename", dir.join(name).display())
+            .opt("rw", "randwrite")
+            .opt("bs", "16k")
+            .opt("blockalign", "4k")
+            .opt("ioengine", "psync")
+            .opt("direct", 1)
+            .opt("size", len)
+            // The pattern alone, no verify header: a unit is one writer's or mixed.
+            .opt("verify", "pattern")
+            .opt("verify_pattern", pattern)
+            .opt("do_verify", 0)
+            .flag("time_based")
+            .opt("runtime", runtime)
             .spawn()
-            .expect("fio")
     };
     let (a, b) = (run(&pair.dirs[0], "0xaa"), run(&pair.dirs[1], "0xbb"));
-    for c in [a, b] {
-        let out = c.wait_with_output().expect("fio");
-        assert!(
-            out.status.success(),
-            "fio failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    a.wait();
+    b.wait();
     let data = std::fs::read(pair.dirs[1].join(name)).expect("read back");
     let mixed = data
         .chunks(4096)
@@ -121,10 +103,9 @@ fn overlap(pair: &Mounts, runtime: u32) -> (usize, usize) {
 }
 
 pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
-    let tmp = TempDir::new("bench-shared");
     let cluster = TestCluster::start(2, "1G");
-    let on = mount_all(&cluster, &tmp, "on", &["locks=on"; 2]);
-    let off = mount_all(&cluster, &tmp, "off", &["locks=off"; 2]);
+    let on = mount_all(&cluster, &["locks=on"; 2]);
+    let off = mount_all(&cluster, &["locks=off"; 2]);
     let max = *cfg.writers.iter().max().unwrap_or(&1) as u64;
     // Lay the file out once (both pairs share the cluster, so one file serves both).
     std::fs::write(

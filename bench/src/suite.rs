@@ -18,11 +18,12 @@
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use rackfs_proto::control::NodeStats;
+use rackfs_tests::fio::{Fio, FioRun};
 use rackfs_tests::{TempDir, TestCluster};
 
 use crate::fio::{rig, Rig, Target};
@@ -64,7 +65,7 @@ fn job(name: &str) -> PathBuf {
 /// Starts fio on a copy of job file `file` in which each `--key=value` of `extra` replaces
 /// the file's `key=` lines (or joins its `[global]` section): fio itself lets a job file's
 /// values win over the command line. `env` fills the file's `${VARS}`.
-fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> Child {
+fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> FioRun {
     let text = std::fs::read_to_string(job(file)).expect("read the job file");
     let mut lines: Vec<String> = text.lines().map(String::from).collect();
     for opt in extra {
@@ -94,53 +95,21 @@ fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> Child {
     let rendered =
         std::env::temp_dir().join(format!("rackfs-suite-{}-{n}-{file}", std::process::id()));
     std::fs::write(&rendered, lines.join("\n") + "\n").expect("write the job file copy");
-    Command::new("fio")
-        .arg(&rendered)
-        .arg("--output-format=json")
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    env.iter()
+        .fold(Fio::file(&rendered), |f, (k, v)| f.env(k, v))
         .spawn()
-        .expect("run fio (apt-get install fio)")
 }
 
 /// Per job group (by the name of its first job): reads and writes together.
-fn fio_groups(child: Child) -> BTreeMap<String, FioOut> {
-    let out = child.wait_with_output().expect("fio");
-    assert!(
-        out.status.success(),
-        "fio failed: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
+fn fio_groups(run: FioRun) -> BTreeMap<String, FioOut> {
     let mut groups = BTreeMap::new();
-    for j in v["jobs"].as_array().into_iter().flatten() {
-        let side = |s: &str| &j[s];
-        let f = |s: &str, k: &str| side(s)[k].as_f64().unwrap_or(0.0);
-        let main = if f("read", "iops") >= f("write", "iops") {
-            "read"
-        } else {
-            "write"
-        };
-        let pct = |p: &str| {
-            side(main)["clat_ns"]["percentile"][p]
-                .as_f64()
-                .unwrap_or(0.0)
-                / 1e3
-        };
-        let o = FioOut {
-            iops: f("read", "iops") + f("write", "iops"),
-            bw: f("read", "bw_bytes") + f("write", "bw_bytes"),
-            p50_us: pct("50.000000"),
-            p99_us: pct("99.000000"),
-        };
-        let name = j["jobname"].as_str().unwrap_or("?").to_string();
-        let e: &mut FioOut = groups.entry(name).or_default();
-        e.iops += o.iops;
-        e.bw += o.bw;
-        e.p50_us = e.p50_us.max(o.p50_us);
-        e.p99_us = e.p99_us.max(o.p99_us);
+    for j in run.wait().jobs {
+        let main = *j.main_side();
+        let e: &mut FioOut = groups.entry(j.name).or_default();
+        e.iops += j.read.iops + j.write.iops;
+        e.bw += j.read.bw_bytes + j.write.bw_bytes;
+        e.p50_us = e.p50_us.max(main.p50_us);
+        e.p99_us = e.p99_us.max(main.p99_us);
     }
     groups
 }
@@ -312,7 +281,7 @@ pub fn run(cfg: &Config) -> String {
     let mut all = points(cfg.set);
     all.extend(filebench_points(have_filebench));
     let mut rig = rig("0", &cfg.target);
-    let qos_dir = rig.mount_rackfs("rackfs-qos", "transport=tcp,qos=on", "0");
+    let qos_dir = rig.mount_rackfs("transport=tcp,qos=on", "0");
     let systems = rig.systems.len();
     let total: u64 = all
         .iter()
@@ -670,7 +639,7 @@ fn shared_file(rig: &mut Rig, cfg: &Config) -> String {
         .expect("a RackFS mount")
         .dir
         .clone();
-    let b = rig.mount_rackfs("rackfs-second", "transport=tcp", "0-1");
+    let b = rig.mount_rackfs("transport=tcp", "0-1");
     rig.pin_daemons("0-1");
     let rt = format!("--runtime={}", cfg.runtime);
     // The shared file exists before the writers start: two fio processes laying out one file
@@ -786,14 +755,9 @@ fn qos_over_time(cfg: &Config) -> String {
             }
         })
         .collect();
-    let m = mount_all(
-        &c,
-        &tmp,
-        "q",
-        &opts.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-    );
+    let m = mount_all(&c, &opts.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     let logs: Vec<PathBuf> = (0..3).map(|i| tmp.path().join(format!("m{i}"))).collect();
-    let running: Vec<Child> = m
+    let running: Vec<FioRun> = m
         .dirs
         .iter()
         .zip(&logs)
@@ -914,8 +878,7 @@ fn scale_down(cfg: &Config) -> String {
     let dense_gib: u64 = if cfg.set == Set::Quick { 1 } else { 3 };
     let sparse_gib: u64 = 16;
     let c = TestCluster::start(2, "3G");
-    let tmp = TempDir::new("suite-scale");
-    let m = mount_all(&c, &tmp, "s", &["transport=shm"]);
+    let m = mount_all(&c, &["transport=shm"]);
     let stats = || -> Vec<NodeStats> {
         (0..2)
             .map(|i| c.control(i).stats().expect("node stats"))

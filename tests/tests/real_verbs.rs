@@ -117,26 +117,20 @@ fn fuse_mount_over_rdma_passes_fio_verify() {
     let dev = rdma_device();
     let cluster = rackfs_tests::TestCluster::start_with(1, "64M", &["--rdma-device", &dev]);
     let m = rackfs_tests::Mount::new(&cluster, &format!("transport=rdma,rdma_device={dev}"));
-    let out = std::process::Command::new("fio")
-        .args([
-            "--name=v",
-            &format!("--directory={}", m.dir.display()),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--size=2M",
-            "--ioengine=psync",
-            "--direct=1",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-        ])
-        .output()
-        .expect("fio");
-    assert!(
-        out.status.success(),
-        "fio verify over rdma failed: {}{}\nmount log: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let report = rackfs_tests::Fio::job("v", &m.dir)
+        .opt("rw", "randwrite")
+        .opt("bs", "4k")
+        .opt("size", "2M")
+        .opt("ioengine", "psync")
+        .opt("direct", 1)
+        .opt("verify", "crc32c")
+        .opt("do_verify", 1)
+        .opt("verify_fatal", 1)
+        .run();
+    assert_eq!(
+        report.first().error,
+        0,
+        "fio verify over rdma failed: {report:?}\nmount log: {}",
         std::fs::read_to_string(&m.log).unwrap_or_default()
     );
     let stats = cluster.control(0).stats().expect("stats");

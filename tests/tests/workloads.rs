@@ -1,43 +1,24 @@
 //! Real tools on real mounts: fio with data verification (installed by scripts/test).
 
-use std::process::Command;
-
-use rackfs_tests::{Mount, TestCluster};
+use rackfs_tests::{Fio, Mount, TestCluster};
 
 fn fio_verify(m: &Mount, rw: &str) {
-    let out = Command::new("fio")
-        .args([
-            "--name=verify",
-            &format!("--directory={}", m.dir.display()),
-            &format!("--rw={rw}"),
-            "--bs=4k",
-            "--size=16M",
-            "--numjobs=2",
-            "--ioengine=psync",
-            "--direct=1",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--output-format=json",
-        ])
-        .output()
-        .expect("run fio (scripts/test installs it: apt-get install fio)");
-    assert!(
-        out.status.success(),
-        "fio {rw} with verify failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
-    for job in v["jobs"].as_array().expect("jobs") {
-        assert_eq!(job["error"], 0, "fio job error: {job}");
-        assert!(
-            job["write"]["io_bytes"].as_u64().unwrap_or(0) >= 16 << 20,
-            "each job wrote its file"
-        );
-        assert!(
-            job["read"]["io_bytes"].as_u64().unwrap_or(0) >= 16 << 20,
-            "and read it back to verify"
-        );
+    let report = Fio::job("verify", &m.dir)
+        .opt("rw", rw)
+        .opt("bs", "4k")
+        .opt("size", "16M")
+        .opt("numjobs", 2)
+        .opt("ioengine", "psync")
+        .opt("direct", 1)
+        .opt("verify", "crc32c")
+        .opt("do_verify", 1)
+        .opt("verify_fatal", 1)
+        .run();
+    assert_eq!(report.jobs.len(), 2, "two jobs: {report:?}");
+    for job in &report.jobs {
+        assert_eq!(job.error, 0, "fio job error: {job:?}");
+        assert!(job.write.io_bytes >= 16 << 20, "each job wrote its file");
+        assert!(job.read.io_bytes >= 16 << 20, "and read it back to verify");
     }
 }
 

@@ -1,0 +1,191 @@
+//! Memory-node processes: one node, or a cluster of them (node 0 the primary).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use rackfs_verbs::{QueuePair, Secret};
+
+use crate::process::{bin_path, TempDir};
+
+/// A `rackfs-memnode` child process with a TCP listener on loopback and a Unix socket.
+pub struct MemNodeProcess {
+    pub child: Child,
+    pub tcp: String,
+    pub shm: PathBuf,
+    pub secret: Secret,
+    pub secret_file: PathBuf,
+    pub stderr_log: PathBuf,
+    pub dir: TempDir,
+}
+
+impl MemNodeProcess {
+    pub fn start(region: &str) -> MemNodeProcess {
+        Self::start_with(region, Secret::generate(), &[])
+    }
+
+    pub fn start_with(region: &str, secret: Secret, extra: &[&str]) -> MemNodeProcess {
+        let dir = TempDir::new("mn");
+        let secret_file = dir.path().join("secret");
+        std::fs::write(&secret_file, secret.expose()).expect("write secret");
+        let shm = dir.path().join("mn.sock");
+        let stderr_log = dir.path().join("stderr.log");
+        let mut child = Command::new(bin_path("rackfs-memnode"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--region",
+                region,
+                "--secret-file",
+            ])
+            .arg(&secret_file)
+            .arg("--shm-socket")
+            .arg(&shm)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).expect("stderr log"))
+            .spawn()
+            .expect("spawn rackfs-memnode");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read ready line");
+        let tcp = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("tcp="))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no ready line from rackfs-memnode: {line:?}; stderr: {}",
+                    std::fs::read_to_string(&stderr_log).unwrap_or_default()
+                )
+            })
+            .to_string();
+        MemNodeProcess {
+            child,
+            tcp,
+            shm,
+            secret,
+            secret_file,
+            stderr_log,
+            dir,
+        }
+    }
+
+    pub fn tcp_qp(&self) -> QueuePair {
+        rackfs_verbs::tcp::connect(&self.tcp, &self.secret, "test").expect("tcp connect")
+    }
+
+    pub fn shm_qp(&self) -> QueuePair {
+        rackfs_verbs::shm::connect(&self.shm, &self.secret, "test").expect("shm connect")
+    }
+
+    pub fn control(&self) -> rackfs_proto::ControlClient {
+        rackfs_proto::ControlClient::connect_tcp(&self.tcp, &self.secret, "test")
+            .expect("control connect")
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits; returns the exit status code.
+    pub fn stop(mut self) -> Option<i32> {
+        // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().expect("wait for memnode").code()
+    }
+}
+
+impl Drop for MemNodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A cluster of memory-node processes: node 0 is the primary, the others join it.
+pub struct TestCluster {
+    pub nodes: Vec<Option<MemNodeProcess>>,
+    pub secret_file: PathBuf,
+    _dir: TempDir,
+}
+
+impl TestCluster {
+    /// `n` nodes of `region` each; freed file data is quarantined for 200 ms.
+    pub fn start(n: usize, region: &str) -> TestCluster {
+        Self::start_with(n, region, &[])
+    }
+
+    /// [`TestCluster::start`] with more `rackfs-memnode` flags for every node.
+    pub fn start_with(n: usize, region: &str, extra: &[&str]) -> TestCluster {
+        let secret = Secret::generate();
+        let dir = TempDir::new("cluster");
+        let secret_file = dir.path().join("secret");
+        std::fs::write(&secret_file, secret.expose()).expect("write secret");
+        let mut nodes = Vec::new();
+        let first = MemNodeProcess::start_with(
+            region,
+            secret.clone(),
+            &[
+                &[
+                    "--primary",
+                    "--node-id",
+                    "0",
+                    "--name",
+                    "mn0",
+                    "--quarantine-ms",
+                    "200",
+                ],
+                extra,
+            ]
+            .concat(),
+        );
+        let primary = first.tcp.clone();
+        nodes.push(Some(first));
+        for i in 1..n {
+            let id = i.to_string();
+            let name = format!("mn{i}");
+            nodes.push(Some(MemNodeProcess::start_with(
+                region,
+                secret.clone(),
+                &[
+                    &[
+                        "--join",
+                        primary.as_str(),
+                        "--node-id",
+                        &id,
+                        "--name",
+                        &name,
+                        "--quarantine-ms",
+                        "200",
+                    ],
+                    extra,
+                ]
+                .concat(),
+            )));
+        }
+        TestCluster {
+            nodes,
+            secret_file,
+            _dir: dir,
+        }
+    }
+
+    /// The primary's TCP address (a mount source).
+    pub fn addr(&self) -> String {
+        self.nodes[0].as_ref().expect("primary running").tcp.clone()
+    }
+
+    pub fn control(&self, i: usize) -> rackfs_proto::ControlClient {
+        self.nodes[i].as_ref().expect("node running").control()
+    }
+
+    /// SIGKILLs node `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut n) = self.nodes[i].take() {
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Processes and scratch space: where the workspace's binaries are, private temporary
+//! directories, and polling with a deadline.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Path of a binary built from this workspace (`target/<profile>/NAME`).
+pub fn bin_path(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("RACKFS_BIN_DIR") {
+        return Path::new(&dir).join(name);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().expect("deps dir");
+    let dir = if dir.ends_with("deps") {
+        dir.parent().expect("profile dir")
+    } else {
+        dir
+    };
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not built: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// A private scratch directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let mut n = [0u8; 6];
+        n.copy_from_slice(&rackfs_verbs::auth::nonce()[..6]);
+        let hex: String = n.iter().map(|b| format!("{b:02x}")).collect();
+        let p = std::env::temp_dir().join(format!("rackfs-{tag}-{hex}"));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cond()
+}

@@ -1,0 +1,23 @@
+//! Deterministic randomness for workloads.
+
+/// A small deterministic random generator for workload tests (SplitMix64).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let seed = self.next_u64();
+        (0..n)
+            .map(|i| (seed.wrapping_mul(i as u64 + 1) >> 24) as u8)
+            .collect()
+    }
+}
