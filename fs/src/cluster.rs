@@ -211,7 +211,7 @@ impl Cluster {
 
     /// Registers this mount's QoS with the primary (admission control may refuse it, with
     /// the reason); from then on every data operation spends tokens. Returns the mount's slot.
-    pub fn enable_qos(&self, reservation: u64, limit: u64, weight: u32) -> Result<u16, String> {
+    pub fn enable_qos(&self, reservation: u64, limit: u64, weight: u32) -> Result<u16, RpcError> {
         match self.primary.call(&ControlRequest::QosSet {
             slot: None,
             reservation,
@@ -225,8 +225,11 @@ impl Cluster {
                 });
                 Ok(slot)
             }
-            Ok(other) => Err(format!("unexpected QoS reply {other:?}")),
-            Err(e) => Err(format!("QoS: {e}")),
+            Ok(other) => Err(RpcError::Unexpected {
+                peer: self.primary.peer().into(),
+                what: format!("{other:?}"),
+            }),
+            Err(e) => Err(e),
         }
     }
 

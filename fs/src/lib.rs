@@ -6,8 +6,10 @@
 //! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod cluster;
+pub mod error;
 pub mod file;
 pub mod fuse;
 pub mod layout;

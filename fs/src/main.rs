@@ -96,7 +96,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let result = match Cli::parse().cmd {
+    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse().cmd {
         Cmd::Up {
             dir,
             nodes,
@@ -115,7 +115,7 @@ fn main() -> ExitCode {
                     "--transport".into(),
                     transport,
                 ];
-                up::up_detached(&dir, fwd)
+                up::up_detached(&dir, fwd).map_err(Into::into)
             } else {
                 up::up(UpConfig {
                     dir,
@@ -127,9 +127,10 @@ fn main() -> ExitCode {
                         TransportChoice::Auto
                     },
                 })
+                .map_err(Into::into)
             }
         }
-        Cmd::Down { dir } => up::down(&dir),
+        Cmd::Down { dir } => up::down(&dir).map_err(Into::into),
         Cmd::Mount {
             source,
             dir,
@@ -145,7 +146,7 @@ fn main() -> ExitCode {
                 "-o".into(),
                 options.clone(),
             ];
-            mount_command(&source, &dir, &options, foreground, &exe, fwd)
+            mount_command(&source, &dir, &options, foreground, &exe, fwd).map_err(Into::into)
         }
         Cmd::Qos {
             cmd: QosCmd::Set {
@@ -167,7 +168,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), String> {
+fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
     let ours: Vec<&str> = mounts
         .lines()
@@ -329,7 +330,7 @@ fn print_qos(q: &rackfs_proto::control::QosStatus) {
 }
 
 /// `rackfs qos set`: the mount's slot comes from its state file, the cluster from its source.
-fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), String> {
+fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), Box<dyn std::error::Error>> {
     let dir =
         std::fs::canonicalize(mountpoint).map_err(|e| format!("{}: {e}", mountpoint.display()))?;
     let (_, source) = rackfs_fs::mount::mount_type(&dir)
@@ -356,7 +357,7 @@ fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), String> {
     let c = ControlClient::connect(&addr, &secret, "rackfs-qos").map_err(|e| e.to_string())?;
     let current = match c.call(&ControlRequest::QosStatus) {
         Ok(ControlResponse::QosStatus(q)) => q.mounts.into_iter().find(|m| m.slot == slot),
-        other => return Err(format!("QoS status: {other:?}")),
+        other => return Err(format!("QoS status: {other:?}").into()),
     }
     .ok_or(format!(
         "the cluster has no QoS for slot {slot} (is the mount still alive?)"
@@ -379,9 +380,9 @@ fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), String> {
                     .ok_or(format!("weight={v}: expected a number from 1 to 10000"))?
             }
             _ => {
-                return Err(format!(
-                    "unknown QoS setting {k:?} (reservation, limit, weight)"
-                ))
+                return Err(
+                    format!("unknown QoS setting {k:?} (reservation, limit, weight)").into(),
+                )
             }
         }
     }
@@ -403,7 +404,7 @@ fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), String> {
             );
             Ok(())
         }
-        Ok(other) => Err(format!("unexpected reply {other:?}")),
-        Err(e) => Err(e.to_string()),
+        Ok(other) => Err(format!("unexpected reply {other:?}").into()),
+        Err(e) => Err(e.into()),
     }
 }

@@ -11,6 +11,7 @@ use rackfs_verbs::Secret;
 use tracing::info;
 
 use crate::cluster::Cluster;
+use crate::error::{io, FsError};
 use crate::fuse::RackFs;
 use crate::options::MountOptions;
 
@@ -39,7 +40,7 @@ fn unescape(s: &str) -> String {
 }
 
 /// The cluster addresses in a mount source: `HOST:PORT[,HOST:PORT...]`, `unix:PATH`.
-pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
+pub fn parse_source(source: &str) -> Result<Vec<String>, FsError> {
     let addrs: Vec<String> = source
         .split(',')
         .map(str::trim)
@@ -47,9 +48,10 @@ pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
         .map(String::from)
         .collect();
     if addrs.is_empty() {
-        return Err(format!(
-            "invalid cluster address {source:?}: expected HOST:PORT[,HOST:PORT...]"
-        ));
+        return Err(FsError::Address {
+            addr: source.into(),
+            expected: "HOST:PORT[,HOST:PORT...]",
+        });
     }
     for a in &addrs {
         if a.starts_with("unix:") {
@@ -58,9 +60,10 @@ pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
         match a.rsplit_once(':') {
             Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
             _ => {
-                return Err(format!(
-                    "invalid cluster address {a:?}: expected HOST:PORT or unix:PATH"
-                ))
+                return Err(FsError::Address {
+                    addr: a.clone(),
+                    expected: "HOST:PORT or unix:PATH",
+                })
             }
         }
     }
@@ -68,18 +71,23 @@ pub fn parse_source(source: &str) -> Result<Vec<String>, String> {
 }
 
 /// Checks the mount point before anything connects.
-pub fn check_mount_point(dir: &Path) -> Result<PathBuf, String> {
-    let meta = std::fs::metadata(dir).map_err(|e| format!("mount point {}: {e}", dir.display()))?;
+pub fn check_mount_point(dir: &Path) -> Result<PathBuf, FsError> {
+    let at = |err| FsError::MountPoint {
+        path: dir.into(),
+        err,
+    };
+    let meta = std::fs::metadata(dir).map_err(at)?;
     if !meta.is_dir() {
-        return Err(format!("mount point {} is not a directory", dir.display()));
+        return Err(FsError::NotADirectory(dir.into()));
     }
-    if let Some((t, src)) = mount_type(dir) {
-        return Err(format!(
-            "mount point {} is busy: already mounted ({src}, {t})",
-            dir.display()
-        ));
+    if let Some((fs_type, fs_source)) = mount_type(dir) {
+        return Err(FsError::Busy {
+            path: dir.into(),
+            fs_source,
+            fs_type,
+        });
     }
-    std::fs::canonicalize(dir).map_err(|e| format!("mount point {}: {e}", dir.display()))
+    std::fs::canonicalize(dir).map_err(at)
 }
 
 /// Connects to the cluster and builds the FUSE configuration for a mount.
@@ -87,7 +95,7 @@ pub fn prepare(
     source: &str,
     dir: &Path,
     opts: &MountOptions,
-) -> Result<(RackFs, Config, PathBuf), String> {
+) -> Result<(RackFs, Config, PathBuf), FsError> {
     let addrs = parse_source(source)?;
     let dir = check_mount_point(dir)?;
     let secret = Secret::from_file(&opts.secret_file)?;
@@ -98,10 +106,11 @@ pub fn prepare(
         opts.transport,
         opts.rdma_device.clone(),
         &name,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     if opts.qos {
-        let slot = cluster.enable_qos(opts.reservation, opts.limit, opts.weight)?;
+        let slot = cluster
+            .enable_qos(opts.reservation, opts.limit, opts.weight)
+            .map_err(FsError::Qos)?;
         // `rackfs qos set` finds the mount's slot here.
         let state = state_dir();
         if std::fs::create_dir_all(&state).is_ok() {
@@ -137,14 +146,13 @@ pub fn prepare(
 }
 
 /// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).
-pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), String> {
+pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), FsError> {
     let (fs, config, dir) = prepare(source, dir, opts)?;
-    let mut session = fuser::Session::new(fs, &dir, &config)
-        .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+    let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
     let mut unmounter = session.unmount_callable();
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
-            .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+            .map_err(FsError::Signals)?;
     let handle = signals.handle();
     let shown = dir.clone();
     std::thread::spawn(move || {
@@ -154,9 +162,7 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         }
     });
     info!(mount = %dir.display(), %source, "mounted");
-    let r = session
-        .run()
-        .map_err(|e| format!("FUSE session ended with an error: {e}"));
+    let r = session.run().map_err(FsError::Session);
     handle.close();
     r
 }
@@ -168,18 +174,17 @@ pub fn spawn_daemon(
     args: &[String],
     dir: &Path,
     log: &Path,
-) -> Result<u32, String> {
+) -> Result<u32, FsError> {
     use std::os::unix::process::CommandExt;
-    let logf = std::fs::File::create(log)
-        .map_err(|e| format!("cannot create log {}: {e}", log.display()))?;
+    let logf = std::fs::File::create(log).map_err(io("create log", log))?;
     let mut child = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(logf.try_clone().map_err(|e| e.to_string())?)
+        .stdout(logf.try_clone().map_err(io("open log", log))?)
         .stderr(logf)
         .process_group(0)
         .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", program.display()))?;
+        .map_err(io("start", program))?;
     let end = Instant::now() + Duration::from_secs(20);
     while Instant::now() < end {
         if let Ok(Some(status)) = child.try_wait() {
@@ -189,7 +194,11 @@ pub fn spawn_daemon(
                 .rev()
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("no output");
-            return Err(format!("mount failed ({status}): {last}"));
+            return Err(FsError::Exited {
+                what: "mount",
+                status,
+                last: last.into(),
+            });
         }
         if is_rackfs_mount(dir) {
             return Ok(child.id());
@@ -197,10 +206,12 @@ pub fn spawn_daemon(
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = child.kill();
-    Err(format!(
-        "mount did not appear within 20 s; see {}",
-        log.display()
-    ))
+    Err(FsError::Timeout {
+        what: "mount".into(),
+        goal: "appear",
+        secs: 20,
+        log: log.into(),
+    })
 }
 
 /// Where `rackfs` keeps runtime state (logs, `rackfs up` instances).
@@ -236,7 +247,7 @@ pub fn mount_command(
     foreground: bool,
     program: &Path,
     foreground_args: Vec<String>,
-) -> Result<(), String> {
+) -> Result<(), FsError> {
     let opts = MountOptions::parse(opts_text)?;
     if foreground {
         return run_foreground(source, dir, &opts);
@@ -246,7 +257,7 @@ pub fn mount_command(
     let canon = check_mount_point(dir)?;
     Secret::from_file(&opts.secret_file)?;
     let logs = state_dir();
-    std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+    std::fs::create_dir_all(&logs).map_err(io("create", &logs))?;
     let log = logs.join(format!("mount-{}.log", path_tag(&canon)));
     let pid = spawn_daemon(program, &foreground_args, &canon, &log)?;
     println!(

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rackfs_proto::size::parse_size;
+use rackfs_proto::size::{parse_size, SizeError};
 
 /// Which transport a mount uses to reach memory nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,32 +118,61 @@ pub fn parse_iops(v: &str) -> Option<u64> {
     num.parse::<u64>().ok()?.checked_mul(mult)
 }
 
+/// Why a mount option string was refused; the message names the option.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    #[error("mount option {0} needs a value ({0}=...)")]
+    NeedsValue(String),
+    #[error("{key}={value}: expected {expected}")]
+    BadValue {
+        key: String,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("stripe_unit: {0}")]
+    StripeUnit(#[from] SizeError),
+    #[error("unknown mount option {0:?}")]
+    Unknown(String),
+    #[error("limit={limit} is below reservation={reservation}: a limit must be at least the reservation")]
+    LimitBelowReservation { limit: u64, reservation: u64 },
+    #[error("reservation= and limit= need qos=on")]
+    QosOff,
+}
+
+fn bad(key: &str, value: impl ToString, expected: &'static str) -> OptionsError {
+    OptionsError::BadValue {
+        key: key.into(),
+        value: value.to_string(),
+        expected,
+    }
+}
+
 impl MountOptions {
     /// Limits must leave room for the reservation.
-    pub fn check_qos(&self) -> Result<(), String> {
+    pub fn check_qos(&self) -> Result<(), OptionsError> {
         if self.limit > 0 && self.limit < self.reservation {
-            return Err(format!(
-                "limit={} is below reservation={}: a limit must be at least the reservation",
-                self.limit, self.reservation
-            ));
+            return Err(OptionsError::LimitBelowReservation {
+                limit: self.limit,
+                reservation: self.reservation,
+            });
         }
         if !self.qos && (self.reservation > 0 || self.limit > 0) {
-            return Err("reservation= and limit= need qos=on".into());
+            return Err(OptionsError::QosOff);
         }
         Ok(())
     }
 
     /// Parses a comma-separated option string (`-o` syntax). Repeated options: the last wins.
-    pub fn parse(s: &str) -> Result<MountOptions, String> {
+    pub fn parse(s: &str) -> Result<MountOptions, OptionsError> {
         let mut o = MountOptions::default();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (key, value) = match item.split_once('=') {
                 Some((k, v)) => (k, Some(v)),
                 None => (item, None),
             };
-            fn need<'v>(key: &str, v: Option<&'v str>) -> Result<&'v str, String> {
+            fn need<'v>(key: &str, v: Option<&'v str>) -> Result<&'v str, OptionsError> {
                 v.filter(|v| !v.is_empty())
-                    .ok_or(format!("mount option {key} needs a value ({key}=...)"))
+                    .ok_or_else(|| OptionsError::NeedsValue(key.into()))
             }
             match key {
                 "secret_file" => o.secret_file = PathBuf::from(need(key, value)?),
@@ -153,7 +182,7 @@ impl MountOptions {
                         "shm" => TransportChoice::Shm,
                         "tcp" => TransportChoice::Tcp,
                         "rdma" => TransportChoice::Rdma,
-                        v => return Err(format!("transport={v}: expected auto, shm, tcp or rdma")),
+                        v => return Err(bad(key, v, "auto, shm, tcp or rdma")),
                     }
                 }
                 "rdma_device" => o.rdma_device = Some(need(key, value)?.to_string()),
@@ -161,16 +190,13 @@ impl MountOptions {
                     o.cache = match need(key, value)? {
                         "none" => CacheMode::None,
                         "writeback" => CacheMode::Writeback,
-                        v => return Err(format!("cache={v}: expected none or writeback")),
+                        v => return Err(bad(key, v, "none or writeback")),
                     }
                 }
                 "stripe_unit" => {
-                    let v =
-                        parse_size(need(key, value)?).map_err(|e| format!("stripe_unit: {e}"))?;
+                    let v = parse_size(need(key, value)?)?;
                     if v == 0 || !v.is_multiple_of(4096) || v > 64 << 20 {
-                        return Err(format!(
-                            "stripe_unit={v}: must be a multiple of 4K up to 64M"
-                        ));
+                        return Err(bad(key, v, "a multiple of 4K up to 64M"));
                     }
                     o.stripe_unit = v;
                 }
@@ -180,7 +206,7 @@ impl MountOptions {
                         .parse()
                         .ok()
                         .filter(|n| (1..=64).contains(n))
-                        .ok_or(format!("threads={v}: expected a number from 1 to 64"))?;
+                        .ok_or_else(|| bad(key, v, "a number from 1 to 64"))?;
                 }
                 "attr_timeout" => {
                     let v = need(key, value)?;
@@ -188,14 +214,14 @@ impl MountOptions {
                         .parse()
                         .ok()
                         .filter(|s: &f64| s.is_finite() && (0.0..=3600.0).contains(s))
-                        .ok_or(format!("attr_timeout={v}: expected seconds from 0 to 3600"))?;
+                        .ok_or_else(|| bad(key, v, "seconds from 0 to 3600"))?;
                     o.attr_timeout = Duration::from_secs_f64(secs);
                 }
                 "locks" => {
                     o.locks = match need(key, value)? {
                         "on" => true,
                         "off" => false,
-                        v => return Err(format!("locks={v}: expected on or off")),
+                        v => return Err(bad(key, v, "on or off")),
                     }
                 }
                 "allow_other" if value.is_none() => o.allow_other = true,
@@ -205,14 +231,18 @@ impl MountOptions {
                     o.qos = match need(key, value)? {
                         "on" => true,
                         "off" => false,
-                        v => return Err(format!("qos={v}: expected on or off")),
+                        v => return Err(bad(key, v, "on or off")),
                     }
                 }
                 "reservation" | "limit" => {
                     let v = need(key, value)?;
-                    let n = parse_iops(v).ok_or(format!(
-                        "{key}={v}: expected IOPS, a whole number with an optional k or M suffix"
-                    ))?;
+                    let n = parse_iops(v).ok_or_else(|| {
+                        bad(
+                            key,
+                            v,
+                            "IOPS, a whole number with an optional k or M suffix",
+                        )
+                    })?;
                     if key == "reservation" {
                         o.reservation = n;
                     } else {
@@ -225,9 +255,9 @@ impl MountOptions {
                         .parse()
                         .ok()
                         .filter(|w| (1..=10_000).contains(w))
-                        .ok_or(format!("weight={v}: expected a number from 1 to 10000"))?;
+                        .ok_or_else(|| bad(key, v, "a number from 1 to 10000"))?;
                 }
-                _ => return Err(format!("unknown mount option {item:?}")),
+                _ => return Err(OptionsError::Unknown(item.into())),
             }
         }
         o.check_qos()?;
@@ -270,7 +300,7 @@ mod tests {
             ("ro=1", "unknown mount option"),
         ] {
             let e = MountOptions::parse(bad).unwrap_err();
-            assert!(e.contains(says), "{bad}: {e}");
+            assert!(e.to_string().contains(says), "{bad}: {e}");
         }
     }
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use rackfs_proto::size::format_size;
 use rackfs_verbs::Secret;
 
+use crate::error::{io, FsError};
 use crate::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};
 use crate::options::{MountOptions, TransportChoice};
 
@@ -50,7 +51,7 @@ struct NodeProc {
     tcp: String,
 }
 
-fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, String> {
+fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, FsError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
     cmd.args([
@@ -71,7 +72,8 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
         Some(p) => cmd.args(["--join", p]),
         None => cmd.arg("--primary"),
     };
-    let log = std::fs::File::create(inst.join(format!("mn{id}.log"))).map_err(|e| e.to_string())?;
+    let log_path = inst.join(format!("mn{id}.log"));
+    let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
     // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -85,11 +87,12 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .map_err(|e| {
-            format!(
+        .map_err(|e| FsError::NodeStart {
+            name: format!("mn{id}"),
+            last: format!(
                 "cannot start {}: {e} (build it with cargo build --release)",
                 memnode_binary().display()
-            )
+            ),
         })?;
     let mut line = String::new();
     let _ = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
@@ -101,11 +104,11 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
         Some(tcp) => Ok(NodeProc { child, tcp }),
         None => {
             let _ = child.kill();
-            let log = std::fs::read_to_string(inst.join(format!("mn{id}.log"))).unwrap_or_default();
-            Err(format!(
-                "memory node mn{id} did not start: {}",
-                log.lines().last().unwrap_or("no output")
-            ))
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            Err(FsError::NodeStart {
+                name: format!("mn{id}"),
+                last: log.lines().last().unwrap_or("no output").into(),
+            })
         }
     }
 }
@@ -154,41 +157,37 @@ pub fn state_value(state: &[(String, String)], key: &str) -> Option<String> {
 }
 
 /// Runs `rackfs up` in the foreground until stopped.
-pub fn up(cfg: UpConfig) -> Result<(), String> {
-    std::fs::create_dir_all(&cfg.dir)
-        .map_err(|e| format!("cannot create {}: {e}", cfg.dir.display()))?;
-    let dir = std::fs::canonicalize(&cfg.dir).map_err(|e| e.to_string())?;
+pub fn up(cfg: UpConfig) -> Result<(), FsError> {
+    std::fs::create_dir_all(&cfg.dir).map_err(io("create", &cfg.dir))?;
+    let dir = std::fs::canonicalize(&cfg.dir).map_err(io("resolve", &cfg.dir))?;
     let inst = instance_dir(&dir);
     if let Some(pid) = read_state(&inst)
         .and_then(|s| state_value(&s, "pid"))
         .and_then(|p| p.parse().ok())
     {
         if pid_alive(pid) {
-            return Err(format!(
-                "RackFS is already up at {} (pid {pid}); run `rackfs down {}` first",
-                dir.display(),
-                dir.display()
-            ));
+            return Err(FsError::AlreadyUp { path: dir, pid });
         }
     }
-    if let Some((t, src)) = mount_type(&dir) {
-        return Err(format!(
-            "{} is busy: already mounted ({src}, {t})",
-            dir.display()
-        ));
+    if let Some((fs_type, fs_source)) = mount_type(&dir) {
+        return Err(FsError::Busy {
+            path: dir,
+            fs_source,
+            fs_type,
+        });
     }
     let _ = std::fs::remove_dir_all(&inst);
-    std::fs::create_dir_all(&inst).map_err(|e| format!("cannot create {}: {e}", inst.display()))?;
+    std::fs::create_dir_all(&inst).map_err(io("create", &inst))?;
     std::fs::set_permissions(&inst, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| e.to_string())?;
+        .map_err(io("set permissions of", &inst))?;
     let secret_file = inst.join("secret");
-    std::fs::write(&secret_file, Secret::generate().expose()).map_err(|e| e.to_string())?;
+    std::fs::write(&secret_file, Secret::generate().expose()).map_err(io("write", &secret_file))?;
     std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| e.to_string())?;
+        .map_err(io("set permissions of", &secret_file))?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        signal_hook::flag::register(sig, stop.clone()).map_err(|e| e.to_string())?;
+        signal_hook::flag::register(sig, stop.clone()).map_err(FsError::Signals)?;
     }
     let mut nodes: Vec<NodeProc> = Vec::new();
     let result = (|| {
@@ -204,8 +203,7 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
         };
         let source = nodes[0].tcp.clone();
         let (fs, config, _) = prepare(&source, &dir, &opts)?;
-        let session = fuser::spawn_mount(fs, &dir, &config)
-            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+        let session = fuser::spawn_mount(fs, &dir, &config).map_err(io("mount", &dir))?;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
             std::process::id(),
@@ -213,7 +211,8 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
             secret_file.display(),
             cfg.nodes
         );
-        std::fs::write(inst.join("up.state"), state).map_err(|e| e.to_string())?;
+        let state_file = inst.join("up.state");
+        std::fs::write(&state_file, state).map_err(io("write", &state_file))?;
         println!("RackFS is up.");
         println!("  mount point : {}", dir.display());
         println!(
@@ -268,30 +267,31 @@ pub fn up(cfg: UpConfig) -> Result<(), String> {
 }
 
 /// Starts `rackfs up` in the background and returns once it is ready.
-pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let dir = std::fs::canonicalize(dir).map_err(|e| e.to_string())?;
+pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), FsError> {
+    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    let dir = std::fs::canonicalize(dir).map_err(io("resolve", dir))?;
     let inst = instance_dir(&dir);
-    std::fs::create_dir_all(state_dir()).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(state_dir()).map_err(io("create", state_dir()))?;
     let log = state_dir().join(format!("up-{}.log", path_tag(&dir)));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let logf = std::fs::File::create(&log).map_err(|e| e.to_string())?;
-    let mut child = Command::new(exe)
+    let exe = std::env::current_exe().map_err(io("find", "the rackfs executable"))?;
+    let logf = std::fs::File::create(&log).map_err(io("create", &log))?;
+    let mut child = Command::new(&exe)
         .args(forward)
         .stdin(Stdio::null())
-        .stdout(logf.try_clone().map_err(|e| e.to_string())?)
+        .stdout(logf.try_clone().map_err(io("open", &log))?)
         .stderr(logf)
         .process_group(0)
         .spawn()
-        .map_err(|e| e.to_string())?;
+        .map_err(io("start", &exe))?;
     let end = Instant::now() + Duration::from_secs(30);
     while Instant::now() < end {
         if let Ok(Some(st)) = child.try_wait() {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!(
-                "rackfs up failed ({st}): {}",
-                text.lines().last().unwrap_or("")
-            ));
+            return Err(FsError::Exited {
+                what: "rackfs up",
+                status: st,
+                last: text.lines().last().unwrap_or("").into(),
+            });
         }
         if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
             print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
@@ -305,31 +305,29 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = child.kill();
-    Err(format!(
-        "rackfs up did not become ready within 30 s; see {}",
-        log.display()
-    ))
+    Err(FsError::Timeout {
+        what: "rackfs up".into(),
+        goal: "become ready",
+        secs: 30,
+        log,
+    })
 }
 
 /// Stops the `rackfs up` instance mounted at `dir`.
-pub fn down(dir: &Path) -> Result<(), String> {
+pub fn down(dir: &Path) -> Result<(), FsError> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let inst = instance_dir(&dir);
-    let state = read_state(&inst)
-        .ok_or_else(|| format!("no RackFS started by `rackfs up` at {}", dir.display()))?;
+    let state = read_state(&inst).ok_or_else(|| FsError::NotUp(dir.clone()))?;
     let pid: i32 = state_value(&state, "pid")
         .and_then(|p| p.parse().ok())
-        .ok_or("corrupt state file")?;
+        .ok_or_else(|| FsError::CorruptState(inst.join("up.state")))?;
     if !pid_alive(pid) {
         // It was killed: its nodes died with it (PDEATHSIG); detach the dead mount.
         if mount_type(&dir).is_some() {
             let _ = Command::new("umount").arg("-l").arg(&dir).status();
         }
         let _ = std::fs::remove_dir_all(&inst);
-        return Err(format!(
-            "the rackfs up process {pid} for {} is gone; cleaned up its mount and state",
-            dir.display()
-        ));
+        return Err(FsError::Gone { path: dir, pid });
     }
     // SAFETY: sending SIGTERM to the pid recorded by `rackfs up`.
     unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -346,5 +344,10 @@ pub fn down(dir: &Path) -> Result<(), String> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Err(format!("rackfs up (pid {pid}) did not stop within 20 s"))
+    Err(FsError::Timeout {
+        what: format!("rackfs up (pid {pid})"),
+        goal: "stop",
+        secs: 20,
+        log: state_dir().join(format!("up-{}.log", path_tag(&dir))),
+    })
 }

@@ -45,8 +45,12 @@ pub enum StartError {
     Region { len: u64, err: std::io::Error },
     #[error("cannot listen on {addr}: {err}")]
     Listen { addr: String, err: std::io::Error },
-    #[error("cannot join the primary at {addr}: {reason}")]
-    Join { addr: String, reason: String },
+    #[error("cannot join the primary at {addr}: {err}")]
+    Join {
+        addr: String,
+        #[source]
+        err: rackfs_proto::RpcError,
+    },
 }
 
 /// A running memory node.
@@ -227,9 +231,9 @@ impl MemNode {
         if let Role::Join(addr) = &node.cfg.role {
             node.members
                 .join(addr, &node.cfg.secret)
-                .map_err(|reason| StartError::Join {
+                .map_err(|err| StartError::Join {
                     addr: addr.clone(),
-                    reason,
+                    err,
                 })?;
         }
         info!(

@@ -98,7 +98,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<(), String> {
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let secret = Secret::from_file(&args.secret_file)?;
     let mut signals = Signals::new([SIGTERM, SIGINT])
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;

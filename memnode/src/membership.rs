@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
-use rackfs_proto::{ControlClient, Refusal};
+use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::Secret;
 use tracing::info;
 
@@ -88,18 +88,19 @@ impl Membership {
     }
 
     /// Offers this node to the primary at `addr`.
-    pub fn join(&self, addr: &str, secret: &Secret) -> Result<(), String> {
+    pub fn join(&self, addr: &str, secret: &Secret) -> Result<(), RpcError> {
         let me = self.me();
-        let c = ControlClient::connect(addr, secret, &format!("node-{}", me.name))
-            .map_err(|e| e.to_string())?;
-        match c.call(&ControlRequest::Join { node: me }) {
-            Ok(ControlResponse::Cluster(info)) => {
+        let c = ControlClient::connect(addr, secret, &format!("node-{}", me.name))?;
+        match c.call(&ControlRequest::Join { node: me })? {
+            ControlResponse::Cluster(info) => {
                 info!(primary = %info.primary.name, nodes = info.nodes.len(), "joined the cluster");
                 *self.primary.lock().expect("primary lock") = Some(info.primary);
                 Ok(())
             }
-            Ok(other) => Err(format!("unexpected reply {other:?}")),
-            Err(e) => Err(e.to_string()),
+            other => Err(RpcError::Unexpected {
+                peer: addr.into(),
+                what: format!("{other:?}"),
+            }),
         }
     }
 

@@ -1,4 +1,5 @@
 //! Whole-cluster behaviour: several mounts, dying nodes, the CLI's lifecycle and its errors.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;

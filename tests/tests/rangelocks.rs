@@ -1,6 +1,7 @@
 //! Range locks through real mounts: concurrent appends and overlapping writes from two mounts,
 //! a lock holder killed with SIGKILL (recovered) or only stopped (keeps its lock), and the lock
 //! tree growing with a 64 GiB sparse file and shrinking with ftruncate.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::collections::HashSet;
 use std::fs::OpenOptions;

@@ -31,21 +31,38 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Why a cluster secret was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("the cluster secret is empty")]
+    Empty,
+    #[error("cannot read secret file {}: {err}", .path.display())]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        err: std::io::Error,
+    },
+    #[error("the cluster secret is empty (secret file {})", .0.display())]
+    EmptyFile(std::path::PathBuf),
+}
+
 impl Secret {
     /// A secret from bytes; surrounding whitespace is ignored. Fails when empty.
-    pub fn new(bytes: &[u8]) -> Result<Secret, String> {
+    pub fn new(bytes: &[u8]) -> Result<Secret, SecretError> {
         let trimmed = bytes.trim_ascii();
         if trimmed.is_empty() {
-            return Err("the cluster secret is empty".into());
+            return Err(SecretError::Empty);
         }
         Ok(Secret(trimmed.to_vec()))
     }
 
     /// Reads a secret file (its whole content, trimmed).
-    pub fn from_file(path: &Path) -> Result<Secret, String> {
-        let bytes = std::fs::read(path)
-            .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
-        Secret::new(&bytes).map_err(|e| format!("{e} (secret file {})", path.display()))
+    pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
+        let bytes = std::fs::read(path).map_err(|err| SecretError::Read {
+            path: path.into(),
+            err,
+        })?;
+        Secret::new(&bytes).map_err(|_| SecretError::EmptyFile(path.into()))
     }
 
     /// A fresh random secret, hex-encoded (for `rackfs up` and tests).

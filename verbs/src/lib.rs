@@ -14,6 +14,7 @@
 //!   batch is flushed, as on an RDMA queue pair.
 //! * Connections authenticate with a cluster [`Secret`] by mutual challenge-response
 //!   ([`auth`]); the framed wire protocol is in [`wire`].
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod auth;
 pub mod counters;

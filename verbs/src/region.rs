@@ -5,8 +5,11 @@
 //! memory written by DMA, it can change under us at any time, so it is never handed out as a Rust
 //! reference to bytes: it is only copied in and out, or accessed as [`AtomicU64`] words.
 //!
-//! This module holds all the `unsafe` of the crate. Every access goes through [`Region::check`]
-//! first, so no request can touch memory outside the region, whatever the request says.
+//! This module holds the crate's unsafe memory access (mapping, copying, atomic words); the
+//! other unsafe blocks are system calls (`poll` in `tcp`, taking received descriptors in
+//! `shm`) and the rdma-core objects in `rdma::device`, each with its `SAFETY` line. Every access
+//! goes through [`Region::check`] first, so no request can touch memory outside the region,
+//! whatever the request says.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
