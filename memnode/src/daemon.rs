@@ -23,7 +23,7 @@ use crate::baseline::BaselineLocks;
 use crate::config::{NodeConfig, Role};
 use crate::counters::NodeCounters;
 use crate::membership::Membership;
-use crate::node::Node;
+use crate::node::{wall_ns, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
@@ -38,7 +38,7 @@ pub enum StartError {
     #[error("nothing to listen on: give --listen ADDR, --shm-socket PATH, or both")]
     NoListener,
     #[error("RDMA: {0}")]
-    Rdma(String),
+    Rdma(#[from] rackfs_verbs::rdma::RdmaNicError),
     #[error("region size {0} is too small: a memory node needs at least 1 MiB")]
     RegionTooSmall(u64),
     #[error("cannot create the {len}-byte region: {err}")]
@@ -154,7 +154,7 @@ impl MemNode {
         let is_primary = cfg.role == Role::Primary;
         let node = Arc::new(Node {
             members: Membership::new(me, is_primary),
-            meta: None,
+            meta: is_primary.then(|| Mutex::new(MetaService::new(cfg.quarantine, wall_ns()))),
             controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
@@ -168,14 +168,6 @@ impl MemNode {
             stopping: AtomicBool::new(false),
             cfg,
         });
-        // The metadata service's clock and memory are the node's, so it is made from it.
-        let node = if is_primary {
-            let mut n = Arc::into_inner(node).expect("not shared yet");
-            n.meta = Some(Mutex::new(MetaService::new(n.cfg.quarantine, &n)));
-            Arc::new(n)
-        } else {
-            node
-        };
         every(&node, "quarantine", node.store.reap_interval(), |n| {
             n.store.reap()
         });

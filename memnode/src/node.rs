@@ -222,6 +222,13 @@ impl Node {
     }
 }
 
+/// Wall-clock time, ns since the Unix epoch.
+pub fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 fn no_baseline() -> ControlResponse {
     refused(
         ErrorCode::Invalid,
@@ -294,9 +301,7 @@ impl Storage for Node {
     }
 
     fn wall_ns(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
+        wall_ns()
     }
 
     fn elapsed(&self) -> Duration {

@@ -32,11 +32,12 @@ pub struct MetaService {
 }
 
 impl MetaService {
-    /// An empty filesystem; `lock_grace`: how long retired lock trees and the lock slots of
-    /// ended sessions are kept (see [`locktree`]).
-    pub fn new(lock_grace: Duration, st: &dyn Storage) -> MetaService {
+    /// An empty filesystem whose root was made at `now_ns` (ns since the epoch);
+    /// `lock_grace`: how long retired lock trees and the lock slots of ended sessions are kept
+    /// (see [`locktree`]).
+    pub fn new(lock_grace: Duration, now_ns: u64) -> MetaService {
         MetaService {
-            namespace: Namespace::new(st.wall_ns()),
+            namespace: Namespace::new(now_ns),
             locks: LockTrees::new(lock_grace, lock_grace),
         }
     }

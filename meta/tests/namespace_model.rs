@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
-use rackfs_meta::{MemStorage, MetaService};
+use rackfs_meta::{MemStorage, MetaService, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE,
@@ -439,7 +439,7 @@ fn pick(known: &[u64], i: usize) -> u64 {
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let st = MemStorage::new(3, 1 << 30);
-    let mut svc = MetaService::new(std::time::Duration::from_secs(2), &st);
+    let mut svc = MetaService::new(std::time::Duration::from_secs(2), st.wall_ns());
     let mut m = Model::new();
     // Every inode number ever handed out, the deleted ones included (they must answer ENOENT).
     let mut known = vec![ROOT_INO];

@@ -35,6 +35,24 @@ pub use imp::*;
 #[cfg(not(feature = "rdma"))]
 pub use absent::*;
 
+/// Why a node could not serve RDMA, or one rdma client's set-up failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RdmaNicError {
+    /// This build has no RDMA support (see [`not_built`]).
+    #[error("{0}")]
+    NotBuilt(String),
+    #[error("RDMA device: {0}")]
+    Device(String),
+    #[error("registering region {rkey:#x}: {reason}")]
+    Register { rkey: u32, reason: String },
+    #[error("rdma set-up: {0}")]
+    Wire(#[from] crate::wire::WireError),
+    #[error("expected an rdma connect frame, got {0:?}")]
+    UnexpectedFrame(crate::wire::FrameKind),
+    #[error("rdma queue pair: {0}")]
+    QueuePair(String),
+}
+
 /// The error every rdma entry point gives in a build without the `rdma` feature.
 pub fn not_built() -> String {
     "this build has no RDMA support: rebuild with `--features rdma` (needs rdma-core's build \
@@ -93,13 +111,16 @@ mod absent {
     }
 
     impl RdmaNic {
-        pub fn open(_device: &str, _table: &RegionTable) -> Result<RdmaNic, String> {
-            Err(not_built())
+        pub fn open(_device: &str, _table: &RegionTable) -> Result<RdmaNic, RdmaNicError> {
+            Err(RdmaNicError::NotBuilt(not_built()))
         }
         pub fn describe(&self) -> String {
             match self.never {}
         }
-        pub fn serve<S: std::io::Read + std::io::Write>(&self, _stream: S) -> Result<(), String> {
+        pub fn serve<S: std::io::Read + std::io::Write>(
+            &self,
+            _stream: S,
+        ) -> Result<(), RdmaNicError> {
             match self.never {}
         }
     }
@@ -165,8 +186,9 @@ mod imp {
 
     impl RdmaNic {
         /// Opens `device` and registers every region of `table` with its access rights.
-        pub fn open(device: &str, table: &RegionTable) -> Result<RdmaNic, String> {
-            let dev = Device::open(Some(device)).map_err(|e| e.to_string())?;
+        pub fn open(device: &str, table: &RegionTable) -> Result<RdmaNic, RdmaNicError> {
+            let dev =
+                Device::open(Some(device)).map_err(|e| RdmaNicError::Device(e.to_string()))?;
             let mut mrs = Vec::new();
             for r in table.regions() {
                 let info = r.info();
@@ -182,7 +204,10 @@ mod imp {
                 }
                 // SAFETY: the region stays mapped while `_table` holds it, longer than the MR.
                 let mr = unsafe { dev.register(r.as_mut_ptr(), info.len as usize, access) }
-                    .map_err(|e| format!("registering region {:#x}: {e}", info.rkey))?;
+                    .map_err(|e| RdmaNicError::Register {
+                        rkey: info.rkey,
+                        reason: e.to_string(),
+                    })?;
                 mrs.push((info.rkey, mr));
             }
             Ok(RdmaNic {
@@ -199,20 +224,20 @@ mod imp {
 
         /// Serves one client (after its handshake): connects a queue pair to it, then holds it
         /// until the client closes the connection.
-        pub fn serve<S: Read + Write>(&self, mut stream: S) -> Result<(), String> {
+        pub fn serve<S: Read + Write>(&self, mut stream: S) -> Result<(), RdmaNicError> {
             let mut body = Vec::new();
-            match wire::read_frame(&mut stream, &mut body).map_err(|e| e.to_string())? {
+            match wire::read_frame(&mut stream, &mut body)? {
                 FrameKind::RdmaConnect => {}
-                k => return Err(format!("expected an rdma connect frame, got {k:?}")),
+                k => return Err(RdmaNicError::UnexpectedFrame(k)),
             }
             let mut c = wire::Cursor::new(&body, "rdma connect");
-            let client = RdmaEndpoint::decode(&mut c).map_err(|e| e.to_string())?;
-            c.finish().map_err(|e| e.to_string())?;
+            let client = RdmaEndpoint::decode(&mut c)?;
+            c.finish()?;
             let refuse = |stream: &mut S, why: String| {
                 let mut b = Vec::new();
                 wire::put_str(&mut b, &why);
                 let _ = wire::write_frame(stream, FrameKind::Refused, &b);
-                why
+                RdmaNicError::QueuePair(why)
             };
             let rc = match Rc::create(&self.dev, DEPTH) {
                 Ok(rc) => rc,
@@ -236,7 +261,7 @@ mod imp {
             };
             wire::write_frame(&mut stream, FrameKind::RdmaAccept, &accept.encode())
                 .and_then(|_| stream.flush())
-                .map_err(|e| e.to_string())?;
+                .map_err(crate::wire::WireError::Io)?;
             // The client never writes again: the read returns when it disconnects or dies.
             let mut buf = [0u8; 64];
             while let Ok(n) = stream.read(&mut buf) {
