@@ -203,7 +203,14 @@ impl Cluster {
                 return Err(e.errno());
             }
         };
-        let cfg = crate::lock::calibrate(self, self.primary_id)?;
+        let p = self
+            .node(self.primary_id)
+            .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
+        let cfg = rackfs_verbs::block_on(LockConfig::calibrated(
+            &p.qp,
+            rackfs_verbs::RemoteAddr::new(p.rkey, 0),
+        ))
+        .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
         info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
         *lc = Some((slot, cfg.clone()));
         Ok((slot, cfg))
@@ -308,6 +315,18 @@ impl Cluster {
     }
 
     /// Forgets a node's connection after it failed, so the next use reconnects.
+    /// The errno for a failed verb to `node`; a lost or confused connection is dropped so the
+    /// next use reconnects.
+    pub fn verbs_errno(&self, node: u32, e: &VerbsError) -> i32 {
+        if matches!(
+            e,
+            VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
+        ) {
+            self.drop_node(node, e);
+        }
+        libc::EIO
+    }
+
     pub fn drop_node(&self, id: u32, why: &VerbsError) {
         if self
             .nodes

@@ -11,13 +11,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
 use rackfs_proto::record::{REC_MTIME, REC_SIZE, TAG_SPACE};
 use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 
+use crate::clock::{clock_ns, now_ns};
 use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};
 use crate::lock::{self, FileLocks};
@@ -49,18 +50,6 @@ pub struct FileData {
     size_ttl: Duration,
     /// Range locks for writes and truncate (`None`: the mount runs with `locks=off`).
     locks: Option<FileLocks>,
-}
-
-/// Monotonic nanoseconds since the first call (never 0 after it).
-pub(crate) fn clock_ns() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn word(b: &[u8], i: usize) -> u64 {

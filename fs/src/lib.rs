@@ -8,6 +8,7 @@
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod clock;
 pub mod cluster;
 pub mod error;
 pub mod file;

@@ -13,13 +13,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use rackfs_locks::{LockConfig, LockError, LockTree, RangeGuard};
+use rackfs_locks::{LockError, LockTree, RangeGuard};
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::locktree::{TreeWord, MAX_HEIGHT};
 use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::record::REC_LOCKS;
 use rackfs_verbs::{block_on, RemoteAddr, VerbsError};
 
+use crate::clock::clock_ns;
 use crate::cluster::Cluster;
 
 /// Bytes per lock unit.
@@ -61,14 +62,8 @@ pub struct FileLocks {
 }
 
 fn errno(cl: &Cluster, node: u32, e: &VerbsError) -> i32 {
-    if matches!(
-        e,
-        VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
-    ) {
-        cl.drop_node(node, e);
-    }
     tracing::debug!(node, error = %e, "lock operation failed");
-    libc::EIO
+    cl.verbs_errno(node, e)
 }
 
 impl FileLocks {
@@ -98,7 +93,7 @@ impl FileLocks {
     /// (created if the file has none).
     fn current(&self, cl: &Cluster, units: u64) -> Result<Arc<Tree>, i32> {
         if let Some(t) = self.tree.read().expect("tree lock").as_ref() {
-            let age = crate::file::clock_ns().saturating_sub(t.seen_live.load(Ordering::Relaxed));
+            let age = clock_ns().saturating_sub(t.seen_live.load(Ordering::Relaxed));
             if age < LAYOUT_LEASE.as_nanos() as u64 {
                 return Ok(t.clone());
             }
@@ -124,7 +119,7 @@ impl FileLocks {
                 cfg,
                 slot,
             ),
-            seen_live: AtomicU64::new(crate::file::clock_ns()),
+            seen_live: AtomicU64::new(clock_ns()),
         });
         *self.tree.write().expect("tree lock") = Some(t.clone());
         Ok(t)
@@ -152,8 +147,7 @@ impl FileLocks {
             }
             match block_on(t.tree.acquire(l, r)) {
                 Ok(guard) => {
-                    t.seen_live
-                        .store(crate::file::clock_ns(), Ordering::Relaxed);
+                    t.seen_live.store(clock_ns(), Ordering::Relaxed);
                     return Ok(Held { tree: t, guard });
                 }
                 Err(LockError::Retired) => {
@@ -229,11 +223,4 @@ impl FileLocks {
 /// The lock units `[l, r)` covering bytes `[offset, offset + len)`.
 pub fn units(offset: u64, len: u64) -> (u64, u64) {
     (offset / LOCK_UNIT, (offset + len).div_ceil(LOCK_UNIT))
-}
-
-/// The calibrated lock configuration of a mount's primary queue pair.
-pub fn calibrate(cl: &Cluster, primary: u32) -> Result<LockConfig, i32> {
-    let p = cl.node(primary).map_err(|e| errno(cl, primary, &e))?;
-    block_on(LockConfig::calibrated(&p.qp, RemoteAddr::new(p.rkey, 0)))
-        .map_err(|e| errno(cl, primary, &e))
 }
