@@ -65,18 +65,23 @@ fn random_rkey() -> u32 {
     u32::from_le_bytes([n[0], n[1], n[2], n[3]]) | 1
 }
 
-/// Runs `tick` every `every` on a named thread until the node stops.
-fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + Send + 'static) {
+/// Runs `body` on a named thread with its own handle on the node.
+fn thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 'static) {
     let n = node.clone();
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || {
-            while !n.is_stopping() {
-                std::thread::sleep(every);
-                tick(&n);
-            }
-        })
+        .spawn(move || body(n))
         .expect("spawn a node thread");
+}
+
+/// Runs `tick` every `every` on a named thread until the node stops.
+fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + Send + 'static) {
+    thread(node, name, move |n| {
+        while !n.is_stopping() {
+            std::thread::sleep(every);
+            tick(&n);
+        }
+    });
 }
 
 impl MemNode {
@@ -195,30 +200,20 @@ impl MemNode {
                 addr: addr.clone(),
                 err,
             })?;
-            let n = node.clone();
-            std::thread::Builder::new()
-                .name("metrics".into())
-                .spawn(move || {
-                    crate::metrics::serve(l, || {
-                        let qos = n.qos.as_ref().map(|q| q.status(n.cfg.node_id));
-                        crate::metrics::render(&n.stats(), qos.as_ref())
-                    })
+            thread(&node, "metrics", move |n| {
+                crate::metrics::serve(l, || {
+                    let qos = n.qos.as_ref().map(|q| q.status(n.cfg.node_id));
+                    crate::metrics::render(&n.stats(), qos.as_ref())
                 })
-                .expect("spawn metrics thread");
+            });
         }
         if let Some(l) = tcp {
-            let n = node.clone();
-            std::thread::Builder::new()
-                .name("accept-tcp".into())
-                .spawn(move || crate::conn::accept_tcp(l, n))
-                .expect("spawn accept thread");
+            thread(&node, "accept-tcp", move |n| crate::conn::accept_tcp(l, n));
         }
         if let Some(l) = unix {
-            let n = node.clone();
-            std::thread::Builder::new()
-                .name("accept-unix".into())
-                .spawn(move || crate::conn::accept_unix(l, n))
-                .expect("spawn accept thread");
+            thread(&node, "accept-unix", move |n| {
+                crate::conn::accept_unix(l, n)
+            });
         }
         if let Role::Join(addr) = &node.cfg.role {
             node.members

@@ -28,6 +28,20 @@ impl Fio {
             .opt("directory", dir.display())
     }
 
+    /// A psync, direct-I/O job writing `size` per job with crc32c checksums (`rw`: `write`,
+    /// `randwrite`) and reading everything back to verify it; fio fails on the first mismatch.
+    pub fn verify(name: &str, dir: &Path, rw: &str, size: &str) -> Fio {
+        Fio::job(name, dir)
+            .opt("rw", rw)
+            .opt("bs", "4k")
+            .opt("size", size)
+            .opt("ioengine", "psync")
+            .opt("direct", 1)
+            .opt("verify", "crc32c")
+            .opt("do_verify", 1)
+            .opt("verify_fatal", 1)
+    }
+
     /// The jobs of a job file; options given on the command line come after it.
     pub fn file(path: &Path) -> Fio {
         Fio {

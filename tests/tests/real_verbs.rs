@@ -117,16 +117,7 @@ fn fuse_mount_over_rdma_passes_fio_verify() {
     let dev = rdma_device();
     let cluster = rackfs_tests::TestCluster::start_with(1, "64M", &["--rdma-device", &dev]);
     let m = rackfs_tests::Mount::new(&cluster, &format!("transport=rdma,rdma_device={dev}"));
-    let report = rackfs_tests::Fio::job("v", &m.dir)
-        .opt("rw", "randwrite")
-        .opt("bs", "4k")
-        .opt("size", "2M")
-        .opt("ioengine", "psync")
-        .opt("direct", 1)
-        .opt("verify", "crc32c")
-        .opt("do_verify", 1)
-        .opt("verify_fatal", 1)
-        .run();
+    let report = rackfs_tests::Fio::verify("v", &m.dir, "randwrite", "2M").run();
     assert_eq!(
         report.first().error,
         0,

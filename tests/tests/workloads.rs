@@ -3,16 +3,8 @@
 use rackfs_tests::{Fio, Mount, TestCluster};
 
 fn fio_verify(m: &Mount, rw: &str) {
-    let report = Fio::job("verify", &m.dir)
-        .opt("rw", rw)
-        .opt("bs", "4k")
-        .opt("size", "16M")
+    let report = Fio::verify("verify", &m.dir, rw, "16M")
         .opt("numjobs", 2)
-        .opt("ioengine", "psync")
-        .opt("direct", 1)
-        .opt("verify", "crc32c")
-        .opt("do_verify", 1)
-        .opt("verify_fatal", 1)
         .run();
     assert_eq!(report.jobs.len(), 2, "two jobs: {report:?}");
     for job in &report.jobs {
