@@ -13,6 +13,33 @@ use rackfs_proto::control::{ErrorCode, QosMount, QosNodeStatus};
 use rackfs_proto::Refusal;
 use rackfs_qos::pshift::{self, Problem};
 
+/// A mount's limit of `limit` IOPS (0: none) split over the nodes for one period: in
+/// proportion to its demand on each, smoothed so that a node it does not work on yet keeps a
+/// fifth of an even share (it can start there at once; the next placement follows), and never
+/// below its reservation share `alloc` there. With no demand anywhere, an even split. The
+/// shares add up to the limit (more only where a reservation share needs it).
+pub fn split_limit(limit: u64, demand: &[u64], alloc: &[u64], period: Duration) -> Vec<u64> {
+    if limit == 0 {
+        return vec![0; demand.len()];
+    }
+    let n = demand.len().max(1) as u128;
+    let total = per_period(limit, period).max(1) as u128;
+    let d: u128 = demand.iter().map(|&x| x as u128).sum();
+    demand
+        .iter()
+        .zip(alloc)
+        .map(|(&dj, &aj)| {
+            let share = if d == 0 {
+                total / n
+            } else {
+                // (d_j + d/4n) / (d + d/4): every node gets at least total/5n.
+                total * (4 * n * dj as u128 + d) / (5 * n * d)
+            };
+            (share as u64).max(aj).max(1)
+        })
+        .collect()
+}
+
 /// Tokens per period of `iops` over `period`.
 pub fn per_period(iops: u64, period: Duration) -> u64 {
     (iops as u128 * period.as_micros() / 1_000_000) as u64
@@ -165,19 +192,11 @@ impl ClusterQos {
         let mut out = Placement::new();
         for (i, s) in slots.iter().enumerate() {
             let m = self.mounts[s];
-            let d_total: u64 = demand[i].iter().sum::<u64>().max(1);
+            let limits = split_limit(m.limit, &demand[i], &alloc[i], period(&nodes[0]));
             for (j, node) in nodes.iter().enumerate() {
-                // The limit follows demand (a node where the mount does not work needs none).
-                let limit = if m.limit == 0 {
-                    0
-                } else {
-                    (per_period(m.limit, period(node)) as u128 * demand[i][j] as u128
-                        / d_total as u128) as u64
-                }
-                .max(if m.limit == 0 { 0 } else { alloc[i][j].max(1) });
                 out.entry(node.node_id)
                     .or_default()
-                    .push((*s, alloc[i][j], limit, m.weight));
+                    .push((*s, alloc[i][j], limits[j], m.weight));
             }
         }
         for node in nodes {
@@ -229,6 +248,21 @@ mod tests {
 
     fn share(p: &Placement, node: u32, slot: u16) -> u64 {
         p[&node].iter().find(|x| x.0 == slot).map_or(0, |x| x.1)
+    }
+
+    #[test]
+    fn a_limit_splits_evenly_without_demand_and_by_demand_with_it() {
+        let p = Duration::from_secs(1);
+        // No demand anywhere (a fresh mount): an even split, not a token each.
+        assert_eq!(split_limit(2000, &[0, 0], &[0, 0], p), vec![1000, 1000]);
+        // Demand on node 1 only: node 0 keeps a fifth of an even share.
+        let l = split_limit(2000, &[0, 500], &[0, 0], p);
+        assert_eq!(l, vec![200, 1800]);
+        assert_eq!(l.iter().sum::<u64>(), 2000);
+        // Never below the reservation share.
+        assert_eq!(split_limit(2000, &[0, 500], &[600, 0], p), vec![600, 1800]);
+        // No limit.
+        assert_eq!(split_limit(0, &[3, 4], &[1, 1], p), vec![0, 0]);
     }
 
     #[test]

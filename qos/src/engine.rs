@@ -7,6 +7,13 @@
 //! one batch, from whichever request comes by; an idle engine costs nothing. A request that
 //! finds no token waits in line (FIFO): the first in line re-checks every δ, the others sleep
 //! until it is served, and are woken at once then. Waiting never spins.
+//!
+//! A request larger than what one period allows (its limit share, or its reservation when the
+//! pool is dry) is admitted piecewise: the first in line takes what the period has left and
+//! waits for the rest in the following periods, so every request completes at the rate of its
+//! limit (or reservation) whatever its size, and no period ever spends more than it had. While
+//! a request waits, the engine reports its demand even when the monitor did not ask for
+//! reports, so the primary's placement sees the node the mount is held back on.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -221,8 +228,9 @@ impl QosEngine {
     /// reservation, and writes a report if asked. One round trip.
     async fn refresh(&self) -> Result<(), VerbsError> {
         let report = {
-            let s = &self.lock().s;
-            s.reporting.then(|| {
+            let inner = self.lock();
+            let s = &inner.s;
+            (s.reporting || inner.line.waiting()).then(|| {
                 (
                     pack_pair(s.period, s.reservation, s.used - s.from_pool),
                     pack_pair(s.period, s.asked, s.used),
@@ -351,8 +359,8 @@ impl QosEngine {
         if inner.line.waiting() {
             return None;
         }
-        match Self::take(&mut inner, tokens) {
-            Step::Go => {
+        match Self::take(&mut inner, tokens, false) {
+            (_, Step::Go) => {
                 inner.s.asked += tokens;
                 drop(inner);
                 self.flight.count.fetch_add(1, Ordering::SeqCst);
@@ -360,7 +368,7 @@ impl QosEngine {
                     flight: self.flight.clone(),
                 })
             }
-            Step::Claim | Step::Wait => None,
+            (_, Step::Claim | Step::Wait) => None,
         }
     }
 
@@ -378,7 +386,7 @@ impl QosEngine {
                 if inner.line.waiting() {
                     Step::Wait
                 } else {
-                    Self::take(&mut inner, tokens)
+                    Self::take(&mut inner, tokens, false).1
                 }
             };
             match step {
@@ -398,32 +406,45 @@ impl QosEngine {
         res
     }
 
-    /// Spends `tokens` if this engine has them: reservation first, then global.
-    fn take(inner: &mut Inner, tokens: u64) -> Step {
+    /// Spends `tokens` if this engine has them, reservation first, then global, within the
+    /// limit. With `partial`, spends what it has of them (the caller waits for the rest);
+    /// without, all or nothing. Returns the tokens spent and what to do next.
+    fn take(inner: &mut Inner, tokens: u64, partial: bool) -> (u64, Step) {
         let s = &mut inner.s;
-        if s.limit > 0 && s.used + tokens > s.limit {
-            Step::Wait
-        } else if s.reservation + s.global >= tokens {
-            let from_res = s.reservation.min(tokens);
+        let room = if s.limit > 0 {
+            s.limit.saturating_sub(s.used)
+        } else {
+            u64::MAX
+        };
+        let have = s.reservation + s.global;
+        let n = tokens.min(room).min(have);
+        if n == tokens || (partial && n > 0) {
+            let from_res = s.reservation.min(n);
             s.reservation -= from_res;
-            s.global -= tokens - from_res;
-            s.used += tokens;
-            s.spent_since_refresh += tokens;
-            s.from_pool += tokens - from_res;
+            s.global -= n - from_res;
+            s.used += n;
+            s.spent_since_refresh += n;
+            s.from_pool += n - from_res;
             let t = &mut inner.totals;
             t.from_reservation += from_res;
-            t.from_pool += tokens - from_res;
+            t.from_pool += n - from_res;
+        }
+        let spent = if n == tokens || partial { n } else { 0 };
+        let step = if n == tokens {
             Step::Go
-        } else if s.pool_empty {
+        } else if room <= have || s.pool_empty {
+            // Held back by the limit, or the pool has nothing more this period.
             Step::Wait
         } else {
             Step::Claim
-        }
+        };
+        (spent, step)
     }
 
     /// Takes a batch of global tokens from the node's pool (one remote FAA).
     async fn claim(&self, tokens: u64) -> Result<(), VerbsError> {
         let period = self.lock().s.period;
+        // `tokens` is what the request still needs.
         let want = self.cfg.batch.max(tokens);
         let mut b = Batch::new();
         let id = b.masked_faa(self.slot_addr(area::SHARE), pool_take(want), POOL_BOUNDARY);
@@ -448,18 +469,22 @@ impl QosEngine {
         Ok(())
     }
 
+    /// Waits for `ticket`'s turn, then gathers `tokens`, piece by piece if one period does not
+    /// have them all.
     async fn wait_in_line(&self, ticket: u64, tokens: u64) -> Result<(), VerbsError> {
+        Turn {
+            inner: &self.inner,
+            ticket,
+        }
+        .await;
+        let mut missing = tokens;
         loop {
-            Turn {
-                inner: &self.inner,
-                ticket,
-            }
-            .await;
             self.refresh_if_due().await?;
-            let step = Self::take(&mut self.lock(), tokens);
+            let (got, step) = Self::take(&mut self.lock(), missing, true);
+            missing -= got;
             match step {
                 Step::Go => return Ok(()),
-                Step::Claim => self.claim(tokens).await?,
+                Step::Claim => self.claim(missing).await?,
                 Step::Wait => {
                     self.clock.sleep(self.cfg.delta).await;
                     self.refresh().await?;

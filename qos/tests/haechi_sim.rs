@@ -389,3 +389,129 @@ fn spare_capacity_goes_to_backlogged_mounts_by_weight() {
         }
     }
 }
+
+/// Large and mixed request sizes on fresh mounts: a mount with only a limit and one with only
+/// a reservation (next to a backlogged mount that keeps the pool busy) start at a random
+/// moment and issue requests of 1 to 4 periods' worth of tokens, one at a time. Every request
+/// completes within the time its size takes at its limit's (or reservation's) rate plus two
+/// periods, and no period spends more than the limit. Returns the slowest request's time in
+/// periods over the bound's (at most 1).
+fn large_requests(seed: u64) -> Result<f64, String> {
+    let mut sim = Sim::new(SimConfig {
+        seed,
+        region_len: 1 << 20,
+        ..SimConfig::default()
+    });
+    let h = sim.handle();
+    let limit = 200 + h.random_below(300);
+    let reservation = 100 + h.random_below(200);
+    let shares = [
+        MountShare {
+            reservation: 0,
+            limit,
+            weight: 1,
+        },
+        MountShare {
+            reservation,
+            limit: 0,
+            weight: 1,
+        },
+        // Keeps the pool busy; with weight 2 of 4 it leaves the limited mount at least a
+        // quarter of the spare capacity (over 600 tokens a period), more than its limit.
+        MountShare {
+            reservation: 0,
+            limit: 0,
+            weight: 2,
+        },
+    ];
+    let end = PERIOD * 14;
+    memory_node(&mut sim, true, &shares, end + PERIOD);
+    let worst = Rc::new(RefCell::new(Vec::<Result<f64, String>>::new()));
+    for (c, share) in shares.iter().enumerate() {
+        let id = sim.add_client();
+        let qp = h.connect(id);
+        let engine = Rc::new(QosEngine::new(
+            qp.clone(),
+            RemoteAddr::new(SIM_RKEY, 0),
+            c as u16,
+            EngineConfig {
+                batch: BATCH,
+                delta: Duration::from_millis(1),
+            },
+        ));
+        let (h, worst, share) = (h.clone(), worst.clone(), *share);
+        sim.spawn(id, async move {
+            if c < 2 {
+                // A fresh mount: it starts some time into the run.
+                h.clock_sleep(PERIOD * (1 + h.random_below(3) as u32)).await;
+            }
+            let rate = if share.limit > 0 {
+                share.limit
+            } else {
+                share.reservation.max(1)
+            };
+            let mut slowest: f64 = 0.0;
+            while h.now() + PERIOD * 6 < end {
+                let tokens = match (c, h.random_below(3)) {
+                    (2, _) => 1 + h.random_below(4),
+                    (_, 0) => 1 + h.random_below(4),
+                    _ => 1 + h.random_below(rate * 4),
+                };
+                let t0 = h.now();
+                let admitted = engine.admit(tokens).await.expect("admit");
+                let took = h.now() - t0;
+                let mut b = Batch::new();
+                b.read(RemoteAddr::new(SIM_RKEY, 8192), 8);
+                qp.post(b).await.expect("io");
+                drop(admitted);
+                if c < 2 {
+                    let bound = PERIOD * (tokens.div_ceil(rate) as u32 + 2);
+                    slowest = slowest.max(took.as_secs_f64() / bound.as_secs_f64());
+                }
+            }
+            if c == 0 {
+                for u in engine.take_finished() {
+                    if u.used > limit {
+                        worst.borrow_mut().push(Err(format!(
+                            "seed {seed}: period {} spent {} tokens over the limit {limit}",
+                            u.period, u.used
+                        )));
+                    }
+                }
+            }
+            if c < 2 {
+                worst.borrow_mut().push(Ok(slowest));
+            }
+        });
+    }
+    let outcome = sim.run(Duration::from_secs(30));
+    if outcome != RunOutcome::Finished {
+        return Err(format!(
+            "seed {seed}: {outcome:?} (a request never completed)"
+        ));
+    }
+    let mut slowest: f64 = 0.0;
+    for r in worst.borrow().iter() {
+        slowest = slowest.max(r.clone()?);
+    }
+    if slowest > 1.0 {
+        return Err(format!(
+            "seed {seed}: a request took {slowest:.2}x the time its size allows at its rate"
+        ));
+    }
+    Ok(slowest)
+}
+
+#[test]
+fn large_requests_complete_at_their_limit_and_reservation_rate() {
+    let failures: Vec<String> = seeds(200)
+        .into_iter()
+        .filter_map(|s| large_requests(s).err())
+        .take(5)
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "failing seeds, e.g.:\n{}",
+        failures.join("\n")
+    );
+}

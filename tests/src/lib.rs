@@ -1,6 +1,6 @@
 //! The test kit shared by the integration tests (`tests/`) and the benchmarks (`bench/`): real
 //! memory-node processes and clusters ([`node`]), real FUSE mounts ([`mount`]), one fio runner
-//! and parser ([`fio`]), the verbs conformance environments ([`env`]), and small helpers.
+//! and parser ([`fio`]), the verbs conformance environments ([`mod@env`]), and small helpers.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod env;

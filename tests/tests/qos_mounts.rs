@@ -201,3 +201,58 @@ fn memnode_profile_measures_capacity_and_prints_the_flags() {
     assert_eq!(nums.len(), 2, "{flags}");
     assert!(nums[0] >= nums[1] && nums[1] > 0, "C_G >= C_L > 0: {flags}");
 }
+
+/// Runs `f` on its own thread; `None` if it did not finish within `limit` (the thread is left
+/// blocked, and the mount's drop unblocks it).
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+#[test]
+fn large_writes_on_a_fresh_limited_mount_complete_at_the_limit() {
+    // The defaults of `rackfs up`: two nodes, 1 s QoS periods, capacity not profiled.
+    let c = TestCluster::start(2, "64M");
+    let m = Mount::new(&c, "limit=2000");
+    let path = m.path("big");
+    // 8 MiB in 1 MiB writes: 2048 tokens, about 1 s at 2000 IOPS (it used to never return).
+    let p = path.clone();
+    let took = within(Duration::from_secs(60), move || {
+        let f = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        let t0 = Instant::now();
+        for i in 0..8u64 {
+            f.write_all_at(&vec![i as u8 + 1; 1 << 20], i << 20)
+                .unwrap();
+        }
+        t0.elapsed()
+    })
+    .expect("8 MiB in 1 MiB writes under limit=2000 did not finish within 60 s");
+    eprintln!("8 x 1 MiB under limit=2000: {took:?}");
+    assert!(took < Duration::from_secs(20), "8 x 1 MiB took {took:?}");
+    // Then 1024 writes of 4 KiB: 1024 tokens, about 0.5 s at the limit (it took ~12 s).
+    let p = path.clone();
+    let took = within(Duration::from_secs(60), move || {
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        let t0 = Instant::now();
+        for i in 0..1024u64 {
+            f.write_all_at(&[7u8; 4096], i * 4096).unwrap();
+        }
+        t0.elapsed()
+    })
+    .expect("1024 writes of 4 KiB under limit=2000 did not finish within 60 s");
+    eprintln!("1024 x 4 KiB under limit=2000: {took:?}");
+    assert!(took < Duration::from_secs(10), "1024 x 4 KiB took {took:?}");
+    // The data is all there.
+    let data = std::fs::read(&path).unwrap();
+    assert_eq!(data.len(), 8 << 20);
+    assert!(data[..4 << 20].iter().all(|&b| b == 7));
+    assert!(data[4 << 20..5 << 20].iter().all(|&b| b == 5));
+}
