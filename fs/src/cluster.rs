@@ -123,6 +123,18 @@ impl Cluster {
         })
     }
 
+    /// How long (ns) a stripe on `node` may be written without re-checking its tag since it
+    /// was last seen live: half the node's quarantine (0 for a node not known yet).
+    pub fn stripe_lease_ns(&self, node: u32) -> u64 {
+        self.info
+            .read()
+            .expect("cluster info lock")
+            .nodes
+            .iter()
+            .find(|n| n.node_id == node)
+            .map_or(0, |n| n.quarantine_ms * 500_000)
+    }
+
     pub fn info(&self) -> ClusterInfo {
         self.info.read().expect("cluster info lock").clone()
     }

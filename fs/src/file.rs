@@ -4,7 +4,9 @@
 //! Every batch that touches a stripe reads the stripe's owner tag first, on the same queue pair,
 //! so the tag check executes before the data ops; a mismatch means the stripe was freed by a
 //! truncate or unlink elsewhere, and the operation is redone with a fresh layout (see
-//! `rackfs_proto::record`). The file size lives in the file record on the primary and only
+//! `rackfs_proto::record`). A write to a stripe not seen live within half its node's
+//! quarantine checks the tag in a batch of its own first: by then the node may have reused
+//! the memory, and a write in the same batch as the check would land before the check fails. The file size lives in the file record on the primary and only
 //! grows by CAS-max, so concurrent extending writes from different mounts never lose size.
 //! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
 
@@ -33,7 +35,16 @@ const LOCATION_MASK: u64 = (1 << 48) - 1;
 struct Layout {
     table: u64,
     cap: u64,
-    stripes: HashMap<u64, StripeExtent>,
+    stripes: HashMap<u64, Cached>,
+}
+
+/// A stripe this mount knows, and when it last saw it live.
+#[derive(Clone, Copy)]
+struct Cached {
+    extent: StripeExtent,
+    /// `clock_ns` when the batch (or RPC) that last found the stripe live was sent; the node
+    /// reuses its memory no sooner than a quarantine after that.
+    live_at: u64,
 }
 
 /// What a mount knows about one regular file.
@@ -130,6 +141,7 @@ impl FileData {
                 .filter(|&&k| k < cap)
                 .map(|&k| (k, b.read(RemoteAddr::new(p.rkey, table + k * 16), 16)))
                 .collect();
+            let sent = clock_ns();
             let done =
                 p.qp.execute(b)
                     .map_err(|e| self.verbs_err(cl, self.primary, e))?;
@@ -152,12 +164,17 @@ impl FileData {
                     .map_err(|e| self.verbs_err(cl, self.primary, e))?;
                 let (loc, tag) = (word(e, 0), word(e, 1));
                 if tag != 0 && loc != 0 {
+                    let extent = StripeExtent {
+                        node: (loc >> 48) as u32,
+                        offset: loc & LOCATION_MASK,
+                        tag,
+                    };
+                    // The service clears an entry before it frees the stripe: live when sent.
                     l.stripes.insert(
                         k,
-                        StripeExtent {
-                            node: (loc >> 48) as u32,
-                            offset: loc & LOCATION_MASK,
-                            tag,
+                        Cached {
+                            extent,
+                            live_at: sent,
                         },
                     );
                 }
@@ -185,10 +202,64 @@ impl FileData {
             .expect("layout lock")
             .stripes
             .get(&stripe)
-            .copied()
+            .map(|c| c.extent)
+    }
+
+    /// Notes that the checks in `tags` found their stripes live in a batch sent at `sent`.
+    fn seen_live(&self, tags: &[TagCheck], stale: &[u64], sent: u64) {
+        let mut l = self.layout.write().expect("layout lock");
+        for t in tags.iter().filter(|t| !stale.contains(&t.1)) {
+            if let Some(c) = l.stripes.get_mut(&t.1) {
+                if c.extent.tag == t.2 {
+                    c.live_at = c.live_at.max(sent);
+                }
+            }
+        }
+    }
+
+    /// Before a write: checks, in a batch of their own, the tags of the stripes in `tags` not
+    /// seen live within their node's lease, and returns those that turned out stale. Writing
+    /// to a stripe seen live long ago could land in memory the node has freed and reused.
+    fn recheck(&self, cl: &Cluster, tags: &[TagCheck]) -> Result<Vec<u64>, i32> {
+        let now = clock_ns();
+        let expired: Vec<TagCheck> = {
+            let l = self.layout.read().expect("layout lock");
+            tags.iter()
+                .filter(|t| {
+                    l.stripes.get(&t.1).is_none_or(|c| {
+                        now.saturating_sub(c.live_at) >= cl.stripe_lease_ns(c.extent.node)
+                    })
+                })
+                .copied()
+                .collect()
+        };
+        if expired.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
+        let mut checks = Vec::new();
+        for &(node, stripe, tag, _) in &expired {
+            let Some(e) = self.cached(stripe) else {
+                continue;
+            };
+            let n = cl.node(node).map_err(|err| self.verbs_err(cl, node, err))?;
+            let id = batches
+                .entry(node)
+                .or_default()
+                .read(RemoteAddr::new(n.rkey, e.offset - TAG_SPACE), 8);
+            checks.push((node, stripe, tag, id));
+        }
+        let sent = clock_ns();
+        let done = self.run(cl, batches)?;
+        let stale = stale_stripes(&checks, &done);
+        self.seen_live(&checks, &stale, sent);
+        Ok(stale)
     }
 
     fn evict(&self, stripes: &[u64]) {
+        if stripes.is_empty() {
+            return;
+        }
         let mut l = self.layout.write().expect("layout lock");
         for k in stripes {
             l.stripes.remove(k);
@@ -326,8 +397,10 @@ impl FileData {
                 *tokens.entry(*node).or_default() += tokens_for(ps[*i].len);
             }
             let _admitted = self.admit(cl, &tokens)?;
+            let sent = clock_ns();
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
+            self.seen_live(&tags, &stale, sent);
             if !stale.is_empty() {
                 self.evict(&stale);
                 continue;
@@ -451,6 +524,7 @@ impl FileData {
             if !missing.is_empty() {
                 self.refresh(cl, &missing)?;
                 for k in self.uncached(&ps) {
+                    let sent = clock_ns();
                     let s = match cl.primary.meta(MetaRequest::AllocStripe {
                         ino: self.ino,
                         stripe: k,
@@ -459,11 +533,13 @@ impl FileData {
                         Ok(_) => return Err(libc::EIO),
                         Err(e) => return Err(e.errno()),
                     };
-                    self.layout
-                        .write()
-                        .expect("layout lock")
-                        .stripes
-                        .insert(k, s);
+                    self.layout.write().expect("layout lock").stripes.insert(
+                        k,
+                        Cached {
+                            extent: s,
+                            live_at: sent,
+                        },
+                    );
                 }
             }
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
@@ -492,8 +568,16 @@ impl FileData {
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
             let _admitted = self.admit(cl, &tokens)?;
+            // Right before the data goes out (QoS may have made us wait).
+            let expired = self.recheck(cl, &tags)?;
+            if !expired.is_empty() {
+                self.evict(&expired);
+                continue;
+            }
+            let sent = clock_ns();
             let done = self.run(cl, batches)?;
             let stale = stale_stripes(&tags, &done);
+            self.seen_live(&tags, &stale, sent);
             let seen = match cas {
                 Some(id) => match done[&self.primary].value(id).map_err(|_| libc::EIO)? {
                     old if old == hint => end, // our CAS won

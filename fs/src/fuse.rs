@@ -237,6 +237,15 @@ impl Filesystem for RackFs {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::InitFlags::FUSE_PARALLEL_DIROPS);
+        // Files are opened for direct I/O; this lets them be mapped too (MAP_SHARED included):
+        // a mapping goes through the page cache, written back on msync, munmap or close.
+        if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP) {
+            tracing::warn!(
+                ?missing,
+                "the kernel cannot map direct-I/O files (Linux 6.6 or later can): shared \
+                 mappings of RackFS files fail with ENODEV"
+            );
+        }
         if self.opts.cache == CacheMode::Writeback {
             // The kernel buffers writes and flushes them later: fast for one writer, but other
             // mounts see them only after the flush (doc/SEMANTICS.md).

@@ -155,6 +155,7 @@ impl MemNode {
             shm: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
             capacity: len,
             qos_area: qos.as_ref().map_or(0, |q| q.area),
+            quarantine_ms: cfg.quarantine.as_millis() as u64,
         };
         let is_primary = cfg.role == Role::Primary;
         let node = Arc::new(Node {

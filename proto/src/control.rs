@@ -138,6 +138,10 @@ pub struct NodeAddr {
     pub capacity: u64,
     /// Offset of the node's QoS area in its data region.
     pub qos_area: u64,
+    /// How long the node holds freed file stripes back from reuse (ms). A mount writes to a
+    /// cached stripe without first re-checking its tag only within half of this since it last
+    /// saw the tag match (see `rackfs_proto::record`).
+    pub quarantine_ms: u64,
 }
 
 /// The cluster as a node knows it.

@@ -23,7 +23,11 @@
 //!   data, written by the data node when it allocates the extent and tombstoned (0) when it is
 //!   freed. A client reads the tag in the same batch as the stripe's data: a mismatch means its
 //!   cached layout is stale and the operation is redone. Freed stripes are quarantined before
-//!   reuse, so a stale operation never touches another file's data.
+//!   reuse (`NodeAddr::quarantine_ms`), so a stale operation never touches another file's data
+//!   as long as the batch runs within the quarantine of the moment the client last saw the
+//!   stripe live (its tag matching, or its table entry present, which the service clears before
+//!   freeing). A client therefore writes to a cached stripe only within half the quarantine of
+//!   that moment, and otherwise checks the tag in a batch of its own first.
 
 /// Bytes of a file record.
 pub const RECORD_LEN: u64 = 64;

@@ -459,3 +459,132 @@ fn a_killed_mount_releases_its_open_files() {
     );
     assert!(fs::read_dir(&survivor.dir).unwrap().next().is_none());
 }
+
+/// Maps `len` bytes of `f` shared, read-write.
+fn map_shared(f: &fs::File, len: usize) -> *mut u8 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh mapping chosen by the kernel (no address given) of an open file; the
+    // caller unmaps it with `unmap` before the file is closed and touches only `len` bytes.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        p,
+        libc::MAP_FAILED,
+        "mmap MAP_SHARED: {}",
+        std::io::Error::last_os_error()
+    );
+    p.cast()
+}
+
+fn unmap(p: *mut u8, len: usize) {
+    // SAFETY: `p` and `len` are a mapping made by `map_shared` and not unmapped yet.
+    assert_eq!(unsafe { libc::munmap(p.cast(), len) }, 0);
+}
+
+#[test]
+fn shared_mappings_read_and_write_through_two_mounts() {
+    const LEN: usize = 64 << 10;
+    let c = TestCluster::start(2, "64M");
+    let (a, b) = (Mount::new(&c, ""), Mount::new(&c, "transport=tcp"));
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    fs::write(a.path("mapped"), &pattern).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(a.path("mapped"))
+        .unwrap();
+    let p = map_shared(&f, LEN);
+    // SAFETY: `p` maps LEN bytes of the file; nothing else in this process aliases them.
+    let map = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
+    assert_eq!(&map[..], &pattern[..], "a mapped read sees the file");
+    map[4096..8192].fill(0xaa);
+    map[LEN - 1] = 0xbb;
+    // SAFETY: msync on the mapping made above.
+    assert_eq!(unsafe { libc::msync(p.cast(), LEN, libc::MS_SYNC) }, 0);
+    // Once msync returns, the other mount reads the mapped writes.
+    let mut got = vec![0u8; LEN];
+    fs::File::open(b.path("mapped"))
+        .unwrap()
+        .read_exact_at(&mut got, 0)
+        .unwrap();
+    assert!(got[4096..8192].iter().all(|&x| x == 0xaa));
+    assert_eq!(got[LEN - 1], 0xbb);
+    assert_eq!(&got[..4096], &pattern[..4096]);
+    unmap(p, LEN);
+    drop(f);
+    // A write on the other mount is seen by a mapping opened after it.
+    b_write(&b, &[0xcc; 4096], 0);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(a.path("mapped"))
+        .unwrap();
+    let p = map_shared(&f, LEN);
+    // SAFETY: as above, a fresh mapping of LEN bytes.
+    let map = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
+    assert!(
+        map[..4096].iter().all(|&x| x == 0xcc),
+        "a new mapping sees the other mount's write"
+    );
+    // munmap and close write back without msync.
+    map[8192] = 0xdd;
+    unmap(p, LEN);
+    drop(f);
+    let got = fs::read(b.path("mapped")).unwrap();
+    assert_eq!(got[8192], 0xdd, "written back on munmap and close");
+}
+
+fn b_write(m: &Mount, data: &[u8], at: u64) {
+    OpenOptions::new()
+        .write(true)
+        .open(m.path("mapped"))
+        .unwrap()
+        .write_all_at(data, at)
+        .unwrap();
+}
+
+#[test]
+fn a_write_through_a_layout_older_than_the_quarantine_never_lands_in_reused_memory() {
+    // One node, so freed stripes come back to the next allocations; 200 ms quarantine.
+    let c = TestCluster::start(1, "64M");
+    let a = Mount::new(&c, "stripe_unit=64K,attr_timeout=0");
+    let b = Mount::new(&c, "stripe_unit=64K,attr_timeout=0,transport=tcp");
+    let unit = 64 << 10;
+    // B writes four stripes of f and keeps f open: its layout stays cached.
+    let fb = OpenOptions::new()
+        .create(true)
+        .read(true)
+        .write(true)
+        .truncate(true)
+        .open(b.path("f"))
+        .unwrap();
+    fb.write_all_at(&vec![1u8; 4 * unit], 0).unwrap();
+    // A empties f; its stripes are quarantined, then reused by g.
+    OpenOptions::new()
+        .write(true)
+        .open(a.path("f"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    fs::write(a.path("g"), vec![0x11u8; 4 * unit]).unwrap();
+    // B writes through its old layout: the write must go to f, never to g's memory.
+    fb.write_all_at(&vec![0x22u8; unit], 0).unwrap();
+    let g = fs::read(a.path("g")).unwrap();
+    assert!(
+        g.iter().all(|&x| x == 0x11),
+        "another file's data landed in g: {} bytes changed",
+        g.iter().filter(|&&x| x != 0x11).count()
+    );
+    let f = fs::read(a.path("f")).unwrap();
+    assert_eq!(f.len(), unit);
+    assert!(f.iter().all(|&x| x == 0x22));
+}
