@@ -34,8 +34,8 @@ pub struct RackFs {
     cluster: Arc<Cluster>,
     opts: MountOptions,
     files: Mutex<HashMap<u64, Arc<FileData>>>,
-    /// Open handles: whether each was opened with O_APPEND.
-    handles: Mutex<HashMap<u64, bool>>,
+    /// Open handles.
+    handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
 }
 
@@ -91,6 +91,23 @@ fn file_attr(a: &Attr) -> FileAttr {
         blksize: 4096,
         flags: 0,
     }
+}
+
+/// What a mount remembers of one open file handle.
+#[derive(Clone, Copy)]
+struct Handle {
+    /// Opened with O_APPEND.
+    append: bool,
+    /// The file had set-user-ID (or set-group-ID with group execute) when opened: a write by
+    /// an unprivileged process clears them.
+    setid: bool,
+}
+
+/// Whether `perm` has bits an unprivileged write must clear (as Linux's `should_remove_suid`).
+fn has_setid(perm: u16) -> bool {
+    let perm = u32::from(perm);
+    perm & libc::S_ISUID != 0
+        || perm & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
 }
 
 impl RackFs {
@@ -157,10 +174,13 @@ impl RackFs {
         }
         self.meta(MetaRequest::Open { ino: a.ino })?;
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.handles
-            .lock()
-            .expect("handles lock")
-            .insert(fh, flags & libc::O_APPEND != 0);
+        self.handles.lock().expect("handles lock").insert(
+            fh,
+            Handle {
+                append: flags & libc::O_APPEND != 0,
+                setid: has_setid(a.perm),
+            },
+        );
         Ok(fh)
     }
 
@@ -304,6 +324,9 @@ impl Filesystem for RackFs {
             size,
             atime_ns: atime.map(to_ns),
             mtime_ns: mtime.map(to_ns),
+            // A truncate by an unprivileged process arrives with the cleared mode already
+            // (the kernel turns ATTR_KILL_SUID into a mode change).
+            kill_suidgid: false,
         };
         let res = match size {
             Some(_) => self.set_size(ino.0, set),
@@ -556,7 +579,7 @@ impl Filesystem for RackFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
@@ -567,13 +590,29 @@ impl Filesystem for RackFs {
         let Some(f) = self.cached_file(ino.0) else {
             return reply.error(Errno::EBADF);
         };
-        let append = self
+        let handle = self
             .handles
             .lock()
             .expect("handles lock")
             .get(&fh.0)
-            .copied()
-            .unwrap_or(false);
+            .copied();
+        let append = handle.is_some_and(|h| h.append);
+        // The kernel asks a write by a process without CAP_FSETID to clear set-user-ID and
+        // set-group-ID; one RPC, and only for files that had those bits when opened.
+        if handle.is_some_and(|h| h.setid)
+            && write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
+        {
+            let set = SetAttr {
+                kill_suidgid: true,
+                ..SetAttr::default()
+            };
+            if let Err(e) = self.attr_of(MetaRequest::SetAttr { ino: ino.0, set }) {
+                return reply.error(e);
+            }
+            if let Some(h) = self.handles.lock().expect("handles lock").get_mut(&fh.0) {
+                h.setid = false;
+            }
+        }
         // O_APPEND: the end of the file as the cluster knows it, not the kernel's cached size.
         let res = if append {
             f.append(&self.cluster, data).map(|_| ())

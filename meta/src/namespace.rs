@@ -704,6 +704,15 @@ impl Namespace {
         }
         let (_, region) = st.local();
         let i = self.get_mut(ino)?;
+        if set.kill_suidgid {
+            const SUID: u16 = 0o4000;
+            const SGID: u16 = 0o2000;
+            const XGRP: u16 = 0o0010;
+            i.perm &= !SUID;
+            if i.perm & XGRP != 0 {
+                i.perm &= !SGID;
+            }
+        }
         if let Some(p) = set.perm {
             i.perm = p & 0o7777;
         }

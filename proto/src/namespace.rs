@@ -63,6 +63,9 @@ pub struct SetAttr {
     pub size: Option<u64>,
     pub atime_ns: Option<u64>,
     pub mtime_ns: Option<u64>,
+    /// Clear set-user-ID, and set-group-ID if group execute is set (a write by an
+    /// unprivileged process), from the mode the service holds now.
+    pub kill_suidgid: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

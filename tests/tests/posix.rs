@@ -376,3 +376,58 @@ fn special_files_and_fifo() {
         &fs::metadata(m.path("pipe")).unwrap().file_type()
     ));
 }
+
+/// Writes one byte at the start of `path` as user and group 65534 (nobody).
+fn write_as_nobody(path: &std::path::Path) {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new("dd")
+        .args([
+            "if=/dev/zero",
+            "bs=1",
+            "count=1",
+            "conv=notrunc",
+            "status=none",
+        ])
+        .arg(format!("of={}", path.display()))
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("dd");
+    assert!(
+        out.status.success(),
+        "dd as nobody: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_write_by_another_user_clears_setuid_and_setgid() {
+    // pjdfstest chmod/12: what an unprivileged writer leaves of the set-ID bits.
+    let c = TestCluster::start(1, "64M");
+    let m = Mount::new(&c, "allow_other");
+    for (before, after) in [
+        (0o4777, 0o777),  // set-user-ID goes
+        (0o2777, 0o777),  // set-group-ID with group execute goes
+        (0o6777, 0o777),  // both
+        (0o2767, 0o2767), // set-group-ID without group execute stays (not an executable)
+        (0o777, 0o777),
+    ] {
+        let p = m.path(&format!("setid-{before:o}"));
+        fs::write(&p, b"x").unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(before)).unwrap();
+        write_as_nobody(&p);
+        let mode = fs::metadata(&p).unwrap().mode() & 0o7777;
+        assert_eq!(mode, after, "mode {before:o} after a write by nobody");
+    }
+    // A write by root (CAP_FSETID) keeps them.
+    let p = m.path("setid-root");
+    fs::write(&p, b"x").unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o6777)).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .write_all_at(b"y", 0)
+        .unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().mode() & 0o7777, 0o6777);
+}
