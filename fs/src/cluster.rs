@@ -104,6 +104,13 @@ impl Cluster {
                 ControlClient::connect(&via, &secret, name)?
             };
             info!(primary = %info.primary.name, nodes = info.nodes.len(), "connected to the cluster");
+            for (id, why) in &info.down {
+                warn!(
+                    node = id,
+                    reason = %why,
+                    "the cluster is degraded: this memory node is down (its files return EIO)"
+                );
+            }
             return Ok(Cluster {
                 primary_id: primary.node_id(),
                 primary,

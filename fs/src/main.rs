@@ -202,6 +202,14 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn s
             ControlClient::connect(&addr, &secret, "rackfs-status").map_err(|e| e.to_string())?;
         let info = c.cluster().map_err(|e| e.to_string())?;
         println!("cluster {addr} (primary {}):", info.primary.name);
+        if !info.down.is_empty() {
+            println!(
+                "  DEGRADED: {} of {} memory nodes down (their files return EIO; new data goes \
+                 to the others)",
+                info.down.len(),
+                info.nodes.len()
+            );
+        }
         println!(
             "  {:<6} {:<22} {:>11} {:>11} {:>11} {:>12} {:>12} {:>10}",
             "node", "address", "capacity", "used", "quarantine", "verbs", "bytes", "ctl rpcs"
@@ -230,7 +238,14 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn s
                         println!("         rdma: {r}; {} rdma client(s) connected", s.open[3]);
                     }
                 }
-                Err(e) => println!("  {:<6} {:<22} unreachable: {e}", n.name, target),
+                Err(e) => {
+                    let why = info
+                        .down
+                        .iter()
+                        .find(|d| d.0 == n.node_id)
+                        .map_or_else(|| e.to_string(), |d| d.1.clone());
+                    println!("  {:<6} {:<22} DOWN: {why}", n.name, target)
+                }
             }
         }
         let s = c.stats().map_err(|e| e.to_string())?;

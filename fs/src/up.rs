@@ -49,6 +49,8 @@ fn memnode_binary() -> PathBuf {
 struct NodeProc {
     child: Child,
     tcp: String,
+    /// How it ended, once it has.
+    exited: Option<std::process::ExitStatus>,
 }
 
 fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, FsError> {
@@ -101,7 +103,11 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
         .find_map(|w| w.strip_prefix("tcp="))
         .map(String::from);
     match tcp {
-        Some(tcp) => Ok(NodeProc { child, tcp }),
+        Some(tcp) => Ok(NodeProc {
+            child,
+            tcp,
+            exited: None,
+        }),
         None => {
             let _ = child.kill();
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
@@ -114,8 +120,8 @@ fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<N
 }
 
 fn stop_nodes(nodes: &mut [NodeProc]) {
-    for n in nodes.iter() {
-        // SAFETY: kill(2) on our own, not yet reaped, child.
+    for n in nodes.iter().filter(|n| n.exited.is_none()) {
+        // SAFETY: kill(2) on our own child, not yet reaped (so its pid is still ours).
         unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
     }
     for n in nodes.iter_mut() {
@@ -242,14 +248,27 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
                 println!("{} was unmounted", dir.display());
                 break;
             }
-            if let Some(i) = nodes
-                .iter_mut()
-                .position(|n| !matches!(n.child.try_wait(), Ok(None)))
-            {
-                eprintln!(
-                    "memory node mn{i} exited; see {}",
-                    inst.join(format!("mn{i}.log")).display()
-                );
+            for (i, n) in nodes.iter_mut().enumerate() {
+                if n.exited.is_some() {
+                    continue;
+                }
+                if let Ok(Some(status)) = n.child.try_wait() {
+                    n.exited = Some(status);
+                    eprintln!(
+                        "memory node mn{i} exited ({status}); see {}",
+                        inst.join(format!("mn{i}.log")).display()
+                    );
+                    if i == 0 {
+                        eprintln!("mn0 held the namespace: nothing is left to serve");
+                    } else {
+                        eprintln!(
+                            "files with data on mn{i} return EIO; the others keep working and \
+                             new data goes to the surviving nodes"
+                        );
+                    }
+                }
+            }
+            if nodes[0].exited.is_some() {
                 break;
             }
         }

@@ -7,12 +7,14 @@ use std::sync::{Arc, Mutex};
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::Secret;
-use tracing::info;
+use tracing::{info, warn};
 
 /// Another node of the cluster, as the primary knows it.
 struct Peer {
     addr: NodeAddr,
     control: Arc<ControlClient>,
+    /// Why the primary cannot reach it (`None`: up).
+    down: Option<String>,
 }
 
 /// This node, the primary and the peers.
@@ -39,12 +41,44 @@ impl Membership {
         self.me.lock().expect("me lock").clone()
     }
 
-    /// Ids of every data node this node knows, itself included, in order.
+    /// Ids of every data node this node knows and can reach, itself included, in order: where
+    /// new data may go.
     pub fn data_nodes(&self) -> Vec<u32> {
         let mut v = vec![self.me.lock().expect("me lock").node_id];
-        v.extend(self.peers.lock().expect("peers lock").keys());
+        v.extend(
+            self.peers
+                .lock()
+                .expect("peers lock")
+                .iter()
+                .filter(|(_, p)| p.down.is_none())
+                .map(|(id, _)| *id),
+        );
         v.sort_unstable();
         v
+    }
+
+    /// Records that peer `node` could not be reached; logged once, when it goes down.
+    pub fn mark_down(&self, node: u32, why: &str) {
+        if let Some(p) = self.peers.lock().expect("peers lock").get_mut(&node) {
+            if p.down.is_none() {
+                warn!(
+                    node,
+                    name = %p.addr.name,
+                    reason = %why,
+                    "memory node unreachable: its files return EIO, new data goes to the others"
+                );
+                p.down = Some(why.to_string());
+            }
+        }
+    }
+
+    /// Records that peer `node` answered again; logged once.
+    pub fn mark_up(&self, node: u32) {
+        if let Some(p) = self.peers.lock().expect("peers lock").get_mut(&node) {
+            if p.down.take().is_some() {
+                info!(node, name = %p.addr.name, "memory node reachable again");
+            }
+        }
     }
 
     /// The control connection to peer `node`.
@@ -72,19 +106,33 @@ impl Membership {
             .collect()
     }
 
+    /// The peers that are up.
+    pub fn live_peers(&self) -> Vec<(u32, Arc<ControlClient>)> {
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .iter()
+            .filter(|(_, p)| p.down.is_none())
+            .map(|(&id, p)| (id, p.control.clone()))
+            .collect()
+    }
+
     /// The cluster as this node knows it (`None` before it joined one).
     pub fn cluster_info(&self) -> Option<ClusterInfo> {
         let primary = self.primary.lock().expect("primary lock").clone()?;
         let mut nodes = vec![self.me()];
-        nodes.extend(
-            self.peers
-                .lock()
-                .expect("peers lock")
-                .values()
-                .map(|p| p.addr.clone()),
-        );
+        let peers = self.peers.lock().expect("peers lock");
+        nodes.extend(peers.values().map(|p| p.addr.clone()));
         nodes.sort_by_key(|n| n.node_id);
-        Some(ClusterInfo { primary, nodes })
+        let down = peers
+            .iter()
+            .filter_map(|(&id, p)| p.down.clone().map(|why| (id, why)))
+            .collect();
+        Some(ClusterInfo {
+            primary,
+            nodes,
+            down,
+        })
     }
 
     /// Offers this node to the primary at `addr`.
@@ -153,6 +201,7 @@ impl Membership {
             Peer {
                 addr: node,
                 control: Arc::new(control),
+                down: None,
             },
         );
         Ok(self.cluster_info().expect("the primary knows itself"))

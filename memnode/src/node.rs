@@ -222,6 +222,18 @@ impl Node {
     }
 }
 
+impl Node {
+    /// A call to peer `node` failed: a lost connection marks it down (new data then goes to
+    /// the other nodes); either way the caller gets a refusal naming the node.
+    fn peer_failed(&self, node: u32, e: RpcError) -> Refusal {
+        if matches!(e, RpcError::Connection(_)) {
+            self.members.mark_down(node, &e.to_string());
+        }
+        let r = e.into_refusal();
+        Refusal::new(r.code, format!("node {node}: {}", r.message))
+    }
+}
+
 /// Wall-clock time, ns since the Unix epoch.
 pub fn wall_ns() -> u64 {
     SystemTime::now()
@@ -251,7 +263,7 @@ impl Storage for Node {
             .peer(node)?
             .alloc_tagged(len, TAG_SPACE, tag)
             .map(|(_, off)| off)
-            .map_err(RpcError::into_refusal)
+            .map_err(|e| self.peer_failed(node, e))
     }
 
     fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
@@ -266,7 +278,7 @@ impl Storage for Node {
             .peer(node)?
             .free(offset)
             .map(|_| ())
-            .map_err(RpcError::into_refusal)
+            .map_err(|e| self.peer_failed(node, e))
     }
 
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
@@ -277,7 +289,7 @@ impl Storage for Node {
             .peer(node)?
             .call(&ControlRequest::Zero { offset, len })
             .map(|_| ())
-            .map_err(RpcError::into_refusal)
+            .map_err(|e| self.peer_failed(node, e))
     }
 
     fn local(&self) -> (u32, &Region) {
@@ -287,7 +299,7 @@ impl Storage for Node {
     fn fs_stat(&self) -> FsStat {
         // Not `self.stats()`: that takes the metadata lock, which the caller holds.
         let (mut capacity, mut free) = self.store.capacity_free();
-        for (_, p) in self.members.peers() {
+        for (_, p) in self.members.live_peers() {
             if let Ok(st) = p.stats() {
                 capacity += st.capacity;
                 free += st.free;

@@ -52,6 +52,8 @@ impl QosController {
             }
             out.push(q.status(nodes.node_id));
         }
+        // Every peer, down ones included: this is also how the primary notices a node going
+        // down or coming back (once a period; the transitions are logged, not each call).
         for (id, c) in nodes.members.peers() {
             // Without new shares, keep the node's: send what was last placed there.
             let shares = match shares {
@@ -59,8 +61,12 @@ impl QosController {
                 None => self.current_shares(id),
             };
             match c.call(&ControlRequest::QosShares { shares }) {
-                Ok(ControlResponse::QosNode(st)) => out.push(st),
-                other => warn!(node = id, reply = ?other, "no QoS status from a node"),
+                Ok(ControlResponse::QosNode(st)) => {
+                    nodes.members.mark_up(id);
+                    out.push(st);
+                }
+                Ok(other) => warn!(node = id, reply = ?other, "unexpected QoS reply"),
+                Err(e) => nodes.members.mark_down(id, &e.to_string()),
             }
         }
         out

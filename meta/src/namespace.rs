@@ -816,9 +816,27 @@ impl Namespace {
             write_word(region, f.record + REC_TABLE, table);
             write_word(region, f.record + REC_TABLE_CAP, cap);
         }
-        // Spread stripes round-robin over the nodes, starting at a per-file offset.
-        let node = nodes[((ino + stripe) % nodes.len() as u64) as usize];
-        let base = st.alloc(node, f.stripe_unit, Some(tag))?;
+        // Spread stripes round-robin over the nodes, starting at a per-file offset; a node that
+        // cannot be reached (or is full) passes the stripe on to the next one.
+        let first = ((ino + stripe) % nodes.len() as u64) as usize;
+        let mut placed = None;
+        let mut last = None;
+        for k in 0..nodes.len() {
+            let node = nodes[(first + k) % nodes.len()];
+            match st.alloc(node, f.stripe_unit, Some(tag)) {
+                Ok(base) => {
+                    placed = Some((node, base));
+                    break;
+                }
+                Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::OutOfMemory) => {
+                    last = Some(e)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let Some((node, base)) = placed else {
+            return Err(last.expect("at least one node was tried"));
+        };
         let s = StripeExtent {
             node,
             offset: base + TAG_SPACE,

@@ -147,10 +147,13 @@ pub struct NodeAddr {
 /// The cluster as a node knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterInfo {
-    /// The primary (metadata service); `None` when asked node is itself the primary.
+    /// The primary (metadata service).
     pub primary: NodeAddr,
     /// Every data node, the primary included, by id.
     pub nodes: Vec<NodeAddr>,
+    /// Nodes the primary cannot reach, with why: their files return EIO and new data goes
+    /// elsewhere. Empty on a healthy cluster.
+    pub down: Vec<(u32, String)>,
 }
 
 /// Error classes a node reports; each error response also carries a full message.

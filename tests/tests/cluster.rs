@@ -168,6 +168,16 @@ fn dead_node_case(transport: &str) {
     assert!(is_rackfs_mount(&m.dir));
     assert_eq!(fs::read_dir(&m.dir).unwrap().count(), 6);
     fs::create_dir(m.path("still-works")).unwrap();
+    // New files all land on the surviving node, however many and however large.
+    for i in 0..6 {
+        fs::write(m.path(&format!("new{i}")), vec![i as u8; 100 << 10]).unwrap();
+    }
+    fs::write(m.path("new-big"), vec![7u8; 3 << 20]).unwrap();
+    assert_eq!(fs::read(m.path("new-big")).unwrap(), vec![7u8; 3 << 20]);
+    // A new mount of the degraded cluster says so.
+    let again = Mount::new(&c, transport);
+    let log = fs::read_to_string(&again.log).unwrap_or_default();
+    assert!(log.contains("degraded"), "the new mount warns: {log}");
 }
 
 fn run_rackfs(args: &[&str]) -> std::process::Output {
@@ -587,4 +597,60 @@ fn a_write_through_a_layout_older_than_the_quarantine_never_lands_in_reused_memo
     let f = fs::read(a.path("f")).unwrap();
     assert_eq!(f.len(), unit);
     assert!(f.iter().all(|&x| x == 0x22));
+}
+
+/// The pid among `pids` whose command line has `--node-id ID`.
+fn node_pid(pids: &[i32], id: &str) -> i32 {
+    *pids
+        .iter()
+        .find(|p| {
+            let cmd = fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            args.windows(2)
+                .any(|w| w[0] == b"--node-id" && w[1] == id.as_bytes())
+        })
+        .expect("a memory node with that id")
+}
+
+#[test]
+fn rackfs_up_keeps_serving_when_a_data_node_dies() {
+    let dir = TempDir::new("up-dead");
+    let d = dir.path().join("m");
+    let ds = d.to_str().unwrap();
+    let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
+    assert!(out.status.success(), "{out:?}");
+    let inst = rackfs_fs::up::instance_dir(&fs::canonicalize(&d).unwrap());
+    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mn1 = node_pid(&child_pids(up_pid), "1");
+    // SAFETY: SIGKILL to a memory node process this test's `rackfs up` started.
+    unsafe { libc::kill(mn1, libc::SIGKILL) };
+    assert!(wait_for(Duration::from_secs(5), || {
+        !rackfs_fs::up::pid_alive(mn1)
+    }));
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(is_rackfs_mount(&d), "the mount survives a data node");
+    assert!(rackfs_fs::up::pid_alive(up_pid), "rackfs up keeps running");
+    // New files go to the surviving node: all of them work, small and over a stripe.
+    for i in 0..6 {
+        let data = vec![i as u8 + 1; 100 << 10];
+        fs::write(d.join(format!("small{i}")), &data).unwrap();
+        assert_eq!(fs::read(d.join(format!("small{i}"))).unwrap(), data);
+    }
+    let big = vec![9u8; 3 << 20];
+    fs::write(d.join("big"), &big).unwrap();
+    assert_eq!(fs::read(d.join("big")).unwrap(), big);
+    // The primary knows and says so.
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            let s = run_rackfs(&["status"]);
+            String::from_utf8_lossy(&s.stdout).contains("DEGRADED")
+        }),
+        "rackfs status reports the cluster degraded"
+    );
+    let out = run_rackfs(&["down", ds]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!is_rackfs_mount(&d));
 }
