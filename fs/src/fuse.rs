@@ -44,7 +44,13 @@ fn errno(e: i32) -> Errno {
 }
 
 fn rpc(e: RpcError) -> Errno {
-    tracing::debug!(error = %e, "metadata request failed");
+    match e {
+        // The node (named in the error) is gone or not answering: say so where it shows.
+        RpcError::Timeout { .. } | RpcError::Connection(_) => {
+            tracing::warn!(error = %e, "metadata request failed")
+        }
+        _ => tracing::debug!(error = %e, "metadata request failed"),
+    }
     errno(e.errno())
 }
 

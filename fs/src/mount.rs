@@ -107,6 +107,7 @@ pub fn prepare(
         opts.rdma_device.clone(),
         &name,
     )?;
+    cluster.primary.set_deadline(opts.timeout);
     if opts.qos {
         let slot = cluster
             .enable_qos(opts.reservation, opts.limit, opts.weight)

@@ -42,6 +42,8 @@ pub struct MountOptions {
     pub read_only: bool,
     /// How long the kernel may cache attributes and names.
     pub attr_timeout: Duration,
+    /// How long a control RPC to a memory node may take before the operation fails with EIO.
+    pub timeout: Duration,
     /// Writes and truncates take Citron range locks (`locks=off`: only for a single writer
     /// per file, or to measure what locking costs).
     pub locks: bool,
@@ -72,6 +74,7 @@ impl Default for MountOptions {
             allow_other: false,
             read_only: false,
             attr_timeout: Duration::from_secs(1),
+            timeout: rackfs_proto::client::RPC_DEADLINE,
             locks: true,
             qos: true,
             reservation: 0,
@@ -216,6 +219,15 @@ impl MountOptions {
                         .filter(|s: &f64| s.is_finite() && (0.0..=3600.0).contains(s))
                         .ok_or_else(|| bad(key, v, "seconds from 0 to 3600"))?;
                     o.attr_timeout = Duration::from_secs_f64(secs);
+                }
+                "timeout" => {
+                    let v = need(key, value)?;
+                    let secs: f64 = v
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| s.is_finite() && (0.1..=3600.0).contains(s))
+                        .ok_or_else(|| bad(key, v, "seconds from 0.1 to 3600"))?;
+                    o.timeout = Duration::from_secs_f64(secs);
                 }
                 "locks" => {
                     o.locks = match need(key, value)? {

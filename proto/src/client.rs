@@ -1,13 +1,22 @@
 //! The blocking control-RPC client of one memory node, used by mounts, the CLI, joining
 //! nodes and the primary itself.
+//!
+//! Every call has a deadline ([`RPC_DEADLINE`] unless [`ControlClient::set_deadline`] says
+//! otherwise): a node that stops answering (stopped, wedged, unreachable) turns into
+//! [`RpcError::Timeout`] naming the node, never a caller blocked for good. The connection, and
+//! with it the session (open files, lock slot, QoS slot), survives a timeout: the answer to a
+//! timed-out call is read and dropped by the next call, so the client serves again as soon as
+//! the node does. A call that timed out may still take effect when the node resumes.
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
-use rackfs_verbs::wire::{self, ConnKind, FrameKind};
+use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
 use rackfs_verbs::{Access, RegionInfo, VerbsError};
 
 use crate::control::{
@@ -33,6 +42,13 @@ pub enum RpcError {
     },
     #[error("unexpected reply from {peer}: {what}")]
     Unexpected { peer: String, what: String },
+    /// The node did not answer within the deadline.
+    #[error("memory node {node} ({peer}) did not answer within {after:?}")]
+    Timeout {
+        node: String,
+        peer: String,
+        after: Duration,
+    },
 }
 
 impl RpcError {
@@ -55,9 +71,52 @@ impl RpcError {
     }
 }
 
-struct Stream {
-    reader: BufReader<Box<dyn Read + Send>>,
-    writer: BufWriter<Box<dyn Write + Send>>,
+/// How long one control RPC may take before it fails with [`RpcError::Timeout`].
+pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
+
+/// A connected socket whose reads and writes can be bounded in time.
+trait Socket: Read + Write + Send {
+    fn bound(&self, d: Duration) -> std::io::Result<()>;
+}
+
+impl Socket for TcpStream {
+    fn bound(&self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))?;
+        self.set_write_timeout(Some(d))
+    }
+}
+
+impl Socket for UnixStream {
+    fn bound(&self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))?;
+        self.set_write_timeout(Some(d))
+    }
+}
+
+/// The connection: the socket, bytes received that do not make a whole frame yet (a read cut
+/// short by the deadline leaves them here), and the next request id.
+struct Conn {
+    socket: Box<dyn Socket>,
+    inbox: Vec<u8>,
+    next_id: u64,
+}
+
+impl Conn {
+    /// The next whole frame in the inbox, if there is one.
+    fn take_frame(&mut self) -> Result<Option<(FrameKind, Vec<u8>)>, wire::WireError> {
+        if self.inbox.len() < HEADER_LEN {
+            return Ok(None);
+        }
+        let h: [u8; HEADER_LEN] = self.inbox[..HEADER_LEN].try_into().expect("header");
+        let (kind, len) = wire::decode_header(&h)?;
+        let end = HEADER_LEN + len as usize;
+        if self.inbox.len() < end {
+            return Ok(None);
+        }
+        let body = self.inbox[HEADER_LEN..end].to_vec();
+        self.inbox.drain(..end);
+        Ok(Some((kind, body)))
+    }
 }
 
 /// A blocking control-RPC client of one memory node.
@@ -66,7 +125,15 @@ pub struct ControlClient {
     node_id: u32,
     node_name: String,
     regions: Vec<RegionInfo>,
-    conn: Mutex<(Stream, u64)>,
+    deadline: Mutex<Duration>,
+    conn: Mutex<Conn>,
+}
+
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 impl ControlClient {
@@ -80,50 +147,54 @@ impl ControlClient {
 
     /// Connects over TCP (`host:port`).
     pub fn connect_tcp(addr: &str, secret: &Secret, client_name: &str) -> Result<Self, RpcError> {
-        let mut s = rackfs_verbs::tcp::dial(addr)?;
-        let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, addr)?;
-        let r = s.try_clone().map_err(|e| VerbsError::Connect {
-            peer: addr.into(),
-            reason: e.to_string(),
-        })?;
-        Self::new(addr.into(), acc, Box::new(r), Box::new(s))
+        let s = rackfs_verbs::tcp::dial(addr)?;
+        Self::new(addr.into(), Box::new(s), secret, client_name)
     }
 
     /// Connects over the node's Unix socket.
     pub fn connect_unix(path: &Path, secret: &Secret, client_name: &str) -> Result<Self, RpcError> {
         let peer = format!("unix:{}", path.display());
+        let s = UnixStream::connect(path).map_err(|e| VerbsError::Connect {
+            peer: peer.clone(),
+            reason: e.to_string(),
+        })?;
+        Self::new(peer, Box::new(s), secret, client_name)
+    }
+
+    /// Authenticates on `socket` and checks the node's protocol version, both within the
+    /// deadline.
+    fn new(
+        peer: String,
+        mut socket: Box<dyn Socket>,
+        secret: &Secret,
+        client_name: &str,
+    ) -> Result<Self, RpcError> {
         let io = |e: std::io::Error| VerbsError::Connect {
             peer: peer.clone(),
             reason: e.to_string(),
         };
-        let mut s = UnixStream::connect(path).map_err(io)?;
-        let acc = client_handshake(&mut s, ConnKind::Control, secret, client_name, &peer)?;
-        let r = s.try_clone().map_err(io)?;
-        Self::new(peer, acc, Box::new(r), Box::new(s))
-    }
-
-    /// Wraps an authenticated stream and checks the node's protocol version.
-    fn new(
-        peer: String,
-        acc: Accepted,
-        r: Box<dyn Read + Send>,
-        w: Box<dyn Write + Send>,
-    ) -> Result<Self, RpcError> {
+        socket.bound(RPC_DEADLINE).map_err(io)?;
+        let acc: Accepted =
+            client_handshake(&mut socket, ConnKind::Control, secret, client_name, &peer)?;
         let c = ControlClient {
             peer,
             node_id: acc.welcome.node_id,
             node_name: acc.node_name,
             regions: acc.welcome.regions,
-            conn: Mutex::new((
-                Stream {
-                    reader: BufReader::new(r),
-                    writer: BufWriter::new(w),
-                },
-                0,
-            )),
+            deadline: Mutex::new(RPC_DEADLINE),
+            conn: Mutex::new(Conn {
+                socket,
+                inbox: Vec::new(),
+                next_id: 0,
+            }),
         };
         c.hello(PROTOCOL_VERSION)?;
         Ok(c)
+    }
+
+    /// Sets how long each call may take from now on.
+    pub fn set_deadline(&self, d: Duration) {
+        *self.deadline.lock().expect("deadline lock") = d.max(Duration::from_millis(1));
     }
 
     /// Tells the node which protocol version this side speaks (done by every connect); the
@@ -154,42 +225,76 @@ impl ControlClient {
         &self.regions
     }
 
-    /// Sends one request and waits for its response; an error response becomes `Refused`.
+    /// Sends one request and waits for its response, at most the deadline; an error response
+    /// becomes `Refused`.
     pub fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
+        let after = *self.deadline.lock().expect("deadline lock");
+        let deadline = Instant::now() + after;
         let lost = |reason: String| {
             RpcError::Connection(VerbsError::ConnectionLost {
                 peer: self.peer.clone(),
                 reason,
             })
         };
-        let mut guard = self.conn.lock().expect("control connection lock");
-        let (stream, next_id) = &mut *guard;
-        let id = *next_id;
-        *next_id += 1;
-        wire::write_frame(
-            &mut stream.writer,
-            FrameKind::ControlRequest,
-            &req.encode(id),
-        )
-        .and_then(|_| stream.writer.flush())
-        .map_err(|e| lost(e.to_string()))?;
-        let mut body = Vec::new();
-        let kind =
-            wire::read_frame(&mut stream.reader, &mut body).map_err(|e| lost(e.to_string()))?;
+        let timeout = || RpcError::Timeout {
+            node: self.node_name.clone(),
+            peer: self.peer.clone(),
+            after,
+        };
         let unexpected = |what: String| RpcError::Unexpected {
             peer: self.peer.clone(),
             what,
         };
-        if kind != FrameKind::ControlResponse {
-            return Err(unexpected(format!("a {kind:?} frame")));
+        let mut conn = self.conn.lock().expect("control connection lock");
+        let id = conn.next_id;
+        conn.next_id += 1;
+        let body = req.encode(id);
+        let mut frame = wire::encode_header(FrameKind::ControlRequest, body.len()).to_vec();
+        frame.extend_from_slice(&body);
+        let left = deadline.saturating_duration_since(Instant::now());
+        conn.socket.bound(left).map_err(|e| lost(e.to_string()))?;
+        match conn
+            .socket
+            .write_all(&frame)
+            .and_then(|_| conn.socket.flush())
+        {
+            Ok(()) => {}
+            Err(e) if timed_out(&e) => return Err(timeout()),
+            Err(e) => return Err(lost(e.to_string())),
         }
-        let (rid, resp) = ControlResponse::decode(&body).map_err(|e| unexpected(e.to_string()))?;
-        if rid != id {
-            return Err(unexpected(format!("response {rid} to request {id}")));
-        }
-        match resp {
-            ControlResponse::Error { code, message } => Err(RpcError::Refused { code, message }),
-            other => Ok(other),
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            while let Some((kind, body)) = conn.take_frame().map_err(|e| lost(e.to_string()))? {
+                if kind != FrameKind::ControlResponse {
+                    return Err(unexpected(format!("a {kind:?} frame")));
+                }
+                let (rid, resp) =
+                    ControlResponse::decode(&body).map_err(|e| unexpected(e.to_string()))?;
+                if rid < id {
+                    continue; // the late answer to a call that timed out
+                }
+                if rid > id {
+                    return Err(unexpected(format!("response {rid} to request {id}")));
+                }
+                return match resp {
+                    ControlResponse::Error { code, message } => {
+                        Err(RpcError::Refused { code, message })
+                    }
+                    other => Ok(other),
+                };
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timeout());
+            }
+            conn.socket.bound(left).map_err(|e| lost(e.to_string()))?;
+            match conn.socket.read(&mut buf) {
+                Ok(0) => return Err(lost("the node closed the connection".into())),
+                Ok(n) => conn.inbox.extend_from_slice(&buf[..n]),
+                Err(e) if timed_out(&e) => return Err(timeout()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(e.to_string())),
+            }
         }
     }
 

@@ -654,3 +654,52 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
     assert!(out.status.success(), "{out:?}");
     assert!(!is_rackfs_mount(&d));
 }
+
+#[test]
+fn a_stopped_primary_fails_namespace_operations_within_the_deadline_and_recovers() {
+    let c = TestCluster::start(1, "64M");
+    let m = Mount::new(&c, "attr_timeout=0,timeout=1");
+    fs::write(m.path("before"), b"before").unwrap();
+    let pid = c.nodes[0].as_ref().unwrap().child.id() as i32;
+    // SAFETY: SIGSTOP to the memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // A namespace operation fails with EIO once the 1 s deadline passes, not never.
+    let t0 = std::time::Instant::now();
+    let out = Command::new("touch")
+        .arg(m.path("during"))
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    assert!(
+        !out.status.success(),
+        "touch succeeded on a stopped primary"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
+        "{out:?}"
+    );
+    assert!(took < Duration::from_secs(4), "touch took {took:?}");
+    // An application blocked on the stopped node can be killed.
+    let mut stat = Command::new("stat").arg(m.path("other")).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    stat.kill().unwrap();
+    let t0 = std::time::Instant::now();
+    stat.wait().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "kill -9 took {:?}",
+        t0.elapsed()
+    );
+    // The mount log names the node.
+    let log = fs::read_to_string(&m.log).unwrap_or_default();
+    assert!(
+        log.contains("did not answer within") && log.contains("mn0"),
+        "{log}"
+    );
+    // SAFETY: SIGCONT to the same process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    // The mount serves again, on the same session.
+    assert_eq!(fs::read(m.path("before")).unwrap(), b"before");
+    fs::write(m.path("after"), b"after").unwrap();
+    assert_eq!(fs::read(m.path("after")).unwrap(), b"after");
+}
