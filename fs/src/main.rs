@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use rackfs_fs::mount::{mount_command, state_dir};
-use rackfs_fs::options::TransportChoice;
+use rackfs_fs::mount::{mount_command, state_dir, MountRecord};
+use rackfs_fs::options::{MountOptions, TransportChoice};
 use rackfs_fs::up::{self, read_state, state_value, UpConfig};
 use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_proto::size::{format_size, parse_size};
@@ -42,6 +42,10 @@ enum Cmd {
         /// Return once it is up, leaving it running in the background.
         #[arg(long)]
         detach: bool,
+        /// Mount options (see doc/CONFIGURATION.md), comma-separated; `transport=` here wins
+        /// over --transport, and the secret file is always the instance's own.
+        #[arg(short = 'o', default_value = "")]
+        options: String,
     },
     /// Stop what `rackfs up` started at DIR: unmount, stop the nodes, clean up.
     Down {
@@ -67,8 +71,10 @@ enum Cmd {
     },
     /// Show mounts, memory nodes, capacity, usage and verb counters.
     Status {
+        /// A RackFS mount point: show its cluster, and its own QoS first.
+        mountpoint: Option<PathBuf>,
         /// A cluster to query (default: every cluster started by `rackfs up`).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "mountpoint")]
         cluster: Option<String>,
         /// Secret file for --cluster.
         #[arg(long, default_value = rackfs_fs::options::DEFAULT_SECRET_FILE)]
@@ -103,8 +109,11 @@ fn main() -> ExitCode {
             region,
             transport,
             detach,
-        } => {
-            if detach {
+            options,
+        } => match up_options(&transport, &options) {
+            // Bad options fail here, before anything starts.
+            Err(e) => Err(e),
+            Ok(_) if detach => {
                 let fwd = vec![
                     "up".into(),
                     dir.display().to_string(),
@@ -114,22 +123,19 @@ fn main() -> ExitCode {
                     region.to_string(),
                     "--transport".into(),
                     transport,
+                    "-o".into(),
+                    options,
                 ];
                 up::up_detached(&dir, fwd).map_err(Into::into)
-            } else {
-                up::up(UpConfig {
-                    dir,
-                    nodes,
-                    region,
-                    transport: if transport == "tcp" {
-                        TransportChoice::Tcp
-                    } else {
-                        TransportChoice::Auto
-                    },
-                })
-                .map_err(Into::into)
             }
-        }
+            Ok(mount) => up::up(UpConfig {
+                dir,
+                nodes,
+                region,
+                mount,
+            })
+            .map_err(Into::into),
+        },
         Cmd::Down { dir } => up::down(&dir).map_err(Into::into),
         Cmd::Mount {
             source,
@@ -155,9 +161,10 @@ fn main() -> ExitCode {
             },
         } => qos_set(&mountpoint, &settings),
         Cmd::Status {
+            mountpoint,
             cluster,
             secret_file,
-        } => status(cluster, secret_file),
+        } => status(mountpoint, cluster, secret_file),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -168,7 +175,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
+fn status(
+    mountpoint: Option<PathBuf>,
+    cluster: Option<String>,
+    secret_file: PathBuf,
+) -> Result<(), Box<dyn std::error::Error>> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
     let ours: Vec<&str> = mounts
         .lines()
@@ -183,7 +194,26 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn s
         println!("  {} on {}", f[0], f[1]);
     }
     let mut clusters: Vec<(String, PathBuf)> = Vec::new();
-    if let Some(c) = cluster {
+    let mut own_slot = None;
+    if let Some(m) = mountpoint {
+        let dir = std::fs::canonicalize(&m).map_err(|e| format!("{}: {e}", m.display()))?;
+        if !rackfs_fs::mount::is_rackfs_mount(&dir) {
+            return Err(format!("{} is not a RackFS mount", dir.display()).into());
+        }
+        let record =
+            MountRecord::read(&dir).ok_or(format!("{}: no record of this mount", dir.display()))?;
+        let addr = record.source.split(',').next().unwrap_or("").to_string();
+        println!(
+            "{} is {} (QoS slot {})",
+            dir.display(),
+            record.source,
+            record
+                .qos_slot
+                .map_or_else(|| "none: qos=off".into(), |s| s.to_string())
+        );
+        own_slot = record.qos_slot;
+        clusters.push((addr, record.secret_file));
+    } else if let Some(c) = cluster {
         clusters.push((c, secret_file));
     } else if let Ok(rd) = std::fs::read_dir(state_dir()) {
         for e in rd.flatten() {
@@ -260,15 +290,31 @@ fn status(cluster: Option<String>, secret_file: PathBuf) -> Result<(), Box<dyn s
             s.lock_recoveries
         );
         if let Ok(ControlResponse::QosStatus(q)) = c.call(&ControlRequest::QosStatus) {
-            print_qos(&q);
+            print_qos(&q, own_slot);
         }
     }
     Ok(())
 }
 
+/// The mount options of `rackfs up`: `-o`, with `--transport` unless `-o` names one.
+fn up_options(transport: &str, options: &str) -> Result<MountOptions, Box<dyn std::error::Error>> {
+    let mut o = MountOptions::parse(options)?;
+    let named = options
+        .split(',')
+        .any(|i| i.trim().starts_with("transport="));
+    if !named {
+        o.transport = if transport == "tcp" {
+            TransportChoice::Tcp
+        } else {
+            TransportChoice::Auto
+        };
+    }
+    Ok(o)
+}
+
 /// The QoS part of `rackfs status`: per mount R, L, weight, achieved IOPS, tokens from
 /// reservation and pool, periods that missed the reservation; per node its capacity.
-fn print_qos(q: &rackfs_proto::control::QosStatus) {
+fn print_qos(q: &rackfs_proto::control::QosStatus, own: Option<u16>) {
     println!("  QoS (IOPS = 4 KiB one-sided operations per second):");
     for n in &q.nodes {
         let per_s = |t: u64| t * 1000 / n.period_ms.max(1);
@@ -295,6 +341,9 @@ fn print_qos(q: &rackfs_proto::control::QosStatus) {
         "from pool",
         "missed"
     );
+    if let Some(s) = own {
+        println!("    (* slot {s}: this mount)");
+    }
     for m in &q.mounts {
         // Per period (over the nodes' common recent periods): tokens spent and from the pool.
         let mut per_period: std::collections::BTreeMap<u64, (u64, u64, u64, u64)> =
@@ -330,9 +379,14 @@ fn print_qos(q: &rackfs_proto::control::QosStatus) {
         } else {
             m.limit.to_string()
         };
+        let slot = if own == Some(m.slot) {
+            format!("{}*", m.slot)
+        } else {
+            m.slot.to_string()
+        };
         println!(
             "    {:<5} {:>11} {:>11} {:>6} {:>30} {:>12} {:>12} {:>7}",
-            m.slot,
+            slot,
             m.reservation,
             lim,
             m.weight,
@@ -351,18 +405,14 @@ fn qos_set(mountpoint: &std::path::Path, settings: &str) -> Result<(), Box<dyn s
     let (_, source) = rackfs_fs::mount::mount_type(&dir)
         .filter(|(fstype, _)| rackfs_fs::mount::is_rackfs_mount(&dir) || fstype.contains("rackfs"))
         .ok_or(format!("{} is not a RackFS mount", dir.display()))?;
-    let state = state_dir().join(format!("qos-{}", rackfs_fs::mount::path_tag(&dir)));
-    let text = std::fs::read_to_string(&state)
-        .map_err(|e| format!("{}: {e} (was it mounted with qos=off?)", state.display()))?;
-    let mut words = text.split_whitespace();
-    let slot: u16 = words
-        .next()
-        .and_then(|w| w.parse().ok())
-        .ok_or(format!("{}: no slot", state.display()))?;
-    let secret_file = words
-        .next()
-        .ok_or(format!("{}: no secret file", state.display()))?;
-    let secret = Secret::from_file(std::path::Path::new(secret_file))?;
+    let record = MountRecord::read(&dir).ok_or(format!(
+        "{}: no record of this mount (was it mounted by another host's rackfs?)",
+        dir.display()
+    ))?;
+    let slot = record
+        .qos_slot
+        .ok_or(format!("{} was mounted with qos=off", dir.display()))?;
+    let secret = Secret::from_file(&record.secret_file)?;
     let addr = source
         .trim_start_matches("rackfs:")
         .split(',')

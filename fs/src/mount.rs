@@ -90,12 +90,75 @@ pub fn check_mount_point(dir: &Path) -> Result<PathBuf, FsError> {
     std::fs::canonicalize(dir).map_err(at)
 }
 
+/// What `rackfs status DIR` and `rackfs qos set DIR` need to know about a live mount, kept in
+/// the state directory (`mount-TAG.state`) for as long as it is mounted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountRecord {
+    pub source: String,
+    pub secret_file: PathBuf,
+    /// The mount's QoS slot (`None`: `qos=off`).
+    pub qos_slot: Option<u16>,
+}
+
+impl MountRecord {
+    fn path(dir: &Path) -> PathBuf {
+        state_dir().join(format!("mount-{}.state", path_tag(dir)))
+    }
+
+    /// The record of the mount at `dir` (canonical path), if it has one.
+    pub fn read(dir: &Path) -> Option<MountRecord> {
+        let text = std::fs::read_to_string(Self::path(dir)).ok()?;
+        let get = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+                .map(str::to_string)
+        };
+        Some(MountRecord {
+            source: get("source")?,
+            secret_file: PathBuf::from(get("secret_file")?),
+            qos_slot: get("qos_slot").and_then(|s| s.parse().ok()),
+        })
+    }
+
+    /// Writes the record; it is removed when the returned guard drops (the mount ended).
+    fn keep(&self, dir: &Path) -> RecordGuard {
+        let path = Self::path(dir);
+        let mut text = format!(
+            "source={}\nsecret_file={}\n",
+            self.source,
+            self.secret_file.display()
+        );
+        if let Some(s) = self.qos_slot {
+            text.push_str(&format!("qos_slot={s}\n"));
+        }
+        let written =
+            std::fs::create_dir_all(state_dir()).is_ok() && std::fs::write(&path, text).is_ok();
+        RecordGuard(written.then_some(path))
+    }
+}
+
+/// Removes a mount's record when the mount ends.
+pub struct RecordGuard(Option<PathBuf>);
+
+impl Drop for RecordGuard {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A mount ready to start: the filesystem, its FUSE configuration, the canonical mount point,
+/// and its record (kept while this lives).
+pub struct Prepared {
+    pub fs: RackFs,
+    pub config: Config,
+    pub dir: PathBuf,
+    pub record: RecordGuard,
+}
+
 /// Connects to the cluster and builds the FUSE configuration for a mount.
-pub fn prepare(
-    source: &str,
-    dir: &Path,
-    opts: &MountOptions,
-) -> Result<(RackFs, Config, PathBuf), FsError> {
+pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared, FsError> {
     let addrs = parse_source(source)?;
     let dir = check_mount_point(dir)?;
     let secret = Secret::from_file(&opts.secret_file)?;
@@ -108,23 +171,26 @@ pub fn prepare(
         &name,
     )?;
     cluster.primary.set_deadline(opts.timeout);
-    if opts.qos {
-        let slot = cluster
-            .enable_qos(opts.reservation, opts.limit, opts.weight)
-            .map_err(FsError::Qos)?;
-        // `rackfs qos set` finds the mount's slot here.
-        let state = state_dir();
-        if std::fs::create_dir_all(&state).is_ok() {
-            let _ = std::fs::write(
-                state.join(format!("qos-{}", path_tag(&dir))),
-                format!("{slot} {}\n", opts.secret_file.display()),
-            );
-        }
+    let qos_slot = match opts.qos {
+        true => Some(
+            cluster
+                .enable_qos(opts.reservation, opts.limit, opts.weight)
+                .map_err(FsError::Qos)?,
+        ),
+        false => None,
+    };
+    let record = MountRecord {
+        source: source.into(),
+        secret_file: opts.secret_file.clone(),
+        qos_slot,
     }
+    .keep(&dir);
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(format!("rackfs:{source}")),
-        MountOption::Subtype("rackfs".into()),
+        // The kernel's own subtype option: the mount shows as type fuse.rackfs (fuser passes
+        // MountOption::Subtype only to fusermount, which a root mount does not use).
+        MountOption::CUSTOM("subtype=rackfs".into()),
         MountOption::DefaultPermissions,
         MountOption::NoDev,
         MountOption::NoSuid,
@@ -143,12 +209,22 @@ pub fn prepare(
     if opts.qos {
         cluster.start_qos_ticker();
     }
-    Ok((RackFs::new(cluster, opts.clone()), config, dir))
+    Ok(Prepared {
+        fs: RackFs::new(cluster, opts.clone()),
+        config,
+        dir,
+        record,
+    })
 }
 
 /// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).
 pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), FsError> {
-    let (fs, config, dir) = prepare(source, dir, opts)?;
+    let Prepared {
+        fs,
+        config,
+        dir,
+        record,
+    } = prepare(source, dir, opts)?;
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
     let mut unmounter = session.unmount_callable();
     let mut signals =
@@ -165,6 +241,11 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
     info!(mount = %dir.display(), %source, "mounted");
     let r = session.run().map_err(FsError::Session);
     handle.close();
+    drop(record);
+    if r.is_ok() {
+        // A background mount's log goes with it when it ends cleanly.
+        let _ = std::fs::remove_file(daemon_log(&dir));
+    }
     r
 }
 
@@ -215,6 +296,11 @@ pub fn spawn_daemon(
     })
 }
 
+/// The log of a background mount of `dir` (canonical path).
+fn daemon_log(dir: &Path) -> PathBuf {
+    state_dir().join(format!("mount-{}.log", path_tag(dir)))
+}
+
 /// Where `rackfs` keeps runtime state (logs, `rackfs up` instances).
 pub fn state_dir() -> PathBuf {
     // SAFETY: geteuid has no preconditions.
@@ -259,7 +345,7 @@ pub fn mount_command(
     Secret::from_file(&opts.secret_file)?;
     let logs = state_dir();
     std::fs::create_dir_all(&logs).map_err(io("create", &logs))?;
-    let log = logs.join(format!("mount-{}.log", path_tag(&canon)));
+    let log = daemon_log(&canon);
     let pid = spawn_daemon(program, &foreground_args, &canon, &log)?;
     println!(
         "mounted {source} on {} (pid {pid}, log {})",

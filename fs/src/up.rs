@@ -28,7 +28,8 @@ pub struct UpConfig {
     pub dir: PathBuf,
     pub nodes: u32,
     pub region: u64,
-    pub transport: TransportChoice,
+    /// The mount's options (`rackfs up -o`); its secret file is the instance's own.
+    pub mount: MountOptions,
 }
 
 /// The files of one `rackfs up` instance.
@@ -204,12 +205,13 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         }
         let opts = MountOptions {
             secret_file: secret_file.clone(),
-            transport: cfg.transport,
-            ..MountOptions::default()
+            ..cfg.mount.clone()
         };
         let source = nodes[0].tcp.clone();
-        let (fs, config, _) = prepare(&source, &dir, &opts)?;
-        let session = fuser::spawn_mount(fs, &dir, &config).map_err(io("mount", &dir))?;
+        let prepared = prepare(&source, &dir, &opts)?;
+        let session =
+            fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
+        let _record = prepared.record;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
             std::process::id(),
@@ -225,7 +227,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
             "  cluster     : {source} (primary mn0), {} memory node(s) x {}, transport {}",
             cfg.nodes,
             format_size(cfg.region),
-            match cfg.transport {
+            match opts.transport {
                 TransportChoice::Tcp => "tcp",
                 _ => "shm",
             }
@@ -305,11 +307,17 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), FsError> {
     let end = Instant::now() + Duration::from_secs(30);
     while Instant::now() < end {
         if let Ok(Some(st)) = child.try_wait() {
+            // The run failed: its log is shown here and not kept.
             let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let _ = std::fs::remove_file(&log);
+            let lines: Vec<&str> = text.lines().collect();
+            for l in &lines[lines.len().saturating_sub(10)..lines.len().saturating_sub(1)] {
+                eprintln!("  {l}");
+            }
             return Err(FsError::Exited {
                 what: "rackfs up",
                 status: st,
-                last: text.lines().last().unwrap_or("").into(),
+                last: lines.last().copied().unwrap_or("").into(),
             });
         }
         if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
@@ -346,6 +354,7 @@ pub fn down(dir: &Path) -> Result<(), FsError> {
             let _ = Command::new("umount").arg("-l").arg(&dir).status();
         }
         let _ = std::fs::remove_dir_all(&inst);
+        let _ = std::fs::remove_file(state_dir().join(format!("up-{}.log", path_tag(&dir))));
         return Err(FsError::Gone { path: dir, pid });
     }
     // SAFETY: sending SIGTERM to the pid recorded by `rackfs up`.

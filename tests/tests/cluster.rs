@@ -346,7 +346,23 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     let dir = TempDir::new("up");
     let d = dir.path().join("m");
     let ds = d.to_str().unwrap();
-    let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
+    // Bad mount options fail before anything starts.
+    let out = run_rackfs(&["up", ds, "--detach", "-o", "bogus=1"]);
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("unknown mount option"),
+        "{out:?}"
+    );
+    assert!(!is_rackfs_mount(&d));
+    let out = run_rackfs(&[
+        "up",
+        ds,
+        "--detach",
+        "--region",
+        "64M",
+        "-o",
+        "limit=50000,stripe_unit=64K",
+    ]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -354,6 +370,30 @@ fn rackfs_up_and_down_leave_nothing_behind() {
         "{text}"
     );
     assert!(is_rackfs_mount(&d));
+    // It is a fuse.rackfs mount, as df -t and findmnt -t see it.
+    let canon = fs::canonicalize(&d).unwrap();
+    assert_eq!(
+        rackfs_fs::mount::mount_type(&canon).unwrap().0,
+        "fuse.rackfs"
+    );
+    let found = Command::new("findmnt")
+        .args(["-n", "-t", "fuse.rackfs"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&found.stdout).contains(canon.to_str().unwrap()),
+        "{found:?}"
+    );
+    // `rackfs status DIR`: this mount's cluster and its own QoS, with the -o limit.
+    let st = run_rackfs(&["status", ds]);
+    let st = String::from_utf8_lossy(&st.stdout);
+    assert!(st.contains("QoS slot") && st.contains("this mount"), "{st}");
+    let own = st
+        .lines()
+        .find(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()) && l.contains('*'));
+    assert!(own.is_some_and(|l| l.contains("50000")), "{st}");
+    let record = rackfs_fs::mount::MountRecord::read(&canon).expect("a record while mounted");
+    assert!(record.qos_slot.is_some());
     fs::write(d.join("hello"), b"hello").unwrap();
     assert_eq!(fs::read(d.join("hello")).unwrap(), b"hello");
     let status = run_rackfs(&["status"]);
@@ -379,6 +419,10 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     assert!(!is_rackfs_mount(&d), "unmounted");
     assert!(!inst.exists(), "state removed");
     assert!(!log.exists(), "log of a cleanly stopped instance removed");
+    assert!(
+        rackfs_fs::mount::MountRecord::read(&canon).is_none(),
+        "the mount's record goes with it"
+    );
     for p in node_pids.iter().chain([&up_pid]) {
         assert!(
             wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
