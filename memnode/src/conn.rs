@@ -80,28 +80,24 @@ fn handshake<S: Read + Write>(
     node.counters
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
-    let result = server_handshake(
-        stream,
-        &node.cfg.secret,
-        &node.cfg.name,
-        &node.welcome,
-        |h| {
-            if h.kind == ConnKind::Shm && !unix {
-                Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
-            } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
-                Err(
-                    "this memory node serves no RDMA clients (start it with --rdma-device NAME)"
-                        .into(),
-                )
-            } else {
-                Ok(())
-            }
-        },
-    );
+    let result = server_handshake(stream, &node.cfg.secret, &node.welcome, &node.nonces, |h| {
+        if h.kind == ConnKind::Shm && !unix {
+            Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
+        } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
+            Err("this memory node serves no RDMA clients (start it with --rdma-device NAME)".into())
+        } else {
+            Ok(())
+        }
+    });
     match result {
         Ok(hello) => {
             debug!(%peer, client = %hello.client_name, kind = ?hello.kind, "client authenticated");
             Some(hello.kind)
+        }
+        Err(HandshakeError::Replay { client }) => {
+            node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, %client, "refused a replayed handshake (a client nonce used before)");
+            None
         }
         Err(HandshakeError::WrongSecret { client }) => {
             node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
+use rackfs_verbs::auth::NonceLog;
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Access, Region, RegionTable};
 use tracing::info;
@@ -116,6 +117,8 @@ impl MemNode {
             None => None,
         };
         let welcome = Welcome {
+            proof: [0; rackfs_verbs::wire::PROOF_LEN], // filled in per connection
+            node_name: cfg.name.clone(),
             node_id: cfg.node_id,
             regions: table.infos(),
         };
@@ -169,6 +172,7 @@ impl MemNode {
             rdma,
             welcome,
             counters: NodeCounters::default(),
+            nonces: NonceLog::default(),
             next_session: AtomicU64::new(1),
             started: Instant::now(),
             stopping: AtomicBool::new(false),

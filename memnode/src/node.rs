@@ -38,6 +38,8 @@ pub struct Node {
     pub store: Store,
     pub members: Membership,
     pub counters: NodeCounters,
+    /// Client nonces seen recently (a repeated one is a replayed handshake).
+    pub nonces: rackfs_verbs::auth::NonceLog,
     /// The metadata service (primary only).
     pub meta: Option<Mutex<MetaService>>,
     /// This node's QoS monitor (cluster members only).

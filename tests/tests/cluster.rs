@@ -250,7 +250,7 @@ fn mount_rejects_bad_input_clearly() {
     }
     // Wrong secret.
     let wrong = dir.path().join("wrong");
-    fs::write(&wrong, "not-it").unwrap();
+    fs::write(&wrong, rackfs_verbs::Secret::generate().expose()).unwrap();
     let mnt = TempDir::new("m2");
     let out = run_rackfs(&[
         "mount",

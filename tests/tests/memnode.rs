@@ -15,14 +15,19 @@ use rackfs_verbs::{Batch, RemoteAddr, Secret, VerbsError};
 #[test]
 fn wrong_secret_is_refused_clearly_on_both_sides() {
     let node = MemNodeProcess::start("8M");
-    let wrong = Secret::new(b"not-the-secret").unwrap();
+    let wrong = Secret::generate();
     let err = rackfs_verbs::tcp::connect(&node.tcp, &wrong, "intruder").unwrap_err();
     assert!(matches!(err, VerbsError::Auth { .. }), "{err:?}");
     assert!(err.to_string().contains("wrong cluster secret"), "{err}");
     let err = rackfs_verbs::shm::connect(&node.shm, &wrong, "intruder").unwrap_err();
     assert!(err.to_string().contains("wrong cluster secret"), "{err}");
-    let stats = node.control().stats().unwrap();
-    assert_eq!(stats.auth_failures, 2);
+    // The node counts a refusal right after sending it.
+    assert!(wait_for(Duration::from_secs(5), || node
+        .control()
+        .stats()
+        .unwrap()
+        .auth_failures
+        == 2));
     assert!(wait_for(Duration::from_secs(5), || node
         .stderr()
         .contains("wrong cluster secret")));
@@ -34,13 +39,89 @@ fn wrong_secret_is_refused_clearly_on_both_sides() {
 
 #[test]
 fn a_node_with_another_secret_is_not_trusted_by_the_client() {
-    // The client checks the node's proof too: a node that does not know the secret is detected
-    // even if it would admit anyone.
+    // The client checks the node's proof too: a fake node that admits anyone, without knowing
+    // the secret, is detected before the connection is used.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut body = Vec::new();
+        wire::read_frame(&mut s, &mut body).unwrap(); // hello
+        let challenge = wire::Challenge { nonce: [7; 32] };
+        wire::write_frame(&mut s, FrameKind::Challenge, &challenge.encode()).unwrap();
+        wire::read_frame(&mut s, &mut body).unwrap(); // the client's proof
+        let welcome = wire::Welcome {
+            proof: [0; 32],
+            node_name: "impostor".into(),
+            node_id: 0,
+            regions: Vec::new(),
+        };
+        wire::write_frame(&mut s, FrameKind::Welcome, &welcome.encode()).unwrap();
+    });
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let err =
+        client_handshake(&mut s, ConnKind::Verbs, &Secret::generate(), "c", &addr).unwrap_err();
+    assert!(err.to_string().contains("proof does not match"), "{err}");
+    fake.join().unwrap();
+}
+
+#[test]
+fn an_unauthenticated_peer_learns_nothing_and_a_replay_is_named() {
     let node = MemNodeProcess::start("8M");
+    let hello = wire::Hello {
+        kind: ConnKind::Verbs,
+        nonce: [42; 32],
+        client_name: "guesser".into(),
+    };
     let mut s = TcpStream::connect(&node.tcp).unwrap();
-    let other = Secret::new(b"other").unwrap();
-    let err = client_handshake(&mut s, ConnKind::Verbs, &other, "c", &node.tcp).unwrap_err();
-    assert!(err.to_string().contains("secret"), "{err}");
+    wire::write_frame(&mut s, FrameKind::Hello, &hello.encode()).unwrap();
+    let mut body = Vec::new();
+    assert_eq!(
+        wire::read_frame(&mut s, &mut body).unwrap(),
+        FrameKind::Challenge
+    );
+    // The challenge is the node's nonce and nothing more: no proof to test guesses against.
+    assert_eq!(body.len(), 32, "challenge body: {body:?}");
+    wire::write_frame(&mut s, FrameKind::Proof, &[0u8; 32]).unwrap();
+    assert_eq!(
+        wire::read_frame(&mut s, &mut body).unwrap(),
+        FrameKind::Refused
+    );
+    assert!(String::from_utf8_lossy(&body).contains("wrong cluster secret"));
+    // The same hello again is a replay, refused as such before any challenge.
+    let mut s = TcpStream::connect(&node.tcp).unwrap();
+    wire::write_frame(&mut s, FrameKind::Hello, &hello.encode()).unwrap();
+    assert_eq!(
+        wire::read_frame(&mut s, &mut body).unwrap(),
+        FrameKind::Refused
+    );
+    assert!(String::from_utf8_lossy(&body).contains("replayed"));
+    assert!(wait_for(Duration::from_secs(5), || node
+        .stderr()
+        .contains("replayed handshake")));
+}
+
+#[test]
+fn weak_secret_files_are_refused_with_how_to_make_one() {
+    let dir = rackfs_tests::TempDir::new("weak");
+    for (text, why) in [
+        ("password", "8 characters"),
+        ("aaaaaaaaaaaaaaaaaaaa", "distinct"),
+    ] {
+        let f = dir.path().join("secret");
+        std::fs::write(&f, text).unwrap();
+        let out = std::process::Command::new(bin_path("rackfs-memnode"))
+            .args(["--region", "8M", "--listen", "127.0.0.1:0", "--secret-file"])
+            .arg(&f)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "a node started with {text:?}");
+        assert!(
+            err.contains("too weak") && err.contains(why) && err.contains("/dev/urandom"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -324,7 +405,7 @@ fn daemon_rejects_bad_arguments_with_clear_messages() {
     };
     let dir = rackfs_tests::TempDir::new("args");
     let secret = dir.path().join("secret");
-    std::fs::write(&secret, "s").unwrap();
+    std::fs::write(&secret, Secret::generate().expose()).unwrap();
     let empty = dir.path().join("empty");
     std::fs::write(&empty, "  \n").unwrap();
     let sf = secret.to_str().unwrap();

@@ -2,16 +2,22 @@
 //!
 //! ```text
 //! client -> Hello     { kind, nonce_c, client name }
-//! server -> Challenge { nonce_s, proof_s = HMAC(secret, "rackfs-server" | nonce_c | nonce_s), node name }
+//! server -> Challenge { nonce_s }
 //! client -> Proof     { proof_c = HMAC(secret, "rackfs-client" | nonce_s | nonce_c) }
-//! server -> Welcome   { node id, regions }    or    Refused { reason }
+//! server -> Welcome   { proof_s = HMAC(secret, "rackfs-server" | nonce_c | nonce_s),
+//!                       node name, node id, regions }        or    Refused { reason }
 //! ```
-//! The secret never crosses the wire; both sides prove knowledge of it with fresh nonces, so a
-//! recorded exchange cannot be replayed. A client always sends its proof (so the node can log a
-//! wrong secret plainly) and then checks the node's proof before using the connection.
+//! The secret never crosses the wire; both sides prove knowledge of it with fresh nonces. The
+//! client proves first: a peer that does not know the secret gets a nonce and a refusal, never
+//! a proof it could test guesses of the secret against offline. The node remembers recent
+//! client nonces, so a recorded client exchange played again is refused and logged as a
+//! replay; the client checks the node's proof before using the connection.
 
+use std::collections::{HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -44,6 +50,29 @@ pub enum SecretError {
     },
     #[error("the cluster secret is empty (secret file {})", .0.display())]
     EmptyFile(std::path::PathBuf),
+    #[error(
+        "the cluster secret in {} is too weak ({why}): use at least {MIN_SECRET_LEN} random \
+         characters, e.g. `od -An -N32 -tx1 /dev/urandom | tr -d ' \\n' > {}`",
+        .path.display(),
+        .path.display()
+    )]
+    Weak {
+        path: std::path::PathBuf,
+        why: String,
+    },
+}
+
+/// The shortest secret a secret file may hold.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// Why `bytes` are too weak a secret, if they are: too short, or too few distinct characters
+/// (a repeated or dictionary-like word).
+fn weakness(bytes: &[u8]) -> Option<String> {
+    if bytes.len() < MIN_SECRET_LEN {
+        return Some(format!("{} characters", bytes.len()));
+    }
+    let distinct = bytes.iter().collect::<HashSet<_>>().len();
+    (distinct < 8).then(|| format!("only {distinct} distinct characters"))
 }
 
 impl Secret {
@@ -62,7 +91,14 @@ impl Secret {
             path: path.into(),
             err,
         })?;
-        Secret::new(&bytes).map_err(|_| SecretError::EmptyFile(path.into()))
+        let secret = Secret::new(&bytes).map_err(|_| SecretError::EmptyFile(path.into()))?;
+        if let Some(why) = weakness(&secret.0) {
+            return Err(SecretError::Weak {
+                path: path.into(),
+                why,
+            });
+        }
+        Ok(secret)
     }
 
     /// A fresh random secret, hex-encoded (for `rackfs up` and tests).
@@ -106,6 +142,40 @@ pub fn nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];
     getrandom::getrandom(&mut n).expect("the OS random source works");
     n
+}
+
+/// Client nonces a node has seen recently: a hello that repeats one replays a recorded
+/// handshake. Kept for [`NonceLog::KEEP`], at most [`NonceLog::MAX`] of them.
+#[derive(Default)]
+pub struct NonceLog {
+    seen: Mutex<(
+        HashSet<[u8; NONCE_LEN]>,
+        VecDeque<([u8; NONCE_LEN], Instant)>,
+    )>,
+}
+
+impl NonceLog {
+    pub const KEEP: Duration = Duration::from_secs(600);
+    pub const MAX: usize = 1 << 16;
+
+    /// Records `n`; false if it was seen within the window (a replay).
+    pub fn fresh(&self, n: &[u8; NONCE_LEN]) -> bool {
+        let mut g = self.seen.lock().expect("nonce log lock");
+        let (set, order) = &mut *g;
+        let now = Instant::now();
+        while order
+            .front()
+            .is_some_and(|(_, t)| now.duration_since(*t) > Self::KEEP || set.len() >= Self::MAX)
+        {
+            let (old, _) = order.pop_front().expect("front");
+            set.remove(&old);
+        }
+        if !set.insert(*n) {
+            return false;
+        }
+        order.push_back((*n, now));
+        true
+    }
 }
 
 /// What a successful client handshake learned about the node.
@@ -154,23 +224,17 @@ pub fn client_handshake<S: Read + Write>(
     let challenge = Challenge::decode(&body).map_err(|e| wire_err(peer, e))?;
     let proof = secret.prove(CLIENT_LABEL, &challenge.nonce, &hello.nonce);
     wire::write_frame(stream, FrameKind::Proof, &proof).map_err(io)?;
-    let server_ok = secret.verify(
-        SERVER_LABEL,
-        &hello.nonce,
-        &challenge.nonce,
-        &challenge.proof,
-    );
     let body = wire::expect_frame(stream, FrameKind::Welcome).map_err(|e| wire_err(peer, e))?;
-    if !server_ok {
+    let welcome = Welcome::decode(&body).map_err(|e| wire_err(peer, e))?;
+    if !secret.verify(SERVER_LABEL, &hello.nonce, &challenge.nonce, &welcome.proof) {
         return Err(VerbsError::Auth {
             peer: peer.into(),
             reason: "the memory node's proof does not match this cluster secret".into(),
         });
     }
-    let welcome = Welcome::decode(&body).map_err(|e| wire_err(peer, e))?;
     Ok(Accepted {
+        node_name: welcome.node_name.clone(),
         welcome,
-        node_name: challenge.node_name,
     })
 }
 
@@ -179,18 +243,21 @@ pub fn client_handshake<S: Read + Write>(
 pub enum HandshakeError {
     #[error("client {client} failed authentication: wrong cluster secret")]
     WrongSecret { client: String },
+    #[error("client {client} replayed a recorded handshake (its nonce was used before)")]
+    Replay { client: String },
     #[error("{0}")]
     Wire(#[from] WireError),
 }
 
 /// Runs the server side of the handshake; returns the client's hello once it has proven the secret.
 ///
-/// `admit` decides, from the hello, whether this listener serves that kind of connection.
+/// `admit` decides, from the hello, whether this listener serves that kind of connection;
+/// `welcome` is sent with this connection's proof filled in; `nonces` catches replays.
 pub fn server_handshake<S: Read + Write>(
     stream: &mut S,
     secret: &Secret,
-    node_name: &str,
     welcome: &Welcome,
+    nonces: &NonceLog,
     admit: impl FnOnce(&Hello) -> Result<(), String>,
 ) -> Result<Hello, HandshakeError> {
     let refuse = |stream: &mut S, reason: &str| {
@@ -214,11 +281,15 @@ pub fn server_handshake<S: Read + Write>(
             return Err(e.into());
         }
     };
+    if !nonces.fresh(&hello.nonce) {
+        refuse(stream, "replayed handshake");
+        return Err(HandshakeError::Replay {
+            client: hello.client_name,
+        });
+    }
     let server_nonce = nonce();
     let challenge = Challenge {
         nonce: server_nonce,
-        proof: secret.prove(SERVER_LABEL, &hello.nonce, &server_nonce),
-        node_name: node_name.into(),
     };
     wire::write_frame(stream, FrameKind::Challenge, &challenge.encode()).map_err(WireError::Io)?;
     let proof = wire::expect_frame(stream, FrameKind::Proof)?;
@@ -226,7 +297,8 @@ pub fn server_handshake<S: Read + Write>(
         refuse(
             stream,
             &format!(
-                "wrong cluster secret: memory node {node_name} could not verify the client's proof"
+                "wrong cluster secret: memory node {} could not verify the client's proof",
+                welcome.node_name
             ),
         );
         return Err(HandshakeError::WrongSecret {
@@ -237,6 +309,10 @@ pub fn server_handshake<S: Read + Write>(
         refuse(stream, &reason);
         return Err(WireError::malformed("handshake", reason).into());
     }
+    let welcome = Welcome {
+        proof: secret.prove(SERVER_LABEL, &hello.nonce, &server_nonce),
+        ..welcome.clone()
+    };
     wire::write_frame(stream, FrameKind::Welcome, &welcome.encode()).map_err(WireError::Io)?;
     Ok(hello)
 }

@@ -17,7 +17,7 @@ use crate::region::RegionInfo;
 use crate::wr::{Access, Opcode, RemoteAddr, WorkRequest, MAX_BATCH_BYTES, MAX_BATCH_REQUESTS};
 
 pub const MAGIC: [u8; 2] = *b"RK";
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 8;
 /// Largest frame body accepted: a maximal batch plus its per-request headers.
 pub const MAX_FRAME_BODY: u32 = MAX_BATCH_BYTES as u32 + 64 * MAX_BATCH_REQUESTS as u32;
@@ -427,42 +427,40 @@ impl Hello {
     }
 }
 
+/// The node's nonce, and nothing else: a peer that has not proven the secret learns nothing
+/// from the node it could test guesses of the secret against.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Challenge {
     pub nonce: [u8; NONCE_LEN],
-    pub proof: [u8; PROOF_LEN],
-    pub node_name: String,
 }
 
 impl Challenge {
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = self.nonce.to_vec();
-        b.extend_from_slice(&self.proof);
-        put_str(&mut b, &self.node_name);
-        b
+        self.nonce.to_vec()
     }
     pub fn decode(body: &[u8]) -> Result<Challenge, WireError> {
         let mut c = Cursor::new(body, "challenge");
-        let ch = Challenge {
-            nonce: c.array()?,
-            proof: c.array()?,
-            node_name: c.str()?,
-        };
+        let ch = Challenge { nonce: c.array()? };
         c.finish()?;
         Ok(ch)
     }
 }
 
-/// The server's acceptance: who it is and which regions it serves.
+/// The server's acceptance, once the client has proven the secret: its own proof, who it is
+/// and which regions it serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Welcome {
+    pub proof: [u8; PROOF_LEN],
+    pub node_name: String,
     pub node_id: u32,
     pub regions: Vec<RegionInfo>,
 }
 
 impl Welcome {
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = self.node_id.to_le_bytes().to_vec();
+        let mut b = self.proof.to_vec();
+        put_str(&mut b, &self.node_name);
+        b.extend_from_slice(&self.node_id.to_le_bytes());
         b.extend_from_slice(&(self.regions.len() as u16).to_le_bytes());
         for r in &self.regions {
             b.extend_from_slice(&r.rkey.to_le_bytes());
@@ -473,6 +471,8 @@ impl Welcome {
     }
     pub fn decode(body: &[u8]) -> Result<Welcome, WireError> {
         let mut c = Cursor::new(body, "welcome");
+        let proof = c.array()?;
+        let node_name = c.str()?;
         let node_id = c.u32()?;
         let n = c.u16()? as usize;
         let mut regions = Vec::with_capacity(n.min(64));
@@ -484,7 +484,12 @@ impl Welcome {
             });
         }
         c.finish()?;
-        Ok(Welcome { node_id, regions })
+        Ok(Welcome {
+            proof,
+            node_name,
+            node_id,
+            regions,
+        })
     }
 }
 
@@ -627,9 +632,9 @@ mod tests {
         fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32) {
             let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone() };
             prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
-            let c = Challenge { nonce, proof, node_name: name };
+            let c = Challenge { nonce };
             prop_assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
-            let w = Welcome { node_id: id, regions: vec![RegionInfo { rkey: id, len: 4096, access: Access::ALL }] };
+            let w = Welcome { proof, node_name: name, node_id: id, regions: vec![RegionInfo { rkey: id, len: 4096, access: Access::ALL }] };
             prop_assert_eq!(Welcome::decode(&w.encode()).unwrap(), w);
         }
     }
