@@ -148,10 +148,14 @@ pub fn nonce() -> [u8; NONCE_LEN] {
 /// handshake. Kept for [`NonceLog::KEEP`], at most [`NonceLog::MAX`] of them.
 #[derive(Default)]
 pub struct NonceLog {
-    seen: Mutex<(
-        HashSet<[u8; NONCE_LEN]>,
-        VecDeque<([u8; NONCE_LEN], Instant)>,
-    )>,
+    seen: Mutex<Seen>,
+}
+
+/// The nonces, as a set and in arrival order (for expiry).
+#[derive(Default)]
+struct Seen {
+    set: HashSet<[u8; NONCE_LEN]>,
+    order: VecDeque<([u8; NONCE_LEN], Instant)>,
 }
 
 impl NonceLog {
@@ -161,7 +165,7 @@ impl NonceLog {
     /// Records `n`; false if it was seen within the window (a replay).
     pub fn fresh(&self, n: &[u8; NONCE_LEN]) -> bool {
         let mut g = self.seen.lock().expect("nonce log lock");
-        let (set, order) = &mut *g;
+        let Seen { set, order } = &mut *g;
         let now = Instant::now();
         while order
             .front()
