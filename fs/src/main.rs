@@ -351,7 +351,9 @@ fn print_qos(q: &rackfs_proto::control::QosStatus, own: Option<u16>) {
         let mut period_ms = 1000;
         for n in &q.nodes {
             period_ms = n.period_ms.max(1);
-            for p in &n.periods {
+            // Periods before this mount took the slot were another mount's.
+            let since = m.since.iter().find(|s| s.0 == n.node_id).map_or(0, |s| s.1);
+            for p in n.periods.iter().filter(|p| p.period > since) {
                 if let Some(&(_, r, used, pool, asked)) = p.mounts.iter().find(|e| e.0 == m.slot) {
                     let e = per_period.entry(p.period).or_default();
                     e.0 += used;

@@ -36,10 +36,7 @@ impl QosController {
     /// A controller; `pshift` off splits every reservation evenly (experiments only).
     pub fn new(pshift: bool) -> QosController {
         QosController {
-            cluster: Mutex::new(ClusterQos {
-                even_split: !pshift,
-                ..Default::default()
-            }),
+            cluster: Mutex::new(ClusterQos::new(!pshift)),
         }
     }
 

@@ -57,6 +57,10 @@ pub struct MountQos {
     pub weight: u32,
 }
 
+/// When a slot's current mount took it: its session and, per node, the last period finished
+/// before then.
+type Since = (u64, Vec<(u32, u64)>);
+
 /// The primary's QoS controller (see the module docs).
 #[derive(Default)]
 pub struct ClusterQos {
@@ -65,9 +69,20 @@ pub struct ClusterQos {
     pub placed: Placement,
     /// Split reservations evenly instead of by demand (experiments: pShift off).
     pub even_split: bool,
+    /// Per slot, when its current mount took it (reports leave out earlier periods).
+    since: BTreeMap<u16, Since>,
 }
 
 impl ClusterQos {
+    /// A controller with no mounts; `even_split` splits reservations evenly instead of by
+    /// demand (experiments: pShift off).
+    pub fn new(even_split: bool) -> ClusterQos {
+        ClusterQos {
+            even_split,
+            ..ClusterQos::default()
+        }
+    }
+
     /// Admission control for `slot` asking `reservation` and `limit` IOPS, given the nodes'
     /// capacities and the largest rate one mount can reach (both IOPS).
     pub fn admit(
@@ -124,6 +139,13 @@ impl ClusterQos {
                     q.reservation - local
                 ),
             ));
+        }
+        if self.since.get(&slot).is_none_or(|s| s.0 != q.session) {
+            let periods = nodes
+                .iter()
+                .map(|n| (n.node_id, n.periods.last().map_or(0, |p| p.period)))
+                .collect();
+            self.since.insert(slot, (q.session, periods));
         }
         self.mounts.insert(slot, q);
         Ok(())
@@ -220,6 +242,7 @@ impl ClusterQos {
                     .iter()
                     .filter_map(|(&node, v)| v.iter().find(|e| e.0 == slot).map(|e| (node, e.1)))
                     .collect(),
+                since: self.since.get(&slot).map_or_else(Vec::new, |s| s.1.clone()),
             })
             .collect()
     }
@@ -263,6 +286,31 @@ mod tests {
         assert_eq!(split_limit(2000, &[0, 500], &[600, 0], p), vec![600, 1800]);
         // No limit.
         assert_eq!(split_limit(0, &[3, 4], &[1, 1], p), vec![0, 0]);
+    }
+
+    #[test]
+    fn a_reused_slot_reports_only_its_new_mounts_periods() {
+        let at = |period: u64| {
+            let mut n = node(0, &[(0, 10)]);
+            n.periods[0].period = period;
+            vec![n]
+        };
+        let q = |session| MountQos {
+            session,
+            reservation: 100,
+            limit: 0,
+            weight: 1,
+        };
+        let mut c = ClusterQos::default();
+        c.admit(0, q(1), &at(5)).unwrap();
+        assert_eq!(c.report()[0].since, vec![(0, 5)]);
+        // `rackfs qos set` on the same mount keeps its history.
+        c.admit(0, q(1), &at(9)).unwrap();
+        assert_eq!(c.report()[0].since, vec![(0, 5)]);
+        // Another mount in the slot starts afresh.
+        assert!(c.end_session(1));
+        c.admit(0, q(2), &at(12)).unwrap();
+        assert_eq!(c.report()[0].since, vec![(0, 12)]);
     }
 
     #[test]

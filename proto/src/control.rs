@@ -265,6 +265,9 @@ pub struct QosMount {
     pub weight: u32,
     /// Its reservation share per node (tokens per period), as pShift placed it.
     pub shares: Vec<(u32, u64)>,
+    /// Per node, the last period finished before this mount took the slot: earlier periods
+    /// of the slot were another mount's.
+    pub since: Vec<(u32, u64)>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

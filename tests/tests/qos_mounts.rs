@@ -256,3 +256,54 @@ fn large_writes_on_a_fresh_limited_mount_complete_at_the_limit() {
     assert!(data[..4 << 20].iter().all(|&b| b == 7));
     assert!(data[4 << 20..5 << 20].iter().all(|&b| b == 5));
 }
+
+#[test]
+fn a_reused_qos_slot_does_not_show_the_previous_mounts_periods() {
+    use rackfs_proto::control::{ControlRequest, ControlResponse, QosStatus};
+    let c = cluster(1);
+    let status = || match c.control(0).call(&ControlRequest::QosStatus).unwrap() {
+        ControlResponse::QosStatus(q) => q,
+        other => panic!("{other:?}"),
+    };
+    // Tokens the slot spent in periods the report attributes to its current mount.
+    let counted = |q: &QosStatus, slot: u16| -> u64 {
+        let m = q.mounts.iter().find(|m| m.slot == slot).unwrap();
+        q.nodes
+            .iter()
+            .flat_map(|n| {
+                let since = m.since.iter().find(|s| s.0 == n.node_id).map_or(0, |s| s.1);
+                n.periods
+                    .iter()
+                    .filter(move |p| p.period > since)
+                    .flat_map(|p| p.mounts.iter().filter(|e| e.0 == slot).map(|e| e.2))
+            })
+            .sum()
+    };
+    let a = Mount::new(&c, "reservation=1000");
+    let f = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(a.path("a"))
+        .unwrap();
+    let end = Instant::now() + Duration::from_millis(1200);
+    while Instant::now() < end {
+        f.write_all_at(&[1u8; 4096], 0).unwrap();
+    }
+    drop(f);
+    let q = status();
+    let slot = q.mounts[0].slot;
+    assert!(counted(&q, slot) > 100, "mount A's periods count: {q:?}");
+    drop(a);
+    // The slot is free again once its lock slot is (200 ms here); B takes it and does nothing.
+    std::thread::sleep(Duration::from_millis(1500));
+    let _b = Mount::new(&c, "reservation=1000");
+    let q = status();
+    assert_eq!(q.mounts.len(), 1);
+    assert_eq!(q.mounts[0].slot, slot, "the slot was reused");
+    assert_eq!(
+        counted(&q, slot),
+        0,
+        "B inherits none of A's periods: {q:?}"
+    );
+}
