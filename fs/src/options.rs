@@ -142,6 +142,15 @@ pub enum OptionsError {
     QosOff,
 }
 
+/// A duration in (decimal) seconds from `min` to an hour.
+fn seconds(key: &str, v: &str, min: f64, expected: &'static str) -> Result<Duration, OptionsError> {
+    v.parse()
+        .ok()
+        .filter(|s: &f64| s.is_finite() && (min..=3600.0).contains(s))
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| bad(key, v, expected))
+}
+
 fn bad(key: &str, value: impl ToString, expected: &'static str) -> OptionsError {
     OptionsError::BadValue {
         key: key.into(),
@@ -212,22 +221,10 @@ impl MountOptions {
                         .ok_or_else(|| bad(key, v, "a number from 1 to 64"))?;
                 }
                 "attr_timeout" => {
-                    let v = need(key, value)?;
-                    let secs: f64 = v
-                        .parse()
-                        .ok()
-                        .filter(|s: &f64| s.is_finite() && (0.0..=3600.0).contains(s))
-                        .ok_or_else(|| bad(key, v, "seconds from 0 to 3600"))?;
-                    o.attr_timeout = Duration::from_secs_f64(secs);
+                    o.attr_timeout = seconds(key, need(key, value)?, 0.0, "seconds from 0 to 3600")?
                 }
                 "timeout" => {
-                    let v = need(key, value)?;
-                    let secs: f64 = v
-                        .parse()
-                        .ok()
-                        .filter(|s: &f64| s.is_finite() && (0.1..=3600.0).contains(s))
-                        .ok_or_else(|| bad(key, v, "seconds from 0.1 to 3600"))?;
-                    o.timeout = Duration::from_secs_f64(secs);
+                    o.timeout = seconds(key, need(key, value)?, 0.1, "seconds from 0.1 to 3600")?
                 }
                 "locks" => {
                     o.locks = match need(key, value)? {

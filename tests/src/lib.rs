@@ -5,6 +5,7 @@
 
 pub mod env;
 pub mod fio;
+pub mod map;
 pub mod mount;
 pub mod node;
 pub mod process;
@@ -12,6 +13,7 @@ pub mod rng;
 
 pub use env::{connect, Env, NodeEnv, SimEnv, Via};
 pub use fio::{Fio, FioJob, FioReport, FioSide};
+pub use map::mapped;
 pub use mount::{pin, Mount};
 pub use node::{MemNodeProcess, TestCluster};
 pub use process::{bin_path, wait_for, TempDir};

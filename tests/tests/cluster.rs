@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use rackfs_fs::mount::is_rackfs_mount;
-use rackfs_tests::{bin_path, wait_for, Mount, TempDir, TestCluster};
+use rackfs_tests::{bin_path, mapped, wait_for, Mount, TempDir, TestCluster};
 
 /// Two mounts opening the same new names with O_CREAT at once: each open succeeds (one
 /// creates, the other opens what was just created), as on a local filesystem; with O_EXCL
@@ -514,35 +514,6 @@ fn a_killed_mount_releases_its_open_files() {
     assert!(fs::read_dir(&survivor.dir).unwrap().next().is_none());
 }
 
-/// Maps `len` bytes of `f` shared, read-write.
-fn map_shared(f: &fs::File, len: usize) -> *mut u8 {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a fresh mapping chosen by the kernel (no address given) of an open file; the
-    // caller unmaps it with `unmap` before the file is closed and touches only `len` bytes.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(
-        p,
-        libc::MAP_FAILED,
-        "mmap MAP_SHARED: {}",
-        std::io::Error::last_os_error()
-    );
-    p.cast()
-}
-
-fn unmap(p: *mut u8, len: usize) {
-    // SAFETY: `p` and `len` are a mapping made by `map_shared` and not unmapped yet.
-    assert_eq!(unsafe { libc::munmap(p.cast(), len) }, 0);
-}
-
 #[test]
 fn shared_mappings_read_and_write_through_two_mounts() {
     const LEN: usize = 64 << 10;
@@ -550,59 +521,33 @@ fn shared_mappings_read_and_write_through_two_mounts() {
     let (a, b) = (Mount::new(&c, ""), Mount::new(&c, "transport=tcp"));
     let pattern: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
     fs::write(a.path("mapped"), &pattern).unwrap();
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(a.path("mapped"))
-        .unwrap();
-    let p = map_shared(&f, LEN);
-    // SAFETY: `p` maps LEN bytes of the file; nothing else in this process aliases them.
-    let map = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
-    assert_eq!(&map[..], &pattern[..], "a mapped read sees the file");
-    map[4096..8192].fill(0xaa);
-    map[LEN - 1] = 0xbb;
-    // SAFETY: msync on the mapping made above.
-    assert_eq!(unsafe { libc::msync(p.cast(), LEN, libc::MS_SYNC) }, 0);
+    let open_rw = |m: &Mount| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.path("mapped"))
+            .unwrap()
+    };
+    mapped(&open_rw(&a), LEN, |map| {
+        assert_eq!(&map[..], &pattern[..], "a mapped read sees the file");
+        map[4096..8192].fill(0xaa);
+        map[LEN - 1] = 0xbb;
+    });
     // Once msync returns, the other mount reads the mapped writes.
-    let mut got = vec![0u8; LEN];
-    fs::File::open(b.path("mapped"))
-        .unwrap()
-        .read_exact_at(&mut got, 0)
-        .unwrap();
+    let got = fs::read(b.path("mapped")).unwrap();
     assert!(got[4096..8192].iter().all(|&x| x == 0xaa));
     assert_eq!(got[LEN - 1], 0xbb);
     assert_eq!(&got[..4096], &pattern[..4096]);
-    unmap(p, LEN);
-    drop(f);
     // A write on the other mount is seen by a mapping opened after it.
-    b_write(&b, &[0xcc; 4096], 0);
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(a.path("mapped"))
-        .unwrap();
-    let p = map_shared(&f, LEN);
-    // SAFETY: as above, a fresh mapping of LEN bytes.
-    let map = unsafe { std::slice::from_raw_parts_mut(p, LEN) };
-    assert!(
-        map[..4096].iter().all(|&x| x == 0xcc),
-        "a new mapping sees the other mount's write"
-    );
-    // munmap and close write back without msync.
-    map[8192] = 0xdd;
-    unmap(p, LEN);
-    drop(f);
-    let got = fs::read(b.path("mapped")).unwrap();
-    assert_eq!(got[8192], 0xdd, "written back on munmap and close");
-}
-
-fn b_write(m: &Mount, data: &[u8], at: u64) {
-    OpenOptions::new()
-        .write(true)
-        .open(m.path("mapped"))
-        .unwrap()
-        .write_all_at(data, at)
-        .unwrap();
+    open_rw(&b).write_all_at(&[0xcc; 4096], 0).unwrap();
+    mapped(&open_rw(&a), LEN, |map| {
+        assert!(
+            map[..4096].iter().all(|&x| x == 0xcc),
+            "a new mapping sees the other mount's write"
+        );
+        map[8192] = 0xdd;
+    });
+    assert_eq!(fs::read(b.path("mapped")).unwrap()[8192], 0xdd);
 }
 
 #[test]

@@ -1,13 +1,12 @@
 //! fsx-style random operations on real mounts, checked against an in-memory model after every
 //! operation. A failure prints its seed; `RACKFS_FSX_SEED=N` replays just that seed. On one
 //! mount, reads and writes through shared mappings join in (xfstests fsx's mapread/mapwrite).
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 
-use rackfs_tests::{Mount, Rng, TestCluster};
+use rackfs_tests::{mapped, Mount, Rng, TestCluster};
 
 const OPS: usize = 2500;
 const MAX_LEN: u64 = 160 << 10;
@@ -67,36 +66,6 @@ fn check(h: &Handles, model: &[u8], off: u64, len: u64, ctx: &str) {
     }
     let size = h.rw.metadata().unwrap().len();
     assert_eq!(size, model.len() as u64, "{ctx}: file size");
-}
-
-/// Maps the first `len` bytes of `f` shared and runs `body` on them, then unmaps.
-fn mapped<T>(f: &File, len: usize, body: impl FnOnce(&mut [u8]) -> T) -> T {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a fresh mapping of an open file at an address the kernel chooses.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(
-        p,
-        libc::MAP_FAILED,
-        "mmap: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: the mapping is `len` bytes, lives until munmap below, and nothing aliases it.
-    let out = body(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) });
-    // SAFETY: msync and munmap of the mapping made above.
-    unsafe {
-        assert_eq!(libc::msync(p, len, libc::MS_SYNC), 0);
-        assert_eq!(libc::munmap(p, len), 0);
-    }
-    out
 }
 
 fn run(seed: u64, mounts: &[&Mount], maps: bool) {
