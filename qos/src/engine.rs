@@ -78,6 +78,9 @@ struct Inner {
     line: Line,
     /// Checks made by [`QosEngine::try_admit`] (it reads the clock every eighth).
     quick_checks: u64,
+    /// Tokens requests waiting in line still need: a new period counts them as asked for, so
+    /// a request spanning periods shows its demand in each.
+    owed: u64,
 }
 
 /// What one engine did in one finished period.
@@ -255,6 +258,7 @@ impl QosEngine {
         let sl = done.data(slot)?;
         let mut inner = self.lock();
         let waiting = inner.line.waiting();
+        let owed = inner.owed;
         let s = &mut inner.s;
         if period != s.period {
             // A new period: the grant replaces whatever was left; unused global tokens lapse.
@@ -278,6 +282,7 @@ impl QosEngine {
                 limit: w(sl, 1),
                 reservation: w(sl, 0),
                 period_us,
+                asked: owed,
                 ..State::default()
             };
         }
@@ -399,6 +404,7 @@ impl QosEngine {
         let ticket = {
             let mut inner = self.lock();
             inner.totals.waits += 1;
+            inner.owed += tokens;
             inner.line.join()
         };
         let res = self.wait_in_line(ticket, tokens).await;
@@ -478,13 +484,27 @@ impl QosEngine {
         }
         .await;
         let mut missing = tokens;
+        let res = self.gather(&mut missing).await;
+        if res.is_err() {
+            // What a failed request still needed is no longer owed (what it got stays spent).
+            self.lock().owed -= missing;
+        }
+        res
+    }
+
+    async fn gather(&self, missing: &mut u64) -> Result<(), VerbsError> {
         loop {
             self.refresh_if_due().await?;
-            let (got, step) = Self::take(&mut self.lock(), missing, true);
-            missing -= got;
+            let step = {
+                let mut inner = self.lock();
+                let (got, step) = Self::take(&mut inner, *missing, true);
+                inner.owed -= got;
+                *missing -= got;
+                step
+            };
             match step {
                 Step::Go => return Ok(()),
-                Step::Claim => self.claim(missing).await?,
+                Step::Claim => self.claim(*missing).await?,
                 Step::Wait => {
                     self.clock.sleep(self.cfg.delta).await;
                     self.refresh().await?;
