@@ -15,7 +15,7 @@ use rackfs_qos::{
     area, CapacityEstimator, EngineConfig, MonitorConfig, MountShare, QosEngine, QosMonitor,
 };
 use rackfs_verbs::sim::{RunOutcome, Sim, SimConfig, SIM_RKEY};
-use rackfs_verbs::{Batch, RemoteAddr};
+use rackfs_verbs::{Batch, QueuePair, RemoteAddr};
 
 const PERIOD: Duration = Duration::from_millis(20);
 const CAPACITY: u64 = 3000;
@@ -66,6 +66,20 @@ fn memory_node(
     monitor
 }
 
+/// A mount's QoS engine for slot `slot` on the sim region's area, claiming `batch` global
+/// tokens at a time, refreshing every millisecond.
+fn engine(qp: &QueuePair, slot: usize, batch: u64) -> Rc<QosEngine> {
+    Rc::new(QosEngine::new(
+        qp.clone(),
+        RemoteAddr::new(SIM_RKEY, 0),
+        slot as u16,
+        EngineConfig {
+            batch,
+            delta: Duration::from_millis(1),
+        },
+    ))
+}
+
 /// One mount of a run: its kind, its reservation, and what its engine did per period.
 type ClientRun = (Kind, u64, Vec<PeriodUse>);
 
@@ -109,15 +123,7 @@ fn run(seed: u64, conversion: bool) -> Result<(Vec<PeriodRecord>, Vec<ClientRun>
         let id = sim.add_client();
         ids.push(id);
         let qp = h.connect(id);
-        let engine = Rc::new(QosEngine::new(
-            qp.clone(),
-            RemoteAddr::new(SIM_RKEY, 0),
-            c as u16,
-            EngineConfig {
-                batch: BATCH,
-                delta: Duration::from_millis(1),
-            },
-        ));
+        let engine = engine(&qp, c, BATCH);
         {
             // The mount's background refresh: keeps an idle engine's reports current.
             let (h, engine) = (h.clone(), engine.clone());
@@ -343,15 +349,7 @@ fn weighted_shares(seed: u64) -> Vec<u64> {
     for c in 0..3 {
         let id = sim.add_client();
         let qp = h.connect(id);
-        let engine = Rc::new(QosEngine::new(
-            qp.clone(),
-            RemoteAddr::new(SIM_RKEY, 0),
-            c as u16,
-            EngineConfig {
-                batch: 8,
-                delta: Duration::from_millis(1),
-            },
-        ));
+        let engine = engine(&qp, c, 8);
         let (h, uses) = (h.clone(), uses.clone());
         sim.spawn(id, async move {
             while h.now() < end {
@@ -430,15 +428,7 @@ fn large_requests(seed: u64) -> Result<f64, String> {
     for (c, share) in shares.iter().enumerate() {
         let id = sim.add_client();
         let qp = h.connect(id);
-        let engine = Rc::new(QosEngine::new(
-            qp.clone(),
-            RemoteAddr::new(SIM_RKEY, 0),
-            c as u16,
-            EngineConfig {
-                batch: BATCH,
-                delta: Duration::from_millis(1),
-            },
-        ));
+        let engine = engine(&qp, c, BATCH);
         let (h, worst, share) = (h.clone(), worst.clone(), *share);
         sim.spawn(id, async move {
             if c < 2 {
