@@ -1,10 +1,12 @@
 //! The data path of one regular file: one-sided reads and writes straight to its stripes.
 //!
 //! A mount caches a file's layout (the extent table's address and the stripes it has seen).
-//! Every batch that touches a stripe reads the stripe's owner tag first, on the same queue pair,
-//! so the tag check executes before the data ops; a mismatch means the stripe was freed by a
-//! truncate or unlink elsewhere, and the operation is redone with a fresh layout (see
-//! `rackfs_proto::record`). A write to a stripe not seen live within half its node's
+//! Every batch that touches a stripe reads the stripe's owner tag after its data ops, on the
+//! same queue pair, so the check executes after them; a mismatch means the stripe was freed
+//! (truncate, unlink) or moved to a larger extent elsewhere, and the operation is redone with a
+//! fresh layout (see `rackfs_proto::record`). A stripe's extent may hold fewer bytes than the
+//! stripe unit: reads beyond it are zeros, and a write beyond it first asks the service to grow
+//! it. A write to a stripe not seen live within half its node's
 //! quarantine checks the tag in a batch of its own first: by then the node may have reused
 //! the memory, and a write in the same batch as the check would land before the check fails. The file size lives in the file record on the primary and only
 //! grows by CAS-max, so concurrent extending writes from different mounts never lose size.
@@ -69,6 +71,26 @@ fn word(b: &[u8], i: usize) -> u64 {
 
 /// A tag check posted with a batch: (node, stripe, expected tag, the tag's READ).
 type TagCheck = (u32, u64, u64, WrId);
+
+/// The stripes a batch touches, whose tags it reads after its data ops.
+#[derive(Default)]
+struct Touched(Vec<(StripeExtent, u64, u32)>); // extent, stripe, rkey
+
+impl Touched {
+    /// Appends each touched stripe's tag READ to its node's batch.
+    fn check(self, batches: &mut BTreeMap<u32, Batch<'_>>) -> Vec<TagCheck> {
+        self.0
+            .into_iter()
+            .map(|(e, stripe, rkey)| {
+                let id = batches
+                    .entry(e.node)
+                    .or_default()
+                    .read(RemoteAddr::new(rkey, e.offset - TAG_SPACE), 8);
+                (e.node, stripe, e.tag, id)
+            })
+            .collect()
+    }
+}
 
 /// Stripes whose tag no longer matches: freed (and quarantined) since this mount cached them.
 fn stale_stripes(tags: &[TagCheck], done: &BTreeMap<u32, Completions>) -> Vec<u64> {
@@ -266,31 +288,39 @@ impl FileData {
         }
     }
 
-    /// Puts the tag check of piece `p`'s stripe in its node's batch (once per stripe) and
-    /// returns that node and the remote address of the piece's bytes; `None` when this mount has
+    /// Notes piece `p`'s stripe in `touched` (its tag is checked after the data ops) and returns
+    /// its extent and the remote address of the piece's first byte; `None` when this mount has
     /// no extent for the stripe.
     fn stage(
         &self,
         cl: &Cluster,
         p: &Piece,
-        batches: &mut BTreeMap<u32, Batch<'_>>,
-        tags: &mut Vec<TagCheck>,
-    ) -> Result<Option<(u32, RemoteAddr)>, i32> {
+        touched: &mut Touched,
+    ) -> Result<Option<(StripeExtent, RemoteAddr)>, i32> {
         let Some(e) = self.cached(p.stripe) else {
             return Ok(None);
         };
         let node = cl
             .node(e.node)
             .map_err(|err| self.verbs_err(cl, e.node, err))?;
-        if !tags.iter().any(|t| t.1 == p.stripe) {
-            let b = batches.entry(e.node).or_default();
-            let id = b.read(RemoteAddr::new(node.rkey, e.offset - TAG_SPACE), 8);
-            tags.push((e.node, p.stripe, e.tag, id));
+        if !touched.0.iter().any(|t| t.1 == p.stripe) {
+            touched.0.push((e, p.stripe, node.rkey));
         }
-        Ok(Some((
-            e.node,
-            RemoteAddr::new(node.rkey, e.offset + p.offset),
-        )))
+        Ok(Some((e, RemoteAddr::new(node.rkey, e.offset + p.offset))))
+    }
+
+    /// Stripes of `ps` whose cached extent is missing or too small for the pieces to write,
+    /// with the bytes each must hold.
+    fn short(&self, ps: &[Piece]) -> Vec<(u64, u64)> {
+        let l = self.layout.read().expect("layout lock");
+        ps.iter()
+            .filter(|p| {
+                l.stripes
+                    .get(&p.stripe)
+                    .is_none_or(|c| c.extent.cap() < p.offset + p.len)
+            })
+            .map(|p| (p.stripe, p.offset + p.len))
+            .collect()
     }
 
     /// QoS: waits until this mount may spend the tokens of the data operations per node.
@@ -367,18 +397,21 @@ impl FileData {
                 Some(self.refresh(cl, &missing)?)
             };
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
-            let mut tags: Vec<TagCheck> = Vec::new();
+            let mut touched = Touched::default();
             let mut reads: Vec<(usize, u32, WrId)> = Vec::new(); // piece, node, id
             for (i, p) in ps.iter().enumerate() {
-                // A stripe without an extent is a hole: it reads as zeros.
-                if let Some((node, at)) = self.stage(cl, p, &mut batches, &mut tags)? {
-                    let id = batches
-                        .get_mut(&node)
-                        .expect("staged")
-                        .read(at, p.len as u32);
-                    reads.push((i, node, id));
+                // A stripe without an extent is a hole, and bytes beyond an extent's capacity
+                // are zeros: neither is read (the tag is still checked, as the extent may have
+                // grown).
+                if let Some((e, at)) = self.stage(cl, p, &mut touched)? {
+                    let n = p.len.min(e.cap().saturating_sub(p.offset));
+                    if n > 0 {
+                        let id = batches.entry(e.node).or_default().read(at, n as u32);
+                        reads.push((i, e.node, id));
+                    }
                 }
             }
+            let tags = touched.check(&mut batches);
             let size_id = if size.is_none() {
                 let pr = cl
                     .node(self.primary)
@@ -414,13 +447,15 @@ impl FileData {
             let valid = size.saturating_sub(offset).min(len as u64) as usize;
             if let ([_], [(_, node, id)]) = (ps.as_slice(), reads.as_slice()) {
                 let d = done[node].data(*id).map_err(|_| libc::EIO)?;
-                return Ok(consume(&d[..valid]));
+                if d.len() >= valid {
+                    return Ok(consume(&d[..valid]));
+                }
             }
             let mut out = vec![0u8; len as usize];
             for (i, node, id) in reads {
-                let p = &ps[i];
+                let at = ps[i].buf_offset as usize;
                 let d = done[&node].data(id).map_err(|_| libc::EIO)?;
-                out[p.buf_offset as usize..(p.buf_offset + p.len) as usize].copy_from_slice(d);
+                out[at..at + d.len()].copy_from_slice(d);
             }
             return Ok(consume(&out[..valid]));
         }
@@ -520,14 +555,16 @@ impl FileData {
             .node(self.primary)
             .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
-            let missing = self.uncached(&ps);
-            if !missing.is_empty() {
-                self.refresh(cl, &missing)?;
-                for k in self.uncached(&ps) {
+            let short = self.short(&ps);
+            if !short.is_empty() {
+                let stripes: Vec<u64> = short.iter().map(|s| s.0).collect();
+                self.refresh(cl, &stripes)?;
+                for (k, end) in self.short(&ps) {
                     let sent = clock_ns();
                     let s = match cl.primary.meta(MetaRequest::AllocStripe {
                         ino: self.ino,
                         stripe: k,
+                        end,
                     }) {
                         Ok(ControlResponse::Stripe(s)) => s,
                         Ok(_) => return Err(libc::EIO),
@@ -543,21 +580,26 @@ impl FileData {
                 }
             }
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
-            let mut tags: Vec<TagCheck> = Vec::new();
+            let mut touched = Touched::default();
             let mut complete = true;
             let mut tokens: BTreeMap<u32, u64> = BTreeMap::new();
             for p in &ps {
-                let Some((node, at)) = self.stage(cl, p, &mut batches, &mut tags)? else {
-                    complete = false; // evicted by a concurrent operation: start over
+                let Some((e, at)) = self
+                    .stage(cl, p, &mut touched)?
+                    .filter(|(e, _)| e.cap() >= p.offset + p.len)
+                else {
+                    // Evicted (or replaced by a smaller extent) concurrently: start over.
+                    complete = false;
                     break;
                 };
-                *tokens.entry(node).or_default() += tokens_for(p.len);
+                *tokens.entry(e.node).or_default() += tokens_for(p.len);
                 let bytes = &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
-                batches.get_mut(&node).expect("staged").write(at, bytes);
+                batches.entry(e.node).or_default().write(at, bytes);
             }
             if !complete {
                 continue;
             }
+            let tags = touched.check(&mut batches);
             // The record: mtime, and the size. A write that extends what this mount believes is
             // the size tries CAS-max at once; every write also reads the size, because another
             // mount may have truncated the file below this mount's belief.

@@ -83,7 +83,7 @@ fn file_attr(a: &Attr) -> FileAttr {
     FileAttr {
         ino: INodeNo(a.ino),
         size: a.size,
-        blocks: a.size.div_ceil(512),
+        blocks: a.allocated.div_ceil(512),
         atime: to_time(a.atime_ns),
         mtime: to_time(a.mtime_ns),
         ctime: to_time(a.ctime_ns),

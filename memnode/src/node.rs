@@ -138,6 +138,15 @@ impl Node {
                 Ok(len) => ControlResponse::Freed { len },
                 Err(e) => Refusal::from(e).into(),
             },
+            ControlRequest::Resize { offset, len, tag } => match self.store.resize(offset, len, tag) {
+                Ok(offset) => ControlResponse::Allocated {
+                    rkey: self.welcome.regions[0].rkey,
+                    region_len: self.welcome.regions[0].len,
+                    offset,
+                    len: (len + TAG_SPACE).next_multiple_of(GRANULE),
+                },
+                Err(e) => Refusal::from(e).into(),
+            },
             ControlRequest::Zero { offset, len } => self
                 .store
                 .zero(offset, len)
@@ -258,12 +267,11 @@ impl Storage for Node {
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         if node == self.cfg.node_id {
-            let align = if tag.is_some() { TAG_SPACE } else { GRANULE };
-            return Ok(self.store.alloc(len, align, tag)?);
+            return Ok(self.store.alloc(len, GRANULE, tag)?);
         }
         self.members
             .peer(node)?
-            .alloc_tagged(len, TAG_SPACE, tag)
+            .alloc_tagged(len, GRANULE, tag)
             .map(|(_, off)| off)
             .map_err(|e| self.peer_failed(node, e))
     }
@@ -280,6 +288,16 @@ impl Storage for Node {
             .peer(node)?
             .free(offset)
             .map(|_| ())
+            .map_err(|e| self.peer_failed(node, e))
+    }
+
+    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
+        if node == self.cfg.node_id {
+            return Ok(self.store.resize(offset, len, tag)?);
+        }
+        self.members
+            .peer(node)?
+            .resize(offset, len, tag)
             .map_err(|e| self.peer_failed(node, e))
     }
 

@@ -2,10 +2,15 @@
 //! holds freed file stripes back from reuse.
 //!
 //! Remote memory ownership: the store writes region memory only to write a stripe's owner tag
-//! when it hands the stripe out, to tombstone it (0) when it is freed, and to zero extents
-//! (freed ones, and `Zero` requests for truncate); everything else is written by clients through
-//! verbs into extents the allocator handed out (see `rackfs_proto::record`).
+//! when it hands the stripe out, to tombstone it (0) when it is freed or moved, to copy a
+//! moved stripe's data into its new extent, and to zero extents (freed ones, and `Zero`
+//! requests for truncate); everything else is written by clients through verbs into extents
+//! the allocator handed out (see `rackfs_proto::record`).
+//!
+//! An allocation that fails only because freed memory is still in quarantine waits for the
+//! quarantine (at most its hold time) instead of failing with ENOSPC.
 
+use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,23 +63,81 @@ impl Store {
     /// Allocates an extent; a tagged one (a file stripe) gets [`TAG_SPACE`] in front of its
     /// data and its tag written before it is handed out.
     pub fn alloc(&self, len: u64, align: u64, tag: Option<u64>) -> Result<u64, AllocError> {
-        let (len, align) = match tag {
-            Some(_) => (
-                len.checked_add(TAG_SPACE)
-                    .ok_or_else(|| AllocError::Invalid("length overflows".into()))?,
-                align.max(TAG_SPACE),
-            ),
-            None => (len, align),
+        let len = match tag {
+            Some(_) => len
+                .checked_add(TAG_SPACE)
+                .ok_or_else(|| AllocError::Invalid("length overflows".into()))?,
+            None => len,
         };
-        let offset = self
-            .allocator
-            .lock()
-            .expect("allocator lock")
-            .alloc_tagged(len, align, tag.is_some())?;
+        let offset = self.alloc_waiting(len, align, tag.is_some())?;
         if let Some(t) = tag {
             self.region.store(offset, t).expect("tag inside the region");
         }
         Ok(offset)
+    }
+
+    /// Allocates, and while the region is full but quarantined extents may make room, waits
+    /// for them to come back (the quarantine's hold at most).
+    fn alloc_waiting(&self, len: u64, align: u64, tagged: bool) -> Result<u64, AllocError> {
+        loop {
+            let res = self
+                .allocator
+                .lock()
+                .expect("allocator lock")
+                .alloc_tagged(len, align, tagged);
+            let Err(AllocError::OutOfMemory { .. }) = res else {
+                return res;
+            };
+            let next = self
+                .quarantine
+                .lock()
+                .expect("quarantine lock")
+                .iter()
+                .map(|q| q.0)
+                .min();
+            let Some(due) = next else {
+                return res;
+            };
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            self.reap();
+        }
+    }
+
+    /// Moves the file stripe extent at `offset` into a new one holding `len` data bytes and
+    /// tagged `tag`: tombstones the old tag, copies what fits, and quarantines the old extent
+    /// (see `rackfs_proto::record` for why this order loses no client write). Returns the new
+    /// extent's offset.
+    pub fn resize(&self, offset: u64, len: u64, tag: u64) -> Result<u64, AllocError> {
+        let old_len = match self.allocator.lock().expect("allocator lock").extent(offset) {
+            Some((l, true)) => l,
+            _ => return Err(AllocError::NotAllocated { offset }),
+        };
+        let new = self.alloc(len, 1, Some(tag))?;
+        self.region.store(offset, 0).expect("tag inside the region");
+        // A client's write that found the tag live was ordered before this point.
+        fence(Ordering::SeqCst);
+        let keep = (old_len - TAG_SPACE).min(len);
+        let mut data = vec![0u8; keep as usize];
+        self.region
+            .read(offset + TAG_SPACE, &mut data)
+            .expect("old extent inside the region");
+        self.region
+            .write(new + TAG_SPACE, &data)
+            .expect("new extent inside the region");
+        self.quarantine_freed(offset, old_len);
+        Ok(new)
+    }
+
+    fn quarantine_freed(&self, offset: u64, len: u64) {
+        self.allocator
+            .lock()
+            .expect("allocator lock")
+            .mark_untagged(offset);
+        self.quarantine.lock().expect("quarantine lock").push((
+            Instant::now() + self.hold,
+            offset,
+            len,
+        ));
     }
 
     /// Frees an extent: plain extents are zeroed and reusable at once; tagged ones are
@@ -86,13 +149,8 @@ impl Store {
             .ok_or(AllocError::NotAllocated { offset })?;
         if tagged {
             self.region.store(offset, 0).expect("tag inside the region");
-            a.mark_untagged(offset);
             drop(a);
-            self.quarantine.lock().expect("quarantine lock").push((
-                Instant::now() + self.hold,
-                offset,
-                len,
-            ));
+            self.quarantine_freed(offset, len);
             Ok(len)
         } else {
             self.region

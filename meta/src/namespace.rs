@@ -7,6 +7,11 @@
 //! the order stated there; it frees a file's stripes (quarantined by their data node), tables
 //! and record only when the file has no names and no opens left.
 //!
+//! A stripe's extent holds only the bytes written to it so far ([`extent_cap`]): the first
+//! stripe of a file grows by moving to an extent at least twice as large, later stripes are
+//! allocated whole, and when the last open of a file closes its last stripe is trimmed to the
+//! file's size. So memory follows data for small files, and large files keep whole stripes.
+//!
 //! Time comes from [`Storage::wall_ns`], so the service runs under a simulated clock too.
 
 use std::collections::{BTreeMap, HashMap};
@@ -17,8 +22,8 @@ use rackfs_proto::namespace::{
     MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
 use rackfs_proto::record::{
-    location, ENTRY_LEN, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE, REC_TABLE,
-    REC_TABLE_CAP, TAG_SPACE,
+    location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE,
+    REC_STRIPE, REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
 };
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
@@ -150,8 +155,8 @@ impl Namespace {
                 self.release(session, ino, st);
                 Ok(ControlResponse::Ok)
             }
-            MetaRequest::AllocStripe { ino, stripe } => self
-                .alloc_stripe(ino, stripe, st)
+            MetaRequest::AllocStripe { ino, stripe, end } => self
+                .alloc_stripe(ino, stripe, end, st)
                 .map(ControlResponse::Stripe),
             MetaRequest::LockSlot | MetaRequest::LockTree { .. } => err(
                 ErrorCode::Internal,
@@ -243,7 +248,7 @@ impl Namespace {
     fn attr(&self, ino: u64, st: &dyn Storage) -> MetaResult<ControlResponse> {
         let i = self.get(ino)?;
         let (primary, region) = st.local();
-        let (size, mtime, layout) = match &i.file {
+        let (size, mtime, layout, allocated) = match &i.file {
             Some(f) => (
                 read_word(region, f.record + REC_SIZE),
                 read_word(region, f.record + REC_MTIME).max(i.mtime),
@@ -252,6 +257,7 @@ impl Namespace {
                     record: f.record,
                     stripe_unit: f.stripe_unit,
                 }),
+                f.stripes.values().map(StripeExtent::cap).sum(),
             ),
             None => (
                 match i.kind {
@@ -261,6 +267,7 @@ impl Namespace {
                 },
                 i.mtime,
                 None,
+                0,
             ),
         };
         Ok(ControlResponse::Attr(Attr {
@@ -276,6 +283,7 @@ impl Namespace {
             ctime_ns: i.ctime,
             rdev: i.rdev,
             layout,
+            allocated,
         }))
     }
 
@@ -691,8 +699,17 @@ impl Namespace {
         if *n == 0 {
             s.remove(&ino);
         }
+        let serial = self.next_tag;
         if let Some(i) = self.inodes.get_mut(&ino) {
             i.opens = i.opens.saturating_sub(1);
+            if i.opens == 0 && i.nlink > 0 {
+                if let Some(f) = i.file.as_mut() {
+                    self.next_tag += 1;
+                    if let Err(e) = f.trim(serial, st) {
+                        tracing::warn!(ino, error = %e, "last stripe not trimmed");
+                    }
+                }
+            }
         }
         self.maybe_delete(ino, st);
     }
@@ -763,7 +780,9 @@ impl Namespace {
         // Zero the cut-off tail of the last kept stripe, so a later extension reads zeros.
         if size < old && !size.is_multiple_of(unit) {
             if let Some(s) = f.stripes.get(&(size / unit)) {
-                st.zero(s.node, s.offset + size % unit, unit - size % unit)?;
+                if size % unit < s.cap() {
+                    st.zero(s.node, s.offset + size % unit, s.cap() - size % unit)?;
+                }
             }
         }
         // Stripes wholly beyond the new size go, even when the file grows: a stripe allocated
@@ -787,9 +806,12 @@ impl Namespace {
         &mut self,
         ino: u64,
         stripe: u64,
+        end: u64,
         st: &dyn Storage,
     ) -> MetaResult<StripeExtent> {
-        let tag = self.next_tag;
+        // Every extent gets a serial of its own (one wasted on a refusal costs nothing).
+        let serial = self.next_tag;
+        self.next_tag += 1;
         let (me, region) = st.local();
         let nodes = st.data_nodes();
         let i = self.get_mut(ino)?;
@@ -799,8 +821,18 @@ impl Namespace {
         if stripe.saturating_mul(f.stripe_unit) >= MAX_FILE_SIZE {
             return err(ErrorCode::TooBig, "offset beyond the maximum file size");
         }
+        if end > f.stripe_unit {
+            return err(
+                ErrorCode::Invalid,
+                format!("{end} bytes do not fit a stripe of {}", f.stripe_unit),
+            );
+        }
         if let Some(s) = f.stripes.get(&stripe) {
-            return Ok(*s);
+            if s.cap() >= end {
+                return Ok(*s);
+            }
+            let cap = extent_cap(f.stripe_unit, stripe, end, s.cap());
+            return f.resize(stripe, cap, serial, st);
         }
         if stripe >= f.table_cap {
             let cap = (stripe + 1).next_power_of_two().max(16);
@@ -816,6 +848,8 @@ impl Namespace {
             write_word(region, f.record + REC_TABLE, table);
             write_word(region, f.record + REC_TABLE_CAP, cap);
         }
+        let cap = extent_cap(f.stripe_unit, stripe, end, 0);
+        let tag = stripe_tag(serial, cap);
         // Spread stripes round-robin over the nodes, starting at a per-file offset; a node that
         // cannot be reached (or is full) passes the stripe on to the next one.
         let first = ((ino + stripe) % nodes.len() as u64) as usize;
@@ -823,7 +857,7 @@ impl Namespace {
         let mut last = None;
         for k in 0..nodes.len() {
             let node = nodes[(first + k) % nodes.len()];
-            match st.alloc(node, f.stripe_unit, Some(tag)) {
+            match st.alloc(node, cap, Some(tag)) {
                 Ok(base) => {
                     placed = Some((node, base));
                     break;
@@ -842,12 +876,88 @@ impl Namespace {
             offset: base + TAG_SPACE,
             tag,
         };
-        let e = f.table + stripe * ENTRY_LEN;
-        write_word(region, e, location(node, s.offset));
-        write_word(region, e + 8, tag);
-        f.stripes.insert(stripe, s);
-        self.next_tag += 1;
+        f.publish(region, stripe, s);
         Ok(s)
+    }
+}
+
+/// The capacity of a new extent for stripe `stripe` that must hold `end` bytes, replacing one
+/// of `old` bytes (0: none). The first stripe grows geometrically (so a file written in
+/// pieces is copied O(1) times per byte) up to the whole stripe; later stripes are whole.
+pub fn extent_cap(unit: u64, stripe: u64, end: u64, old: u64) -> u64 {
+    if stripe > 0 {
+        return unit;
+    }
+    let want = end
+        .max(old.saturating_mul(2))
+        .max(1)
+        .next_multiple_of(EXTENT_GRANULE);
+    if want >= unit - unit / 4 {
+        unit
+    } else {
+        want
+    }
+}
+
+impl FileState {
+    /// Writes stripe `stripe`'s table entry: location first, then the tag that makes it live.
+    fn publish(&mut self, region: &Region, stripe: u64, s: StripeExtent) {
+        let e = self.table + stripe * ENTRY_LEN;
+        write_word(region, e, location(s.node, s.offset));
+        write_word(region, e + 8, s.tag);
+        self.stripes.insert(stripe, s);
+    }
+
+    /// Moves stripe `stripe` into an extent of `cap` bytes on its node: the entry is cleared
+    /// first (clients that miss it ask the service, which answers after the move), the data
+    /// node moves the data, then the new entry is published.
+    fn resize(
+        &mut self,
+        stripe: u64,
+        cap: u64,
+        serial: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<StripeExtent> {
+        let (_, region) = st.local();
+        let old = self.stripes[&stripe];
+        let e = self.table + stripe * ENTRY_LEN;
+        write_word(region, e + 8, 0);
+        write_word(region, e, 0);
+        let tag = stripe_tag(serial, cap);
+        match st.resize(old.node, old.offset - TAG_SPACE, cap, tag) {
+            Ok(base) => {
+                let s = StripeExtent {
+                    node: old.node,
+                    offset: base + TAG_SPACE,
+                    tag,
+                };
+                self.publish(region, stripe, s);
+                Ok(s)
+            }
+            Err(e) => {
+                // Nothing moved: the old extent stays the stripe's.
+                self.publish(region, stripe, old);
+                Err(e)
+            }
+        }
+    }
+
+    /// Shrinks the last stripe's extent to what the file's size needs, when that saves more
+    /// than an eighth of it (a file that grew by doubling, or was truncated).
+    fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        let size = read_word(region, self.record + REC_SIZE);
+        let Some((&k, s)) = self.stripes.iter().next_back() else {
+            return Ok(());
+        };
+        let need = size
+            .saturating_sub(k * self.stripe_unit)
+            .clamp(1, self.stripe_unit)
+            .next_multiple_of(EXTENT_GRANULE);
+        if need + s.cap() / 8 >= s.cap() {
+            return Ok(());
+        }
+        self.resize(k, need, serial, st).map(|_| ())
     }
 }
 

@@ -24,6 +24,10 @@ pub trait Storage: Send + Sync {
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
     /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined).
     fn free(&self, node: u32, offset: u64) -> Result<(), Refusal>;
+    /// Moves the stripe extent at `offset` on `node` into a new one of `len` data bytes tagged
+    /// `tag` on the same node, copying its data (`ControlRequest::Resize`); returns the new
+    /// extent's offset.
+    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal>;
     /// Zeroes `len` bytes at `offset` of an allocated extent on `node`.
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal>;
     /// This node's id and data region (where records, tables and lock trees live).
@@ -92,7 +96,7 @@ impl Storage for MemStorage {
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         let mut n = self.node(node)?.lock().expect("node lock");
         let (len, align) = match tag {
-            Some(_) => (len + TAG_SPACE, TAG_SPACE),
+            Some(_) => ((len + TAG_SPACE).next_multiple_of(64), 64),
             None => (len.next_multiple_of(64), 64),
         };
         let offset = n.next.next_multiple_of(align);
@@ -124,6 +128,35 @@ impl Storage for MemStorage {
             self.region.discard(offset, len).expect("extent in region");
         }
         Ok(())
+    }
+
+    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
+        let old = self
+            .node(node)?
+            .lock()
+            .expect("node lock")
+            .live
+            .get(&offset)
+            .copied()
+            .ok_or_else(|| {
+                Refusal::new(
+                    ErrorCode::NotFound,
+                    format!("no extent at {offset:#x} on node {node}"),
+                )
+            })?;
+        let new = self.alloc(node, len, Some(tag))?;
+        if node == 0 {
+            self.region.store(offset, 0).expect("tag inside the region");
+            let mut data = vec![0u8; (old - TAG_SPACE).min(len) as usize];
+            self.region
+                .read(offset + TAG_SPACE, &mut data)
+                .expect("extent in region");
+            self.region
+                .write(new + TAG_SPACE, &data)
+                .expect("extent in region");
+        }
+        self.free(node, offset)?;
+        Ok(new)
     }
 
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {

@@ -7,11 +7,12 @@
 //! are derived from the tree, not kept, and errors follow Linux's precedence (the order the
 //! VFS checks them in `renameat2`, `linkat`, `unlinkat`, `mkdirat`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use rackfs_meta::{MemStorage, MetaService, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
+use rackfs_proto::record::{EXTENT_GRANULE, TAG_SPACE};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE,
     ROOT_INO,
@@ -21,7 +22,8 @@ const UNIT: u64 = 4096;
 
 #[derive(Debug, Clone)]
 enum MKind {
-    File { size: u64, stripes: BTreeSet<u64> },
+    /// Stripes by index, with the most bytes ever asked of each.
+    File { size: u64, stripes: BTreeMap<u64, u64> },
     Dir { entries: BTreeMap<Vec<u8>, u64> },
     Symlink,
 }
@@ -265,7 +267,7 @@ impl Model {
             match &mut i.kind {
                 MKind::File { size, stripes } => {
                     *size = s;
-                    stripes.retain(|&k| k < s.div_ceil(UNIT));
+                    stripes.retain(|&k, _| k < s.div_ceil(UNIT));
                 }
                 MKind::Dir { .. } => return Err(ErrorCode::IsDir),
                 MKind::Symlink => return Err(ErrorCode::Invalid),
@@ -280,12 +282,13 @@ impl Model {
         Ok(())
     }
 
-    /// Stripe allocation: the model keeps which stripes exist.
-    fn alloc_stripe(&mut self, ino: u64, stripe: u64) -> MResult<()> {
+    /// Stripe allocation: the model keeps which stripes exist and how much was asked of each.
+    fn alloc_stripe(&mut self, ino: u64, stripe: u64, end: u64) -> MResult<()> {
         let i = self.inodes.get_mut(&ino).ok_or(ErrorCode::NotFound)?;
         match &mut i.kind {
-            MKind::File { stripes, .. } => {
-                stripes.insert(stripe);
+            MKind::File { stripes, .. } if end <= UNIT => {
+                let e = stripes.entry(stripe).or_default();
+                *e = (*e).max(end).max(1);
                 Ok(())
             }
             _ => Err(ErrorCode::Invalid),
@@ -329,6 +332,7 @@ enum Op {
     AllocStripe {
         ino: usize,
         stripe: u64,
+        end: u64,
     },
 }
 
@@ -352,7 +356,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(parent, name, new_parent, new_name, flags)| Op::Rename { parent, name, new_parent, new_name, flags }),
         2 => (idx.clone(), prop::option::of(prop_oneof![0u64..40_000, Just(MAX_FILE_SIZE + 1)]), prop::option::of(0u16..0o10000), prop::option::of(0u32..3))
             .prop_map(|(ino, size, perm, uid)| Op::SetAttr { ino, size, perm, uid }),
-        2 => (idx, 0u64..12).prop_map(|(ino, stripe)| Op::AllocStripe { ino, stripe }),
+        2 => (idx, 0u64..12, prop_oneof![0u64..=UNIT, Just(UNIT + 1)]).prop_map(|(ino, stripe, end)| Op::AllocStripe { ino, stripe, end }),
     ]
 }
 
@@ -422,15 +426,23 @@ fn compare(svc: &mut MetaService, st: &MemStorage, m: &Model) -> Result<(), Test
     Ok(())
 }
 
-/// Record + table + stripes the model's live files should hold (bytes, node-independent).
-fn stripes(m: &Model) -> u64 {
-    m.inodes
-        .values()
-        .map(|i| match &i.kind {
-            MKind::File { stripes, .. } => stripes.len() as u64,
-            _ => 0,
-        })
-        .sum()
+/// The bounds on the stripe memory of the model's live files: a file's first stripe holds at
+/// least the bytes asked of it and at most three times that (geometric growth) or the stripe
+/// unit; later stripes are whole; each has its tag.
+fn stripe_bytes(m: &Model) -> (u64, u64) {
+    let ends = m.inodes.values().flat_map(|i| match &i.kind {
+        MKind::File { stripes, .. } => stripes.iter().map(|(&k, &e)| (k, e)).collect(),
+        _ => Vec::new(),
+    });
+    ends.fold((0, 0), |(lo, hi), (stripe, end)| {
+        let end = end.next_multiple_of(EXTENT_GRANULE);
+        let (l, h) = if stripe == 0 {
+            (end, (3 * end).min(UNIT))
+        } else {
+            (UNIT, UNIT)
+        };
+        (lo + l + TAG_SPACE, hi + h + TAG_SPACE)
+    })
 }
 
 fn pick(known: &[u64], i: usize) -> u64 {
@@ -451,7 +463,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     0 => (
                         MKind::File {
                             size: 0,
-                            stripes: BTreeSet::new(),
+                            stripes: BTreeMap::new(),
                         },
                         NewKind::File { stripe_unit: UNIT },
                     ),
@@ -553,11 +565,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     call(&mut svc, &st, MetaRequest::SetAttr { ino, set }).map(|_| None),
                 )
             }
-            Op::AllocStripe { ino, stripe } => {
+            Op::AllocStripe { ino, stripe, end } => {
                 let ino = pick(&known, ino);
                 (
-                    m.alloc_stripe(ino, stripe).map(|_| None),
-                    call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe }).map(|_| None),
+                    m.alloc_stripe(ino, stripe, end).map(|_| None),
+                    call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe, end }).map(|_| None),
                 )
             }
         };
@@ -565,25 +577,25 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         compare(&mut svc, &st, &m)?;
     }
     let on_nodes: u64 = (0..3).map(|n| st.used(n)).sum::<u64>();
-    let data = stripes(&m);
-    // Each live stripe takes UNIT + its tag page; each file a record.
+    let (lo, hi) = stripe_bytes(&m);
+    // Each live stripe takes its extent and tag; each file a record.
     let files = m
         .inodes
         .values()
         .filter(|i| matches!(i.kind, MKind::File { .. }))
         .count() as u64;
     prop_assert!(
-        on_nodes >= data * (UNIT + 4096) + files * 64,
-        "{} bytes for {} stripes",
+        on_nodes >= lo + files * 64,
+        "{} bytes for stripes of at least {}",
         on_nodes,
-        data
+        lo
     );
     // At most: also an extent table of 16 entries per file (stripe indices stay below 16).
     prop_assert!(
-        on_nodes <= data * (UNIT + 4096) + files * (64 + 16 * 16),
-        "{} bytes for {} stripes",
+        on_nodes <= hi + files * (64 + 16 * 16),
+        "{} bytes for stripes of at most {}",
         on_nodes,
-        data
+        hi
     );
     // Remove everything: every byte comes back (stripes, tables, records).
     remove_all(&mut svc, &st, &mut m, ROOT_INO)?;

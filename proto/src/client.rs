@@ -342,6 +342,15 @@ impl ControlClient {
         }
     }
 
+    /// Moves the file stripe extent at `offset` into a new one (see [`ControlRequest::Resize`]);
+    /// returns the new extent's offset.
+    pub fn resize(&self, offset: u64, len: u64, tag: u64) -> Result<u64, RpcError> {
+        match self.call(&ControlRequest::Resize { offset, len, tag })? {
+            ControlResponse::Allocated { offset, .. } => Ok(offset),
+            other => Err(self.mismatch(other)),
+        }
+    }
+
     /// Frees the extent at `offset`; returns how many bytes come back.
     pub fn free(&self, offset: u64) -> Result<u64, RpcError> {
         match self.call(&ControlRequest::Free { offset })? {

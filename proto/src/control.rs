@@ -19,10 +19,10 @@ use crate::namespace::{Attr, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 14] = [
+pub const RPC_KINDS: [&str; 15] = [
     "hello",
     "ping",
     "stats",
@@ -37,6 +37,7 @@ pub const RPC_KINDS: [&str; 14] = [
     "qos_shares",
     "qos_set",
     "qos_status",
+    "resize",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +70,14 @@ pub enum ControlRequest {
     Zero {
         offset: u64,
         len: u64,
+    },
+    /// Move the file stripe extent at `offset` into a new one of `len` data bytes tagged `tag`
+    /// on the same node: the old tag is tombstoned before its data is copied, and the old
+    /// extent quarantined (see `crate::record`). Answered with the new extent.
+    Resize {
+        offset: u64,
+        len: u64,
+        tag: u64,
     },
     /// A namespace operation (primary only).
     Meta(MetaRequest),
@@ -122,6 +131,7 @@ impl ControlRequest {
             ControlRequest::QosShares { .. } => 11,
             ControlRequest::QosSet { .. } => 12,
             ControlRequest::QosStatus => 13,
+            ControlRequest::Resize { .. } => 14,
         }
     }
 }

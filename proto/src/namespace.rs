@@ -53,6 +53,8 @@ pub struct Attr {
     pub ctime_ns: u64,
     pub rdev: u32,
     pub layout: Option<FileLayout>,
+    /// Bytes of node memory holding the file's data (its stripe extents' capacities).
+    pub allocated: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +85,13 @@ pub struct StripeExtent {
     pub node: u32,
     pub offset: u64,
     pub tag: u64,
+}
+
+impl StripeExtent {
+    /// Data bytes the extent holds; the stripe's bytes beyond it read as zeros.
+    pub fn cap(&self) -> u64 {
+        crate::record::tag_capacity(self.tag)
+    }
 }
 
 pub const RENAME_NOREPLACE: u32 = 1;
@@ -145,10 +154,12 @@ pub enum MetaRequest {
     Release {
         ino: u64,
     },
-    /// Allocate stripe `stripe` of a file if it is a hole; returns its extent either way.
+    /// Make stripe `stripe` of a file hold at least its first `end` bytes (allocating it if
+    /// it is a hole, growing its extent if it is smaller); returns its extent.
     AllocStripe {
         ino: u64,
         stripe: u64,
+        end: u64,
     },
     StatFs,
     /// This session's client slot in lock trees (assigned on first request).

@@ -21,7 +21,15 @@
 //!   because clients may still read it; they re-check the record after reading entries.
 //! * a **stripe owner tag**: the first 8 bytes of every stripe extent, [`TAG_SPACE`] before its
 //!   data, written by the data node when it allocates the extent and tombstoned (0) when it is
-//!   freed. A client reads the tag in the same batch as the stripe's data: a mismatch means its
+//!   freed or moved. The tag also states the extent's capacity ([`stripe_tag`]): a stripe's
+//!   extent holds only the bytes written so far (small files and tails take little memory), and
+//!   bytes of the stripe beyond the capacity read as zeros. To grow an extent the service clears
+//!   its table entry, then its data node allocates a larger one, tombstones the old tag, copies
+//!   the data and quarantines the old extent; only then is the new entry published. Clients
+//!   read a stripe's tag *after* the batch's data ops on it (the node executes a batch in order,
+//!   with a full fence between ops), so a write whose check finds the tag live landed before the
+//!   tombstone and therefore before the copy: it is never lost, and one that finds it dead is
+//!   redone. A client reads the tag in the same batch as the stripe's data: a mismatch means its
 //!   cached layout is stale and the operation is redone. Freed stripes are quarantined before
 //!   reuse (`NodeAddr::quarantine_ms`), so a stale operation never touches another file's data
 //!   as long as the batch runs within the quarantine of the moment the client last saw the
@@ -48,7 +56,23 @@ pub const REC_LOCKS: u64 = 48;
 /// Bytes of one extent-table entry (`location`, `tag`).
 pub const ENTRY_LEN: u64 = 16;
 /// Bytes before a tagged (file stripe) extent's data: its tag lives in the first 8.
-pub const TAG_SPACE: u64 = 4096;
+pub const TAG_SPACE: u64 = 64;
+/// Stripe extents' capacities are multiples of this many bytes.
+pub const EXTENT_GRANULE: u64 = 64;
+/// Low bits of a tag that number the allocation; the bits above hold the capacity.
+const TAG_SERIAL_BITS: u32 = 40;
+
+/// The owner tag of allocation number `serial` holding `cap` data bytes (a multiple of
+/// [`EXTENT_GRANULE`], at least one): never 0, and different for extents of different sizes.
+pub fn stripe_tag(serial: u64, cap: u64) -> u64 {
+    debug_assert!(cap >= EXTENT_GRANULE && cap.is_multiple_of(EXTENT_GRANULE));
+    (cap / EXTENT_GRANULE) << TAG_SERIAL_BITS | (serial & ((1 << TAG_SERIAL_BITS) - 1))
+}
+
+/// The data bytes an extent with owner tag `tag` holds.
+pub fn tag_capacity(tag: u64) -> u64 {
+    (tag >> TAG_SERIAL_BITS) * EXTENT_GRANULE
+}
 
 /// An extent-table location word: `node << 48 | offset`.
 pub fn location(node: u32, offset: u64) -> u64 {
@@ -69,6 +93,15 @@ mod tests {
         #[test]
         fn locations_round_trip(node in 0u32..(1 << 16), offset in 0u64..(1 << 48)) {
             prop_assert_eq!(split_location(location(node, offset)), (node, offset));
+        }
+
+        #[test]
+        fn tags_carry_their_capacity(serial in 1u64..(1 << 40), granules in 1u64..=(1 << 20)) {
+            let cap = granules * EXTENT_GRANULE;
+            let t = stripe_tag(serial, cap);
+            prop_assert_ne!(t, 0);
+            prop_assert_eq!(tag_capacity(t), cap);
+            prop_assert_ne!(t, stripe_tag(serial, cap + EXTENT_GRANULE));
         }
     }
 }

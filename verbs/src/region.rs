@@ -435,8 +435,10 @@ impl RegionTable {
         &self.regions
     }
 
-    /// Executes a whole batch in order. After the first failure the rest are flushed, as on an
-    /// RDMA queue pair; `on_exec` sees each executed request (for statistics).
+    /// Executes a whole batch in order, with a full fence between requests, so each request is
+    /// ordered after the previous ones for every other CPU too (a READ after a WRITE cannot be
+    /// served before the WRITE is visible). After the first failure the rest are flushed, as on
+    /// an RDMA queue pair; `on_exec` sees each executed request (for statistics).
     pub fn execute_batch<'a>(
         &self,
         requests: impl IntoIterator<Item = &'a WorkRequest<'a>>,
@@ -444,7 +446,10 @@ impl RegionTable {
         mut on_exec: impl FnMut(&WorkRequest<'_>, bool),
     ) {
         let mut failed = false;
-        for wr in requests {
+        for (i, wr) in requests.into_iter().enumerate() {
+            if i > 0 {
+                std::sync::atomic::fence(Ordering::SeqCst);
+            }
             if failed {
                 out.push(Outcome::Failed(VerbsError::Flushed));
                 continue;
