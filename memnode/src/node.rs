@@ -138,15 +138,17 @@ impl Node {
                 Ok(len) => ControlResponse::Freed { len },
                 Err(e) => Refusal::from(e).into(),
             },
-            ControlRequest::Resize { offset, len, tag } => match self.store.resize(offset, len, tag) {
-                Ok(offset) => ControlResponse::Allocated {
-                    rkey: self.welcome.regions[0].rkey,
-                    region_len: self.welcome.regions[0].len,
-                    offset,
-                    len: (len + TAG_SPACE).next_multiple_of(GRANULE),
-                },
-                Err(e) => Refusal::from(e).into(),
-            },
+            ControlRequest::Resize { offset, len, tag } => {
+                match self.store.resize(offset, len, tag) {
+                    Ok(offset) => ControlResponse::Allocated {
+                        rkey: self.welcome.regions[0].rkey,
+                        region_len: self.welcome.regions[0].len,
+                        offset,
+                        len: (len + TAG_SPACE).next_multiple_of(GRANULE),
+                    },
+                    Err(e) => Refusal::from(e).into(),
+                }
+            }
             ControlRequest::Zero { offset, len } => self
                 .store
                 .zero(offset, len)

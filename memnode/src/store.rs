@@ -108,7 +108,12 @@ impl Store {
     /// (see `rackfs_proto::record` for why this order loses no client write). Returns the new
     /// extent's offset.
     pub fn resize(&self, offset: u64, len: u64, tag: u64) -> Result<u64, AllocError> {
-        let old_len = match self.allocator.lock().expect("allocator lock").extent(offset) {
+        let old_len = match self
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .extent(offset)
+        {
             Some((l, true)) => l,
             _ => return Err(AllocError::NotAllocated { offset }),
         };

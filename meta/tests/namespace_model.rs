@@ -12,19 +12,24 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use rackfs_meta::{MemStorage, MetaService, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
-use rackfs_proto::record::{EXTENT_GRANULE, TAG_SPACE};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE,
     ROOT_INO,
 };
+use rackfs_proto::record::{EXTENT_GRANULE, TAG_SPACE};
 
 const UNIT: u64 = 4096;
 
 #[derive(Debug, Clone)]
 enum MKind {
     /// Stripes by index, with the most bytes ever asked of each.
-    File { size: u64, stripes: BTreeMap<u64, u64> },
-    Dir { entries: BTreeMap<Vec<u8>, u64> },
+    File {
+        size: u64,
+        stripes: BTreeMap<u64, u64>,
+    },
+    Dir {
+        entries: BTreeMap<Vec<u8>, u64>,
+    },
     Symlink,
 }
 
@@ -569,7 +574,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let ino = pick(&known, ino);
                 (
                     m.alloc_stripe(ino, stripe, end).map(|_| None),
-                    call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe, end }).map(|_| None),
+                    call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe, end })
+                        .map(|_| None),
                 )
             }
         };

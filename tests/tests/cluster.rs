@@ -97,7 +97,10 @@ fn writes_are_visible_on_another_mount_when_write_returns() {
 #[test]
 fn two_mounts_growing_the_same_small_files_lose_no_write() {
     let c = TestCluster::start(2, "32M");
-    let (a, b) = (Mount::new(&c, "attr_timeout=0"), Mount::new(&c, "attr_timeout=0,transport=tcp"));
+    let (a, b) = (
+        Mount::new(&c, "attr_timeout=0"),
+        Mount::new(&c, "attr_timeout=0,transport=tcp"),
+    );
     const FILES: usize = 6;
     const BLOCKS: u64 = 48; // 192 KiB per file: five moves of the first stripe
     for f in 0..FILES {
@@ -108,7 +111,12 @@ fn two_mounts_growing_the_same_small_files_lose_no_write() {
         let dir = m.dir.clone();
         std::thread::spawn(move || {
             let files: Vec<fs::File> = (0..FILES)
-                .map(|f| OpenOptions::new().write(true).open(dir.join(format!("g{f}"))).unwrap())
+                .map(|f| {
+                    OpenOptions::new()
+                        .write(true)
+                        .open(dir.join(format!("g{f}")))
+                        .unwrap()
+                })
                 .collect();
             for k in (parity..BLOCKS).step_by(2) {
                 for (f, h) in files.iter().enumerate() {
