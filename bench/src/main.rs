@@ -131,6 +131,13 @@ enum Cmd {
         #[arg(long)]
         out_dir: Option<PathBuf>,
     },
+    /// The suite's small-file section alone: a source tree untarred into RackFS, its node memory
+    /// against its bytes, and its time against tmpfs.
+    Tree {
+        /// quick: about 30 MB of the tree; default: all of it.
+        #[arg(long, value_enum, default_value = "default")]
+        set: suite::Set,
+    },
     /// Counts the 4 KiB units of FILE that hold a mix of bytes rather than one of PATTERNS
     /// throughout (after `bench/fio/overlap-verify.fio`); fails if any does.
     CheckUnits {
@@ -388,6 +395,7 @@ fn main() {
             println!("{md}");
             eprintln!("report: {}", out_dir.join("report.md").display());
         }
+        Cmd::Tree { set } => println!("{}", suite::source_tree(set)),
         Cmd::CheckUnits { file, patterns } => match suite::check_units(&file, &patterns) {
             Ok((units, 0)) => println!("{}: {units} units, none mixed", file.display()),
             Ok((units, mixed)) => {

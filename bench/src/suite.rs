@@ -9,7 +9,9 @@
 //!   mixed 4 KiB units;
 //! * QoS: three mounts' IOPS over time against their reservations;
 //! * lock throughput against the number of clients (Citron vs an RPC lock server);
-//! * scale-down: memory and lock trees before and after files of several GiB are truncated.
+//! * scale-down: memory and lock trees before and after files of several GiB are truncated;
+//! * small files: a source tree (the local crate registry) untarred into RackFS, the node
+//!   memory it takes against the bytes it holds, and the time against tmpfs.
 //!
 //! Noise on a small shared machine: the systems take turns (the order rotates every run), each
 //! point is repeated and reported as median with min-max; single-job points pin fio and the FUSE
@@ -287,7 +289,7 @@ pub fn run(cfg: &Config) -> String {
         .iter()
         .map(|p| (cfg.runs * (systems + p.qos as usize)) as u64)
         .sum::<u64>()
-        + 5;
+        + 6;
     let bar = ProgressBar::new(total);
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
@@ -384,7 +386,10 @@ pub fn run(cfg: &Config) -> String {
     bar.inc(1);
     say(&bar, "scale-down");
     md.push_str(&scale_down(cfg));
-    bar.inc(2);
+    bar.inc(1);
+    say(&bar, "small-file tree");
+    md.push_str(&source_tree(cfg.set));
+    bar.inc(1);
     bar.finish_with_message("done");
     md.push_str(&format!(
         "\n---\nThe whole suite took {:.0} s.\n",
@@ -959,5 +964,142 @@ fn scale_down(cfg: &Config) -> String {
     );
     let g = plot::save(&cfg.out_dir, "suite-scale-down-locks", &svg);
     md.push_str(&format!("\n![memory]({f}) ![lock trees]({g})\n\n"));
+    md
+}
+
+/// The crate registry's sources (a tree of many small files, as a user's source tree is).
+fn registry_sources() -> Option<PathBuf> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;
+    let src = home.join("registry/src");
+    let index = std::fs::read_dir(&src).ok()?.flatten().next()?.path();
+    index.is_dir().then_some(index)
+}
+
+/// Regular files and their bytes under `dir`.
+fn tree_size(dir: &Path) -> (u64, u64) {
+    let mut files = 0;
+    let mut bytes = 0;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => todo.push(e.path()),
+                Ok(t) if t.is_file() => {
+                    files += 1;
+                    bytes += e.metadata().map_or(0, |m| m.len());
+                }
+                _ => {}
+            }
+        }
+    }
+    (files, bytes)
+}
+
+/// Untars a source tree into tmpfs and into RackFS (two nodes, shm) and reports the node
+/// memory the tree takes against the bytes of its files, and the time against tmpfs.
+pub fn source_tree(set: Set) -> String {
+    let mut md = String::from("## Small files: a source tree\n\n");
+    let Some(src) = registry_sources() else {
+        md.push_str("Skipped: no crate registry sources (`$CARGO_HOME/registry/src`) here.\n\n");
+        return md;
+    };
+    // The quick set takes crates until about 30 MB, the default set all of them.
+    let budget: u64 = if set == Set::Quick { 30 << 20 } else { u64::MAX };
+    let mut crates = Vec::new();
+    let (mut files, mut bytes) = (0, 0);
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&src)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for d in dirs {
+        if bytes >= budget {
+            break;
+        }
+        let (f, b) = tree_size(&d);
+        files += f;
+        bytes += b;
+        crates.push(d.file_name().expect("crate dir name").to_owned());
+    }
+    let scratch = TempDir::new("tree");
+    let archive = scratch.path().join("tree.tar");
+    let status = Command::new("tar")
+        .arg("-cf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&src)
+        .args(&crates)
+        .status()
+        .expect("run tar");
+    assert!(status.success(), "tar of the registry sources failed");
+    let untar = |into: &Path| -> f64 {
+        let t0 = Instant::now();
+        let out = Command::new("tar")
+            .arg("-xf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(into)
+            .output()
+            .expect("run tar");
+        assert!(
+            out.status.success(),
+            "untar into {}: {}",
+            into.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        t0.elapsed().as_secs_f64()
+    };
+    let shm = PathBuf::from(format!("/dev/shm/rackfs-tree-{}", std::process::id()));
+    std::fs::create_dir_all(&shm).expect("a directory on tmpfs");
+    let tmpfs_s = untar(&shm);
+    let _ = std::fs::remove_dir_all(&shm);
+    let c = TestCluster::start(2, "1G");
+    let m = mount_all(&c, &["transport=shm"]);
+    // (used, quarantined) over both nodes.
+    let used = || -> (u64, u64) {
+        (0..2)
+            .map(|i| c.control(i).stats().expect("node stats"))
+            .fold((0, 0), |(u, q), s| (u + s.used, q + s.quarantined))
+    };
+    let before = used().0;
+    let rackfs_s = untar(&m.dirs[0]);
+    let (at_end, in_quarantine) = used();
+    // Extents moved away from (grown, trimmed) are freed after the quarantine.
+    rackfs_tests::wait_for(Duration::from_secs(10), || used().1 == 0);
+    let taken = used().0 - before;
+    let (got_files, got_bytes) = tree_size(&m.dirs[0]);
+    assert_eq!(
+        (got_files, got_bytes),
+        (files, bytes),
+        "the untarred tree has every file and byte"
+    );
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    md.push_str(&format!(
+        "{} crates of the local crate registry ({files} files, {:.1} MiB of file data; mean \
+         file {:.1} KiB), untarred with `tar -xf` into tmpfs and into RackFS (two memory \
+         nodes, one mount over shm, default 1 MiB stripe unit).\n\n\
+         | | tmpfs | RackFS |\n|---|---:|---:|\n\
+         | untar time | {tmpfs_s:.2} s | {rackfs_s:.2} s ({:.2}x tmpfs) |\n\
+         | node memory taken when tar ends | | {:.1} MiB ({:.1} MiB of it in quarantine) |\n\
+         | node memory taken after the quarantine | | {:.1} MiB |\n\
+         | **node memory / file bytes** | | **{:.2}** |\n\n\
+         Node memory is the memory nodes' allocated bytes after minus before: file data, \
+         extent tags, records, extent tables and lock trees (the metadata service's own heap \
+         is not in it). Extents a file grew out of, or was trimmed from at its last close, \
+         stay allocated for the quarantine (2 s by default, 200 ms here) before reuse.\n\n",
+        crates.len(),
+        mib(bytes),
+        bytes as f64 / files.max(1) as f64 / 1024.0,
+        rackfs_s / tmpfs_s,
+        mib(at_end - before),
+        mib(in_quarantine),
+        mib(taken),
+        taken as f64 / bytes.max(1) as f64,
+    ));
     md
 }
