@@ -1006,7 +1006,11 @@ pub fn source_tree(set: Set) -> String {
         return md;
     };
     // The quick set takes crates until about 30 MB, the default set all of them.
-    let budget: u64 = if set == Set::Quick { 30 << 20 } else { u64::MAX };
+    let budget: u64 = if set == Set::Quick {
+        30 << 20
+    } else {
+        u64::MAX
+    };
     let mut crates = Vec::new();
     let (mut files, mut bytes) = (0, 0);
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&src)

@@ -63,7 +63,27 @@ fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
     }
 }
 
+/// Where to open a control connection to `node`: its local socket when the transport may use
+/// it, else its tcp address.
+fn control_addr(node: &NodeAddr, transport: TransportChoice) -> Result<String, ConnectError> {
+    match (local_socket(node, transport), &node.tcp) {
+        (Some(sock), _) => Ok(format!("unix:{sock}")),
+        (None, Some(tcp)) => Ok(tcp.clone()),
+        (None, None) => Err(ConnectError::Unreachable {
+            addrs: node.name.clone(),
+            last: "the node has no address".into(),
+        }),
+    }
+}
+
 impl Cluster {
+    /// A second control connection to the primary (for the mount's watcher).
+    pub fn connect_primary(&self) -> Result<ControlClient, ConnectError> {
+        let p = self.info.read().expect("cluster info lock").primary.clone();
+        let addr = control_addr(&p, self.transport)?;
+        Ok(ControlClient::connect(&addr, &self.secret, &self.name)?)
+    }
+
     /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`).
     pub fn connect(
         addrs: &[String],
@@ -90,18 +110,7 @@ impl Cluster {
             let primary = if info.primary.node_id == first.node_id() {
                 first
             } else {
-                let p = &info.primary;
-                let via = match (local_socket(p, transport), &p.tcp) {
-                    (Some(sock), _) => format!("unix:{sock}"),
-                    (None, Some(tcp)) => tcp.clone(),
-                    (None, None) => {
-                        return Err(ConnectError::Unreachable {
-                            addrs: p.name.clone(),
-                            last: "the primary has no address".into(),
-                        })
-                    }
-                };
-                ControlClient::connect(&via, &secret, name)?
+                ControlClient::connect(&control_addr(&info.primary, transport)?, &secret, name)?
             };
             info!(primary = %info.primary.name, nodes = info.nodes.len(), "connected to the cluster");
             for (id, why) in &info.down {

@@ -129,6 +129,11 @@ impl FileData {
             .then(|| self.size_hint.load(Ordering::Relaxed))
     }
 
+    /// Forgets the size last read (another mount changed the file's attributes).
+    pub fn forget_size(&self) {
+        self.size_read_at.store(0, Ordering::Relaxed);
+    }
+
     /// Forgets the cached layout (after this mount truncated the file).
     pub fn invalidate(&self) {
         *self.layout.write().expect("layout lock") = Layout::default();

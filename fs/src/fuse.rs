@@ -33,7 +33,7 @@ use crate::options::{CacheMode, MountOptions};
 pub struct RackFs {
     cluster: Arc<Cluster>,
     opts: MountOptions,
-    files: Mutex<HashMap<u64, Arc<FileData>>>,
+    files: crate::watch::Files,
     /// Open handles.
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
@@ -121,7 +121,7 @@ impl RackFs {
         RackFs {
             cluster,
             opts,
-            files: Mutex::new(HashMap::new()),
+            files: Default::default(),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
         }
@@ -136,6 +136,16 @@ impl RackFs {
             ControlResponse::Attr(a) => Ok(a),
             _ => Err(Errno::EIO),
         }
+    }
+
+    /// This mount's open files (the watcher forgets their sizes on change).
+    pub fn files(&self) -> crate::watch::Files {
+        self.files.clone()
+    }
+
+    /// The cluster this filesystem serves.
+    pub fn cluster(&self) -> Arc<Cluster> {
+        self.cluster.clone()
     }
 
     fn ttl(&self) -> Duration {

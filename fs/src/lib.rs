@@ -18,3 +18,4 @@ pub mod lock;
 pub mod mount;
 pub mod options;
 pub mod up;
+pub mod watch;

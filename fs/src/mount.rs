@@ -225,7 +225,9 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         dir,
         record,
     } = prepare(source, dir, opts)?;
+    let (cluster, files) = (fs.cluster(), fs.files());
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
+    crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
     let mut unmounter = session.unmount_callable();
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])

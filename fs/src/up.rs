@@ -209,8 +209,10 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         };
         let source = nodes[0].tcp.clone();
         let prepared = prepare(&source, &dir, &opts)?;
+        let (cluster, files) = (prepared.fs.cluster(), prepared.fs.files());
         let session =
             fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
+        crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
         let _record = prepared.record;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",

@@ -165,6 +165,7 @@ impl MemNode {
             members: Membership::new(me, is_primary),
             meta: is_primary.then(|| Mutex::new(MetaService::new(cfg.quarantine, wall_ns()))),
             controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
+            watchers: Default::default(),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
             store,

@@ -20,6 +20,7 @@ pub mod node;
 pub mod qos;
 pub mod qos_controller;
 pub mod store;
+pub mod watch;
 
 pub use config::{NodeConfig, Role};
 pub use daemon::{MemNode, StartError};

@@ -28,6 +28,7 @@ use crate::membership::Membership;
 use crate::qos::NodeQos;
 use crate::qos_controller::{QosController, QosNodes, QosRequest};
 use crate::store::Store;
+use crate::watch::Watchers;
 
 /// A memory node's parts (see the module docs).
 pub struct Node {
@@ -46,6 +47,8 @@ pub struct Node {
     pub qos: Option<NodeQos>,
     /// The cluster's QoS controller (primary only).
     pub controller: Option<QosController>,
+    /// The mounts' watchers, told of namespace changes (primary only).
+    pub watchers: Watchers,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -105,6 +108,7 @@ impl Node {
 
     /// A client session ended: its opens, lock slot, QoS and baseline locks go.
     pub fn end_session(&self, session: u64) {
+        self.watchers.end_session(session);
         if let Some(m) = &self.meta {
             m.lock().expect("metadata lock").end_session(session, self);
         }
@@ -198,8 +202,33 @@ impl Node {
                 Some(c) => ControlResponse::QosStatus(c.status(&self.qos_nodes())),
                 None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
             },
+            ControlRequest::Session => ControlResponse::Session { id: session },
+            ControlRequest::Watch {
+                of,
+                acked,
+                ttl_ms,
+                poll_ms,
+            } => {
+                let (seq, changes, lost) = self.watchers.watch(
+                    session,
+                    of,
+                    acked,
+                    Duration::from_millis(ttl_ms),
+                    Duration::from_millis(poll_ms.min(60_000)),
+                );
+                ControlResponse::Changes { seq, changes, lost }
+            }
             ControlRequest::Meta(m) => match &self.meta {
-                Some(meta) => meta.lock().expect("metadata lock").handle(session, m, self),
+                Some(meta) => {
+                    let (resp, changes) = {
+                        let mut meta = meta.lock().expect("metadata lock");
+                        let resp = meta.handle(session, m, self);
+                        (resp, meta.take_changes())
+                    };
+                    // Outside the metadata lock: other mounts forget what changed.
+                    self.watchers.publish(session, changes);
+                    resp
+                }
                 None => refused(
                     ErrorCode::NotPrimary,
                     format!(

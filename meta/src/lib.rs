@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::locktree::TreeWord;
-use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::namespace::{Change, MetaRequest};
 use rackfs_proto::record::REC_LOCKS;
 use rackfs_proto::Refusal;
 
@@ -29,6 +29,8 @@ pub use storage::{MemStorage, Storage};
 pub struct MetaService {
     pub namespace: Namespace,
     pub locks: LockTrees,
+    /// Changes other mounts must forget, since [`MetaService::take_changes`] last ran.
+    changes: Vec<Change>,
 }
 
 impl MetaService {
@@ -39,7 +41,13 @@ impl MetaService {
         MetaService {
             namespace: Namespace::new(now_ns),
             locks: LockTrees::new(lock_grace, lock_grace),
+            changes: Vec::new(),
         }
+    }
+
+    /// The namespace changes made since the last call (see [`Namespace::changes_of`]).
+    pub fn take_changes(&mut self) -> Vec<Change> {
+        std::mem::take(&mut self.changes)
     }
 
     /// Handles one request on behalf of client session `session`.
@@ -52,7 +60,14 @@ impl MetaService {
             MetaRequest::LockTree { ino, old, units } => self
                 .publish_tree(ino, old, units, st)
                 .map_or_else(ControlResponse::from, |w| ControlResponse::LockTree(w.0)),
-            other => self.namespace.handle(session, other, st),
+            other => {
+                let changes = self.namespace.changes_of(&other);
+                let resp = self.namespace.handle(session, other, st);
+                if !matches!(resp, ControlResponse::Error { .. }) {
+                    self.changes.extend(changes);
+                }
+                resp
+            }
         };
         self.retire_deleted(st);
         resp

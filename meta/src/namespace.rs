@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
-    Attr, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent, MAX_FILE_SIZE,
-    MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
+    Attr, Change, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
+    MAX_FILE_SIZE, MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
 use rackfs_proto::record::{
     location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE,
@@ -169,6 +169,43 @@ impl Namespace {
             }
         };
         r.unwrap_or_else(ControlResponse::from)
+    }
+
+    /// What other mounts must forget if `req` succeeds: names removed or replaced, and inodes
+    /// whose attributes change (mode, owner, size, link count). Creations are not listed: a
+    /// new name is found by a lookup, as the kernel caches no negative entries here.
+    pub fn changes_of(&self, req: &MetaRequest) -> Vec<Change> {
+        let entry = |parent: u64, name: &[u8]| Change::Entry {
+            parent,
+            name: name.to_vec(),
+        };
+        let target = |parent: u64, name: &[u8]| {
+            self.lookup(parent, name)
+                .ok()
+                .map(|ino| Change::Inode { ino })
+        };
+        match req {
+            MetaRequest::SetAttr { ino, .. } | MetaRequest::Link { ino, .. } => {
+                vec![Change::Inode { ino: *ino }]
+            }
+            MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
+                let mut v = vec![entry(*parent, name)];
+                v.extend(target(*parent, name));
+                v
+            }
+            MetaRequest::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                ..
+            } => {
+                let mut v = vec![entry(*parent, name), entry(*new_parent, new_name)];
+                v.extend(target(*new_parent, new_name));
+                v
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// Releases every open held by a session that ended (its mount went away).

@@ -15,14 +15,14 @@ use rackfs_verbs::wire::WireError;
 use rackfs_verbs::VerbTotals;
 use serde::{Deserialize, Serialize};
 
-use crate::namespace::{Attr, DirEntry, MetaRequest, StripeExtent};
+use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
 pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 15] = [
+pub const RPC_KINDS: [&str; 17] = [
     "hello",
     "ping",
     "stats",
@@ -38,6 +38,8 @@ pub const RPC_KINDS: [&str; 15] = [
     "qos_set",
     "qos_status",
     "resize",
+    "session",
+    "watch",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,6 +83,20 @@ pub enum ControlRequest {
     },
     /// A namespace operation (primary only).
     Meta(MetaRequest),
+    /// This connection's session id (to name it in [`ControlRequest::Watch`]).
+    Session,
+    /// Sent by a mount's watcher, on a connection of its own, to the primary: acknowledges
+    /// the changes up to `acked` (its kernel has forgotten them), then waits (at most
+    /// `poll_ms`) for namespace changes made by other sessions than `of` (the mount's main
+    /// session). A change's operation returns only when every other watcher acknowledged it,
+    /// or after that watcher's `ttl_ms` (its kernel cache timeout, after which it forgets
+    /// anyway). Answered with [`ControlResponse::Changes`].
+    Watch {
+        of: u64,
+        acked: u64,
+        ttl_ms: u64,
+        poll_ms: u64,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -132,6 +148,8 @@ impl ControlRequest {
             ControlRequest::QosSet { .. } => 12,
             ControlRequest::QosStatus => 13,
             ControlRequest::Resize { .. } => 14,
+            ControlRequest::Session => 15,
+            ControlRequest::Watch { .. } => 16,
         }
     }
 }
@@ -354,6 +372,16 @@ pub enum ControlResponse {
         limit: u64,
     },
     QosStatus(QosStatus),
+    Session {
+        id: u64,
+    },
+    /// Changes for a watcher, numbered up to `seq` (acknowledge with that). `lost`: changes
+    /// were dropped because the watcher lagged (its caches expire on their own).
+    Changes {
+        seq: u64,
+        changes: Vec<Change>,
+        lost: bool,
+    },
     Error {
         code: ErrorCode,
         message: String,

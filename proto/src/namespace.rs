@@ -79,6 +79,16 @@ pub struct DirEntry {
     pub name: Vec<u8>,
 }
 
+/// A namespace change that other mounts' kernels must forget what they cached of, pushed to
+/// their watchers (`ControlRequest::Watch`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// The name `name` in directory `parent` went away or now names another inode.
+    Entry { parent: u64, name: Vec<u8> },
+    /// The inode's attributes changed (mode, owner, size, link count, times).
+    Inode { ino: u64 },
+}
+
 /// One allocated stripe: data at `offset` on `node`, tag at `offset -` [`crate::record::TAG_SPACE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StripeExtent {

@@ -144,6 +144,110 @@ fn two_mounts_growing_the_same_small_files_lose_no_write() {
     }
 }
 
+/// With long kernel caches (attr_timeout=30) on both mounts, every namespace or attribute
+/// change made on one mount is seen by the other as soon as it returns.
+#[test]
+fn changes_on_one_mount_are_seen_at_once_by_another() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let c = TestCluster::start(1, "64M");
+    let (a, b) = (
+        Mount::new(&c, "attr_timeout=30"),
+        Mount::new(&c, "attr_timeout=30,transport=tcp"),
+    );
+    for (this, other) in [(&a, &b), (&b, &a)] {
+        let (p, q) = (|n: &str| this.path(n), |n: &str| other.path(n));
+        for n in ["x", "y", "f", "g"] {
+            fs::write(p(n), b"12345").unwrap();
+        }
+        fs::create_dir(p("d")).unwrap();
+        // The other mount's kernel caches every entry and attribute.
+        for n in ["x", "y", "f", "g", "d"] {
+            fs::metadata(q(n)).unwrap();
+        }
+        let gone = |n: &str| {
+            fs::metadata(q(n)).map_err(|e| e.raw_os_error()).err() == Some(Some(libc::ENOENT))
+        };
+        fs::remove_file(p("x")).unwrap();
+        assert!(gone("x"), "unlink seen");
+        fs::rename(p("y"), p("y2")).unwrap();
+        assert!(gone("y"), "rename: old name gone");
+        assert_eq!(fs::read(q("y2")).unwrap(), b"12345");
+        fs::remove_dir(p("d")).unwrap();
+        assert!(gone("d"), "rmdir seen");
+        fs::set_permissions(p("f"), fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(
+            fs::metadata(q("f")).unwrap().mode() & 0o777,
+            0o600,
+            "chmod seen"
+        );
+        OpenOptions::new()
+            .write(true)
+            .open(p("f"))
+            .unwrap()
+            .set_len(3)
+            .unwrap();
+        assert_eq!(fs::metadata(q("f")).unwrap().len(), 3, "truncate seen");
+        fs::hard_link(p("f"), p("f2")).unwrap();
+        assert_eq!(fs::metadata(q("f")).unwrap().nlink(), 2, "link count seen");
+        std::os::unix::fs::chown(p("g"), Some(1000), None).unwrap();
+        assert_eq!(fs::metadata(q("g")).unwrap().uid(), 1000, "chown seen");
+        // A name renamed over another: the other mount sees the new file under it.
+        fs::write(p("g2"), b"new").unwrap();
+        fs::rename(p("g2"), p("g")).unwrap();
+        assert_eq!(
+            fs::metadata(q("g")).unwrap().len(),
+            3,
+            "rename over a name seen"
+        );
+        for n in ["y2", "f", "f2", "g"] {
+            fs::remove_file(p(n)).unwrap();
+        }
+    }
+}
+
+/// A mount that stops answering (SIGSTOP) delays another mount's change by at most its own
+/// attr_timeout, once; later changes do not wait for it; it catches up after SIGCONT.
+#[test]
+fn a_stopped_mount_delays_changes_elsewhere_once_by_its_attr_timeout() {
+    let c = TestCluster::start(1, "64M");
+    let a = Mount::new(&c, "attr_timeout=30");
+    let stopped = Mount::new(&c, "attr_timeout=2,transport=tcp");
+    for i in 0..3 {
+        fs::write(a.path(&format!("s{i}")), b"x").unwrap();
+        fs::metadata(stopped.path(&format!("s{i}"))).unwrap();
+    }
+    let pid = stopped.child.id() as i32;
+    // SAFETY: signalling a child process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let t0 = std::time::Instant::now();
+    fs::remove_file(a.path("s0")).unwrap();
+    let first = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    fs::remove_file(a.path("s1")).unwrap();
+    let second = t0.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    eprintln!("unlink with a stopped mount: first {first:?}, then {second:?}");
+    assert!(
+        first < Duration::from_secs(10),
+        "waited {first:?} for a stopped mount"
+    );
+    assert!(
+        second < first,
+        "the stopped mount was waited for twice: {second:?}"
+    );
+    // After SIGCONT it catches up and is waited for again: its kernel forgets at once.
+    assert!(wait_for(Duration::from_secs(10), || fs::metadata(
+        stopped.path("s1")
+    )
+    .is_err()));
+    fs::remove_file(a.path("s2")).unwrap();
+    assert!(
+        fs::metadata(stopped.path("s2")).is_err(),
+        "caught-up mount sees the change at once"
+    );
+}
+
 #[test]
 fn steady_state_io_makes_no_control_rpc() {
     let c = TestCluster::start(2, "32M");

@@ -1,0 +1,117 @@
+//! The mount's watcher: makes this mount's kernel forget names and attributes that other
+//! mounts changed, before their operations return (see `rackfs_memnode::watch` for the
+//! primary's side and the guarantee).
+//!
+//! A thread polls the primary with `Watch` on a control connection of its own. For each
+//! change it tells the kernel through fuser's notifier (`inval_entry`, `inval_inode`) and
+//! drops this mount's cached file size, then acknowledges. A lost connection is logged with
+//! the node's name and retried; meanwhile the primary stops waiting for this mount after its
+//! `attr_timeout`, and the kernel's cache expires on its own.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fuser::{INodeNo, Notifier};
+use rackfs_proto::client::RPC_DEADLINE;
+use rackfs_proto::control::{ControlRequest, ControlResponse};
+use rackfs_proto::namespace::Change;
+use rackfs_proto::ControlClient;
+use tracing::{debug, warn};
+
+use crate::cluster::Cluster;
+use crate::file::FileData;
+
+/// How long one poll waits for changes at the primary.
+const POLL: Duration = Duration::from_secs(5);
+
+/// This mount's open files, shared with the filesystem (their sizes are forgotten on change).
+pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
+
+/// Starts the watcher thread of a mount whose kernel caches for `ttl` (nothing to do when 0).
+pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Duration) {
+    if ttl.is_zero() {
+        return;
+    }
+    let of = match cluster.primary.call(&ControlRequest::Session) {
+        Ok(ControlResponse::Session { id }) => id,
+        other => {
+            warn!(result = ?other, "no session id from the primary; other mounts' changes \
+                  reach this mount's kernel cache only after attr_timeout");
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("rackfs-watch".into())
+        .spawn(move || loop {
+            match cluster.connect_primary() {
+                Ok(c) => {
+                    let e = serve(&c, of, ttl, &notifier, &files);
+                    warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting");
+                }
+                Err(e) => warn!(error = %e, "the watcher cannot reach the primary; retrying"),
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        });
+    if let Err(e) = spawned {
+        warn!(error = %e, "no watcher thread");
+    }
+}
+
+/// Polls and applies changes until the connection fails.
+fn serve(
+    c: &ControlClient,
+    of: u64,
+    ttl: Duration,
+    notifier: &Notifier,
+    files: &Files,
+) -> rackfs_proto::RpcError {
+    c.set_deadline(POLL + RPC_DEADLINE);
+    let mut acked = 0;
+    loop {
+        let req = ControlRequest::Watch {
+            of,
+            acked,
+            ttl_ms: ttl.as_millis() as u64,
+            poll_ms: POLL.as_millis() as u64,
+        };
+        match c.call(&req) {
+            Ok(ControlResponse::Changes { seq, changes, lost }) => {
+                if lost {
+                    warn!("the primary dropped changes while this mount lagged");
+                }
+                for ch in &changes {
+                    apply(ch, notifier, files);
+                }
+                acked = seq;
+            }
+            Ok(other) => {
+                return rackfs_proto::RpcError::Unexpected {
+                    peer: c.peer().into(),
+                    what: format!("{other:?} to Watch"),
+                }
+            }
+            Err(e) => return e,
+        }
+    }
+}
+
+fn apply(ch: &Change, notifier: &Notifier, files: &Files) {
+    // ENOENT: the kernel had nothing cached for it, which is fine.
+    let r = match ch {
+        Change::Entry { parent, name } => {
+            notifier.inval_entry(INodeNo(*parent), OsStr::from_bytes(name))
+        }
+        Change::Inode { ino } => {
+            if let Some(f) = files.lock().expect("files lock").get(ino) {
+                f.forget_size();
+            }
+            notifier.inval_inode(INodeNo(*ino), 0, 0)
+        }
+    };
+    if let Err(e) = r {
+        debug!(change = ?ch, error = %e, "kernel cache invalidation");
+    }
+}

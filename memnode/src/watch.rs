@@ -1,0 +1,238 @@
+//! Coherence of the mounts' kernel caches: namespace changes pushed to every other mount's
+//! watcher, and the changing operation held until they acknowledge.
+//!
+//! Each mount keeps a watcher connection to the primary polling with `Watch`. When an
+//! operation of session S changes the namespace, the primary queues the changes for every
+//! watcher of another mount and the operation returns only when each has acknowledged them
+//! (its kernel forgot the old names and attributes), or after that watcher's `ttl` (its
+//! kernel's cache timeout: past it the kernel forgets on its own). So once a change returns,
+//! no other mount shows the old state.
+//!
+//! Two rules keep this from stalling:
+//! * a watcher that misses a deadline is *lagging*: nobody waits for it until it has caught
+//!   up (its caches are then bounded by its `ttl` only, as without watchers);
+//! * nobody waits for the watcher of a mount that is itself waiting for acknowledgements: that
+//!   mount's kernel may hold the directory lock the watcher needs to invalidate an entry, for
+//!   the very operation that waits, and two such mounts would wait for each other.
+//!
+//! The waiting happens outside the metadata lock.
+
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rackfs_proto::namespace::Change;
+
+/// Changes kept for a lagging watcher before they are dropped (its caches expire anyway).
+const MAX_QUEUED: usize = 65_536;
+
+/// The watchers of all mounts, by the mount's main session.
+#[derive(Default)]
+pub struct Watchers {
+    state: Mutex<HashMap<u64, Watcher>>,
+    changed: Condvar,
+}
+
+struct Watcher {
+    /// The watcher's own connection session.
+    conn: u64,
+    queue: Vec<Change>,
+    /// Number of the latest batch of changes queued, and the latest acknowledged.
+    queued: u64,
+    acked: u64,
+    ttl: Duration,
+    lagging: bool,
+    lost: bool,
+    /// Operations of this mount now waiting for acknowledgements.
+    waiting: u32,
+}
+
+impl Watchers {
+    /// A watcher's poll: acknowledges changes up to `acked`, then waits up to `poll` for more.
+    /// Returns the number to acknowledge them with, the changes, and whether some were lost.
+    pub fn watch(
+        &self,
+        conn: u64,
+        of: u64,
+        acked: u64,
+        ttl: Duration,
+        poll: Duration,
+    ) -> (u64, Vec<Change>, bool) {
+        let deadline = Instant::now() + poll;
+        let mut state = self.state.lock().expect("watchers lock");
+        let w = state.entry(of).or_insert_with(|| Watcher {
+            conn,
+            queue: Vec::new(),
+            queued: 0,
+            acked: 0,
+            ttl,
+            lagging: false,
+            lost: false,
+            waiting: 0,
+        });
+        w.conn = conn;
+        w.ttl = ttl;
+        w.acked = w.acked.max(acked.min(w.queued));
+        if w.acked == w.queued {
+            w.lagging = false;
+        }
+        self.changed.notify_all();
+        loop {
+            let Some(w) = state.get_mut(&of) else {
+                return (0, Vec::new(), false);
+            };
+            let now = Instant::now();
+            if !w.queue.is_empty() || now >= deadline {
+                let lost = std::mem::take(&mut w.lost);
+                return (w.queued, std::mem::take(&mut w.queue), lost);
+            }
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .expect("watchers lock")
+                .0;
+        }
+    }
+
+    /// Queues `changes`, made by session `from`, for every other mount's watcher and waits
+    /// until each has acknowledged them, passed its `ttl`, or gone (see the module docs).
+    pub fn publish(&self, from: u64, changes: Vec<Change>) {
+        if changes.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut state = self.state.lock().expect("watchers lock");
+        let mut wait: Vec<(u64, u64, Instant)> = Vec::new();
+        for (&of, w) in state.iter_mut().filter(|(&of, _)| of != from) {
+            if w.queue.len() + changes.len() > MAX_QUEUED {
+                w.queue.clear();
+                w.lost = true;
+            } else {
+                w.queue.extend(changes.iter().cloned());
+            }
+            w.queued += 1;
+            if !w.lagging && w.waiting == 0 {
+                wait.push((of, w.queued, now + w.ttl));
+            }
+        }
+        if wait.is_empty() {
+            return;
+        }
+        if let Some(w) = state.get_mut(&from) {
+            w.waiting += 1;
+        }
+        self.changed.notify_all();
+        loop {
+            let now = Instant::now();
+            let mut next: Option<Instant> = None;
+            wait.retain(|&(of, seq, deadline)| {
+                let Some(w) = state.get_mut(&of) else {
+                    return false;
+                };
+                if w.acked >= seq || w.lagging {
+                    return false;
+                }
+                if now >= deadline {
+                    tracing::warn!(
+                        session = of,
+                        ttl_ms = w.ttl.as_millis() as u64,
+                        "a mount's watcher did not acknowledge namespace changes in time; \
+                         its kernel cache expires on its own until it catches up"
+                    );
+                    w.lagging = true;
+                    return false;
+                }
+                next = Some(next.map_or(deadline, |n: Instant| n.min(deadline)));
+                true
+            });
+            let Some(until) = next else { break };
+            state = self
+                .changed
+                .wait_timeout(state, until - now)
+                .expect("watchers lock")
+                .0;
+        }
+        if let Some(w) = state.get_mut(&from) {
+            w.waiting -= 1;
+        }
+    }
+
+    /// A connection ended: the watcher it was, or the mount whose main session it was, goes.
+    pub fn end_session(&self, session: u64) {
+        let mut state = self.state.lock().expect("watchers lock");
+        state.retain(|&of, w| of != session && w.conn != session);
+        self.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn unlink(n: u8) -> Vec<Change> {
+        vec![Change::Entry {
+            parent: 1,
+            name: vec![n],
+        }]
+    }
+
+    #[test]
+    fn a_change_returns_once_the_other_watcher_acknowledged_it() {
+        let w = Arc::new(Watchers::default());
+        let ttl = Duration::from_secs(30);
+        // Mount 2's watcher (connection 20) registers.
+        assert_eq!(w.watch(20, 2, 0, ttl, Duration::ZERO).1, vec![]);
+        let w2 = w.clone();
+        let t0 = Instant::now();
+        let publisher = std::thread::spawn(move || w2.publish(1, unlink(7)));
+        let (seq, changes, lost) = w.watch(20, 2, 0, ttl, Duration::from_secs(5));
+        assert_eq!((changes, lost), (unlink(7), false));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !publisher.is_finished(),
+            "returned before the acknowledgement"
+        );
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        publisher.join().unwrap();
+        assert!(t0.elapsed() < ttl);
+        // The changer's own watcher is not sent its own changes.
+        w.watch(10, 1, 0, ttl, Duration::ZERO);
+        let w2 = w.clone();
+        let p = std::thread::spawn(move || w2.publish(1, unlink(8)));
+        let (seq, changes, _) = w.watch(20, 2, seq, ttl, Duration::from_secs(5));
+        assert_eq!(changes, unlink(8));
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        p.join().unwrap();
+        assert_eq!(w.watch(10, 1, 0, ttl, Duration::ZERO).1, vec![]);
+    }
+
+    #[test]
+    fn a_silent_watcher_is_waited_for_its_ttl_once_then_not_at_all() {
+        let w = Watchers::default();
+        let ttl = Duration::from_secs(1);
+        w.watch(20, 2, 0, ttl, Duration::ZERO);
+        let t0 = Instant::now();
+        w.publish(1, unlink(1));
+        let waited = t0.elapsed();
+        assert!(waited >= ttl, "{waited:?}");
+        let t0 = Instant::now();
+        w.publish(1, unlink(2));
+        assert!(
+            t0.elapsed() < ttl,
+            "a lagging watcher is not waited for again"
+        );
+        // It catches up: waited for again.
+        let (seq, changes, _) = w.watch(20, 2, 0, ttl, Duration::ZERO);
+        assert_eq!(changes.len(), 2);
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        let t0 = Instant::now();
+        w.publish(1, unlink(3));
+        assert!(t0.elapsed() >= ttl);
+        // A watcher whose connection ended is not waited for.
+        w.end_session(20);
+        let t0 = Instant::now();
+        w.publish(1, unlink(4));
+        assert!(t0.elapsed() < ttl);
+    }
+}
