@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use rackfs_locks::LockConfig;
 use rackfs_proto::control::{ClusterInfo, NodeAddr};
@@ -49,6 +50,8 @@ pub struct Cluster {
     lock_client: Mutex<Option<(u16, LockConfig)>>,
     /// QoS: this mount's slot and its engine per node (`None`: `qos=off`).
     qos: RwLock<Option<Qos>>,
+    /// How long a verb batch over tcp waits for its node, in ms (the mount's `timeout=`).
+    deadline_ms: std::sync::atomic::AtomicU64,
 }
 
 struct Qos {
@@ -77,6 +80,13 @@ fn control_addr(node: &NodeAddr, transport: TransportChoice) -> Result<String, C
 }
 
 impl Cluster {
+    /// Sets how long control RPCs to the primary and verb batches over tcp wait for their node.
+    pub fn set_deadline(&self, d: Duration) {
+        self.primary.set_deadline(d);
+        self.deadline_ms
+            .store(d.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// A second control connection to the primary (for the mount's watcher).
     pub fn connect_primary(&self) -> Result<ControlClient, ConnectError> {
         let p = self.info.read().expect("cluster info lock").primary.clone();
@@ -131,6 +141,7 @@ impl Cluster {
                 name: name.into(),
                 lock_client: Mutex::new(None),
                 qos: RwLock::new(None),
+                deadline_ms: (rackfs_verbs::tcp::DEFAULT_DEADLINE.as_millis() as u64).into(),
             });
         }
         Err(ConnectError::Unreachable {
@@ -158,7 +169,9 @@ impl Cluster {
     /// The queue pair to node `id`, connecting on first use.
     pub fn node(&self, id: u32) -> Result<Arc<Node>, VerbsError> {
         if let Some(n) = self.nodes.read().expect("nodes lock").get(&id) {
-            return Ok(n.clone());
+            if !n.qp.is_broken() {
+                return Ok(n.clone());
+            }
         }
         let mut addr = self.info().nodes.into_iter().find(|n| n.node_id == id);
         if addr.is_none() {
@@ -191,7 +204,17 @@ impl Cluster {
                 &self.name,
                 self.rdma_device.as_deref(),
             )?,
-            (None, Some(tcp), _) => rackfs_verbs::tcp::connect(tcp, &self.secret, &self.name)?,
+            (None, Some(tcp), _) => rackfs_verbs::tcp::connect_with(
+                tcp,
+                &self.secret,
+                &self.name,
+                rackfs_verbs::tcp::TcpOptions {
+                    deadline: Duration::from_millis(
+                        self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
+                    ),
+                    ..Default::default()
+                },
+            )?,
             (None, None, _) => {
                 return Err(VerbsError::Connect {
                     peer: addr.name.clone(),
@@ -207,6 +230,12 @@ impl Cluster {
                 peer: addr.name.clone(),
                 reason: "node registered no region".into(),
             })?;
+        info!(
+            node = id,
+            peer = qp.peer(),
+            transport = qp.transport(),
+            "connected to a memory node"
+        );
         let node = Arc::new(Node { qp, rkey });
         self.nodes
             .write()
@@ -342,7 +371,6 @@ impl Cluster {
             .unwrap_or_default()
     }
 
-    /// Forgets a node's connection after it failed, so the next use reconnects.
     /// The errno for a failed verb to `node`; a lost or confused connection is dropped so the
     /// next use reconnects.
     pub fn verbs_errno(&self, node: u32, e: &VerbsError) -> i32 {
@@ -355,15 +383,19 @@ impl Cluster {
         libc::EIO
     }
 
+    /// Forgets a node's connection after it failed, so the next use reconnects.
     pub fn drop_node(&self, id: u32, why: &VerbsError) {
-        if self
-            .nodes
-            .write()
-            .expect("nodes lock")
-            .remove(&id)
-            .is_some()
-        {
-            warn!(node = id, error = %why, "lost a memory node; files with data there return EIO");
+        // The node's QoS engine holds the connection too: it is made anew on the next use.
+        if let Some(q) = self.qos.write().expect("qos lock").as_mut() {
+            q.engines.remove(&id);
+        }
+        let mut nodes = self.nodes.write().expect("nodes lock");
+        // A tcp connection that is not broken is a newer one than the one that failed.
+        let newer = nodes
+            .get(&id)
+            .is_some_and(|n| n.qp.transport() == "tcp" && !n.qp.is_broken());
+        if !newer && nodes.remove(&id).is_some() {
+            warn!(node = id, error = %why, "lost the connection to a memory node: operations on its data return EIO; the next one reconnects");
         }
     }
 }

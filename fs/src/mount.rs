@@ -170,7 +170,7 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
         opts.rdma_device.clone(),
         &name,
     )?;
-    cluster.primary.set_deadline(opts.timeout);
+    cluster.set_deadline(opts.timeout);
     let qos_slot = match opts.qos {
         true => Some(
             cluster

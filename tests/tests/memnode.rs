@@ -259,7 +259,7 @@ fn malformed_frames_close_only_their_connection() {
         let mut batch = Batch::new();
         batch.faa(RemoteAddr::new(rkey, 0), 1);
         batch.write(RemoteAddr::new(rkey, 8), b"abcdefgh");
-        wire::encode_verbs_request(&mut body, 0, batch.requests());
+        wire::encode_verbs_request(&mut body, &wire::BatchHead::default(), batch.requests());
         b[4..8].copy_from_slice(&(body.len() as u32).to_le_bytes());
         b.extend_from_slice(&body);
         b

@@ -108,6 +108,15 @@ impl QueuePair {
         }
     }
 
+    /// Whether the connection has failed for good (every later post fails): the caller should
+    /// connect anew. Only tcp connections know this ahead of a post.
+    pub fn is_broken(&self) -> bool {
+        match &*self.0 {
+            Transport::Tcp(conn) => conn.is_broken(),
+            _ => false,
+        }
+    }
+
     /// `"shm"`, `"tcp"`, `"rdma"` or `"sim"`.
     pub fn transport(&self) -> &'static str {
         match &*self.0 {

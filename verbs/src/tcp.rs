@@ -11,6 +11,15 @@
 //! wakes another waiter to take over. On this kind of machine a thread wake-up costs tens of
 //! microseconds, so having the waiting thread read its own response saves one per round trip.
 //!
+//! **Deadlines**: a client waits at most [`TcpOptions::deadline`] for a node that stopped
+//! answering (its socket's receive and send timeouts): then the connection fails, every batch
+//! on it with it. Each batch carries the client's send time and deadline; a node that finds a
+//! batch older than its deadline (it was stopped, and resumed) closes the connection without
+//! executing it, so an operation the application was told failed does not land later. The
+//! node measures age against the smallest clock offset it has seen on the connection, so
+//! the two hosts' clocks need not agree; a batch still executing when the node stops is not
+//! fenced.
+//!
 //! **Adaptive polling**: before blocking in `read`, both sides poll the socket for a short,
 //! bounded time ([`TcpOptions::poll`], `rackfs-memnode --poll-us`): back-to-back requests then
 //! find their peer awake instead of paying a sleeping CPU's wake-up. An idle connection costs
@@ -61,14 +70,22 @@ struct Reader {
 pub struct TcpOptions {
     /// How long a waiting thread polls the socket before sleeping in `read`.
     pub poll: Duration,
+    /// How long to wait for a node's answer (or for room to send) before the connection fails.
+    pub deadline: Duration,
 }
+
+/// Default deadline of a batch: as long as a control RPC's.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Default polling budget on both sides of a connection.
 pub const DEFAULT_POLL: Duration = Duration::from_micros(50);
 
 impl Default for TcpOptions {
     fn default() -> Self {
-        TcpOptions { poll: DEFAULT_POLL }
+        TcpOptions {
+            poll: DEFAULT_POLL,
+            deadline: DEFAULT_DEADLINE,
+        }
     }
 }
 
@@ -80,6 +97,33 @@ static POLLERS: AtomicUsize = AtomicUsize::new(0);
 fn max_pollers() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
+}
+
+/// Waits until `fd` is readable (or closed) for at most `deadline`; false when it timed out.
+fn wait_readable(fd: RawFd, deadline: Duration) -> bool {
+    let end = Instant::now() + deadline;
+    loop {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let left = end.saturating_duration_since(Instant::now());
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid, initialised pollfd; poll only inspects `fd` for up to `ms`.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n > 0 {
+            return true;
+        }
+        let interrupted =
+            n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+        if (n == 0 || !interrupted) && Instant::now() >= end {
+            return n != 0;
+        }
+        if n < 0 && !interrupted {
+            return true; // let the read report the error
+        }
+    }
 }
 
 /// Busy-polls `fd` until it is readable or `budget` has passed (or returns at once when enough
@@ -132,6 +176,13 @@ pub(crate) struct TcpConn {
     fd: RawFd,
 }
 
+/// Wall-clock time, ns since the Unix epoch.
+fn wall_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// Connects to a memory node's verbs service at `addr` (host:port).
 pub fn connect(addr: &str, secret: &Secret, client_name: &str) -> Result<QueuePair, VerbsError> {
     connect_with(addr, secret, client_name, TcpOptions::default())
@@ -145,7 +196,17 @@ pub fn connect_with(
     options: TcpOptions,
 ) -> Result<QueuePair, VerbsError> {
     let mut stream = dial(addr)?;
+    // The handshake too: a stopped node's kernel still accepts the connection.
+    let bound = Some(options.deadline.max(Duration::from_millis(1)));
+    stream
+        .set_read_timeout(bound)
+        .and_then(|_| stream.set_write_timeout(bound))
+        .map_err(|e| connect_err(addr, e))?;
     let accepted = client_handshake(&mut stream, ConnKind::Verbs, secret, client_name, addr)?;
+    // Reads wait in `wait_readable` (bounded by the deadline), not in a socket timeout.
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| connect_err(addr, e))?;
     let fd = stream.as_raw_fd();
     let conn = TcpConn {
         peer: format!("{} ({addr})", accepted.node_name),
@@ -207,6 +268,10 @@ impl TcpConn {
         &self.regions
     }
 
+    pub(crate) fn is_broken(&self) -> bool {
+        self.failure.lock().expect("failure lock").is_some()
+    }
+
     fn failure(&self) -> Option<VerbsError> {
         self.failure.lock().expect("failure lock").clone()
     }
@@ -258,7 +323,12 @@ impl TcpConn {
         w.next_seq += 1;
         w.buf.clear();
         w.buf.extend_from_slice(&[0; wire::HEADER_LEN]);
-        wire::encode_verbs_request(&mut w.buf, seq, batch.requests());
+        let head = wire::BatchHead {
+            seq,
+            sent_ns: wall_ns(),
+            deadline_ms: self.options.deadline.as_millis().min(u32::MAX as u128) as u32,
+        };
+        wire::encode_verbs_request(&mut w.buf, &head, batch.requests());
         let header = wire::encode_header(FrameKind::VerbsRequest, w.buf.len() - wire::HEADER_LEN);
         w.buf[..wire::HEADER_LEN].copy_from_slice(&header);
         self.in_flight
@@ -275,7 +345,10 @@ impl TcpConn {
         }
         drop(guard);
         if let Err(e) = sent {
-            self.fail(format!("send failed: {e}"));
+            self.fail(format!(
+                "send failed (the node takes no data within {:?}?): {e}",
+                self.options.deadline
+            ));
         }
         Posted::tcp(slot, self.clone())
     }
@@ -301,10 +374,19 @@ impl TcpConn {
                     if slot.is_done() {
                         continue; // completed by the previous reader: release the lock first
                     }
-                    if reader.stream.buffer().is_empty() {
+                    let ready = !reader.stream.buffer().is_empty() || {
                         poll_readable(self.fd, self.options.poll);
-                    }
-                    if let Err(reason) = self.read_one(&mut reader) {
+                        wait_readable(self.fd, self.options.deadline)
+                    };
+                    let read = if ready {
+                        self.read_one(&mut reader)
+                    } else {
+                        Err(format!(
+                            "no answer within {:?} (the node is stopped or overloaded)",
+                            self.options.deadline
+                        ))
+                    };
+                    if let Err(reason) = read {
                         drop(reader);
                         self.fail(reason);
                     }
@@ -445,6 +527,9 @@ pub fn serve_verbs(
     let mut reader = BufReader::with_capacity(256 << 10, input);
     let mut writer = BufWriter::with_capacity(256 << 10, output);
     let mut body = Vec::new();
+    // The smallest (our clock - the client's send time) seen: the clocks' offset plus the
+    // fastest delivery. A batch's age is how much later than that it arrives.
+    let mut offset_min: Option<i128> = None;
     loop {
         if reader.buffer().is_empty() {
             poll_readable(fd, poll);
@@ -460,7 +545,22 @@ pub fn serve_verbs(
                 got: kind,
             });
         }
-        let (seq, requests) = wire::decode_verbs_request(&body)?;
+        let (head, requests) = wire::decode_verbs_request(&body)?;
+        let offset = wall_ns() as i128 - head.sent_ns as i128;
+        let least = *offset_min.get_or_insert(offset);
+        offset_min = Some(least.min(offset));
+        let age_ms = (offset - least) / 1_000_000;
+        if head.deadline_ms != 0 && age_ms > head.deadline_ms as i128 {
+            return Err(WireError::malformed(
+                "verbs request",
+                format!(
+                    "batch {} arrived {age_ms} ms late, past its {} ms deadline (was this node \
+                     stopped?): not executed, and the connection closed",
+                    head.seq, head.deadline_ms
+                ),
+            ));
+        }
+        let seq = head.seq;
         let read_bytes: usize = requests
             .iter()
             .filter(|r| r.opcode() == Opcode::Read)

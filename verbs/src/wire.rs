@@ -17,7 +17,7 @@ use crate::region::RegionInfo;
 use crate::wr::{Access, Opcode, RemoteAddr, WorkRequest, MAX_BATCH_BYTES, MAX_BATCH_REQUESTS};
 
 pub const MAGIC: [u8; 2] = *b"RK";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 8;
 /// Largest frame body accepted: a maximal batch plus its per-request headers.
 pub const MAX_FRAME_BODY: u32 = MAX_BATCH_BYTES as u32 + 64 * MAX_BATCH_REQUESTS as u32;
@@ -268,8 +268,23 @@ pub fn put_str(out: &mut Vec<u8>, s: &str) {
 }
 
 /// Appends the body of a verbs request frame.
-pub fn encode_verbs_request(out: &mut Vec<u8>, seq: u64, requests: &[WorkRequest<'_>]) {
-    out.extend_from_slice(&seq.to_le_bytes());
+/// What a verbs request carries besides its work requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchHead {
+    /// Position of the batch on its connection (responses come back in order).
+    pub seq: u64,
+    /// The client's wall clock when it sent the batch, ns since the epoch.
+    pub sent_ns: u64,
+    /// How long the client waits for the answer (0: forever). A node that finds a batch
+    /// older than this (a stopped node, resumed) closes the connection instead of executing
+    /// it: the client gave up on it and told its application the operation failed.
+    pub deadline_ms: u32,
+}
+
+pub fn encode_verbs_request(out: &mut Vec<u8>, head: &BatchHead, requests: &[WorkRequest<'_>]) {
+    out.extend_from_slice(&head.seq.to_le_bytes());
+    out.extend_from_slice(&head.sent_ns.to_le_bytes());
+    out.extend_from_slice(&head.deadline_ms.to_le_bytes());
     out.extend_from_slice(&(requests.len() as u16).to_le_bytes());
     for wr in requests {
         let addr = wr.addr();
@@ -304,9 +319,13 @@ pub fn encode_verbs_request(out: &mut Vec<u8>, seq: u64, requests: &[WorkRequest
 }
 
 /// Decodes a verbs request body; WRITE payloads borrow from `body`.
-pub fn decode_verbs_request(body: &[u8]) -> Result<(u64, Vec<WorkRequest<'_>>), WireError> {
+pub fn decode_verbs_request(body: &[u8]) -> Result<(BatchHead, Vec<WorkRequest<'_>>), WireError> {
     let mut c = Cursor::new(body, "verbs request");
-    let seq = c.u64()?;
+    let head = BatchHead {
+        seq: c.u64()?,
+        sent_ns: c.u64()?,
+        deadline_ms: c.u32()?,
+    };
     let count = c.u16()? as usize;
     if count > MAX_BATCH_REQUESTS {
         return Err(WireError::malformed(
@@ -365,7 +384,7 @@ pub fn decode_verbs_request(body: &[u8]) -> Result<(u64, Vec<WorkRequest<'_>>), 
             format!("READs ask for {read_bytes} bytes, the batch limit is {MAX_BATCH_BYTES}"),
         ));
     }
-    Ok((seq, requests))
+    Ok((head, requests))
 }
 
 /// Which service a connection asks for in its hello.
@@ -604,18 +623,19 @@ mod tests {
 
     proptest! {
         #[test]
-        fn verbs_request_round_trips(seq: u64, wrs in proptest::collection::vec(arb_wr(), 0..20)) {
+        fn verbs_request_round_trips(seq: u64, sent_ns: u64, deadline_ms: u32, wrs in proptest::collection::vec(arb_wr(), 0..20)) {
             let mut body = Vec::new();
-            encode_verbs_request(&mut body, seq, &wrs);
-            let (s, decoded) = decode_verbs_request(&body).unwrap();
-            prop_assert_eq!(s, seq);
+            let head = BatchHead { seq, sent_ns, deadline_ms };
+            encode_verbs_request(&mut body, &head, &wrs);
+            let (h, decoded) = decode_verbs_request(&body).unwrap();
+            prop_assert_eq!(h, head);
             prop_assert_eq!(decoded, wrs);
         }
 
         #[test]
         fn truncated_requests_are_errors(seq: u64, wrs in proptest::collection::vec(arb_wr(), 1..8), cut in 0usize..1000) {
             let mut body = Vec::new();
-            encode_verbs_request(&mut body, seq, &wrs);
+            encode_verbs_request(&mut body, &BatchHead { seq, ..BatchHead::default() }, &wrs);
             let cut = cut % body.len();
             prop_assert!(decode_verbs_request(&body[..cut]).is_err());
         }
