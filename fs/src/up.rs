@@ -54,9 +54,68 @@ struct NodeProc {
     exited: Option<std::process::ExitStatus>,
 }
 
-fn start_node(inst: &Path, id: u32, region: u64, join: Option<&str>) -> Result<NodeProc, FsError> {
+/// This machine's QoS capacity for one node, `(C_G, C_L)` in IOPS: measured once per boot by
+/// `rackfs-memnode --profile` (about 4 s) and kept in the state directory; `None` when the
+/// profile could not run (the nodes then start from an assumed 1M IOPS and estimate online).
+fn qos_capacity(inst: &Path) -> Option<(u64, u64)> {
+    let cache = state_dir().join("qos-capacity");
+    let parse = |text: &str| -> Option<(u64, u64)> {
+        let mut words = text.split_whitespace().map(str::parse::<u64>);
+        Some((words.next()?.ok()?, words.next()?.ok()?))
+    };
+    if let Some(c) = std::fs::read_to_string(&cache).ok().and_then(|t| parse(&t)) {
+        return Some(c);
+    }
+    println!("measuring this machine's QoS capacity (once per boot, about 4 s)...");
+    let out = Command::new(memnode_binary())
+        .args([
+            "--profile",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--region",
+            "64M",
+        ])
+        .arg("--secret-file")
+        .arg(inst.join("secret"))
+        .arg("--shm-socket")
+        .arg(inst.join("profile.sock"))
+        .stderr(Stdio::null())
+        .output();
+    let line = match &out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        other => {
+            tracing::warn!(result = ?other.as_ref().map(|o| o.status), "QoS capacity profile failed; assuming 1M IOPS per node");
+            return None;
+        }
+    };
+    // "profile (shm, 4 KiB READs): C_G = X IOPS, C_L = Y IOPS"
+    let value = |key: &str| -> Option<u64> {
+        let rest = &line[line.find(key)? + key.len()..];
+        rest.split_whitespace().next()?.parse().ok()
+    };
+    let c = (value("C_G = ")?, value("C_L = ")?);
+    let _ = std::fs::write(&cache, format!("{} {}\n", c.0, c.1));
+    Some(c)
+}
+
+fn start_node(
+    inst: &Path,
+    id: u32,
+    region: u64,
+    join: Option<&str>,
+    capacity: Option<(u64, u64)>,
+) -> Result<NodeProc, FsError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
+    if let Some((global, local)) = capacity {
+        cmd.args([
+            "--qos-capacity",
+            &global.to_string(),
+            "--qos-client-capacity",
+            &local.to_string(),
+        ]);
+    }
     cmd.args([
         "--listen",
         "127.0.0.1:0",
@@ -199,9 +258,10 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
     let mut nodes: Vec<NodeProc> = Vec::new();
     let result = (|| {
         let primary_sock = format!("unix:{}", inst.join("mn0.sock").display());
+        let capacity = qos_capacity(&inst);
         for id in 0..cfg.nodes {
             let join = (id > 0).then_some(primary_sock.as_str());
-            nodes.push(start_node(&inst, id, cfg.region, join)?);
+            nodes.push(start_node(&inst, id, cfg.region, join, capacity)?);
         }
         let opts = MountOptions {
             secret_file: secret_file.clone(),
@@ -235,6 +295,16 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
             }
         );
         println!("  secret file : {}", secret_file.display());
+        match capacity {
+            Some((g, l)) => println!(
+                "  QoS unit    : IOPS of 4 KiB; each node's capacity {g} IOPS, {l} per mount \
+                 (measured on this machine; delete {} to measure again)",
+                state_dir().join("qos-capacity").display()
+            ),
+            None => {
+                println!("  QoS unit    : IOPS of 4 KiB; node capacity not measured (1M assumed)")
+            }
+        }
         println!(
             "  try it      : echo hello > {}/hello && cat {}/hello && rackfs status",
             dir.display(),

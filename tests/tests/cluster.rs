@@ -588,6 +588,8 @@ fn rackfs_up_and_down_leave_nothing_behind() {
         .lines()
         .find(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()) && l.contains('*'));
     assert!(own.is_some_and(|l| l.contains("50000")), "{st}");
+    // The nodes' QoS capacity was measured on this machine, not assumed.
+    assert!(st.contains("(profiled)") && !st.contains("assumed"), "{st}");
     let record = rackfs_fs::mount::MountRecord::read(&canon).expect("a record while mounted");
     assert!(record.qos_slot.is_some());
     fs::write(d.join("hello"), b"hello").unwrap();
