@@ -146,7 +146,7 @@ impl FileData {
         ) {
             cl.drop_node(node, &e);
         }
-        tracing::warn!(ino = self.ino, node, error = %e, "I/O failed: EIO");
+        tracing::debug!(ino = self.ino, node, error = %e, "I/O failed: EIO");
         libc::EIO
     }
 
