@@ -842,6 +842,26 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
     assert!(!is_rackfs_mount(&d));
 }
 
+/// `program path`, blocked on a stopped node, dies at once when killed.
+fn killable_while_blocked(program: &str, path: &std::path::Path) {
+    let mut child = Command::new(program).arg(path).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().unwrap();
+    let t0 = std::time::Instant::now();
+    child.wait().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "kill -9 of {program} took {:?}",
+        t0.elapsed()
+    );
+}
+
+/// The mount's log says `what` about node `node`.
+fn log_names(m: &Mount, what: &str, node: &str) {
+    let log = fs::read_to_string(&m.log).unwrap_or_default();
+    assert!(log.contains(what) && log.contains(node), "{log}");
+}
+
 /// Over tcp, a data node that stops answering (SIGSTOP) fails reads and writes of its stripes
 /// with EIO after the mount's `timeout=`; a write that failed so never lands when the node
 /// resumes; then the mount serves again.
@@ -882,22 +902,8 @@ fn a_stopped_data_node_fails_io_over_tcp_within_the_deadline_and_recovers() {
         "{out:?}"
     );
     assert!(took < Duration::from_secs(5), "read took {took:?}");
-    // An application blocked on the stopped node can be killed.
-    let mut reader = Command::new("cat").arg(m.path("f")).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    reader.kill().unwrap();
-    let t0 = std::time::Instant::now();
-    reader.wait().unwrap();
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "kill -9 took {:?}",
-        t0.elapsed()
-    );
-    let log = fs::read_to_string(&m.log).unwrap_or_default();
-    assert!(
-        log.contains("no answer within") && log.contains("mn1"),
-        "{log}"
-    );
+    killable_while_blocked("cat", &m.path("f"));
+    log_names(&m, "no answer within", "mn1");
     // SAFETY: SIGCONT to the same process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     std::thread::sleep(Duration::from_millis(500));
@@ -944,23 +950,8 @@ fn a_stopped_primary_fails_namespace_operations_within_the_deadline_and_recovers
         "{out:?}"
     );
     assert!(took < Duration::from_secs(4), "touch took {took:?}");
-    // An application blocked on the stopped node can be killed.
-    let mut stat = Command::new("stat").arg(m.path("other")).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    stat.kill().unwrap();
-    let t0 = std::time::Instant::now();
-    stat.wait().unwrap();
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "kill -9 took {:?}",
-        t0.elapsed()
-    );
-    // The mount log names the node.
-    let log = fs::read_to_string(&m.log).unwrap_or_default();
-    assert!(
-        log.contains("did not answer within") && log.contains("mn0"),
-        "{log}"
-    );
+    killable_while_blocked("stat", &m.path("other"));
+    log_names(&m, "did not answer within", "mn0");
     // SAFETY: SIGCONT to the same process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     // The mount serves again, on the same session.
