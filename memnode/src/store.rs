@@ -121,14 +121,13 @@ impl Store {
         self.region.store(offset, 0).expect("tag inside the region");
         // A client's write that found the tag live was ordered before this point.
         fence(Ordering::SeqCst);
-        let keep = (old_len - TAG_SPACE).min(len);
-        let mut data = vec![0u8; keep as usize];
         self.region
-            .read(offset + TAG_SPACE, &mut data)
-            .expect("old extent inside the region");
-        self.region
-            .write(new + TAG_SPACE, &data)
-            .expect("new extent inside the region");
+            .copy_within(
+                offset + TAG_SPACE,
+                new + TAG_SPACE,
+                (old_len - TAG_SPACE).min(len),
+            )
+            .expect("both extents inside the region");
         self.quarantine_freed(offset, old_len);
         Ok(new)
     }

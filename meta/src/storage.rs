@@ -147,13 +147,13 @@ impl Storage for MemStorage {
         let new = self.alloc(node, len, Some(tag))?;
         if node == 0 {
             self.region.store(offset, 0).expect("tag inside the region");
-            let mut data = vec![0u8; (old - TAG_SPACE).min(len) as usize];
             self.region
-                .read(offset + TAG_SPACE, &mut data)
-                .expect("extent in region");
-            self.region
-                .write(new + TAG_SPACE, &data)
-                .expect("extent in region");
+                .copy_within(
+                    offset + TAG_SPACE,
+                    new + TAG_SPACE,
+                    (old - TAG_SPACE).min(len),
+                )
+                .expect("extents in region");
         }
         self.free(node, offset)?;
         Ok(new)

@@ -241,6 +241,23 @@ impl Region {
         Ok(())
     }
 
+    /// Copies `len` bytes at `from` to `to` inside the region (local access; the ranges may
+    /// overlap).
+    pub fn copy_within(&self, from: u64, to: u64, len: u64) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Read, from, len)?;
+        self.check_bounds(Opcode::Write, to, len)?;
+        // SAFETY: both ranges were checked to lie inside the live region; `ptr::copy` allows
+        // them to overlap.
+        unsafe {
+            std::ptr::copy(
+                self.ptr.as_ptr().add(from as usize),
+                self.ptr.as_ptr().add(to as usize),
+                len as usize,
+            )
+        };
+        Ok(())
+    }
+
     /// The 8-byte word at `offset` as an atomic (the caller has run `check` for an atomic op).
     fn word(&self, offset: u64) -> &AtomicU64 {
         debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.len as u64);

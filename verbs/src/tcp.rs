@@ -99,29 +99,33 @@ fn max_pollers() -> usize {
     *MAX.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
 }
 
+/// One poll(2) for input on `fd`, waiting at most `ms`: whether it is readable (also when
+/// closed or in error: the read then reports that).
+fn poll_in(fd: RawFd, ms: i32) -> std::io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid, initialised pollfd; poll only inspects `fd`, for at most `ms`.
+    match unsafe { libc::poll(&mut pfd, 1, ms) } {
+        n if n < 0 => Err(std::io::Error::last_os_error()),
+        n => Ok(n > 0),
+    }
+}
+
 /// Waits until `fd` is readable (or closed) for at most `deadline`; false when it timed out.
 fn wait_readable(fd: RawFd, deadline: Duration) -> bool {
     let end = Instant::now() + deadline;
     loop {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
         let left = end.saturating_duration_since(Instant::now());
         let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one valid, initialised pollfd; poll only inspects `fd` for up to `ms`.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if n > 0 {
-            return true;
-        }
-        let interrupted =
-            n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
-        if (n == 0 || !interrupted) && Instant::now() >= end {
-            return n != 0;
-        }
-        if n < 0 && !interrupted {
-            return true; // let the read report the error
+        match poll_in(fd, ms) {
+            Ok(true) => return true,
+            // Let the read report the error.
+            Err(e) if e.kind() != std::io::ErrorKind::Interrupted => return true,
+            _ if Instant::now() >= end => return false,
+            _ => {}
         }
     }
 }
@@ -138,17 +142,7 @@ pub fn poll_readable(fd: RawFd, budget: Duration) {
     }
     let _done = PollerSlot;
     let end = Instant::now() + budget;
-    loop {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid, initialised pollfd and a zero timeout: poll only inspects `fd`.
-        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-        if n != 0 || Instant::now() >= end {
-            return;
-        }
+    while !poll_in(fd, 0).unwrap_or(true) && Instant::now() < end {
         // Yield rather than spin: a thread that shares this CPU (another connection's NIC
         // thread, the client) runs at once instead of waiting for our time slice to end.
         std::thread::yield_now();
