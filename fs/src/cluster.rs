@@ -52,6 +52,16 @@ pub struct Cluster {
     qos: RwLock<Option<Qos>>,
     /// How long a verb batch over tcp waits for its node, in ms (the mount's `timeout=`).
     deadline_ms: std::sync::atomic::AtomicU64,
+    /// This mount's session on the primary: the token under which nodes fence it.
+    session: u64,
+    lease: Arc<Lease>,
+}
+
+/// This mount's lease as a lock holder, renewed by a thread of its own while the mount lives
+/// (see `rackfs_memnode::lease`); once the primary fenced the mount, why.
+#[derive(Default)]
+struct Lease {
+    fenced: std::sync::OnceLock<String>,
 }
 
 struct Qos {
@@ -122,7 +132,17 @@ impl Cluster {
             } else {
                 ControlClient::connect(&control_addr(&info.primary, transport)?, &secret, name)?
             };
-            info!(primary = %info.primary.name, nodes = info.nodes.len(), "connected to the cluster");
+            let session = match primary.call(&ControlRequest::Session)? {
+                ControlResponse::Session { id } => id,
+                other => {
+                    return Err(RpcError::Unexpected {
+                        peer: primary.peer().into(),
+                        what: format!("{other:?}"),
+                    }
+                    .into())
+                }
+            };
+            info!(primary = %info.primary.name, nodes = info.nodes.len(), session, "connected to the cluster");
             for (id, why) in &info.down {
                 warn!(
                     node = id,
@@ -142,6 +162,8 @@ impl Cluster {
                 lock_client: Mutex::new(None),
                 qos: RwLock::new(None),
                 deadline_ms: (rackfs_verbs::tcp::DEFAULT_DEADLINE.as_millis() as u64).into(),
+                session,
+                lease: Arc::default(),
             });
         }
         Err(ConnectError::Unreachable {
@@ -166,8 +188,24 @@ impl Cluster {
         self.info.read().expect("cluster info lock").clone()
     }
 
+    /// This mount's session on the primary (the token nodes fence it by).
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// Why the primary fenced this mount, if it did.
+    pub fn fenced(&self) -> Option<&str> {
+        self.lease.fenced.get().map(String::as_str)
+    }
+
     /// The queue pair to node `id`, connecting on first use.
     pub fn node(&self, id: u32) -> Result<Arc<Node>, VerbsError> {
+        if let Some(why) = self.fenced() {
+            return Err(VerbsError::Fenced {
+                peer: format!("node {id}"),
+                reason: why.into(),
+            });
+        }
         if let Some(n) = self.nodes.read().expect("nodes lock").get(&id) {
             if !n.qp.is_broken() {
                 return Ok(n.clone());
@@ -189,9 +227,12 @@ impl Cluster {
             &addr.tcp,
             self.transport,
         ) {
-            (Some(sock), _, _) => {
-                rackfs_verbs::shm::connect(Path::new(sock), &self.secret, &self.name)?
-            }
+            (Some(sock), _, _) => rackfs_verbs::shm::connect_fenced(
+                Path::new(sock),
+                &self.secret,
+                &self.name,
+                self.session,
+            )?,
             (None, _, TransportChoice::Shm) => {
                 return Err(VerbsError::Connect {
                     peer: addr.name.clone(),
@@ -202,6 +243,7 @@ impl Cluster {
                 tcp,
                 &self.secret,
                 &self.name,
+                self.session,
                 self.rdma_device.as_deref(),
             )?,
             (None, Some(tcp), _) => rackfs_verbs::tcp::connect_with(
@@ -212,6 +254,7 @@ impl Cluster {
                     deadline: Duration::from_millis(
                         self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
                     ),
+                    fence: self.session,
                     ..Default::default()
                 },
             )?,
@@ -269,8 +312,62 @@ impl Cluster {
         ))
         .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
         info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
+        self.keep_lease()
+            .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
         *lc = Some((slot, cfg.clone()));
         Ok((slot, cfg))
+    }
+
+    /// Starts renewing this mount's lock lease on a connection of its own, every quarter of
+    /// the lease, until the cluster is dropped or the primary says the mount was fenced.
+    fn keep_lease(&self) -> Result<(), VerbsError> {
+        let client = self.connect_primary().map_err(|e| VerbsError::Connect {
+            peer: self.primary.peer().into(),
+            reason: format!("no connection for lease renewals: {e}"),
+        })?;
+        let (lease, session) = (Arc::downgrade(&self.lease), self.session);
+        let renew = move || client.call(&ControlRequest::Renew { of: session });
+        std::thread::Builder::new()
+            .name("lease".into())
+            .spawn(move || {
+                let mut every;
+                let mut failing = false;
+                loop {
+                    let result = renew();
+                    let Some(lease) = lease.upgrade() else { return };
+                    match result {
+                        Ok(ControlResponse::Lease { ms }) => {
+                            every = Duration::from_millis(ms / 4);
+                            if std::mem::take(&mut failing) {
+                                info!("lock lease renewed again");
+                            }
+                        }
+                        Err(RpcError::Refused {
+                            code: rackfs_proto::control::ErrorCode::Fenced,
+                            message,
+                        }) => {
+                            tracing::error!(
+                                "{message}; every operation of this mount now fails with EIO"
+                            );
+                            let _ = lease.fenced.set(message);
+                            return;
+                        }
+                        other => {
+                            if !std::mem::replace(&mut failing, true) {
+                                warn!(answer = ?other, "cannot renew the lock lease; retrying");
+                            }
+                            every = Duration::from_millis(100);
+                        }
+                    }
+                    drop(lease);
+                    std::thread::sleep(every);
+                }
+            })
+            .map_err(|e| VerbsError::Connect {
+                peer: "lease thread".into(),
+                reason: e.to_string(),
+            })?;
+        Ok(())
     }
 
     /// Registers this mount's QoS with the primary (admission control may refuse it, with
@@ -376,7 +473,9 @@ impl Cluster {
     pub fn verbs_errno(&self, node: u32, e: &VerbsError) -> i32 {
         if matches!(
             e,
-            VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
+            VerbsError::ConnectionLost { .. }
+                | VerbsError::Protocol { .. }
+                | VerbsError::Fenced { .. }
         ) {
             self.drop_node(node, e);
         }
@@ -395,7 +494,11 @@ impl Cluster {
             .get(&id)
             .is_some_and(|n| n.qp.transport() == "tcp" && !n.qp.is_broken());
         if !newer && nodes.remove(&id).is_some() {
-            warn!(node = id, error = %why, "lost the connection to a memory node: operations on its data return EIO; the next one reconnects");
+            if let VerbsError::Fenced { .. } = why {
+                tracing::error!(node = id, error = %why, "this mount was fenced: operations on the node's data return EIO");
+            } else {
+                warn!(node = id, error = %why, "lost the connection to a memory node: operations on its data return EIO; the next one reconnects");
+            }
         }
     }
 }

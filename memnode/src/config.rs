@@ -23,6 +23,9 @@ pub struct NodeConfig {
     pub role: Role,
     /// How long freed file stripes are held back before their memory is reused.
     pub quarantine: Duration,
+    /// How long a mount holding range locks may go without renewing its lease before it is
+    /// fenced and its locks recovered (primary only).
+    pub lock_lease: Duration,
     pub qos: QosConfig,
     /// Where to serve Prometheus text metrics (`None`: nowhere).
     pub metrics: Option<String>,

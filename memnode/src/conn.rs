@@ -9,7 +9,7 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,6 +23,7 @@ use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
 use rackfs_verbs::{Access, Region, VerbCounters};
 use tracing::{debug, warn};
 
+use crate::fence::{Process, Stop};
 use crate::node::Node;
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -76,7 +77,7 @@ fn handshake<S: Read + Write>(
     peer: &str,
     node: &Node,
     unix: bool,
-) -> Option<ConnKind> {
+) -> Option<(ConnKind, u64)> {
     node.counters
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
@@ -85,14 +86,20 @@ fn handshake<S: Read + Write>(
             Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
         } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
             Err("this memory node serves no RDMA clients (start it with --rdma-device NAME)".into())
+        } else if node.fences.is_fenced(h.fence) {
+            Err(format!(
+                "fenced: the lease of this mount (session {}) expired and memory node {} \
+                 executes nothing more from it; unmount and mount again",
+                h.fence, node.cfg.name
+            ))
         } else {
             Ok(())
         }
     });
     match result {
         Ok(hello) => {
-            debug!(%peer, client = %hello.client_name, kind = ?hello.kind, "client authenticated");
-            Some(hello.kind)
+            debug!(%peer, client = %hello.client_name, kind = ?hello.kind, fence = hello.fence, "client authenticated");
+            Some((hello.kind, hello.fence))
         }
         Err(HandshakeError::Replay { client }) => {
             node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
@@ -129,7 +136,7 @@ fn log_end(node: &Node, peer: &str, what: &str, r: Result<(), WireError>) {
 }
 
 /// A stream a client connects over: TCP or Unix.
-trait Conn: Read + Write + AsRawFd + Send + Sized + 'static {
+trait Conn: Read + Write + AsRawFd + Into<OwnedFd> + Send + Sized + 'static {
     fn duplicate(&self) -> std::io::Result<Self>;
     fn set_timeout(&self, t: Option<Duration>);
     /// The Unix stream itself, for shm clients (`None` over TCP).
@@ -164,7 +171,7 @@ impl Conn for UnixStream {
 fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
     stream.set_timeout(Some(HANDSHAKE_TIMEOUT));
     let unix = std::any::TypeId::of::<S>() == std::any::TypeId::of::<UnixStream>();
-    let Some(kind) = handshake(&mut stream, peer, node, unix) else {
+    let Some((kind, fence)) = handshake(&mut stream, peer, node, unix) else {
         return;
     };
     stream.set_timeout(None);
@@ -172,20 +179,28 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
     let Ok(clone) = stream.duplicate() else {
         return;
     };
+    // A data connection may be fenced: it is stopped through a duplicate of its socket.
+    let socket_stop = || stream.duplicate().ok().map(|s| Stop::Socket(s.into()));
     match kind {
         ConnKind::Verbs => {
+            let Some(reg) = socket_stop().and_then(|s| node.fences.register(fence, s)) else {
+                return;
+            };
             let fd = (stream.as_raw_fd(), node.cfg.poll);
             let r = node.counters.with_verbs(VerbCounters::local(), |c| {
-                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &node.table, c)
+                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &node.table, c, &reg.stop)
             });
             log_end(node, peer, "verbs", r);
         }
         ConnKind::Control => log_end(node, peer, "control", serve_control(clone, stream, node)),
         ConnKind::Shm => match stream.into_unix() {
-            Some(u) => serve_shm(u, node),
+            Some(u) => serve_shm(u, node, fence),
             None => unreachable!("refused in the handshake"),
         },
         ConnKind::Rdma => {
+            let Some(_reg) = socket_stop().and_then(|s| node.fences.register(fence, s)) else {
+                return;
+            };
             let nic = node.rdma.as_ref().expect("refused in the handshake");
             match nic.serve(stream) {
                 Ok(()) => debug!(%peer, "rdma client gone; its queue pair is destroyed"),
@@ -195,7 +210,7 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
     }
 }
 
-fn serve_shm(mut stream: UnixStream, node: &Node) {
+fn serve_shm(mut stream: UnixStream, node: &Node, fence: u64) {
     let counters =
         match Region::create_memfd("rackfs-shm-counters", COUNTER_BLOCK_LEN, 0, Access::ALL) {
             Ok(r) => VerbCounters::in_region(Arc::new(r)),
@@ -204,6 +219,17 @@ fn serve_shm(mut stream: UnixStream, node: &Node) {
                 return;
             }
         };
+    let Ok(socket) = stream.try_clone() else {
+        return;
+    };
+    let stop = Stop::Shm {
+        block: counters.region().clone(),
+        process: Process::of_peer(&stream),
+        socket: socket.into(),
+    };
+    let Some(_reg) = node.fences.register(fence, stop) else {
+        return;
+    };
     if let Err(e) = rackfs_verbs::shm::send_regions(&stream, &node.table, counters.region()) {
         warn!(error = %e, "cannot send regions to an shm client");
         return;

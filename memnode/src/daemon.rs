@@ -24,6 +24,7 @@ use crate::baseline::BaselineLocks;
 use crate::config::{NodeConfig, Role};
 use crate::counters::NodeCounters;
 use crate::membership::Membership;
+use crate::lease::Leases;
 use crate::node::{wall_ns, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
@@ -166,6 +167,8 @@ impl MemNode {
             meta: is_primary.then(|| Mutex::new(MetaService::new(cfg.quarantine, wall_ns()))),
             controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
             watchers: Default::default(),
+            fences: Default::default(),
+            leases: is_primary.then(|| Leases::new(cfg.lock_lease)),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
             store,
@@ -199,6 +202,18 @@ impl MemNode {
             every(&node, "lock-trees", Duration::from_millis(1), |n| {
                 let meta = n.meta.as_ref().expect("primary");
                 meta.lock().expect("metadata lock").tick(n);
+            });
+        }
+        if let Some(l) = &node.leases {
+            let check = (l.lease() / 20).max(Duration::from_millis(10));
+            thread(&node, "leases", move |n| {
+                while !n.is_stopping() {
+                    std::thread::sleep(check);
+                    let expired = n.leases.as_ref().expect("primary").expire(Instant::now());
+                    for session in expired {
+                        thread(&n, "fence", move |n| n.fence_mount(session));
+                    }
+                }
             });
         }
         if let Some(addr) = &node.cfg.metrics {

@@ -14,6 +14,8 @@ pub mod config;
 pub mod conn;
 pub mod counters;
 pub mod daemon;
+pub mod fence;
+pub mod lease;
 pub mod membership;
 pub mod metrics;
 pub mod node;

@@ -45,6 +45,10 @@ struct Args {
     /// Milliseconds freed file data is held back before reuse (protects stale readers).
     #[arg(long, default_value_t = 2000)]
     quarantine_ms: u64,
+    /// Milliseconds a mount holding range locks may go without renewing its lease (it renews
+    /// every quarter of this) before it is fenced on every node and its locks recovered.
+    #[arg(long, default_value_t = 4000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
+    lock_lease_ms: u64,
     /// QoS period in milliseconds: reservations and limits hold per period.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     qos_period_ms: u64,
@@ -118,6 +122,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             (false, None, _) => Role::Standalone,
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
+        lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),
         qos: rackfs_memnode::qos::QosConfig {
             period: std::time::Duration::from_millis(args.qos_period_ms),
             check: std::time::Duration::from_millis(1),

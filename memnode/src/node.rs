@@ -19,11 +19,14 @@ use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Region, RegionTable};
+use tracing::warn;
 
 use crate::alloc::GRANULE;
 use crate::baseline::BaselineLocks;
 use crate::config::NodeConfig;
 use crate::counters::NodeCounters;
+use crate::fence::Fences;
+use crate::lease::Leases;
 use crate::membership::Membership;
 use crate::qos::NodeQos;
 use crate::qos_controller::{QosController, QosNodes, QosRequest};
@@ -49,6 +52,10 @@ pub struct Node {
     pub controller: Option<QosController>,
     /// The mounts' watchers, told of namespace changes (primary only).
     pub watchers: Watchers,
+    /// Fenced mounts and the fenceable data connections of this node.
+    pub fences: Fences,
+    /// Lock holders' leases (primary only).
+    pub leases: Option<Leases>,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -57,6 +64,9 @@ pub struct Node {
     pub started: Instant,
     pub stopping: AtomicBool,
 }
+
+/// How long fencing a mount on one node may take (below a control RPC's deadline).
+const FENCE_WAIT: Duration = Duration::from_secs(3);
 
 fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
     Refusal::new(code, message).into()
@@ -106,8 +116,18 @@ impl Node {
         s
     }
 
-    /// A client session ended: its opens, lock slot, QoS and baseline locks go.
+    /// A client session ended (its connection closed): its opens, lock slot, QoS, lease and
+    /// baseline locks go.
     pub fn end_session(&self, session: u64) {
+        self.release_session(session);
+        if let Some(l) = &self.leases {
+            l.end(session);
+        }
+    }
+
+    /// Gives up what a session holds: its opens, lock slot (its range locks are recovered),
+    /// watcher, QoS and baseline locks.
+    fn release_session(&self, session: u64) {
         self.watchers.end_session(session);
         if let Some(m) = &self.meta {
             m.lock().expect("metadata lock").end_session(session, self);
@@ -120,9 +140,78 @@ impl Node {
         }
     }
 
+    /// Fences a mount whose lease expired (see [`crate::lease`]): on this node and every
+    /// other, retrying a node that fails until it succeeds or is known down, then gives up
+    /// the session's range locks for recovery. Runs on a thread of its own.
+    pub fn fence_mount(&self, session: u64) {
+        let started = Instant::now();
+        let lease = self.leases.as_ref().map(Leases::lease);
+        warn!(
+            session,
+            ?lease,
+            "a mount did not renew its lock lease: fencing it on every memory node"
+        );
+        let mut pending: Vec<Option<u32>> = vec![None];
+        pending.extend(self.members.peers().into_iter().map(|(id, _)| Some(id)));
+        let mut reported = std::collections::HashSet::new();
+        while !pending.is_empty() && !self.is_stopping() {
+            let up = self.members.data_nodes();
+            pending.retain(|node| {
+                let result = match node {
+                    None => self.fences.fence(session, FENCE_WAIT).map(|_| ()),
+                    Some(id) if !up.contains(id) => return false,
+                    Some(id) => match self
+                        .members
+                        .peer(*id)
+                        .map_err(|r| r.message)
+                        .and_then(|p| {
+                            p.call(&ControlRequest::Fence { token: session })
+                                .map_err(|e| e.to_string())
+                        }) {
+                        Ok(ControlResponse::Ok) => Ok(()),
+                        Ok(other) => Err(format!("unexpected answer {other:?}")),
+                        Err(e) => Err(e),
+                    },
+                };
+                match result {
+                    Ok(()) => false,
+                    Err(why) => {
+                        let node = node.unwrap_or(self.cfg.node_id);
+                        if reported.insert(node) {
+                            warn!(session, node, %why, "cannot fence the mount on this memory node yet (its range locks stay held until it is fenced or known down); retrying");
+                        }
+                        true
+                    }
+                }
+            });
+            if !pending.is_empty() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        self.release_session(session);
+        warn!(
+            session,
+            took = ?started.elapsed(),
+            "mount fenced on every memory node; its range locks are recovered"
+        );
+    }
+
     /// Answers one control request of client session `session`.
     pub fn control(&self, session: u64, req: ControlRequest) -> ControlResponse {
         self.counters.rpc(req.kind_index());
+        if let Some(l) = &self.leases {
+            let harmless = matches!(
+                req,
+                ControlRequest::Hello { .. }
+                    | ControlRequest::Ping
+                    | ControlRequest::Stats
+                    | ControlRequest::Cluster
+                    | ControlRequest::Renew { .. }
+            );
+            if let (false, Err(r)) = (harmless, l.check(session)) {
+                return r.into();
+            }
+        }
         match req {
             ControlRequest::Hello { .. } => ControlResponse::Hello {
                 version: PROTOCOL_VERSION,
@@ -203,6 +292,18 @@ impl Node {
                 None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
             },
             ControlRequest::Session => ControlResponse::Session { id: session },
+            ControlRequest::Renew { of } => match &self.leases {
+                Some(l) => l.renew(of).map_or_else(ControlResponse::from, |d| {
+                    ControlResponse::Lease {
+                        ms: d.as_millis() as u64,
+                    }
+                }),
+                None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
+            },
+            ControlRequest::Fence { token } => match self.fences.fence(token, FENCE_WAIT) {
+                Ok(_) => ControlResponse::Ok,
+                Err(why) => refused(ErrorCode::Unavailable, why),
+            },
             ControlRequest::Watch {
                 of,
                 acked,
@@ -225,6 +326,9 @@ impl Node {
                         let resp = meta.handle(session, m, self);
                         (resp, meta.take_changes())
                     };
+                    if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, &self.leases) {
+                        l.hold(session);
+                    }
                     // Outside the metadata lock: other mounts forget what changed.
                     self.watchers.publish(session, changes);
                     resp

@@ -175,7 +175,7 @@ impl ControlClient {
         };
         socket.bound(RPC_DEADLINE).map_err(io)?;
         let acc: Accepted =
-            client_handshake(&mut socket, ConnKind::Control, secret, client_name, &peer)?;
+            client_handshake(&mut socket, ConnKind::Control, secret, client_name, 0, &peer)?;
         let c = ControlClient {
             peer,
             node_id: acc.welcome.node_id,

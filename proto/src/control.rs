@@ -19,10 +19,10 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 17] = [
+pub const RPC_KINDS: [&str; 19] = [
     "hello",
     "ping",
     "stats",
@@ -40,6 +40,8 @@ pub const RPC_KINDS: [&str; 17] = [
     "resize",
     "session",
     "watch",
+    "renew",
+    "fence",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,6 +99,19 @@ pub enum ControlRequest {
         ttl_ms: u64,
         poll_ms: u64,
     },
+    /// Sent by a mount that holds a lock client slot, on a connection of its own, to the
+    /// primary: renews the lease of session `of` (the mount's main session). A mount whose lease
+    /// runs out is fenced on every node and its range locks recovered; from then on its
+    /// requests are refused with [`ErrorCode::Fenced`]. Answered with [`ControlResponse::Lease`].
+    Renew {
+        of: u64,
+    },
+    /// The primary to every node: execute nothing more from data connections opened under
+    /// fence token `token` (a mount whose lease expired; see `rackfs_verbs::wire::Hello`), and
+    /// refuse new ones. Answered once none of them can run another batch.
+    Fence {
+        token: u64,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -150,6 +165,8 @@ impl ControlRequest {
             ControlRequest::Resize { .. } => 14,
             ControlRequest::Session => 15,
             ControlRequest::Watch { .. } => 16,
+            ControlRequest::Renew { .. } => 17,
+            ControlRequest::Fence { .. } => 18,
         }
     }
 }
@@ -204,6 +221,8 @@ pub enum ErrorCode {
     Refused,
     /// The peer speaks another protocol version.
     Version,
+    /// The mount's lease expired and it was fenced: it must be mounted again.
+    Fenced,
 }
 
 impl ErrorCode {
@@ -222,7 +241,10 @@ impl ErrorCode {
             ErrorCode::Permission => libc::EPERM,
             ErrorCode::Refused => libc::EDQUOT,
             ErrorCode::Version => libc::EPROTO,
-            ErrorCode::NotPrimary | ErrorCode::Unavailable | ErrorCode::Internal => libc::EIO,
+            ErrorCode::NotPrimary
+            | ErrorCode::Unavailable
+            | ErrorCode::Internal
+            | ErrorCode::Fenced => libc::EIO,
         }
     }
 }
@@ -374,6 +396,10 @@ pub enum ControlResponse {
     QosStatus(QosStatus),
     Session {
         id: u64,
+    },
+    /// The lease was renewed for `ms` from the request's arrival.
+    Lease {
+        ms: u64,
     },
     /// Changes for a watcher, numbered up to `seq` (acknowledge with that). `lost`: changes
     /// were dropped because the watcher lagged (its caches expire on their own).

@@ -440,7 +440,7 @@ fn shm_tcp_and_rdma_clients_share_a_region() {
         &["--rdma-device", &rdma_device()],
     );
     let rdma = || {
-        rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", Some(&rdma_device()))
+        rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", 0, Some(&rdma_device()))
             .expect("rdma connect")
     };
     let qps = [node.shm_qp(), node.tcp_qp(), rdma(), rdma()];

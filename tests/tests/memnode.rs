@@ -60,7 +60,7 @@ fn a_node_with_another_secret_is_not_trusted_by_the_client() {
     });
     let mut s = TcpStream::connect(&addr).unwrap();
     let err =
-        client_handshake(&mut s, ConnKind::Verbs, &Secret::generate(), "c", &addr).unwrap_err();
+        client_handshake(&mut s, ConnKind::Verbs, &Secret::generate(), "c", 0, &addr).unwrap_err();
     assert!(err.to_string().contains("proof does not match"), "{err}");
     fake.join().unwrap();
 }
@@ -72,6 +72,7 @@ fn an_unauthenticated_peer_learns_nothing_and_a_replay_is_named() {
         kind: ConnKind::Verbs,
         nonce: [42; 32],
         client_name: "guesser".into(),
+        fence: 0,
     };
     let mut s = TcpStream::connect(&node.tcp).unwrap();
     wire::write_frame(&mut s, FrameKind::Hello, &hello.encode()).unwrap();
@@ -128,7 +129,7 @@ fn weak_secret_files_are_refused_with_how_to_make_one() {
 fn shm_over_tcp_is_refused_with_a_reason() {
     let node = MemNodeProcess::start("8M");
     let mut s = TcpStream::connect(&node.tcp).unwrap();
-    let err = client_handshake(&mut s, ConnKind::Shm, &node.secret, "c", &node.tcp).unwrap_err();
+    let err = client_handshake(&mut s, ConnKind::Shm, &node.secret, "c", 0, &node.tcp).unwrap_err();
     assert!(err.to_string().contains("Unix socket"), "{err}");
 }
 
@@ -233,7 +234,7 @@ fn send_garbage(node: &MemNodeProcess, authenticate: bool, bytes: &[u8]) {
     let mut s = TcpStream::connect(&node.tcp).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     if authenticate {
-        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "fuzz", &node.tcp).unwrap();
+        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "fuzz", 0, &node.tcp).unwrap();
     }
     let _ = s.write_all(bytes);
     let _ = s.shutdown(std::net::Shutdown::Write);
@@ -313,7 +314,7 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
     // A half-sent batch, then the client vanishes.
     {
         let mut s = TcpStream::connect(&node.tcp).unwrap();
-        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "dying", &node.tcp).unwrap();
+        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "dying", 0, &node.tcp).unwrap();
         let mut frame = wire::encode_header(FrameKind::VerbsRequest, 1000).to_vec();
         frame.extend_from_slice(&[0u8; 100]);
         s.write_all(&frame).unwrap();
@@ -361,14 +362,14 @@ fn rdma_where_there_is_none_is_a_clear_error() {
     assert!(e.to_string().contains("serves no RDMA clients"), "{e}");
     if cfg!(feature = "rdma") {
         // With the feature, a missing device is named (the host has none: the guest has rxe0).
-        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", Some("nosuchdev0"))
+        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", 0, Some("nosuchdev0"))
             .unwrap_err();
         assert!(
             e.to_string().contains("no RDMA device named nosuchdev0"),
             "{e}"
         );
     } else {
-        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", None).unwrap_err();
+        let e = rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "t", 0, None).unwrap_err();
         assert!(e.to_string().contains("--features rdma"), "{e}");
         let out = std::process::Command::new(bin_path("rackfs-memnode"))
             .args([

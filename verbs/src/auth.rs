@@ -1,7 +1,7 @@
 //! Connection set-up: mutual challenge-response authentication with the cluster secret.
 //!
 //! ```text
-//! client -> Hello     { kind, nonce_c, client name }
+//! client -> Hello     { kind, nonce_c, client name, fence token }
 //! server -> Challenge { nonce_s }
 //! client -> Proof     { proof_c = HMAC(secret, "rackfs-client" | nonce_s | nonce_c) }
 //! server -> Welcome   { proof_s = HMAC(secret, "rackfs-server" | nonce_c | nonce_s),
@@ -215,6 +215,7 @@ pub fn client_handshake<S: Read + Write>(
     kind: ConnKind,
     secret: &Secret,
     client_name: &str,
+    fence: u64,
     peer: &str,
 ) -> Result<Accepted, VerbsError> {
     let io = |e: std::io::Error| wire_err(peer, WireError::Io(e));
@@ -222,6 +223,7 @@ pub fn client_handshake<S: Read + Write>(
         kind,
         nonce: nonce(),
         client_name: client_name.into(),
+        fence,
     };
     wire::write_frame(stream, FrameKind::Hello, &hello.encode()).map_err(io)?;
     let body = wire::expect_frame(stream, FrameKind::Challenge).map_err(|e| wire_err(peer, e))?;

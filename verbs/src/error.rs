@@ -39,6 +39,9 @@ pub enum VerbsError {
     Auth { peer: String, reason: String },
     #[error("cannot connect to {peer}: {reason}")]
     Connect { peer: String, reason: String },
+    /// The node fenced this client (its lease expired): nothing it sends is executed any more.
+    #[error("{peer} fenced this client: {reason}")]
+    Fenced { peer: String, reason: String },
     #[error("the simulated client of this queue pair was killed")]
     Killed,
 }

@@ -109,10 +109,11 @@ impl QueuePair {
     }
 
     /// Whether the connection has failed for good (every later post fails): the caller should
-    /// connect anew. Only tcp connections know this ahead of a post.
+    /// connect anew. Only tcp connections and fenced shm ones know this ahead of a post.
     pub fn is_broken(&self) -> bool {
         match &*self.0 {
             Transport::Tcp(conn) => conn.is_broken(),
+            Transport::Shm(qp) => qp.is_fenced(),
             _ => false,
         }
     }

@@ -267,6 +267,14 @@ impl Region {
         unsafe { &*(self.ptr.as_ptr().add(offset as usize) as *const AtomicU64) }
     }
 
+    /// The 8-byte word at `offset` as an atomic, for a protocol between the two processes
+    /// that share a memfd region (the shm fence); panics out of bounds.
+    pub(crate) fn shared_word(&self, offset: u64) -> &AtomicU64 {
+        self.check_bounds(Opcode::Cas, offset, 8)
+            .expect("shared word in bounds");
+        self.word(offset)
+    }
+
     /// Atomically loads the 8-byte word at `offset` (local access by the owner).
     pub fn load(&self, offset: u64) -> Result<u64, VerbsError> {
         self.check_bounds(Opcode::Cas, offset, 8)?;

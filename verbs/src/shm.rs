@@ -8,6 +8,16 @@
 //! pair fails every batch with `ConnectionLost`, although the mapping would still work: the
 //! memory of a dead node is no longer part of the cluster, and nobody else can see it. Atomics are CPU atomics on the same physical memory the node's NIC threads
 //! use, so `shm` and `tcp` clients of one node are atomic with respect to each other.
+//!
+//! ## Fencing
+//! A node cannot take a mapping back, so an shm client fences itself, checked by the node:
+//! two words of the client's counter block, [`FENCE_WORD`] (written only by the node, once, to
+//! 1) and [`BUSY_WORD`] (the client's batches in progress, changed only by the client). A
+//! batch increments `busy`, then reads `fence`, and runs only if it reads 0; the node stores
+//! `fence`, then reads `busy` (all sequentially consistent). So once the node has read
+//! `busy == 0` after its store, no batch of the client runs again (one that raced the store
+//! saw it, or was counted in `busy`). A client stopped *inside* a batch keeps `busy` up: the
+//! node cannot fence it and must stop the process ([`fence_client`] says which happened).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -26,6 +36,11 @@ use crate::wr::{Access, Batch, Completions};
 use crate::VerbsError;
 
 const MAX_FDS: usize = 16;
+
+/// Offset in an shm client's counter block of the fence word (see the module docs).
+pub const FENCE_WORD: u64 = 2048;
+/// Offset in an shm client's counter block of its batches in progress.
+pub const BUSY_WORD: u64 = 2056;
 
 pub(crate) struct ShmQp {
     table: RegionTable,
@@ -53,11 +68,29 @@ impl ShmQp {
                 reason: "the memory node closed its shm connection (it stopped or died)".into(),
             });
         }
+        let block = self.counters.region();
+        let busy = block.shared_word(BUSY_WORD);
+        busy.fetch_add(1, Ordering::SeqCst);
+        if self.is_fenced() {
+            busy.fetch_sub(1, Ordering::SeqCst);
+            return Err(VerbsError::Fenced {
+                peer: self.peer.clone(),
+                reason: "the mount's lease expired; its batches are refused".into(),
+            });
+        }
         let mut done = Completions::with_capacity(batch.len(), batch.read_bytes() as usize);
         self.table
             .execute_batch(batch.requests(), &mut done, |_, _| {});
+        busy.fetch_sub(1, Ordering::SeqCst);
         self.counters.record_batch(batch, &done);
         Ok(done)
+    }
+    pub(crate) fn is_fenced(&self) -> bool {
+        self.counters
+            .region()
+            .shared_word(FENCE_WORD)
+            .load(Ordering::SeqCst)
+            != 0
     }
     pub(crate) fn regions(&self) -> &[RegionInfo] {
         &self.infos
@@ -72,12 +105,22 @@ impl ShmQp {
 
 /// Connects to a memory node's Unix socket and maps its regions.
 pub fn connect(socket: &Path, secret: &Secret, client_name: &str) -> Result<QueuePair, VerbsError> {
+    connect_fenced(socket, secret, client_name, 0)
+}
+
+/// [`connect`] under fence token `fence` (see [`crate::wire::Hello::fence`]).
+pub fn connect_fenced(
+    socket: &Path,
+    secret: &Secret,
+    client_name: &str,
+    fence: u64,
+) -> Result<QueuePair, VerbsError> {
     let peer = format!("unix:{}", socket.display());
     let mut stream = UnixStream::connect(socket).map_err(|e| VerbsError::Connect {
         peer: peer.clone(),
         reason: e.to_string(),
     })?;
-    let accepted = client_handshake(&mut stream, ConnKind::Shm, secret, client_name, &peer)?;
+    let accepted = client_handshake(&mut stream, ConnKind::Shm, secret, client_name, fence, &peer)?;
     let proto = |reason: String| VerbsError::Protocol {
         peer: peer.clone(),
         reason,
@@ -119,6 +162,21 @@ pub fn connect(socket: &Path, secret: &Secret, client_name: &str) -> Result<Queu
         node_gone,
         liveness: stream,
     }))))
+}
+
+/// Node side: fences the shm client of counter block `block` (see the module docs). Returns
+/// whether it is fenced: `false` if a batch of it stayed in progress for `wait` (the client
+/// stopped inside a batch; only stopping its process fences it then).
+pub fn fence_client(block: &Region, wait: std::time::Duration) -> bool {
+    block.shared_word(FENCE_WORD).store(1, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    while block.shared_word(BUSY_WORD).load(Ordering::SeqCst) != 0 {
+        if started.elapsed() >= wait {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    true
 }
 
 /// Node side: sends the regions' memfds and a counter block to an authenticated shm client.

@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -72,6 +72,9 @@ pub struct TcpOptions {
     pub poll: Duration,
     /// How long to wait for a node's answer (or for room to send) before the connection fails.
     pub deadline: Duration,
+    /// The token under which the node may fence this connection (0: none; see
+    /// [`crate::wire::Hello::fence`]).
+    pub fence: u64,
 }
 
 /// Default deadline of a batch: as long as a control RPC's.
@@ -85,6 +88,7 @@ impl Default for TcpOptions {
         TcpOptions {
             poll: DEFAULT_POLL,
             deadline: DEFAULT_DEADLINE,
+            fence: 0,
         }
     }
 }
@@ -196,7 +200,14 @@ pub fn connect_with(
         .set_read_timeout(bound)
         .and_then(|_| stream.set_write_timeout(bound))
         .map_err(|e| connect_err(addr, e))?;
-    let accepted = client_handshake(&mut stream, ConnKind::Verbs, secret, client_name, addr)?;
+    let accepted = client_handshake(
+        &mut stream,
+        ConnKind::Verbs,
+        secret,
+        client_name,
+        options.fence,
+        addr,
+    )?;
     // Reads wait in `wait_readable` (bounded by the deadline), not in a socket timeout.
     stream
         .set_read_timeout(None)
@@ -510,13 +521,15 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
 /// connection: the caller logs why).
 ///
 /// `poll` is the adaptive-polling budget on `fd` (the connection's socket) before each
-/// blocking read.
+/// blocking read. Once `stop` is set (the client was fenced), no further batch is executed
+/// and the connection ends.
 pub fn serve_verbs(
     input: impl Read,
     output: impl Write,
     (fd, poll): (RawFd, Duration),
     table: &RegionTable,
     counters: &VerbCounters,
+    stop: &AtomicBool,
 ) -> Result<(), WireError> {
     let mut reader = BufReader::with_capacity(256 << 10, input);
     let mut writer = BufWriter::with_capacity(256 << 10, output);
@@ -540,6 +553,10 @@ pub fn serve_verbs(
             });
         }
         let (head, requests) = wire::decode_verbs_request(&body)?;
+        if stop.load(Ordering::SeqCst) {
+            // Fenced: this batch and every later one stay unexecuted.
+            return Ok(());
+        }
         let offset = wall_ns() as i128 - head.sent_ns as i128;
         let least = *offset_min.get_or_insert(offset);
         offset_min = Some(least.min(offset));

@@ -17,7 +17,7 @@ use crate::region::RegionInfo;
 use crate::wr::{Access, Opcode, RemoteAddr, WorkRequest, MAX_BATCH_BYTES, MAX_BATCH_REQUESTS};
 
 pub const MAGIC: [u8; 2] = *b"RK";
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 8;
 /// Largest frame body accepted: a maximal batch plus its per-request headers.
 pub const MAX_FRAME_BODY: u32 = MAX_BATCH_BYTES as u32 + 64 * MAX_BATCH_REQUESTS as u32;
@@ -422,6 +422,9 @@ pub struct Hello {
     pub kind: ConnKind,
     pub nonce: [u8; NONCE_LEN],
     pub client_name: String,
+    /// The token under which the node may fence this client's connections (0: none); a
+    /// mount's is its session on the primary, fenced when its lease expires.
+    pub fence: u64,
 }
 
 impl Hello {
@@ -429,6 +432,7 @@ impl Hello {
         let mut b = vec![self.kind as u8];
         b.extend_from_slice(&self.nonce);
         put_str(&mut b, &self.client_name);
+        b.extend_from_slice(&self.fence.to_le_bytes());
         b
     }
     pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
@@ -440,6 +444,7 @@ impl Hello {
             kind,
             nonce: c.array()?,
             client_name: c.str()?,
+            fence: c.u64()?,
         };
         c.finish()?;
         Ok(hello)
@@ -649,8 +654,8 @@ mod tests {
         }
 
         #[test]
-        fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32) {
-            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone() };
+        fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32, fence: u64) {
+            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone(), fence };
             prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
             let c = Challenge { nonce };
             prop_assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);

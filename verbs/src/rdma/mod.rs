@@ -97,6 +97,7 @@ mod absent {
         addr: &str,
         _secret: &Secret,
         _client_name: &str,
+        _fence: u64,
         _device: Option<&str>,
     ) -> Result<QueuePair, VerbsError> {
         Err(VerbsError::Connect {
@@ -295,6 +296,7 @@ mod imp {
         atomics: String,
         secret: Secret,
         client_name: String,
+        fence: u64,
         device: Option<String>,
         /// `None` after a failure: the next post connects a new queue pair.
         link: Mutex<Option<Link>>,
@@ -313,9 +315,11 @@ mod imp {
         addr: &str,
         secret: &Secret,
         client_name: &str,
+        fence: u64,
         device: Option<&str>,
     ) -> Result<QueuePair, VerbsError> {
-        let (link, node_id, regions, node_name, atomics) = dial(addr, secret, client_name, device)?;
+        let (link, node_id, regions, node_name, atomics) =
+            dial(addr, secret, client_name, fence, device)?;
         let conn = RdmaConn {
             peer: format!("{node_name} ({addr}, rdma)"),
             addr: addr.into(),
@@ -324,6 +328,7 @@ mod imp {
             atomics,
             secret: secret.clone(),
             client_name: client_name.into(),
+            fence,
             device: device.map(String::from),
             link: Mutex::new(Some(link)),
         };
@@ -336,11 +341,12 @@ mod imp {
         addr: &str,
         secret: &Secret,
         client_name: &str,
+        fence: u64,
         device: Option<&str>,
     ) -> Result<Dialed, VerbsError> {
         let dev = Device::open(device).map_err(|e| connect_err(addr, e))?;
         let mut stream = crate::tcp::dial(addr)?;
-        let accepted = client_handshake(&mut stream, ConnKind::Rdma, secret, client_name, addr)?;
+        let accepted = client_handshake(&mut stream, ConnKind::Rdma, secret, client_name, fence, addr)?;
         let rc = Rc::create(&dev, DEPTH).map_err(|e| connect_err(addr, e))?;
         let psn = random_psn();
         let mut body = Vec::new();
@@ -454,6 +460,7 @@ mod imp {
                     &self.addr,
                     &self.secret,
                     &self.client_name,
+                    self.fence,
                     self.device.as_deref(),
                 )?;
                 *guard = Some(link);
