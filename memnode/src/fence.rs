@@ -161,7 +161,13 @@ pub struct Fenced {
 
 impl Fences {
     pub fn is_fenced(&self, token: u64) -> bool {
-        token != 0 && self.state.lock().expect("fences lock").fenced.contains(&token)
+        token != 0
+            && self
+                .state
+                .lock()
+                .expect("fences lock")
+                .fenced
+                .contains(&token)
     }
 
     /// Registers a connection opened under `token` (0: not fenceable: nothing is kept);

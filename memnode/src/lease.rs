@@ -64,7 +64,13 @@ impl Leases {
 
     /// The refusal for a request of `session` if it is fenced.
     pub fn check(&self, session: u64) -> Result<(), Refusal> {
-        if self.state.lock().expect("leases lock").fenced.contains(&session) {
+        if self
+            .state
+            .lock()
+            .expect("leases lock")
+            .fenced
+            .contains(&session)
+        {
             return Err(fenced(session, self.lease));
         }
         Ok(())
@@ -125,8 +131,14 @@ mod tests {
         assert_eq!(l.renew(1).unwrap_err().code, ErrorCode::Fenced);
         assert_eq!(l.check(2).unwrap_err().code, ErrorCode::Fenced);
         l.hold(1);
-        assert!(l.expire(later + Duration::from_secs(1)).is_empty(), "no new lease");
-        assert!(l.check(3).is_ok() && l.renew(3).is_ok(), "no lease, nothing to fence");
+        assert!(
+            l.expire(later + Duration::from_secs(1)).is_empty(),
+            "no new lease"
+        );
+        assert!(
+            l.check(3).is_ok() && l.renew(3).is_ok(),
+            "no lease, nothing to fence"
+        );
         l.end(1);
         assert!(l.check(1).is_ok());
     }
@@ -137,7 +149,12 @@ mod tests {
         l.hold(7);
         std::thread::sleep(Duration::from_millis(120));
         l.renew(7).unwrap();
-        assert!(l.expire(Instant::now() + Duration::from_millis(150)).is_empty());
-        assert_eq!(l.expire(Instant::now() + Duration::from_millis(200)), vec![7]);
+        assert!(l
+            .expire(Instant::now() + Duration::from_millis(150))
+            .is_empty());
+        assert_eq!(
+            l.expire(Instant::now() + Duration::from_millis(200)),
+            vec![7]
+        );
     }
 }

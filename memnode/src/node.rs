@@ -293,17 +293,29 @@ impl Node {
             },
             ControlRequest::Session => ControlResponse::Session { id: session },
             ControlRequest::Renew { of } => match &self.leases {
-                Some(l) => l.renew(of).map_or_else(ControlResponse::from, |d| {
-                    ControlResponse::Lease {
-                        ms: d.as_millis() as u64,
-                    }
-                }),
+                Some(l) => {
+                    l.renew(of)
+                        .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+                            ms: d.as_millis() as u64,
+                        })
+                }
                 None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
             },
             ControlRequest::Fence { token } => match self.fences.fence(token, FENCE_WAIT) {
                 Ok(_) => ControlResponse::Ok,
                 Err(why) => refused(ErrorCode::Unavailable, why),
             },
+            ControlRequest::Watch { of, .. }
+                if self.leases.as_ref().is_some_and(|l| l.check(of).is_err()) =>
+            {
+                // A fenced mount is nobody's concern any more: no change waits for it.
+                self.leases
+                    .as_ref()
+                    .expect("checked")
+                    .check(of)
+                    .unwrap_err()
+                    .into()
+            }
             ControlRequest::Watch {
                 of,
                 acked,

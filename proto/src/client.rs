@@ -174,8 +174,14 @@ impl ControlClient {
             reason: e.to_string(),
         };
         socket.bound(RPC_DEADLINE).map_err(io)?;
-        let acc: Accepted =
-            client_handshake(&mut socket, ConnKind::Control, secret, client_name, 0, &peer)?;
+        let acc: Accepted = client_handshake(
+            &mut socket,
+            ConnKind::Control,
+            secret,
+            client_name,
+            0,
+            &peer,
+        )?;
         let c = ControlClient {
             peer,
             node_id: acc.welcome.node_id,

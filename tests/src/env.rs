@@ -78,8 +78,10 @@ pub fn connect(node: &MemNodeProcess, via: &Via) -> QueuePair {
     match via {
         Via::Shm => node.shm_qp(),
         Via::Tcp => node.tcp_qp(),
-        Via::Rdma(dev) => rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", 0, Some(dev))
-            .unwrap_or_else(|e| panic!("rdma connect: {e}; node log: {}", node.stderr())),
+        Via::Rdma(dev) => {
+            rackfs_verbs::rdma::connect(&node.tcp, &node.secret, "test", 0, Some(dev))
+                .unwrap_or_else(|e| panic!("rdma connect: {e}; node log: {}", node.stderr()))
+        }
     }
 }
 

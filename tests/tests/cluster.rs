@@ -959,3 +959,80 @@ fn a_stopped_primary_fails_namespace_operations_within_the_deadline_and_recovers
     fs::write(m.path("after"), b"after").unwrap();
     assert_eq!(fs::read(m.path("after")).unwrap(), b"after");
 }
+
+/// A mount stopped (SIGSTOP) while it holds a range lock loses it once its lease runs out:
+/// another mount's write to the range goes through within lease + margin; resumed, the stopped
+/// mount's write fails with EIO, the range holds the other writer's bytes, and the fenced mount
+/// says why in its log and can still be unmounted. Over tcp (the node refuses its batches) and
+/// shm (the client's queue pair fences itself). The holder's write is slowed by a QoS limit so
+/// the stop finds it holding the lock (waiting for tokens).
+#[test]
+fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
+    use std::time::Instant;
+    let lease = Duration::from_millis(2000);
+    let c = TestCluster::start_with(2, "64M", &["--lock-lease-ms", "2000"]);
+    let other = Mount::new(&c, "");
+    for transport in ["tcp", "shm"] {
+        let holder = Mount::new(&c, &format!("transport={transport},limit=100"));
+        let name = format!("f-{transport}");
+        let len = 1usize << 20;
+        fs::write(other.path(&name), vec![0u8; len]).unwrap();
+        // 1 MiB = 256 tokens: about 2.5 s under limit=100, holding the range lock throughout.
+        let path = holder.path(&name);
+        let late = std::thread::spawn(move || {
+            let f = OpenOptions::new().write(true).open(path).unwrap();
+            f.write_all_at(&vec![0xAA; len], 0)
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        let pid = holder.child.id() as i32;
+        // SAFETY: signalling the mount process this test started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        let t0 = Instant::now();
+        let f = OpenOptions::new()
+            .write(true)
+            .open(other.path(&name))
+            .unwrap();
+        f.write_all_at(&vec![0xBB; len], 0).unwrap();
+        let took = t0.elapsed();
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+        eprintln!("{transport}: the other mount's write waited {took:?} for a stopped holder (lease {lease:?})");
+        assert!(
+            took >= lease / 2,
+            "{transport}: the other write did not wait ({took:?}): the holder held no lock"
+        );
+        assert!(
+            took < lease + Duration::from_secs(4),
+            "{transport}: the stopped holder kept its lock for {took:?}"
+        );
+        let err = late
+            .join()
+            .unwrap()
+            .expect_err("the fenced holder's write must fail");
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{transport}: {err}");
+        let data = fs::read(other.path(&name)).unwrap();
+        assert!(
+            data.len() == len && data.iter().all(|&b| b == 0xBB),
+            "{transport}: the range is not the other writer's: {} bytes of 0xAA",
+            data.iter().filter(|&&b| b == 0xAA).count()
+        );
+        let fresh = Mount::new(&c, "transport=tcp");
+        assert_eq!(fs::read(fresh.path(&name)).unwrap(), data);
+        assert!(
+            fs::write(holder.path("after"), b"x").is_err(),
+            "{transport}: a fenced mount refuses further writes"
+        );
+        let log = fs::read_to_string(&holder.log).unwrap();
+        assert!(
+            log.contains("fenced"),
+            "{transport}: no word of the fence in the log:\n{log}"
+        );
+        drop(holder);
+        // The primary logged the fence, naming the session.
+        assert!(c.nodes[0]
+            .as_ref()
+            .unwrap()
+            .stderr()
+            .contains("mount fenced on every memory node"));
+    }
+}

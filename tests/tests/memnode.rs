@@ -358,7 +358,7 @@ fn rdma_where_there_is_none_is_a_clear_error() {
     let node = MemNodeProcess::start("16M");
     // A node without --rdma-device refuses rdma clients in the handshake, with the reason.
     let mut s = TcpStream::connect(&node.tcp).unwrap();
-    let e = client_handshake(&mut s, ConnKind::Rdma, &node.secret, "t", &node.tcp).unwrap_err();
+    let e = client_handshake(&mut s, ConnKind::Rdma, &node.secret, "t", 0, &node.tcp).unwrap_err();
     assert!(e.to_string().contains("serves no RDMA clients"), "{e}");
     if cfg!(feature = "rdma") {
         // With the feature, a missing device is named (the host has none: the guest has rxe0).

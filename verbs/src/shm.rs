@@ -11,8 +11,8 @@
 //!
 //! ## Fencing
 //! A node cannot take a mapping back, so an shm client fences itself, checked by the node:
-//! two words of the client's counter block, [`FENCE_WORD`] (written only by the node, once, to
-//! 1) and [`BUSY_WORD`] (the client's batches in progress, changed only by the client). A
+//! two words of the client's counter block: [`FENCE_WORD`], set once by the node (nobody else
+//! writes it), and [`BUSY_WORD`], the client's batches in progress (only the client changes it). A
 //! batch increments `busy`, then reads `fence`, and runs only if it reads 0; the node stores
 //! `fence`, then reads `busy` (all sequentially consistent). So once the node has read
 //! `busy == 0` after its store, no batch of the client runs again (one that raced the store
@@ -120,7 +120,14 @@ pub fn connect_fenced(
         peer: peer.clone(),
         reason: e.to_string(),
     })?;
-    let accepted = client_handshake(&mut stream, ConnKind::Shm, secret, client_name, fence, &peer)?;
+    let accepted = client_handshake(
+        &mut stream,
+        ConnKind::Shm,
+        secret,
+        client_name,
+        fence,
+        &peer,
+    )?;
     let proto = |reason: String| VerbsError::Protocol {
         peer: peer.clone(),
         reason,

@@ -346,7 +346,14 @@ mod imp {
     ) -> Result<Dialed, VerbsError> {
         let dev = Device::open(device).map_err(|e| connect_err(addr, e))?;
         let mut stream = crate::tcp::dial(addr)?;
-        let accepted = client_handshake(&mut stream, ConnKind::Rdma, secret, client_name, fence, addr)?;
+        let accepted = client_handshake(
+            &mut stream,
+            ConnKind::Rdma,
+            secret,
+            client_name,
+            fence,
+            addr,
+        )?;
         let rc = Rc::create(&dev, DEPTH).map_err(|e| connect_err(addr, e))?;
         let psn = random_psn();
         let mut body = Vec::new();
