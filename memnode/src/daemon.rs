@@ -207,9 +207,18 @@ impl MemNode {
         if let Some(l) = &node.leases {
             let check = (l.lease() / 20).max(Duration::from_millis(10));
             thread(&node, "leases", move |n| {
+                let leases = n.leases.as_ref().expect("primary");
+                let mut last = Instant::now();
                 while !n.is_stopping() {
                     std::thread::sleep(check);
-                    let expired = n.leases.as_ref().expect("primary").expire(Instant::now());
+                    let now = Instant::now();
+                    if now - last > check + leases.lease() / 4 {
+                        // This node was paused: nobody could renew meanwhile.
+                        info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every lease restarts");
+                        leases.restart_all(now);
+                    }
+                    last = now;
+                    let expired = leases.expire(now);
                     for session in expired {
                         thread(&n, "fence", move |n| n.fence_mount(session));
                     }

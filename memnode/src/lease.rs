@@ -6,6 +6,8 @@
 //! the fenced set, once, and the node then fences it on every memory node and ends the session
 //! (which recovers its range locks: see `rackfs_meta::locktree`). A fenced session stays fenced:
 //! its requests and renewals are refused with [`ErrorCode::Fenced`] until its connection closes.
+//! Leases are timed on the primary's clock; when the primary itself was paused for a while, every
+//! lease restarts ([`Leases::restart_all`]) instead of expiring mounts that could not renew.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -83,6 +85,14 @@ impl Leases {
         st.fenced.remove(&session);
     }
 
+    /// Restarts every lease at `now`: after this node itself was paused (stopped, starved), no
+    /// mount could renew, so none is blamed for it.
+    pub fn restart_all(&self, now: Instant) {
+        for t in self.state.lock().expect("leases lock").held.values_mut() {
+            *t = (*t).max(now);
+        }
+    }
+
     /// Sessions whose lease ran out by `now`: from now on they are fenced.
     pub fn expire(&self, now: Instant) -> Vec<u64> {
         let mut st = self.state.lock().expect("leases lock");
@@ -141,6 +151,16 @@ mod tests {
         );
         l.end(1);
         assert!(l.check(1).is_ok());
+    }
+
+    #[test]
+    fn a_pause_of_the_primary_restarts_every_lease() {
+        let l = Leases::new(Duration::from_millis(100));
+        l.hold(1);
+        let resumed = Instant::now() + Duration::from_secs(5);
+        l.restart_all(resumed);
+        assert!(l.expire(resumed + Duration::from_millis(99)).is_empty());
+        assert_eq!(l.expire(resumed + Duration::from_millis(100)), vec![1]);
     }
 
     #[test]
