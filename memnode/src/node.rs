@@ -140,9 +140,10 @@ impl Node {
         }
     }
 
-    /// Fences a mount whose lease expired (see [`crate::lease`]): on this node and every
-    /// other, retrying a node that fails until it succeeds or is known down, then gives up
-    /// the session's range locks for recovery. Runs on a thread of its own.
+    /// Fences a mount whose lease expired (see [`crate::lease`]) on this node and every other,
+    /// then gives up the session's range locks for recovery. A node that fails is retried; the
+    /// locks are given up once every node is fenced or known down, and a down node is fenced
+    /// when it is seen up again. Runs on a thread of its own until every node is fenced.
     pub fn fence_mount(&self, session: u64) {
         let started = Instant::now();
         let lease = self.leases.as_ref().map(Leases::lease);
@@ -154,46 +155,49 @@ impl Node {
         let mut pending: Vec<Option<u32>> = vec![None];
         pending.extend(self.members.peers().into_iter().map(|(id, _)| Some(id)));
         let mut reported = std::collections::HashSet::new();
-        while !pending.is_empty() && !self.is_stopping() {
+        let mut released = false;
+        while !self.is_stopping() {
             let up = self.members.data_nodes();
             pending.retain(|node| {
                 let result = match node {
                     None => self.fences.fence(session, FENCE_WAIT).map(|_| ()),
-                    Some(id) if !up.contains(id) => return false,
-                    Some(id) => match self
-                        .members
-                        .peer(*id)
-                        .map_err(|r| r.message)
-                        .and_then(|p| {
-                            p.call(&ControlRequest::Fence { token: session })
-                                .map_err(|e| e.to_string())
-                        }) {
-                        Ok(ControlResponse::Ok) => Ok(()),
-                        Ok(other) => Err(format!("unexpected answer {other:?}")),
-                        Err(e) => Err(e),
-                    },
+                    Some(id) if !up.contains(id) => return true, // when it is back
+                    Some(id) => self.fence_on_peer(*id, session),
                 };
-                match result {
-                    Ok(()) => false,
-                    Err(why) => {
-                        let node = node.unwrap_or(self.cfg.node_id);
-                        if reported.insert(node) {
-                            warn!(session, node, %why, "cannot fence the mount on this memory node yet (its range locks stay held until it is fenced or known down); retrying");
-                        }
-                        true
-                    }
+                let Err(why) = result else { return false };
+                let node = node.unwrap_or(self.cfg.node_id);
+                if reported.insert(node) {
+                    warn!(session, node, %why, "cannot fence the mount on this memory node yet (its range locks stay held until it is fenced or known down); retrying");
                 }
+                true
             });
-            if !pending.is_empty() {
-                std::thread::sleep(Duration::from_millis(200));
+            let all_down = pending
+                .iter()
+                .all(|n| n.is_some_and(|id| !up.contains(&id)));
+            if all_down && !released {
+                self.release_session(session);
+                released = true;
+                warn!(
+                    session,
+                    took = ?started.elapsed(),
+                    down = ?pending,
+                    "mount fenced on every memory node that is up; its range locks are recovered"
+                );
             }
+            if pending.is_empty() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        self.release_session(session);
-        warn!(
-            session,
-            took = ?started.elapsed(),
-            "mount fenced on every memory node; its range locks are recovered"
-        );
+    }
+
+    fn fence_on_peer(&self, id: u32, session: u64) -> Result<(), String> {
+        let peer = self.members.peer(id).map_err(|r| r.message)?;
+        match peer.call(&ControlRequest::Fence { token: session }) {
+            Ok(ControlResponse::Ok) => Ok(()),
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Answers one control request of client session `session`.
