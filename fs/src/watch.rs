@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use fuser::{INodeNo, Notifier};
 use rackfs_proto::client::RPC_DEADLINE;
-use rackfs_proto::control::{ControlRequest, ControlResponse};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::Change;
 use rackfs_proto::ControlClient;
 use tracing::{debug, warn};
@@ -35,22 +35,24 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
     if ttl.is_zero() {
         return;
     }
-    let of = match cluster.primary.call(&ControlRequest::Session) {
-        Ok(ControlResponse::Session { id }) => id,
-        other => {
-            warn!(result = ?other, "no session id from the primary; other mounts' changes \
-                  reach this mount's kernel cache only after attr_timeout");
-            return;
-        }
-    };
+    let of = cluster.session();
     let spawned = std::thread::Builder::new()
         .name("rackfs-watch".into())
         .spawn(move || loop {
             match cluster.connect_primary() {
-                Ok(c) => {
-                    let e = serve(&c, of, ttl, &notifier, &files);
-                    warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting");
-                }
+                Ok(c) => match serve(&c, of, ttl, &notifier, &files) {
+                    rackfs_proto::RpcError::Refused {
+                        code: ErrorCode::Fenced,
+                        ..
+                    } => {
+                        // The mount was fenced (its lease thread says so): nothing to watch.
+                        debug!("the watcher stops: this mount was fenced");
+                        return;
+                    }
+                    e => {
+                        warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting")
+                    }
+                },
                 Err(e) => warn!(error = %e, "the watcher cannot reach the primary; retrying"),
             }
             std::thread::sleep(Duration::from_secs(1));

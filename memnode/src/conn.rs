@@ -21,7 +21,7 @@ use rackfs_verbs::auth::{server_handshake, HandshakeError};
 use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
 use rackfs_verbs::{Access, Region, VerbCounters};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::fence::{Process, Stop};
 use crate::node::Node;
@@ -109,6 +109,10 @@ fn handshake<S: Read + Write>(
         Err(HandshakeError::WrongSecret { client }) => {
             node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
             warn!(%peer, %client, "refused a client: wrong cluster secret");
+            None
+        }
+        Err(HandshakeError::NotAdmitted { client, reason }) => {
+            info!(%peer, %client, %reason, "refused a client");
             None
         }
         Err(HandshakeError::Wire(WireError::Closed)) => None,

@@ -49,6 +49,10 @@ pub struct Process {
 impl Process {
     /// The process at the other end of Unix socket `sock` (`None` if the kernel will not say).
     pub fn of_peer(sock: &impl AsRawFd) -> Option<Process> {
+        Self::open(Self::peer_pid(sock)?)
+    }
+
+    fn peer_pid(sock: &impl AsRawFd) -> Option<i32> {
         let mut cred = libc::ucred {
             pid: 0,
             uid: 0,
@@ -65,16 +69,18 @@ impl Process {
                 &mut len,
             )
         };
-        if r != 0 || cred.pid <= 0 {
-            return None;
-        }
+        (r == 0 && cred.pid > 0).then_some(cred.pid)
+    }
+
+    /// Process `pid`, held by a pidfd from now on.
+    pub fn open(pid: i32) -> Option<Process> {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) };
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         if fd < 0 {
             return None;
         }
         Some(Process {
-            pid: cred.pid,
+            pid,
             // SAFETY: `fd` was just returned by pidfd_open and is owned by nobody else.
             pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) },
         })
@@ -261,5 +267,83 @@ impl Fences {
         }
         info!(token, connections = done.connections, killed = ?done.killed, took = ?started.elapsed(), "mount fenced on this node");
         Ok(done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfs_verbs::shm::BUSY_WORD;
+    use rackfs_verbs::Access;
+    use std::os::unix::net::UnixStream;
+    use std::process::Command;
+
+    fn shm_stop(busy: u64, process: Option<Process>) -> (Stop, Arc<Region>, UnixStream) {
+        let block = Arc::new(Region::create_memfd("t", 4096, 0, Access::ALL).unwrap());
+        block.store(BUSY_WORD, busy).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let stop = Stop::Shm {
+            block: block.clone(),
+            process,
+            socket: ours.into(),
+        };
+        (stop, block, theirs)
+    }
+
+    #[test]
+    fn an_idle_shm_client_fences_itself_and_new_connections_are_refused() {
+        let f = Fences::default();
+        let (stop, block, _peer) = shm_stop(0, None);
+        let reg = f.register(9, stop).unwrap();
+        let done = std::thread::scope(|s| {
+            s.spawn(move || {
+                // The connection's thread: it ends soon after its socket is shut down.
+                std::thread::sleep(Duration::from_millis(50));
+                drop(reg);
+            });
+            f.fence(9, Duration::from_secs(5)).unwrap()
+        });
+        assert_eq!((done.connections, done.killed.len()), (1, 0));
+        assert_eq!(block.load(rackfs_verbs::shm::FENCE_WORD).unwrap(), 1);
+        assert!(f.is_fenced(9) && !f.is_fenced(8));
+        assert!(f
+            .register(9, Stop::Socket(shm_stop(0, None).2.into()))
+            .is_none());
+        assert!(f
+            .register(0, Stop::Socket(shm_stop(0, None).2.into()))
+            .is_some());
+    }
+
+    #[test]
+    fn an_shm_client_stopped_inside_a_batch_is_killed() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let process = Process::open(child.id() as i32).unwrap();
+        let f = Fences::default();
+        let (stop, _block, _peer) = shm_stop(1, Some(process));
+        let reg = f.register(5, stop).unwrap();
+        let fences = &f;
+        std::thread::scope(|s| {
+            let fencing = s.spawn(move || fences.fence(5, Duration::from_secs(5)));
+            // The connection ends once its socket is shut down (after the kill).
+            while !reg.stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(700));
+            drop(reg);
+            let done = fencing.join().unwrap().unwrap();
+            assert_eq!(done.killed, vec![child.id() as i32]);
+        });
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
+
+    #[test]
+    fn a_connection_that_does_not_end_fails_the_fence() {
+        let f = Fences::default();
+        let (stop, _block, _peer) = shm_stop(0, None);
+        let _reg = f.register(3, stop).unwrap();
+        let err = f.fence(3, Duration::from_millis(100)).unwrap_err();
+        assert!(err.contains("did not end"), "{err}");
     }
 }

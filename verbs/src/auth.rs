@@ -251,6 +251,9 @@ pub enum HandshakeError {
     WrongSecret { client: String },
     #[error("client {client} replayed a recorded handshake (its nonce was used before)")]
     Replay { client: String },
+    /// An authenticated client asked for what this node does not serve it (told why).
+    #[error("client {client} not admitted: {reason}")]
+    NotAdmitted { client: String, reason: String },
     #[error("{0}")]
     Wire(#[from] WireError),
 }
@@ -313,7 +316,10 @@ pub fn server_handshake<S: Read + Write>(
     }
     if let Err(reason) = admit(&hello) {
         refuse(stream, &reason);
-        return Err(WireError::malformed("handshake", reason).into());
+        return Err(HandshakeError::NotAdmitted {
+            client: hello.client_name,
+            reason,
+        });
     }
     let welcome = Welcome {
         proof: secret.prove(SERVER_LABEL, &hello.nonce, &server_nonce),
