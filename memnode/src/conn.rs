@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
 use rackfs_proto::Refusal;
-use rackfs_verbs::auth::{server_handshake, HandshakeError};
+use rackfs_verbs::auth::{server_handshake, Admitted, HandshakeError};
 use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
 use rackfs_verbs::{Access, Region, VerbCounters};
@@ -77,7 +77,7 @@ fn handshake<S: Read + Write>(
     peer: &str,
     node: &Node,
     unix: bool,
-) -> Option<(ConnKind, u64)> {
+) -> Option<Admitted> {
     node.counters
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
@@ -97,9 +97,10 @@ fn handshake<S: Read + Write>(
         }
     });
     match result {
-        Ok(hello) => {
+        Ok(admitted) => {
+            let hello = &admitted.hello;
             debug!(%peer, client = %hello.client_name, kind = ?hello.kind, fence = hello.fence, "client authenticated");
-            Some((hello.kind, hello.fence))
+            Some(admitted)
         }
         Err(HandshakeError::Replay { client }) => {
             node.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
@@ -175,9 +176,10 @@ impl Conn for UnixStream {
 fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
     stream.set_timeout(Some(HANDSHAKE_TIMEOUT));
     let unix = std::any::TypeId::of::<S>() == std::any::TypeId::of::<UnixStream>();
-    let Some((kind, fence)) = handshake(&mut stream, peer, node, unix) else {
+    let Some(admitted) = handshake(&mut stream, peer, node, unix) else {
         return;
     };
+    let (kind, fence) = (admitted.hello.kind, admitted.hello.fence);
     stream.set_timeout(None);
     let _open = node.counters.open(kind);
     let Ok(clone) = stream.duplicate() else {
@@ -192,7 +194,15 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
             };
             let fd = (stream.as_raw_fd(), node.cfg.poll);
             let r = node.counters.with_verbs(VerbCounters::local(), |c| {
-                rackfs_verbs::tcp::serve_verbs(clone, stream, fd, &node.table, c, &reg.stop)
+                rackfs_verbs::tcp::serve_verbs(
+                    clone,
+                    stream,
+                    fd,
+                    &node.table,
+                    c,
+                    &reg.stop,
+                    admitted.clock_offset_ns(),
+                )
             });
             log_end(node, peer, "verbs", r);
         }

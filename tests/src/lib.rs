@@ -16,5 +16,5 @@ pub use fio::{Fio, FioJob, FioReport, FioSide};
 pub use map::mapped;
 pub use mount::{pin, Mount};
 pub use node::{MemNodeProcess, TestCluster};
-pub use process::{bin_path, wait_for, TempDir};
+pub use process::{bin_path, stop_process, wait_for, TempDir};
 pub use rng::Rng;

@@ -59,3 +59,27 @@ pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// Stops process `pid` (SIGSTOP) and returns once every one of its threads is stopped:
+/// kill(2) returns before a thread running on another CPU has stopped.
+pub fn stop_process(pid: i32) {
+    // SAFETY: kill(2) with a pid the caller started; no memory is involved.
+    let sent = unsafe { libc::kill(pid, libc::SIGSTOP) };
+    assert_eq!(sent, 0, "SIGSTOP {pid}");
+    let all_stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| {
+                tasks.flatten().all(|t| {
+                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|s| {
+                        s.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+                    })
+                })
+            })
+            .unwrap_or(true)
+    };
+    assert!(
+        wait_for(Duration::from_secs(5), all_stopped),
+        "process {pid} did not stop"
+    );
+}

@@ -999,8 +999,7 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
         });
         std::thread::sleep(Duration::from_millis(400));
         let pid = holder.child.id() as i32;
-        // SAFETY: signalling the mount process this test started.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        rackfs_tests::stop_process(pid);
         let t0 = Instant::now();
         let f = OpenOptions::new()
             .write(true)
@@ -1008,7 +1007,7 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
             .unwrap();
         f.write_all_at(&vec![0xBB; len], 0).unwrap();
         let took = t0.elapsed();
-        // SAFETY: as above.
+        // SAFETY: signalling the mount process this test started.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
         eprintln!("{transport}: the other mount's write waited {took:?} for a stopped holder (lease {lease:?})");
         assert!(

@@ -73,6 +73,7 @@ fn an_unauthenticated_peer_learns_nothing_and_a_replay_is_named() {
         nonce: [42; 32],
         client_name: "guesser".into(),
         fence: 0,
+        sent_ns: 0,
     };
     let mut s = TcpStream::connect(&node.tcp).unwrap();
     wire::write_frame(&mut s, FrameKind::Hello, &hello.encode()).unwrap();
@@ -570,4 +571,42 @@ fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
         r: 60,
     })
     .unwrap();
+}
+
+/// A stopped node does not execute, once resumed, even the *first* batch of a connection that
+/// reached it after the batch's deadline: the handshake gave the connection its first clock
+/// sample, so that batch is judged late too (it used to set the connection's clock offset
+/// itself, and ran).
+#[test]
+fn the_first_batch_of_a_connection_is_not_executed_after_its_deadline() {
+    let node = MemNodeProcess::start("8M");
+    let (region, at) = node.control().alloc(4096, 4096).unwrap();
+    let qp = rackfs_verbs::tcp::connect_with(
+        &node.tcp,
+        &node.secret,
+        "late",
+        rackfs_verbs::tcp::TcpOptions {
+            deadline: Duration::from_millis(300),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let pid = node.child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    let err = qp
+        .write(RemoteAddr::new(region.rkey, at), b"late!")
+        .unwrap_err();
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(err.to_string().contains("300ms"), "{err}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        node.tcp_qp()
+            .read(RemoteAddr::new(region.rkey, at), 5)
+            .unwrap(),
+        [0u8; 5],
+        "the late first batch was executed ({err}); node log: {}",
+        node.stderr()
+    );
 }

@@ -1,7 +1,7 @@
 //! Connection set-up: mutual challenge-response authentication with the cluster secret.
 //!
 //! ```text
-//! client -> Hello     { kind, nonce_c, client name, fence token }
+//! client -> Hello     { kind, nonce_c, client name, fence token, send time }
 //! server -> Challenge { nonce_s }
 //! client -> Proof     { proof_c = HMAC(secret, "rackfs-client" | nonce_s | nonce_c) }
 //! server -> Welcome   { proof_s = HMAC(secret, "rackfs-server" | nonce_c | nonce_s),
@@ -224,6 +224,7 @@ pub fn client_handshake<S: Read + Write>(
         nonce: nonce(),
         client_name: client_name.into(),
         fence,
+        sent_ns: crate::tcp::wall_ns(),
     };
     wire::write_frame(stream, FrameKind::Hello, &hello.encode()).map_err(io)?;
     let body = wire::expect_frame(stream, FrameKind::Challenge).map_err(|e| wire_err(peer, e))?;
@@ -242,6 +243,22 @@ pub fn client_handshake<S: Read + Write>(
         node_name: welcome.node_name.clone(),
         welcome,
     })
+}
+
+/// A client a server-side handshake admitted.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    pub hello: Hello,
+    /// The node's wall clock when the hello arrived (ns since the epoch): with
+    /// [`Hello::sent_ns`], the connection's first clock-offset sample.
+    pub received_ns: u64,
+}
+
+impl Admitted {
+    /// The node's clock minus the client's, plus the hello's delivery time (ns).
+    pub fn clock_offset_ns(&self) -> i128 {
+        self.received_ns as i128 - self.hello.sent_ns as i128
+    }
 }
 
 /// Why a server-side handshake did not admit a client.
@@ -268,7 +285,7 @@ pub fn server_handshake<S: Read + Write>(
     welcome: &Welcome,
     nonces: &NonceLog,
     admit: impl FnOnce(&Hello) -> Result<(), String>,
-) -> Result<Hello, HandshakeError> {
+) -> Result<Admitted, HandshakeError> {
     let refuse = |stream: &mut S, reason: &str| {
         let mut b = Vec::new();
         wire::put_str(&mut b, reason);
@@ -290,6 +307,7 @@ pub fn server_handshake<S: Read + Write>(
             return Err(e.into());
         }
     };
+    let received_ns = crate::tcp::wall_ns();
     if !nonces.fresh(&hello.nonce) {
         refuse(stream, "replayed handshake");
         return Err(HandshakeError::Replay {
@@ -326,5 +344,5 @@ pub fn server_handshake<S: Read + Write>(
         ..welcome.clone()
     };
     wire::write_frame(stream, FrameKind::Welcome, &welcome.encode()).map_err(WireError::Io)?;
-    Ok(hello)
+    Ok(Admitted { hello, received_ns })
 }

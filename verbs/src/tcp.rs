@@ -175,7 +175,7 @@ pub(crate) struct TcpConn {
 }
 
 /// Wall-clock time, ns since the Unix epoch.
-fn wall_ns() -> u64 {
+pub(crate) fn wall_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
@@ -522,7 +522,8 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
 ///
 /// `poll` is the adaptive-polling budget on `fd` (the connection's socket) before each
 /// blocking read. Once `stop` is set (the client was fenced), no further batch is executed
-/// and the connection ends.
+/// and the connection ends. `handshake_offset_ns` is the clock offset the handshake measured
+/// ([`crate::auth::Admitted::clock_offset_ns`]).
 pub fn serve_verbs(
     input: impl Read,
     output: impl Write,
@@ -530,13 +531,16 @@ pub fn serve_verbs(
     table: &RegionTable,
     counters: &VerbCounters,
     stop: &AtomicBool,
+    handshake_offset_ns: i128,
 ) -> Result<(), WireError> {
     let mut reader = BufReader::with_capacity(256 << 10, input);
     let mut writer = BufWriter::with_capacity(256 << 10, output);
     let mut body = Vec::new();
     // The smallest (our clock - the client's send time) seen: the clocks' offset plus the
     // fastest delivery. A batch's age is how much later than that it arrives.
-    let mut offset_min: Option<i128> = None;
+    // The handshake gave the first sample: a node stopped right after it still finds the
+    // connection's first batch late.
+    let mut offset_min: Option<i128> = Some(handshake_offset_ns);
     loop {
         if reader.buffer().is_empty() {
             poll_readable(fd, poll);

@@ -425,6 +425,9 @@ pub struct Hello {
     /// The token under which the node may fence this client's connections (0: none); a
     /// mount's is its session on the primary, fenced when its lease expires.
     pub fence: u64,
+    /// The client's wall clock when it sent this (ns since the epoch): a verbs connection's
+    /// first clock-offset sample, so even its first batch is judged for lateness.
+    pub sent_ns: u64,
 }
 
 impl Hello {
@@ -433,6 +436,7 @@ impl Hello {
         b.extend_from_slice(&self.nonce);
         put_str(&mut b, &self.client_name);
         b.extend_from_slice(&self.fence.to_le_bytes());
+        b.extend_from_slice(&self.sent_ns.to_le_bytes());
         b
     }
     pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
@@ -445,6 +449,7 @@ impl Hello {
             nonce: c.array()?,
             client_name: c.str()?,
             fence: c.u64()?,
+            sent_ns: c.u64()?,
         };
         c.finish()?;
         Ok(hello)
@@ -655,7 +660,7 @@ mod tests {
 
         #[test]
         fn handshake_messages_round_trip(nonce: [u8; 32], proof: [u8; 32], name in ".{0,40}", id: u32, fence: u64) {
-            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone(), fence };
+            let h = Hello { kind: ConnKind::Control, nonce, client_name: name.clone(), fence, sent_ns: fence ^ 1 };
             prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
             let c = Challenge { nonce };
             prop_assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
