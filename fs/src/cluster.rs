@@ -35,10 +35,18 @@ pub enum ConnectError {
 pub struct Node {
     pub qp: QueuePair,
     pub rkey: u32,
+    /// The session this connection was opened under (its fence token).
+    pub session: u64,
 }
 
+/// A mount's view of its cluster. Its *session* on the primary (control connection, fence
+/// token, lock slot, QoS slot, data connections) is replaced whole when the primary fences the
+/// mount ([`Cluster::recover`]); an operation that must not outlive its session (a write under
+/// a range lock) names the session it started in, and [`Cluster::node_in`] refuses it a
+/// connection of another.
 pub struct Cluster {
-    pub primary: ControlClient,
+    /// The control connection to the primary and its session id (this mount's fence token).
+    primary: RwLock<(Arc<ControlClient>, u64)>,
     pub primary_id: u32,
     info: RwLock<ClusterInfo>,
     nodes: RwLock<HashMap<u32, Arc<Node>>>,
@@ -46,16 +54,25 @@ pub struct Cluster {
     transport: TransportChoice,
     rdma_device: Option<String>,
     name: String,
-    /// This mount's lock client slot on the primary and its calibrated lock configuration.
-    lock_client: Mutex<Option<(u16, LockConfig)>>,
+    /// This mount's lock client slot on the primary, its calibrated lock configuration and the
+    /// session the slot belongs to.
+    lock_client: Mutex<Option<(u16, LockConfig, u64)>>,
+    /// Held while the lock client is set up (slot, calibration, lease).
+    lock_setup: Mutex<()>,
     /// QoS: this mount's slot and its engine per node (`None`: `qos=off`).
     qos: RwLock<Option<Qos>>,
     /// How long a verb batch over tcp waits for its node, in ms (the mount's `timeout=`).
     deadline_ms: std::sync::atomic::AtomicU64,
-    /// This mount's session on the primary: the token under which nodes fence it.
-    session: u64,
-    lease: Arc<Lease>,
+    lease: RwLock<Arc<Lease>>,
+    /// The QoS this mount asked for (reservation, limit, weight), asked again in a new session.
+    qos_wanted: Mutex<Option<(u64, u64, u32)>>,
+    /// Told the QoS slot of each new session (the mount's state record keeps it).
+    on_session: Mutex<Option<SessionHook>>,
+    /// Held while a new session is set up.
+    recovering: Mutex<()>,
 }
+
+type SessionHook = Box<dyn Fn(Option<u16>) + Send + Sync>;
 
 /// This mount's lease as a lock holder, renewed by a thread of its own while the mount lives
 /// (see `rackfs_memnode::lease`); once the primary fenced the mount, why.
@@ -90,9 +107,25 @@ fn control_addr(node: &NodeAddr, transport: TransportChoice) -> Result<String, C
 }
 
 impl Cluster {
+    /// The control connection to the primary (of the current session; a fenced mount gets a
+    /// new session first).
+    pub fn primary(&self) -> Arc<ControlClient> {
+        self.primary_session().0
+    }
+
+    /// [`Cluster::primary`] with its session id.
+    pub fn primary_session(&self) -> (Arc<ControlClient>, u64) {
+        if self.fenced().is_some() {
+            if let Err(e) = self.recover() {
+                warn!(error = %e, "cannot start a new session after the fence");
+            }
+        }
+        self.primary.read().expect("primary lock").clone()
+    }
+
     /// Sets how long control RPCs to the primary and verb batches over tcp wait for their node.
     pub fn set_deadline(&self, d: Duration) {
-        self.primary.set_deadline(d);
+        self.primary.read().expect("primary lock").0.set_deadline(d);
         self.deadline_ms
             .store(d.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
     }
@@ -132,16 +165,7 @@ impl Cluster {
             } else {
                 ControlClient::connect(&control_addr(&info.primary, transport)?, &secret, name)?
             };
-            let session = match primary.call(&ControlRequest::Session)? {
-                ControlResponse::Session { id } => id,
-                other => {
-                    return Err(RpcError::Unexpected {
-                        peer: primary.peer().into(),
-                        what: format!("{other:?}"),
-                    }
-                    .into())
-                }
-            };
+            let session = session_of(&primary)?;
             info!(primary = %info.primary.name, nodes = info.nodes.len(), session, "connected to the cluster");
             for (id, why) in &info.down {
                 warn!(
@@ -152,7 +176,7 @@ impl Cluster {
             }
             return Ok(Cluster {
                 primary_id: primary.node_id(),
-                primary,
+                primary: RwLock::new((Arc::new(primary), session)),
                 info: RwLock::new(info),
                 nodes: RwLock::new(HashMap::new()),
                 secret,
@@ -160,10 +184,13 @@ impl Cluster {
                 rdma_device,
                 name: name.into(),
                 lock_client: Mutex::new(None),
+                lock_setup: Mutex::new(()),
                 qos: RwLock::new(None),
                 deadline_ms: (rackfs_verbs::tcp::DEFAULT_DEADLINE.as_millis() as u64).into(),
-                session,
-                lease: Arc::default(),
+                lease: RwLock::default(),
+                qos_wanted: Mutex::new(None),
+                on_session: Mutex::new(None),
+                recovering: Mutex::new(()),
             });
         }
         Err(ConnectError::Unreachable {
@@ -190,21 +217,77 @@ impl Cluster {
 
     /// This mount's session on the primary (the token nodes fence it by).
     pub fn session(&self) -> u64 {
-        self.session
+        self.primary.read().expect("primary lock").1
     }
 
-    /// Why the primary fenced this mount, if it did.
-    pub fn fenced(&self) -> Option<&str> {
-        self.lease.fenced.get().map(String::as_str)
+    fn lease(&self) -> Arc<Lease> {
+        self.lease.read().expect("lease lock").clone()
+    }
+
+    /// Why the primary fenced this mount's session, if it did (until a new session starts).
+    pub fn fenced(&self) -> Option<String> {
+        self.lease().fenced.get().cloned()
+    }
+
+    /// Calls `hook` with the QoS slot of every new session this mount starts.
+    pub fn on_new_session(&self, hook: impl Fn(Option<u16>) + Send + Sync + 'static) {
+        *self.on_session.lock().expect("session hook lock") = Some(Box::new(hook));
+    }
+
+    /// After the primary fenced this mount: starts a new session (control connection, fence
+    /// token, lock and QoS slots; data connections are made anew on use). Operations of the
+    /// fenced session fail with EIO; those that start later run in the new one. Files this mount
+    /// has open are not registered again: one unlinked by another mount meanwhile may be gone.
+    pub fn recover(&self) -> Result<(), ConnectError> {
+        let _one = self.recovering.lock().expect("recovery lock");
+        let Some(why) = self.fenced() else {
+            return Ok(()); // another thread did it
+        };
+        let client = self.connect_primary()?;
+        client.set_deadline(Duration::from_millis(
+            self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        let id = session_of(&client)?;
+        let old = self.session();
+        *self.primary.write().expect("primary lock") = (Arc::new(client), id);
+        self.nodes.write().expect("nodes lock").clear();
+        *self.lock_client.lock().expect("lock client") = None;
+        *self.qos.write().expect("qos lock") = None;
+        *self.lease.write().expect("lease lock") = Arc::default();
+        let wanted = *self.qos_wanted.lock().expect("qos wanted lock");
+        let slot = match wanted {
+            Some((r, l, w)) => Some(self.enable_qos(r, l, w)?),
+            None => None,
+        };
+        if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
+            hook(slot);
+        }
+        warn!(old, new = id, fenced = %why, "this mount continues under a new session (its operations in flight when it was fenced failed with EIO)");
+        Ok(())
+    }
+
+    /// The queue pair to node `id` in session `session` (EIO-worthy `Fenced` if the mount has
+    /// moved on to another session since).
+    pub fn node_in(&self, id: u32, session: u64) -> Result<Arc<Node>, VerbsError> {
+        let n = self.node(id)?;
+        if n.session != session {
+            return Err(VerbsError::Fenced {
+                peer: format!("node {id}"),
+                reason: format!("session {session} was fenced; this operation belonged to it"),
+            });
+        }
+        Ok(n)
     }
 
     /// The queue pair to node `id`, connecting on first use.
     pub fn node(&self, id: u32) -> Result<Arc<Node>, VerbsError> {
-        if let Some(why) = self.fenced() {
-            return Err(VerbsError::Fenced {
-                peer: format!("node {id}"),
-                reason: why.into(),
-            });
+        if self.fenced().is_some() {
+            if let Err(e) = self.recover() {
+                return Err(VerbsError::Fenced {
+                    peer: format!("node {id}"),
+                    reason: format!("no new session after the fence: {e}"),
+                });
+            }
         }
         if let Some(n) = self.nodes.read().expect("nodes lock").get(&id) {
             if !n.qp.is_broken() {
@@ -213,11 +296,12 @@ impl Cluster {
         }
         let mut addr = self.info().nodes.into_iter().find(|n| n.node_id == id);
         if addr.is_none() {
-            if let Ok(info) = self.primary.cluster() {
+            if let Ok(info) = self.primary().cluster() {
                 addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
                 *self.info.write().expect("cluster info lock") = info;
             }
         }
+        let session = self.session();
         let addr = addr.ok_or_else(|| VerbsError::Connect {
             peer: format!("node {id}"),
             reason: "not in the cluster".into(),
@@ -231,7 +315,7 @@ impl Cluster {
                 Path::new(sock),
                 &self.secret,
                 &self.name,
-                self.session,
+                session,
             )?,
             (None, _, TransportChoice::Shm) => {
                 return Err(VerbsError::Connect {
@@ -243,7 +327,7 @@ impl Cluster {
                 tcp,
                 &self.secret,
                 &self.name,
-                self.session,
+                session,
                 self.rdma_device.as_deref(),
             )?,
             (None, Some(tcp), _) => rackfs_verbs::tcp::connect_with(
@@ -254,7 +338,7 @@ impl Cluster {
                     deadline: Duration::from_millis(
                         self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
                     ),
-                    fence: self.session,
+                    fence: session,
                     ..Default::default()
                 },
             )?,
@@ -279,7 +363,7 @@ impl Cluster {
             transport = qp.transport(),
             "connected to a memory node"
         );
-        let node = Arc::new(Node { qp, rkey });
+        let node = Arc::new(Node { qp, rkey, session });
         self.nodes
             .write()
             .expect("nodes lock")
@@ -290,12 +374,16 @@ impl Cluster {
     /// This mount's lock client slot and lock configuration, obtained on first use: the slot
     /// from the primary (it belongs to this mount's session), the configuration from round
     /// trips measured on the primary's queue pair.
-    pub fn lock_client(&self) -> Result<(u16, LockConfig), i32> {
-        let mut lc = self.lock_client.lock().expect("lock client");
-        if let Some(c) = lc.as_ref() {
-            return Ok(c.clone());
+    pub fn lock_client(&self) -> Result<(u16, LockConfig, u64), i32> {
+        let (primary, session) = self.primary_session();
+        // One set-up at a time; the cache itself is locked only briefly (a new session clears
+        // it while a set-up may be under way).
+        let _setup = self.lock_setup.lock().expect("lock set-up");
+        let cached = self.lock_client.lock().expect("lock client").clone();
+        if let Some(c) = cached.filter(|c| c.2 == session) {
+            return Ok(c);
         }
-        let slot = match self.primary.meta(MetaRequest::LockSlot) {
+        let slot = match primary.meta(MetaRequest::LockSlot) {
             Ok(ControlResponse::LockSlot(s)) => s,
             Ok(_) => return Err(libc::EIO),
             Err(e) => {
@@ -304,7 +392,7 @@ impl Cluster {
             }
         };
         let p = self
-            .node(self.primary_id)
+            .node_in(self.primary_id, session)
             .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
         let cfg = rackfs_verbs::block_on(LockConfig::calibrated(
             &p.qp,
@@ -312,20 +400,26 @@ impl Cluster {
         ))
         .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
         info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
-        self.keep_lease()
+        self.keep_lease(session)
             .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
-        *lc = Some((slot, cfg.clone()));
-        Ok((slot, cfg))
+        *self.lock_client.lock().expect("lock client") = Some((slot, cfg.clone(), session));
+        Ok((slot, cfg, session))
     }
 
     /// Starts renewing this mount's lock lease on a connection of its own, every quarter of
     /// the lease, until the cluster is dropped or the primary says the mount was fenced.
-    fn keep_lease(&self) -> Result<(), VerbsError> {
+    fn keep_lease(&self, session: u64) -> Result<(), VerbsError> {
+        if self.session() != session {
+            return Err(VerbsError::Fenced {
+                peer: self.primary().peer().into(),
+                reason: format!("session {session} ended while its lock slot was set up"),
+            });
+        }
         let client = self.connect_primary().map_err(|e| VerbsError::Connect {
-            peer: self.primary.peer().into(),
+            peer: self.primary().peer().into(),
             reason: format!("no connection for lease renewals: {e}"),
         })?;
-        let (lease, session) = (Arc::downgrade(&self.lease), self.session);
+        let lease = Arc::downgrade(&self.lease());
         let renew = move || client.call(&ControlRequest::Renew { of: session });
         std::thread::Builder::new()
             .name("lease".into())
@@ -373,7 +467,9 @@ impl Cluster {
     /// Registers this mount's QoS with the primary (admission control may refuse it, with
     /// the reason); from then on every data operation spends tokens. Returns the mount's slot.
     pub fn enable_qos(&self, reservation: u64, limit: u64, weight: u32) -> Result<u16, RpcError> {
-        match self.primary.call(&ControlRequest::QosSet {
+        *self.qos_wanted.lock().expect("qos wanted lock") = Some((reservation, limit, weight));
+        let primary = self.primary.read().expect("primary lock").0.clone();
+        match primary.call(&ControlRequest::QosSet {
             slot: None,
             reservation,
             limit,
@@ -387,7 +483,7 @@ impl Cluster {
                 Ok(slot)
             }
             Ok(other) => Err(RpcError::Unexpected {
-                peer: self.primary.peer().into(),
+                peer: primary.peer().into(),
                 what: format!("{other:?}"),
             }),
             Err(e) => Err(e),
@@ -500,5 +596,16 @@ impl Cluster {
                 warn!(node = id, error = %why, "lost the connection to a memory node: operations on its data return EIO; the next one reconnects");
             }
         }
+    }
+}
+
+/// The session id of a control connection.
+fn session_of(c: &ControlClient) -> Result<u64, RpcError> {
+    match c.call(&ControlRequest::Session)? {
+        ControlResponse::Session { id } => Ok(id),
+        other => Err(RpcError::Unexpected {
+            peer: c.peer().into(),
+            what: format!("{other:?}"),
+        }),
     }
 }

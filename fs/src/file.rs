@@ -277,7 +277,7 @@ impl FileData {
             checks.push((node, stripe, tag, id));
         }
         let sent = clock_ns();
-        let done = self.run(cl, batches)?;
+        let done = self.run(cl, batches, None)?;
         let stale = stale_stripes(&checks, &done);
         self.seen_live(&checks, &stale, sent);
         Ok(stale)
@@ -337,15 +337,31 @@ impl FileData {
         Ok(held)
     }
 
-    /// Posts one batch per node and waits for all; returns completions by node.
+    /// The queue pair to `node`; in session `session` only, if given (see [`Cluster::node_in`]).
+    fn node(
+        &self,
+        cl: &Cluster,
+        node: u32,
+        session: Option<u64>,
+    ) -> Result<std::sync::Arc<crate::cluster::Node>, i32> {
+        match session {
+            Some(s) => cl.node_in(node, s),
+            None => cl.node(node),
+        }
+        .map_err(|e| self.verbs_err(cl, node, e))
+    }
+
+    /// Posts one batch per node (in session `session` only, if given) and waits for all;
+    /// returns completions by node.
     fn run<'a>(
         &self,
         cl: &Cluster,
         batches: BTreeMap<u32, Batch<'a>>,
+        session: Option<u64>,
     ) -> Result<BTreeMap<u32, Completions>, i32> {
         let mut posted: Vec<(u32, Posted)> = Vec::with_capacity(batches.len());
         for (node, b) in batches {
-            let n = cl.node(node).map_err(|e| self.verbs_err(cl, node, e))?;
+            let n = self.node(cl, node, session)?;
             posted.push((node, n.qp.post(b)));
         }
         let mut out = BTreeMap::new();
@@ -436,7 +452,7 @@ impl FileData {
             }
             let _admitted = self.admit(cl, &tokens)?;
             let sent = clock_ns();
-            let done = self.run(cl, batches)?;
+            let done = self.run(cl, batches, None)?;
             let stale = stale_stripes(&tags, &done);
             self.seen_live(&tags, &stale, sent);
             if !stale.is_empty() {
@@ -478,7 +494,7 @@ impl FileData {
         }
         let (l, r) = lock::units(offset, data.len() as u64);
         let held = locks.lock(cl, l, r)?;
-        let res = self.write(cl, offset, data);
+        let res = self.write_in(cl, offset, data, Some(held.session()));
         locks.unlock(cl, held);
         res
     }
@@ -511,7 +527,7 @@ impl FileData {
             };
             let (al, ar) = lock::units(at, len.max(1));
             if l <= al && ar <= r {
-                let res = self.write(cl, at, data);
+                let res = self.write_in(cl, at, data, Some(held.session()));
                 locks.unlock(cl, held);
                 return res.map(|_| at);
             }
@@ -535,7 +551,12 @@ impl FileData {
             return res;
         };
         let held = locks.lock(cl, 0, u64::MAX)?;
-        let res = truncate();
+        // Not on behalf of a session fenced since the lock was taken.
+        let res = if cl.session() == held.session() {
+            truncate()
+        } else {
+            Err(libc::EIO)
+        };
         self.invalidate();
         if res.is_ok() {
             if let Err(e) = locks.shrink(cl, &held, size.div_ceil(lock::LOCK_UNIT)) {
@@ -548,6 +569,18 @@ impl FileData {
 
     /// Writes `data` at `offset`; visible to every mount when this returns.
     pub fn write(&self, cl: &Cluster, offset: u64, data: &[u8]) -> Result<(), i32> {
+        self.write_in(cl, offset, data, None)
+    }
+
+    /// [`FileData::write`], in session `session` only if given (a write under a range lock
+    /// taken in that session: it must fail, not land, once the session was fenced).
+    fn write_in(
+        &self,
+        cl: &Cluster,
+        offset: u64,
+        data: &[u8],
+        session: Option<u64>,
+    ) -> Result<(), i32> {
         let end = offset.checked_add(data.len() as u64).ok_or(libc::EFBIG)?;
         if end > MAX_FILE_SIZE {
             return Err(libc::EFBIG);
@@ -556,9 +589,7 @@ impl FileData {
             return Ok(());
         }
         let ps = pieces(offset, data.len() as u64, self.unit);
-        let pr = cl
-            .node(self.primary)
-            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        let pr = self.node(cl, self.primary, session)?;
         for _ in 0..MAX_ATTEMPTS {
             let short = self.short(&ps);
             if !short.is_empty() {
@@ -566,7 +597,7 @@ impl FileData {
                 self.refresh(cl, &stripes)?;
                 for (k, end) in self.short(&ps) {
                     let sent = clock_ns();
-                    let s = match cl.primary.meta(MetaRequest::AllocStripe {
+                    let s = match cl.primary().meta(MetaRequest::AllocStripe {
                         ino: self.ino,
                         stripe: k,
                         end,
@@ -622,7 +653,7 @@ impl FileData {
                 continue;
             }
             let sent = clock_ns();
-            let done = self.run(cl, batches)?;
+            let done = self.run(cl, batches, session)?;
             let stale = stale_stripes(&tags, &done);
             self.seen_live(&tags, &stale, sent);
             let seen = match cas {
@@ -632,7 +663,7 @@ impl FileData {
                 },
                 None => word(done[&self.primary].data(size_id).map_err(|_| libc::EIO)?, 0),
             };
-            self.grow_size(cl, seen, end)?;
+            self.grow_size(cl, seen, end, session)?;
             if !stale.is_empty() {
                 // Some data went to freed (quarantined) memory: write it again.
                 self.evict(&stale);
@@ -644,10 +675,14 @@ impl FileData {
     }
 
     /// CAS-max of the size to at least `end`, starting from a last seen value.
-    fn grow_size(&self, cl: &Cluster, mut seen: u64, end: u64) -> Result<(), i32> {
-        let pr = cl
-            .node(self.primary)
-            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+    fn grow_size(
+        &self,
+        cl: &Cluster,
+        mut seen: u64,
+        end: u64,
+        session: Option<u64>,
+    ) -> Result<(), i32> {
+        let pr = self.node(cl, self.primary, session)?;
         let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
         while seen < end {
             let old = pr

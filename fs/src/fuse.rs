@@ -128,7 +128,7 @@ impl RackFs {
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
-        self.cluster.primary.meta(req).map_err(rpc)
+        self.cluster.primary().meta(req).map_err(rpc)
     }
 
     fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {

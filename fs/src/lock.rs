@@ -42,6 +42,8 @@ const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(60);
 struct Tree {
     word: TreeWord,
     tree: LockTree,
+    /// The mount's session whose lock slot and connection the tree handle uses.
+    session: u64,
     /// When an acquisition last saw the tree live (ns on the process clock).
     seen_live: AtomicU64,
 }
@@ -51,6 +53,13 @@ struct Tree {
 pub struct Held {
     tree: Arc<Tree>,
     guard: RangeGuard,
+}
+
+impl Held {
+    /// The mount's session the lock was taken in: writes under it must stay in it.
+    pub fn session(&self) -> u64 {
+        self.tree.session
+    }
 }
 
 /// The lock state of one file in one mount.
@@ -78,7 +87,7 @@ impl FileLocks {
 
     /// Asks the primary to publish a tree covering `units` in place of `old`.
     fn publish(&self, cl: &Cluster, old: TreeWord, units: u64) -> Result<TreeWord, i32> {
-        match cl.primary.meta(MetaRequest::LockTree {
+        match cl.primary().meta(MetaRequest::LockTree {
             ino: self.ino,
             old: old.0,
             units,
@@ -94,13 +103,13 @@ impl FileLocks {
     fn current(&self, cl: &Cluster, units: u64) -> Result<Arc<Tree>, i32> {
         if let Some(t) = self.tree.read().expect("tree lock").as_ref() {
             let age = clock_ns().saturating_sub(t.seen_live.load(Ordering::Relaxed));
-            if age < LAYOUT_LEASE.as_nanos() as u64 {
+            if age < LAYOUT_LEASE.as_nanos() as u64 && t.session == cl.session() {
                 return Ok(t.clone());
             }
         }
-        let (slot, cfg) = cl.lock_client()?;
+        let (slot, cfg, session) = cl.lock_client()?;
         let p = cl
-            .node(self.primary)
+            .node_in(self.primary, session)
             .map_err(|e| errno(cl, self.primary, &e))?;
         let mut word = TreeWord(
             p.qp.faa(RemoteAddr::new(p.rkey, self.record + REC_LOCKS), 0)
@@ -120,6 +129,7 @@ impl FileLocks {
                 slot,
             ),
             seen_live: AtomicU64::new(clock_ns()),
+            session,
         });
         *self.tree.write().expect("tree lock") = Some(t.clone());
         Ok(t)
@@ -156,7 +166,10 @@ impl FileLocks {
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(10));
                 }
-                Err(LockError::Verbs(e)) => return Err(errno(cl, self.primary, &e)),
+                Err(LockError::Verbs(e)) => {
+                    self.forget(&t);
+                    return Err(errno(cl, self.primary, &e));
+                }
                 Err(LockError::Empty(..)) => return Err(libc::EINVAL),
             }
         }

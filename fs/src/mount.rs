@@ -122,6 +122,11 @@ impl MountRecord {
 
     /// Writes the record; it is removed when the returned guard drops (the mount ended).
     fn keep(&self, dir: &Path) -> RecordGuard {
+        RecordGuard(self.write(dir))
+    }
+
+    /// Writes (or rewrites) the record; its path if it was written.
+    fn write(&self, dir: &Path) -> Option<PathBuf> {
         let path = Self::path(dir);
         let mut text = format!(
             "source={}\nsecret_file={}\n",
@@ -133,7 +138,7 @@ impl MountRecord {
         }
         let written =
             std::fs::create_dir_all(state_dir()).is_ok() && std::fs::write(&path, text).is_ok();
-        RecordGuard(written.then_some(path))
+        written.then_some(path)
     }
 }
 
@@ -185,6 +190,19 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
         qos_slot,
     }
     .keep(&dir);
+    {
+        // A mount fenced by the primary continues in a new session, with a new QoS slot.
+        let (source, secret_file, dir) =
+            (source.to_string(), opts.secret_file.clone(), dir.clone());
+        cluster.on_new_session(move |qos_slot| {
+            let record = MountRecord {
+                source: source.clone(),
+                secret_file: secret_file.clone(),
+                qos_slot,
+            };
+            record.write(&dir);
+        });
+    }
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(format!("rackfs:{source}")),

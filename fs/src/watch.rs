@@ -35,20 +35,17 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
     if ttl.is_zero() {
         return;
     }
-    let of = cluster.session();
     let spawned = std::thread::Builder::new()
         .name("rackfs-watch".into())
         .spawn(move || loop {
+            // The mount's current session (a fenced mount starts a new one here).
+            let of = cluster.primary_session().1;
             match cluster.connect_primary() {
                 Ok(c) => match serve(&c, of, ttl, &notifier, &files) {
                     rackfs_proto::RpcError::Refused {
                         code: ErrorCode::Fenced,
                         ..
-                    } => {
-                        // The mount was fenced (its lease thread says so): nothing to watch.
-                        debug!("the watcher stops: this mount was fenced");
-                        return;
-                    }
+                    } => debug!(session = of, "the watcher's session was fenced"),
                     e => {
                         warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting")
                     }

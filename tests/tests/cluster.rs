@@ -976,8 +976,8 @@ fn a_stopped_primary_fails_namespace_operations_within_the_deadline_and_recovers
 
 /// A mount stopped (SIGSTOP) while it holds a range lock loses it once its lease runs out:
 /// another mount's write to the range goes through within lease + margin; resumed, the stopped
-/// mount's write fails with EIO, the range holds the other writer's bytes, and the fenced mount
-/// says why in its log and can still be unmounted. Over tcp (the node refuses its batches) and
+/// mount's write fails with EIO, the range holds the other writer's bytes, the fenced mount
+/// says why in its log, and it continues in a new session (its later writes land). Over tcp (the node refuses its batches) and
 /// shm (the client's queue pair fences itself). The holder's write is slowed by a QoS limit so
 /// the stop finds it holding the lock (waiting for tokens).
 #[test]
@@ -1031,14 +1031,37 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
         );
         let fresh = Mount::new(&c, "transport=tcp");
         assert_eq!(fs::read(fresh.path(&name)).unwrap(), data);
+        // The fenced mount continues in a new session: its next writes land, with locks.
+        let after = holder.path(&format!("after-{transport}"));
+        let t0 = Instant::now();
         assert!(
-            fs::write(holder.path("after"), b"x").is_err(),
-            "{transport}: a fenced mount refuses further writes"
+            wait_for(Duration::from_secs(10), || fs::write(
+                &after,
+                b"new session"
+            )
+            .is_ok()),
+            "{transport}: the fenced mount did not continue in a new session"
+        );
+        eprintln!(
+            "{transport}: writes through the fenced mount worked again after {:?}",
+            t0.elapsed()
+        );
+        f.write_all_at(b"other", 0).unwrap();
+        let g = OpenOptions::new()
+            .write(true)
+            .open(holder.path(&name))
+            .unwrap();
+        g.write_all_at(b"HOLDER", 0).unwrap();
+        drop(g); // an open file would keep the lazily unmounted mount alive
+        assert_eq!(&fs::read(other.path(&name)).unwrap()[..6], b"HOLDER");
+        assert_eq!(
+            fs::read(other.path(&format!("after-{transport}"))).unwrap(),
+            b"new session"
         );
         let log = fs::read_to_string(&holder.log).unwrap();
         assert!(
-            log.contains("fenced"),
-            "{transport}: no word of the fence in the log:\n{log}"
+            log.contains("fenced") && log.contains("continues under a new session"),
+            "{transport}: the log does not tell of the fence and the new session:\n{log}"
         );
         drop(holder);
         // The primary logged the fence, naming the session.

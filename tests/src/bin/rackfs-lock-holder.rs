@@ -39,7 +39,7 @@ fn main() {
         .expect("--range L:R");
     let cl = Cluster::connect(&[get("--cluster")], secret, transport, None, "lock-holder")
         .expect("connect");
-    let attr = match cl.primary.meta(MetaRequest::Lookup {
+    let attr = match cl.primary().meta(MetaRequest::Lookup {
         parent: ROOT_INO,
         name: get("--file").into_bytes(),
     }) {
