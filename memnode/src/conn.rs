@@ -88,8 +88,8 @@ fn handshake<S: Read + Write>(
             Err("this memory node serves no RDMA clients (start it with --rdma-device NAME)".into())
         } else if node.fences.is_fenced(h.fence) {
             Err(format!(
-                "fenced: the lease of this mount (session {}) expired and memory node {} \
-                 executes nothing more from it; unmount and mount again",
+                "fenced: the lease of this mount's session {} expired and memory node {} \
+                 executes nothing more from it (the mount continues in a new session)",
                 h.fence, node.cfg.name
             ))
         } else {

@@ -114,9 +114,9 @@ fn fenced(session: u64, lease: Duration) -> Refusal {
     Refusal::new(
         ErrorCode::Fenced,
         format!(
-            "this mount (session {session}) did not renew its lock lease within {lease:?} and \
-             was fenced: its range locks went to others and nothing it sends is executed any \
-             more; unmount and mount again"
+            "this mount's session {session} did not renew its lock lease within {lease:?} and \
+             was fenced: its range locks went to others and nothing it sent is executed any \
+             more"
         ),
     )
 }
