@@ -364,10 +364,11 @@ impl Cluster {
             "connected to a memory node"
         );
         let node = Arc::new(Node { qp, rkey, session });
-        self.nodes
-            .write()
-            .expect("nodes lock")
-            .insert(id, node.clone());
+        let mut nodes = self.nodes.write().expect("nodes lock");
+        // Kept only if no new session started meanwhile (its clear would have missed it).
+        if self.session() == session {
+            nodes.insert(id, node.clone());
+        }
         Ok(node)
     }
 
