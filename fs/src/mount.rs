@@ -105,7 +105,8 @@ impl MountRecord {
         state_dir().join(format!("mount-{}.state", path_tag(dir)))
     }
 
-    /// The record of the mount at `dir` (canonical path), if it has one.
+    /// The record of the mount at `dir` (canonical path), if it has one (and its mount process
+    /// lives).
     pub fn read(dir: &Path) -> Option<MountRecord> {
         let text = std::fs::read_to_string(Self::path(dir)).ok()?;
         let get = |k: &str| {
@@ -113,6 +114,9 @@ impl MountRecord {
                 .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
                 .map(str::to_string)
         };
+        if !process_lives(&text) {
+            return None;
+        }
         Some(MountRecord {
             source: get("source")?,
             secret_file: PathBuf::from(get("secret_file")?),
@@ -125,13 +129,16 @@ impl MountRecord {
         RecordGuard(self.write(dir))
     }
 
-    /// Writes (or rewrites) the record; its path if it was written.
+    /// Writes (or rewrites) the record, with this process's pid; its path if it was written.
+    /// Records of mounts whose process died without removing them (SIGKILL) go first.
     fn write(&self, dir: &Path) -> Option<PathBuf> {
+        prune_dead_records();
         let path = Self::path(dir);
         let mut text = format!(
-            "source={}\nsecret_file={}\n",
+            "source={}\nsecret_file={}\npid={}\n",
             self.source,
-            self.secret_file.display()
+            self.secret_file.display(),
+            std::process::id()
         );
         if let Some(s) = self.qos_slot {
             text.push_str(&format!("qos_slot={s}\n"));
@@ -139,6 +146,33 @@ impl MountRecord {
         let written =
             std::fs::create_dir_all(state_dir()).is_ok() && std::fs::write(&path, text).is_ok();
         written.then_some(path)
+    }
+}
+
+/// Whether the process named by a record's `pid=` line is alive (a record without one is
+/// from an older version: trusted).
+fn process_lives(record: &str) -> bool {
+    match record.lines().find_map(|l| l.strip_prefix("pid=")) {
+        Some(pid) => Path::new("/proc").join(pid.trim()).exists(),
+        None => true,
+    }
+}
+
+/// Removes the records of mounts whose process is gone.
+fn prune_dead_records() {
+    let Ok(dir) = std::fs::read_dir(state_dir()) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("mount-") && name.ends_with(".state") {
+            if let Ok(text) = std::fs::read_to_string(e.path()) {
+                if !process_lives(&text) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
     }
 }
 
@@ -290,7 +324,9 @@ pub fn spawn_daemon(
     let end = Instant::now() + Duration::from_secs(20);
     while Instant::now() < end {
         if let Ok(Some(status)) = child.try_wait() {
+            // The failure is reported here (its last line); its log is not kept.
             let text = std::fs::read_to_string(log).unwrap_or_default();
+            let _ = std::fs::remove_file(log);
             let last = text
                 .lines()
                 .rev()

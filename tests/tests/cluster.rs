@@ -713,6 +713,14 @@ fn a_killed_mount_releases_its_open_files() {
     victim.child.kill().unwrap();
     victim.child.wait().unwrap();
     drop(held);
+    // Its record outlives it until the next mount writes its own.
+    let record = rackfs_fs::mount::state_dir().join(format!(
+        "mount-{}.state",
+        rackfs_fs::mount::path_tag(&victim.dir.canonicalize().unwrap_or(victim.dir.clone()))
+    ));
+    assert!(record.exists(), "{} (the killed mount's record)", record.display());
+    let _next = Mount::new(&c, "");
+    assert!(!record.exists(), "a killed mount's record stays behind");
     assert!(
         wait_for(Duration::from_secs(5), || used(&c) < base + (1 << 20)),
         "the dead mount's open file is released and its memory returned"
