@@ -718,7 +718,11 @@ fn a_killed_mount_releases_its_open_files() {
         "mount-{}.state",
         rackfs_fs::mount::path_tag(&victim.dir.canonicalize().unwrap_or(victim.dir.clone()))
     ));
-    assert!(record.exists(), "{} (the killed mount's record)", record.display());
+    assert!(
+        record.exists(),
+        "{} (the killed mount's record)",
+        record.display()
+    );
     let _next = Mount::new(&c, "");
     assert!(!record.exists(), "a killed mount's record stays behind");
     assert!(
