@@ -235,9 +235,9 @@ impl Cluster {
     }
 
     /// After the primary fenced this mount: starts a new session (control connection, fence
-    /// token, lock and QoS slots; data connections are made anew on use). Operations of the
-    /// fenced session fail with EIO; those that start later run in the new one. Files this mount
-    /// has open are not registered again: one unlinked by another mount meanwhile may be gone.
+    /// token, lock and QoS slots; data connections are made anew on use) and takes over the
+    /// fenced session's open files. Operations of the fenced session fail with EIO; those that
+    /// start later run in the new one.
     pub fn recover(&self) -> Result<(), ConnectError> {
         let _one = self.recovering.lock().expect("recovery lock");
         let Some(why) = self.fenced() else {
@@ -249,6 +249,11 @@ impl Cluster {
         ));
         let id = session_of(&client)?;
         let old = self.session();
+        // The fenced session kept this mount's open files: this one takes them over (before the
+        // old connection closes, which would release them).
+        if let Err(e) = client.call(&ControlRequest::Adopt { from: old }) {
+            warn!(error = %e, "the new session could not take over the open files");
+        }
         *self.primary.write().expect("primary lock") = (Arc::new(client), id);
         self.nodes.write().expect("nodes lock").clear();
         *self.lock_client.lock().expect("lock client") = None;

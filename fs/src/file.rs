@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
-use rackfs_proto::record::{REC_MTIME, REC_SIZE, TAG_SPACE};
+use rackfs_proto::record::{REC_INO, REC_MTIME, REC_SIZE, TAG_SPACE};
 use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
 
 use crate::clock::{clock_ns, now_ns};
@@ -162,7 +162,7 @@ impl FileData {
                 (l.table, l.cap)
             };
             let mut b = Batch::new();
-            let rec = b.read(RemoteAddr::new(p.rkey, self.record), 32);
+            let rec = b.read(RemoteAddr::new(p.rkey, self.record), REC_INO as u32 + 8);
             let entries: Vec<(u64, WrId)> = wanted
                 .iter()
                 .filter(|&&k| k < cap)
@@ -176,6 +176,15 @@ impl FileData {
                 .data(rec)
                 .map_err(|e| self.verbs_err(cl, self.primary, e))?;
             let (size, ntable, ncap) = (word(r, 0), word(r, 2), word(r, 3));
+            if word(r, (REC_INO / 8) as usize) != self.ino {
+                // The file is gone and its record reused (this handle outlived its open).
+                tracing::warn!(
+                    ino = self.ino,
+                    "the file's record now belongs to another file"
+                );
+                self.invalidate();
+                return Err(libc::ESTALE);
+            }
             self.note_size(size);
             let mut l = self.layout.write().expect("layout lock");
             if (ntable, ncap) != (table, cap) {

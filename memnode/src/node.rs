@@ -120,17 +120,23 @@ impl Node {
     /// baseline locks go.
     pub fn end_session(&self, session: u64) {
         self.release_session(session);
+        if let Some(m) = &self.meta {
+            m.lock().expect("metadata lock").end_session(session, self);
+        }
         if let Some(l) = &self.leases {
             l.end(session);
         }
     }
 
-    /// Gives up what a session holds: its opens, lock slot (its range locks are recovered),
-    /// watcher, QoS and baseline locks.
+    /// Gives up what a fenced session holds for others: its lock slot (its range locks are
+    /// recovered), watcher, QoS and baseline locks. Its opens stay (see
+    /// [`ControlRequest::Adopt`]).
     fn release_session(&self, session: u64) {
         self.watchers.end_session(session);
         if let Some(m) = &self.meta {
-            m.lock().expect("metadata lock").end_session(session, self);
+            m.lock()
+                .expect("metadata lock")
+                .fence_session(session, self);
         }
         if let Some(b) = &self.baseline {
             b.end_session(session);
@@ -304,6 +310,17 @@ impl Node {
                         })
                 }
                 None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
+            },
+            ControlRequest::Adopt { from } => match (&self.meta, &self.leases) {
+                (Some(meta), Some(l)) if l.check(from).is_err() => {
+                    meta.lock().expect("metadata lock").adopt(from, session);
+                    ControlResponse::Ok
+                }
+                (Some(_), _) => refused(
+                    ErrorCode::Invalid,
+                    format!("session {from} was not fenced: its open files are its own"),
+                ),
+                (None, _) => refused(ErrorCode::NotPrimary, "open files are kept by the primary"),
             },
             ControlRequest::Fence { token } => match self.fences.fence(token, FENCE_WAIT) {
                 Ok(_) => ControlResponse::Ok,

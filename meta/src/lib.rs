@@ -73,6 +73,17 @@ impl MetaService {
         resp
     }
 
+    /// A client session was fenced: its lock slot is watched as dead (its range locks are
+    /// recovered); its opens stay until it ends or a new session adopts them.
+    pub fn fence_session(&mut self, session: u64, st: &dyn Storage) {
+        self.locks.end_session(session, st);
+    }
+
+    /// Session `to` takes over the opens of fenced session `from`.
+    pub fn adopt(&mut self, from: u64, to: u64) {
+        self.namespace.adopt(from, to);
+    }
+
     /// A client session ended (its mount went away): its opens are released and its lock slot
     /// is watched as dead.
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {

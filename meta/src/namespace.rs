@@ -220,6 +220,16 @@ impl Namespace {
         }
     }
 
+    /// The opens of session `from` become session `to`'s (a fenced mount's new session).
+    pub fn adopt(&mut self, from: u64, to: u64) {
+        if let Some(opens) = self.sessions.remove(&from) {
+            let into = self.sessions.entry(to).or_default();
+            for (ino, n) in opens {
+                *into.entry(ino).or_default() += n;
+            }
+        }
+    }
+
     /// The offset of regular file `ino`'s record in the service's region.
     pub fn record(&self, ino: u64) -> MetaResult<u64> {
         match self.get(ino)?.file.as_ref() {

@@ -22,7 +22,7 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 19] = [
+pub const RPC_KINDS: [&str; 20] = [
     "hello",
     "ping",
     "stats",
@@ -42,6 +42,7 @@ pub const RPC_KINDS: [&str; 19] = [
     "watch",
     "renew",
     "fence",
+    "adopt",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +113,12 @@ pub enum ControlRequest {
     Fence {
         token: u64,
     },
+    /// Sent by a mount that was fenced, on its new session, to the primary: the files its
+    /// fenced session `from` had open become this session's (a fenced session keeps its opens,
+    /// so files unlinked meanwhile stay readable). Refused unless `from` was fenced.
+    Adopt {
+        from: u64,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -167,6 +174,7 @@ impl ControlRequest {
             ControlRequest::Watch { .. } => 16,
             ControlRequest::Renew { .. } => 17,
             ControlRequest::Fence { .. } => 18,
+            ControlRequest::Adopt { .. } => 19,
         }
     }
 }

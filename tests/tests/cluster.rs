@@ -1003,6 +1003,10 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
         let name = format!("f-{transport}");
         let len = 1usize << 20;
         fs::write(other.path(&name), vec![0u8; len]).unwrap();
+        // A file the holder keeps open through the fence, unlinked elsewhere meanwhile.
+        let kept_name = format!("kept-{transport}");
+        fs::write(other.path(&kept_name), b"still here").unwrap();
+        let kept = fs::File::open(holder.path(&kept_name)).unwrap();
         // 1 MiB = 256 tokens: about 2.5 s under limit=100, holding the range lock throughout.
         let path = holder.path(&name);
         let late = std::thread::spawn(move || {
@@ -1018,6 +1022,7 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
             .open(other.path(&name))
             .unwrap();
         f.write_all_at(&vec![0xBB; len], 0).unwrap();
+        fs::remove_file(other.path(&kept_name)).unwrap();
         let took = t0.elapsed();
         // SAFETY: signalling the mount process this test started.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
@@ -1058,6 +1063,14 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
             "{transport}: writes through the fenced mount worked again after {:?}",
             t0.elapsed()
         );
+        // The new session took over the fenced one's open files: the unlinked file lives on.
+        let mut buf = [0u8; 10];
+        kept.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(
+            &buf, b"still here",
+            "{transport}: an open file was freed by the fence"
+        );
+        drop(kept);
         f.write_all_at(b"other", 0).unwrap();
         let g = OpenOptions::new()
             .write(true)
