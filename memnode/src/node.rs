@@ -326,23 +326,16 @@ impl Node {
                 Ok(_) => ControlResponse::Ok,
                 Err(why) => refused(ErrorCode::Unavailable, why),
             },
-            ControlRequest::Watch { of, .. }
-                if self.leases.as_ref().is_some_and(|l| l.check(of).is_err()) =>
-            {
-                // A fenced mount is nobody's concern any more: no change waits for it.
-                self.leases
-                    .as_ref()
-                    .expect("checked")
-                    .check(of)
-                    .unwrap_err()
-                    .into()
-            }
             ControlRequest::Watch {
                 of,
                 acked,
                 ttl_ms,
                 poll_ms,
             } => {
+                // A fenced mount is nobody's concern any more: no change waits for it.
+                if let Some(Err(r)) = self.leases.as_ref().map(|l| l.check(of)) {
+                    return r.into();
+                }
                 let (seq, changes, lost) = self.watchers.watch(
                     session,
                     of,
