@@ -115,7 +115,7 @@ impl Cluster {
 
     /// [`Cluster::primary`] with its session id.
     pub fn primary_session(&self) -> (Arc<ControlClient>, u64) {
-        if self.fenced().is_some() {
+        if self.is_fenced() {
             if let Err(e) = self.recover() {
                 warn!(error = %e, "cannot start a new session after the fence");
             }
@@ -225,8 +225,13 @@ impl Cluster {
     }
 
     /// Why the primary fenced this mount's session, if it did (until a new session starts).
-    pub fn fenced(&self) -> Option<String> {
+    fn fenced(&self) -> Option<String> {
         self.lease().fenced.get().cloned()
+    }
+
+    /// Whether the primary fenced this mount's session (checked on every operation: no copy).
+    fn is_fenced(&self) -> bool {
+        self.lease.read().expect("lease lock").fenced.get().is_some()
     }
 
     /// Calls `hook` with the QoS slot of every new session this mount starts.
@@ -286,7 +291,7 @@ impl Cluster {
 
     /// The queue pair to node `id`, connecting on first use.
     pub fn node(&self, id: u32) -> Result<Arc<Node>, VerbsError> {
-        if self.fenced().is_some() {
+        if self.is_fenced() {
             if let Err(e) = self.recover() {
                 return Err(VerbsError::Fenced {
                     peer: format!("node {id}"),

@@ -140,14 +140,8 @@ impl FileData {
     }
 
     fn verbs_err(&self, cl: &Cluster, node: u32, e: VerbsError) -> i32 {
-        if matches!(
-            e,
-            VerbsError::ConnectionLost { .. } | VerbsError::Protocol { .. }
-        ) {
-            cl.drop_node(node, &e);
-        }
         tracing::debug!(ino = self.ino, node, error = %e, "I/O failed: EIO");
-        libc::EIO
+        cl.verbs_errno(node, &e)
     }
 
     /// Reads the file record (and the table entries of `wanted` stripes not cached), updating
