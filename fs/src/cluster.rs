@@ -231,7 +231,12 @@ impl Cluster {
 
     /// Whether the primary fenced this mount's session (checked on every operation: no copy).
     fn is_fenced(&self) -> bool {
-        self.lease.read().expect("lease lock").fenced.get().is_some()
+        self.lease
+            .read()
+            .expect("lease lock")
+            .fenced
+            .get()
+            .is_some()
     }
 
     /// Calls `hook` with the QoS slot of every new session this mount starts.

@@ -877,6 +877,19 @@ fn killable_while_blocked(program: &str, path: &std::path::Path) {
 }
 
 /// The mount's log says `what` about node `node`.
+/// `program path` fails with "Input/output error" within `bound`.
+fn fails_with_eio_within(program: &str, path: &std::path::Path, bound: Duration) {
+    let t0 = std::time::Instant::now();
+    let out = Command::new(program).arg(path).output().unwrap();
+    let took = t0.elapsed();
+    assert!(!out.status.success(), "{program} succeeded: {out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
+        "{out:?}"
+    );
+    assert!(took < bound, "{program} took {took:?}");
+}
+
 fn log_names(m: &Mount, what: &str, node: &str) {
     let log = fs::read_to_string(&m.log).unwrap_or_default();
     assert!(log.contains(what) && log.contains(node), "{log}");
@@ -914,14 +927,7 @@ fn a_stopped_data_node_fails_io_over_tcp_within_the_deadline_and_recovers() {
         "write took {:?}",
         t0.elapsed()
     );
-    let t0 = std::time::Instant::now();
-    let out = Command::new("cat").arg(m.path("f")).output().unwrap();
-    let took = t0.elapsed();
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
-        "{out:?}"
-    );
-    assert!(took < Duration::from_secs(5), "read took {took:?}");
+    fails_with_eio_within("cat", &m.path("f"), Duration::from_secs(5));
     killable_while_blocked("cat", &m.path("f"));
     log_names(&m, "no answer within", "mn1");
     // SAFETY: SIGCONT to the same process.
@@ -956,20 +962,7 @@ fn a_stopped_primary_fails_namespace_operations_within_the_deadline_and_recovers
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     // A namespace operation fails with EIO once the 1 s deadline passes, not never.
     let t0 = std::time::Instant::now();
-    let out = Command::new("touch")
-        .arg(m.path("during"))
-        .output()
-        .unwrap();
-    let took = t0.elapsed();
-    assert!(
-        !out.status.success(),
-        "touch succeeded on a stopped primary"
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
-        "{out:?}"
-    );
-    assert!(took < Duration::from_secs(4), "touch took {took:?}");
+    fails_with_eio_within("touch", &m.path("during"), Duration::from_secs(4));
     killable_while_blocked("stat", &m.path("other"));
     log_names(&m, "did not answer within", "mn0");
     // Stopped for longer than the mount's lock lease (4 s): the resumed primary must not
