@@ -16,7 +16,8 @@ use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
 
-use crate::options::TransportChoice;
+use crate::options::{ReadPolicy, TransportChoice};
+use crate::replica::NodeLoads;
 
 /// Why a mount could not reach its cluster.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +71,8 @@ pub struct Cluster {
     on_session: Mutex<Option<SessionHook>>,
     /// Held while a new session is set up.
     recovering: Mutex<()>,
+    /// What this mount observes of each node, for choosing which replica a read goes to.
+    pub loads: NodeLoads,
 }
 
 type SessionHook = Box<dyn Fn(Option<u16>) + Send + Sync>;
@@ -191,6 +194,7 @@ impl Cluster {
                 qos_wanted: Mutex::new(None),
                 on_session: Mutex::new(None),
                 recovering: Mutex::new(()),
+                loads: NodeLoads::new(ReadPolicy::Adaptive),
             });
         }
         Err(ConnectError::Unreachable {
@@ -578,6 +582,30 @@ impl Cluster {
             .as_ref()
             .map(|q| q.engines.iter().map(|(&n, e)| (n, e.clone())).collect())
             .unwrap_or_default()
+    }
+
+    /// Data node `node` failed a write: asks the primary to declare it dead and drop it from
+    /// every stripe's replicas (answered once that is done, after the node's lease ran out,
+    /// so it serves nothing stale). `Ok(true)`: dropped, the write goes to the replicas left;
+    /// `Ok(false)`: the node still renews its lease (this mount's connection failed, not the
+    /// node): reconnect and write again.
+    pub fn node_failed(&self, node: u32) -> Result<bool, i32> {
+        self.loads.failed(node);
+        match self.primary().call(&ControlRequest::NodeFailed { node }) {
+            Ok(ControlResponse::Ok) => Ok(true),
+            Ok(_) => Err(libc::EIO),
+            Err(RpcError::Refused {
+                code: rackfs_proto::ErrorCode::Unavailable,
+                message,
+            }) => {
+                info!(node, why = %message, "a memory node failed a write but still holds its lease: writing again");
+                Ok(false)
+            }
+            Err(e) => {
+                warn!(node, error = %e, "cannot have a failed memory node dropped from the replicas: EIO");
+                Err(e.errno())
+            }
+        }
     }
 
     /// The errno for a failed verb to `node`; a lost or confused connection is dropped so the

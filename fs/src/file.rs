@@ -19,8 +19,11 @@ use std::time::Duration;
 
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
-use rackfs_proto::record::{REC_INO, REC_MTIME, REC_SIZE, TAG_SPACE};
-use rackfs_verbs::{Batch, Completions, Posted, RemoteAddr, VerbsError, WrId};
+use rackfs_proto::record::{
+    entry_offset, split_location, ENTRY_LEN, RECORD_LEN, REC_INO, REC_MTIME, REC_REPLICAS,
+    REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
+};
+use rackfs_verbs::{Batch, Completions, RemoteAddr, VerbsError, WrId};
 
 use crate::clock::{clock_ns, now_ns};
 use crate::cluster::Cluster;
@@ -31,16 +34,18 @@ use rackfs_qos::engine::InFlight;
 
 /// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
 const MAX_ATTEMPTS: usize = 16;
-const LOCATION_MASK: u64 = (1 << 48) - 1;
 
 #[derive(Default)]
 struct Layout {
     table: u64,
     cap: u64,
-    stripes: HashMap<u64, Cached>,
+    /// The file's replication factor (slots per table entry; 0 before the record was read).
+    replicas: u32,
+    /// Per stripe, its live replicas.
+    stripes: HashMap<u64, Vec<Cached>>,
 }
 
-/// A stripe this mount knows, and when it last saw it live.
+/// A stripe replica this mount knows, and when it last saw it live.
 #[derive(Clone, Copy)]
 struct Cached {
     extent: StripeExtent,
@@ -92,12 +97,26 @@ impl Touched {
     }
 }
 
-/// Stripes whose tag no longer matches: freed (and quarantined) since this mount cached them.
+/// Stripes whose tag no longer matches on some replica: freed (and quarantined) or moved
+/// since this mount cached them. Only checks of nodes whose batch completed count.
 fn stale_stripes(tags: &[TagCheck], done: &BTreeMap<u32, Completions>) -> Vec<u64> {
-    tags.iter()
-        .filter(|(node, _, tag, id)| done[node].data(*id).map_or(true, |d| word(d, 0) != *tag))
+    let mut v: Vec<u64> = tags
+        .iter()
+        .filter(|(node, _, tag, id)| {
+            done.get(node)
+                .is_some_and(|c| c.data(*id).map_or(true, |d| word(d, 0) != *tag))
+        })
         .map(|t| t.1)
-        .collect()
+        .collect();
+    v.dedup();
+    v
+}
+
+/// The outcome of batches posted to several nodes: completions of those that ran, and the
+/// nodes whose batch failed (or could not be posted), with why.
+struct Outcome {
+    done: BTreeMap<u32, Completions>,
+    failed: Vec<(u32, VerbsError)>,
 }
 
 impl FileData {
@@ -151,16 +170,20 @@ impl FileData {
             .node(self.primary)
             .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
-            let (table, cap) = {
+            let (table, cap, replicas) = {
                 let l = self.layout.read().expect("layout lock");
-                (l.table, l.cap)
+                (l.table, l.cap, l.replicas)
             };
             let mut b = Batch::new();
-            let rec = b.read(RemoteAddr::new(p.rkey, self.record), REC_INO as u32 + 8);
+            let rec = b.read(RemoteAddr::new(p.rkey, self.record), RECORD_LEN as u32);
+            let entry_len = (replicas as u64 * ENTRY_LEN) as u32;
             let entries: Vec<(u64, WrId)> = wanted
                 .iter()
-                .filter(|&&k| k < cap)
-                .map(|&k| (k, b.read(RemoteAddr::new(p.rkey, table + k * 16), 16)))
+                .filter(|&&k| k < cap && replicas > 0)
+                .map(|&k| {
+                    let at = entry_offset(table, k, replicas);
+                    (k, b.read(RemoteAddr::new(p.rkey, at), entry_len))
+                })
                 .collect();
             let sent = clock_ns();
             let done =
@@ -169,8 +192,14 @@ impl FileData {
             let r = done
                 .data(rec)
                 .map_err(|e| self.verbs_err(cl, self.primary, e))?;
-            let (size, ntable, ncap) = (word(r, 0), word(r, 2), word(r, 3));
-            if word(r, (REC_INO / 8) as usize) != self.ino {
+            let at = |w: u64| word(r, (w / 8) as usize);
+            let size = at(REC_SIZE);
+            let now = (
+                at(REC_TABLE),
+                at(REC_TABLE_CAP),
+                at(REC_REPLICAS).max(1) as u32,
+            );
+            if at(REC_INO) != self.ino {
                 // The file is gone and its record reused (this handle outlived its open).
                 tracing::warn!(
                     ino = self.ino,
@@ -181,32 +210,31 @@ impl FileData {
             }
             self.note_size(size);
             let mut l = self.layout.write().expect("layout lock");
-            if (ntable, ncap) != (table, cap) {
+            if now != (table, cap, replicas) {
                 // The table grew (or first sight): entries read from the old copy may miss
                 // recent allocations, so read again from the new one.
-                l.table = ntable;
-                l.cap = ncap;
+                (l.table, l.cap, l.replicas) = now;
                 continue;
             }
             for (k, id) in entries {
                 let e = done
                     .data(id)
                     .map_err(|e| self.verbs_err(cl, self.primary, e))?;
-                let (loc, tag) = (word(e, 0), word(e, 1));
-                if tag != 0 && loc != 0 {
-                    let extent = StripeExtent {
-                        node: (loc >> 48) as u32,
-                        offset: loc & LOCATION_MASK,
-                        tag,
-                    };
-                    // The service clears an entry before it frees the stripe: live when sent.
-                    l.stripes.insert(
-                        k,
+                // The service clears a slot before it frees or drops the replica: live when
+                // sent.
+                let live: Vec<Cached> = (0..replicas as usize)
+                    .map(|j| (word(e, 2 * j), word(e, 2 * j + 1)))
+                    .filter(|&(loc, tag)| tag != 0 && loc != 0)
+                    .map(|(loc, tag)| {
+                        let (node, offset) = split_location(loc);
                         Cached {
-                            extent,
+                            extent: StripeExtent { node, offset, tag },
                             live_at: sent,
-                        },
-                    );
+                        }
+                    })
+                    .collect();
+                if !live.is_empty() {
+                    l.stripes.insert(k, live);
                 }
             }
             return Ok(size);
@@ -226,39 +254,46 @@ impl FileData {
         v
     }
 
-    fn cached(&self, stripe: u64) -> Option<StripeExtent> {
+    /// The cached replicas of stripe `stripe`.
+    fn cached(&self, stripe: u64) -> Option<Vec<StripeExtent>> {
         self.layout
             .read()
             .expect("layout lock")
             .stripes
             .get(&stripe)
-            .map(|c| c.extent)
+            .map(|c| c.iter().map(|c| c.extent).collect())
     }
 
-    /// Notes that the checks in `tags` found their stripes live in a batch sent at `sent`.
+    /// Notes that the checks in `tags` found their replicas live in a batch sent at `sent`.
     fn seen_live(&self, tags: &[TagCheck], stale: &[u64], sent: u64) {
         let mut l = self.layout.write().expect("layout lock");
         for t in tags.iter().filter(|t| !stale.contains(&t.1)) {
-            if let Some(c) = l.stripes.get_mut(&t.1) {
-                if c.extent.tag == t.2 {
-                    c.live_at = c.live_at.max(sent);
+            if let Some(rs) = l.stripes.get_mut(&t.1) {
+                for c in rs.iter_mut() {
+                    if c.extent.node == t.0 && c.extent.tag == t.2 {
+                        c.live_at = c.live_at.max(sent);
+                    }
                 }
             }
         }
     }
 
-    /// Before a write: checks, in a batch of their own, the tags of the stripes in `tags` not
-    /// seen live within their node's lease, and returns those that turned out stale. Writing
-    /// to a stripe seen live long ago could land in memory the node has freed and reused.
+    /// Before a write: checks, in a batch of their own, the tags of the replicas in `tags` not
+    /// seen live within their node's lease, and returns the stripes that turned out stale (or
+    /// lost a replica to a failed node). Writing to a replica seen live long ago could land
+    /// in memory the node has freed and reused.
     fn recheck(&self, cl: &Cluster, tags: &[TagCheck]) -> Result<Vec<u64>, i32> {
         let now = clock_ns();
         let expired: Vec<TagCheck> = {
             let l = self.layout.read().expect("layout lock");
             tags.iter()
                 .filter(|t| {
-                    l.stripes.get(&t.1).is_none_or(|c| {
-                        now.saturating_sub(c.live_at) >= cl.stripe_lease_ns(c.extent.node)
-                    })
+                    l.stripes
+                        .get(&t.1)
+                        .and_then(|rs| rs.iter().find(|c| c.extent.node == t.0))
+                        .is_none_or(|c| {
+                            now.saturating_sub(c.live_at) >= cl.stripe_lease_ns(c.extent.node)
+                        })
                 })
                 .copied()
                 .collect()
@@ -268,21 +303,35 @@ impl FileData {
         }
         let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
         let mut checks = Vec::new();
+        let mut gone = Vec::new();
         for &(node, stripe, tag, _) in &expired {
-            let Some(e) = self.cached(stripe) else {
+            let Some(e) = self
+                .cached(stripe)
+                .and_then(|rs| rs.into_iter().find(|e| e.node == node))
+            else {
+                gone.push(stripe);
                 continue;
             };
-            let n = cl.node(node).map_err(|err| self.verbs_err(cl, node, err))?;
+            let rkey = match cl.node(node) {
+                Ok(n) => n.rkey,
+                Err(err) => {
+                    self.verbs_err(cl, node, err);
+                    gone.extend(self.replica_failed(cl, node)?);
+                    continue;
+                }
+            };
             let id = batches
                 .entry(node)
                 .or_default()
-                .read(RemoteAddr::new(n.rkey, e.offset - TAG_SPACE), 8);
+                .read(RemoteAddr::new(rkey, e.offset - TAG_SPACE), 8);
             checks.push((node, stripe, tag, id));
         }
         let sent = clock_ns();
-        let done = self.run(cl, batches, None)?;
-        let stale = stale_stripes(&checks, &done);
+        let out = self.run(cl, batches, None)?;
+        let mut stale = stale_stripes(&checks, &out.done);
         self.seen_live(&checks, &stale, sent);
+        stale.extend(gone);
+        stale.extend(self.failed_writes(cl, out.failed)?);
         Ok(stale)
     }
 
@@ -296,46 +345,92 @@ impl FileData {
         }
     }
 
-    /// Notes piece `p`'s stripe in `touched` (its tag is checked after the data ops) and returns
-    /// its extent and the remote address of the piece's first byte; `None` when this mount has
-    /// no extent for the stripe.
+    /// Data node `node` failed a write: once the primary has dropped it from the replicas
+    /// (or found it alive), forgets the cached stripes with a replica there and returns them
+    /// (the write is redone on a fresh layout).
+    fn replica_failed(&self, cl: &Cluster, node: u32) -> Result<Vec<u64>, i32> {
+        if node == self.primary {
+            return Err(libc::EIO); // the file record is there: nothing to fail over to
+        }
+        cl.node_failed(node)?;
+        let mut l = self.layout.write().expect("layout lock");
+        let on: Vec<u64> = l
+            .stripes
+            .iter()
+            .filter(|(_, rs)| rs.iter().any(|c| c.extent.node == node))
+            .map(|(&k, _)| k)
+            .collect();
+        for k in &on {
+            l.stripes.remove(k);
+        }
+        Ok(on)
+    }
+
+    /// The stripes to redo after the nodes in `failed` failed a write (see
+    /// [`FileData::replica_failed`]); EIO if the mount was fenced or the primary failed.
+    fn failed_writes(&self, cl: &Cluster, failed: Vec<(u32, VerbsError)>) -> Result<Vec<u64>, i32> {
+        let mut redo = Vec::new();
+        for (node, e) in failed {
+            if matches!(e, VerbsError::Fenced { .. }) {
+                return Err(libc::EIO);
+            }
+            redo.extend(self.replica_failed(cl, node)?);
+        }
+        Ok(redo)
+    }
+
+    /// The remote address of piece `p` in replica `e`, noting the replica in `touched` (its
+    /// tag is checked after the data ops).
     fn stage(
         &self,
         cl: &Cluster,
         p: &Piece,
+        e: StripeExtent,
         touched: &mut Touched,
-    ) -> Result<Option<(StripeExtent, RemoteAddr)>, i32> {
-        let Some(e) = self.cached(p.stripe) else {
-            return Ok(None);
-        };
-        let node = cl
-            .node(e.node)
-            .map_err(|err| self.verbs_err(cl, e.node, err))?;
-        if !touched.0.iter().any(|t| t.1 == p.stripe) {
+    ) -> Result<RemoteAddr, VerbsError> {
+        let node = cl.node(e.node)?;
+        if !touched
+            .0
+            .iter()
+            .any(|t| t.1 == p.stripe && t.0.node == e.node)
+        {
             touched.0.push((e, p.stripe, node.rkey));
         }
-        Ok(Some((e, RemoteAddr::new(node.rkey, e.offset + p.offset))))
+        Ok(RemoteAddr::new(node.rkey, e.offset + p.offset))
     }
 
-    /// Stripes of `ps` whose cached extent is missing or too small for the pieces to write,
-    /// with the bytes each must hold.
+    /// Stripes of `ps` whose cached extents are missing or too small for the pieces to
+    /// write, with the bytes each must hold.
     fn short(&self, ps: &[Piece]) -> Vec<(u64, u64)> {
         let l = self.layout.read().expect("layout lock");
         ps.iter()
             .filter(|p| {
                 l.stripes
                     .get(&p.stripe)
-                    .is_none_or(|c| c.extent.cap() < p.offset + p.len)
+                    .is_none_or(|rs| rs.iter().any(|c| c.extent.cap() < p.offset + p.len))
             })
             .map(|p| (p.stripe, p.offset + p.len))
             .collect()
     }
 
-    /// QoS: waits until this mount may spend the tokens of the data operations per node.
-    fn admit(&self, cl: &Cluster, tokens: &BTreeMap<u32, u64>) -> Result<Vec<InFlight>, i32> {
+    /// QoS: waits until this mount may spend the tokens of the data operations per node. A
+    /// node whose QoS area cannot be reached is returned as failed (its replicas may have
+    /// others).
+    fn admit(
+        &self,
+        cl: &Cluster,
+        tokens: &BTreeMap<u32, u64>,
+    ) -> Result<Vec<InFlight>, (u32, VerbsError)> {
         let mut held = Vec::new();
         for (&node, &t) in tokens {
-            held.extend(cl.admit(node, t).map_err(|e| self.verbs_err(cl, node, e))?);
+            match cl.admit(node, t) {
+                Ok(a) => held.extend(a),
+                Err(e) => {
+                    cl.loads.failed(node);
+                    self.verbs_err(cl, node, e.clone());
+                    return Err((node, e));
+                }
+            }
         }
         Ok(held)
     }
@@ -346,41 +441,46 @@ impl FileData {
         cl: &Cluster,
         node: u32,
         session: Option<u64>,
-    ) -> Result<std::sync::Arc<crate::cluster::Node>, i32> {
+    ) -> Result<std::sync::Arc<crate::cluster::Node>, VerbsError> {
         match session {
             Some(s) => cl.node_in(node, s),
             None => cl.node(node),
         }
-        .map_err(|e| self.verbs_err(cl, node, e))
     }
 
-    /// Posts one batch per node (in session `session` only, if given) and waits for all;
-    /// returns completions by node.
+    /// Posts one batch per node (in session `session` only, if given) and waits for all. A
+    /// node whose batch fails is reported, not fatal: its replicas may have others. Only a
+    /// fenced session is an error at once.
     fn run<'a>(
         &self,
         cl: &Cluster,
         batches: BTreeMap<u32, Batch<'a>>,
         session: Option<u64>,
-    ) -> Result<BTreeMap<u32, Completions>, i32> {
-        let mut posted: Vec<(u32, Posted)> = Vec::with_capacity(batches.len());
+    ) -> Result<Outcome, i32> {
+        let mut posted = Vec::with_capacity(batches.len());
+        let mut failed = Vec::new();
         for (node, b) in batches {
-            let n = self.node(cl, node, session)?;
-            posted.push((node, n.qp.post(b)));
-        }
-        let mut out = BTreeMap::new();
-        let mut failed = None;
-        for (node, p) in posted {
-            match p.wait().and_then(|d| d.check().map(|_| d)) {
-                Ok(d) => {
-                    out.insert(node, d);
-                }
-                Err(e) => failed = Some(self.verbs_err(cl, node, e)),
+            match self.node(cl, node, session) {
+                Ok(n) => posted.push((node, cl.loads.start(node), n.qp.post(b))),
+                Err(e @ VerbsError::Fenced { .. }) => return Err(self.verbs_err(cl, node, e)),
+                Err(e) => failed.push((node, e)),
             }
         }
-        match failed {
-            Some(errno) => Err(errno),
-            None => Ok(out),
+        let mut done = BTreeMap::new();
+        for (node, flight, p) in posted {
+            match p.wait().and_then(|d| d.check().map(|_| d)) {
+                Ok(d) => {
+                    flight.done();
+                    done.insert(node, d);
+                }
+                Err(e) => failed.push((node, e)),
+            }
         }
+        for (node, e) in &failed {
+            cl.loads.failed(*node);
+            self.verbs_err(cl, *node, e.clone());
+        }
+        Ok(Outcome { done, failed })
     }
 
     /// Reads up to `len` bytes at `offset`; short at end of file.
@@ -395,6 +495,8 @@ impl FileData {
 
     /// [`FileData::read`], handing the bytes to `consume` — straight from the completion when
     /// the read is one piece of one stripe (the common case), so nothing is copied twice.
+    /// Each piece is read from one replica of its stripe ([`crate::replica`]); a node that
+    /// fails is avoided and the read redone from another replica.
     pub fn read_with<R>(
         &self,
         cl: &Cluster,
@@ -413,7 +515,9 @@ impl FileData {
         }
         let len = len as u32;
         let ps = pieces(offset, len as u64, self.unit);
-        for _ in 0..MAX_ATTEMPTS {
+        // Nodes that failed this read.
+        let mut avoid: Vec<u32> = Vec::new();
+        'attempt: for _ in 0..MAX_ATTEMPTS {
             let missing = self.uncached(&ps);
             let mut size = if missing.is_empty() {
                 self.fresh_size()
@@ -427,12 +531,26 @@ impl FileData {
                 // A stripe without an extent is a hole, and bytes beyond an extent's capacity
                 // are zeros: neither is read (the tag is still checked, as the extent may have
                 // grown).
-                if let Some((e, at)) = self.stage(cl, p, &mut touched)? {
-                    let n = p.len.min(e.cap().saturating_sub(p.offset));
-                    if n > 0 {
-                        let id = batches.entry(e.node).or_default().read(at, n as u32);
-                        reads.push((i, e.node, id));
+                let Some(replicas) = self.cached(p.stripe) else {
+                    continue;
+                };
+                let Some(e) = cl.loads.choose(self.ino, p.stripe, &replicas, &avoid) else {
+                    tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, "no replica of the stripe could be read: EIO");
+                    return Err(libc::EIO);
+                };
+                let at = match self.stage(cl, p, e, &mut touched) {
+                    Ok(at) => at,
+                    Err(err) => {
+                        self.verbs_err(cl, e.node, err);
+                        cl.loads.failed(e.node);
+                        avoid.push(e.node);
+                        continue 'attempt;
                     }
+                };
+                let n = p.len.min(e.cap().saturating_sub(p.offset));
+                if n > 0 {
+                    let id = batches.entry(e.node).or_default().read(at, n as u32);
+                    reads.push((i, e.node, id));
                 }
             }
             let tags = touched.check(&mut batches);
@@ -453,9 +571,23 @@ impl FileData {
             for (i, node, _) in &reads {
                 *tokens.entry(*node).or_default() += tokens_for(ps[*i].len);
             }
-            let _admitted = self.admit(cl, &tokens)?;
+            let _admitted = match self.admit(cl, &tokens) {
+                Ok(a) => a,
+                Err((node, _)) => {
+                    avoid.push(node);
+                    continue;
+                }
+            };
             let sent = clock_ns();
-            let done = self.run(cl, batches, None)?;
+            let out = self.run(cl, batches, None)?;
+            if !out.failed.is_empty() {
+                if out.failed.iter().any(|(n, _)| *n == self.primary) && size_id.is_some() {
+                    return Err(libc::EIO);
+                }
+                avoid.extend(out.failed.iter().map(|(n, _)| *n));
+                continue;
+            }
+            let done = out.done;
             let stale = stale_stripes(&tags, &done);
             self.seen_live(&tags, &stale, sent);
             if !stale.is_empty() {
@@ -592,7 +724,9 @@ impl FileData {
             return Ok(());
         }
         let ps = pieces(offset, data.len() as u64, self.unit);
-        let pr = self.node(cl, self.primary, session)?;
+        let pr = self
+            .node(cl, self.primary, session)
+            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
             let short = self.short(&ps);
             if !short.is_empty() {
@@ -605,37 +739,55 @@ impl FileData {
                         stripe: k,
                         end,
                     }) {
-                        Ok(ControlResponse::Stripe(s)) => s,
+                        Ok(ControlResponse::Stripe(s)) if !s.is_empty() => s,
                         Ok(_) => return Err(libc::EIO),
                         Err(e) => return Err(e.errno()),
                     };
-                    self.layout.write().expect("layout lock").stripes.insert(
-                        k,
-                        Cached {
-                            extent: s,
+                    let live = s
+                        .into_iter()
+                        .map(|extent| Cached {
+                            extent,
                             live_at: sent,
-                        },
-                    );
+                        })
+                        .collect();
+                    self.layout
+                        .write()
+                        .expect("layout lock")
+                        .stripes
+                        .insert(k, live);
                 }
             }
+            // Every piece goes to every replica of its stripe.
             let mut batches: BTreeMap<u32, Batch> = BTreeMap::new();
             let mut touched = Touched::default();
             let mut complete = true;
+            let mut redo = Vec::new();
             let mut tokens: BTreeMap<u32, u64> = BTreeMap::new();
-            for p in &ps {
-                let Some((e, at)) = self
-                    .stage(cl, p, &mut touched)?
-                    .filter(|(e, _)| e.cap() >= p.offset + p.len)
-                else {
+            'pieces: for p in &ps {
+                let replicas = self.cached(p.stripe).unwrap_or_default();
+                if replicas.is_empty() || replicas.iter().any(|e| e.cap() < p.offset + p.len) {
                     // Evicted (or replaced by a smaller extent) concurrently: start over.
                     complete = false;
                     break;
-                };
-                *tokens.entry(e.node).or_default() += tokens_for(p.len);
+                }
                 let bytes = &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
-                batches.entry(e.node).or_default().write(at, bytes);
+                for e in replicas {
+                    match self.stage(cl, p, e, &mut touched) {
+                        Ok(at) => {
+                            *tokens.entry(e.node).or_default() += tokens_for(p.len);
+                            batches.entry(e.node).or_default().write(at, bytes);
+                        }
+                        Err(err) => {
+                            self.verbs_err(cl, e.node, err);
+                            redo = self.replica_failed(cl, e.node)?;
+                            complete = false;
+                            break 'pieces;
+                        }
+                    }
+                }
             }
             if !complete {
+                self.evict(&redo);
                 continue;
             }
             let tags = touched.check(&mut batches);
@@ -648,7 +800,14 @@ impl FileData {
             b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
-            let _admitted = self.admit(cl, &tokens)?;
+            let _admitted = match self.admit(cl, &tokens) {
+                Ok(a) => a,
+                Err(failed) => {
+                    let redo = self.failed_writes(cl, vec![failed])?;
+                    self.evict(&redo);
+                    continue;
+                }
+            };
             // Right before the data goes out (QoS may have made us wait).
             let expired = self.recheck(cl, &tags)?;
             if !expired.is_empty() {
@@ -656,7 +815,16 @@ impl FileData {
                 continue;
             }
             let sent = clock_ns();
-            let done = self.run(cl, batches, session)?;
+            let out = self.run(cl, batches, session)?;
+            if !out.failed.is_empty() {
+                // A replica's node failed: once it is dropped from the stripes (or found
+                // alive), the whole write is redone on the replicas left. Writing a range
+                // twice under the lock is harmless.
+                let redo = self.failed_writes(cl, out.failed)?;
+                self.evict(&redo);
+                continue;
+            }
+            let done = out.done;
             let stale = stale_stripes(&tags, &done);
             self.seen_live(&tags, &stale, sent);
             let seen = match cas {
@@ -685,7 +853,9 @@ impl FileData {
         end: u64,
         session: Option<u64>,
     ) -> Result<(), i32> {
-        let pr = self.node(cl, self.primary, session)?;
+        let pr = self
+            .node(cl, self.primary, session)
+            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
         let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
         while seen < end {
             let old = pr

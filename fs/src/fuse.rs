@@ -377,6 +377,7 @@ impl Filesystem for RackFs {
         let kind = match mode & libc::S_IFMT {
             libc::S_IFREG | 0 => NewKind::File {
                 stripe_unit: self.opts.stripe_unit,
+                replicas: self.opts.replicas,
             },
             libc::S_IFIFO => special(Kind::Fifo),
             libc::S_IFSOCK => special(Kind::Socket),
@@ -523,6 +524,7 @@ impl Filesystem for RackFs {
     ) {
         let kind = NewKind::File {
             stripe_unit: self.opts.stripe_unit,
+            replicas: self.opts.replicas,
         };
         let a = match self.create_node(req, parent, name, kind, (mode & !umask & 0o7777) as u16) {
             Ok(a) => a,

@@ -5,6 +5,7 @@
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
+//! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -17,5 +18,6 @@ pub mod layout;
 pub mod lock;
 pub mod mount;
 pub mod options;
+pub mod replica;
 pub mod up;
 pub mod watch;

@@ -210,6 +210,7 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
         &name,
     )?;
     cluster.set_deadline(opts.timeout);
+    cluster.loads.set_policy(opts.read_policy);
     let qos_slot = match opts.qos {
         true => Some(
             cluster

@@ -27,6 +27,16 @@ pub enum CacheMode {
     Writeback,
 }
 
+/// Which replica of a stripe a read goes to (RackOut's static and adaptive balancing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadPolicy {
+    /// A hash of the file and stripe: each stripe is always read from the same replica.
+    Static,
+    /// The replica whose node looks least busy to this mount: fewest operations outstanding,
+    /// weighted by its recent latency.
+    Adaptive,
+}
+
 /// Everything `-o` can set.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MountOptions {
@@ -37,6 +47,10 @@ pub struct MountOptions {
     pub cache: CacheMode,
     /// Stripe unit of files this mount creates.
     pub stripe_unit: u64,
+    /// Copies of every stripe of files this mount creates (0: the cluster's default).
+    pub replicas: u32,
+    /// Which replica of a stripe a read goes to.
+    pub read_policy: ReadPolicy,
     pub threads: usize,
     pub allow_other: bool,
     pub read_only: bool,
@@ -70,6 +84,8 @@ impl Default for MountOptions {
             rdma_device: None,
             cache: CacheMode::None,
             stripe_unit: 1 << 20,
+            replicas: 0,
+            read_policy: ReadPolicy::Adaptive,
             threads: 4,
             allow_other: false,
             read_only: false,
@@ -211,6 +227,21 @@ impl MountOptions {
                         return Err(bad(key, v, "a multiple of 4K up to 64M"));
                     }
                     o.stripe_unit = v;
+                }
+                "replicas" => {
+                    let v = need(key, value)?;
+                    o.replicas = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=rackfs_proto::record::MAX_REPLICAS).contains(n))
+                        .ok_or_else(|| bad(key, v, "a number from 1 to 4"))?;
+                }
+                "read_policy" => {
+                    o.read_policy = match need(key, value)? {
+                        "adaptive" => ReadPolicy::Adaptive,
+                        "static" => ReadPolicy::Static,
+                        v => return Err(bad(key, v, "adaptive or static")),
+                    }
                 }
                 "threads" => {
                     let v = need(key, value)?;

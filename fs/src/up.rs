@@ -336,8 +336,8 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
                         eprintln!("mn0 held the namespace: nothing is left to serve");
                     } else {
                         eprintln!(
-                            "files with data on mn{i} return EIO; the others keep working and \
-                             new data goes to the surviving nodes"
+                            "its stripes' other replicas carry on (stripes it alone held return \
+                             EIO); new data goes to the surviving nodes"
                         );
                     }
                 }

@@ -26,6 +26,13 @@ pub struct NodeConfig {
     /// How long a mount holding range locks may go without renewing its lease before it is
     /// fenced and its locks recovered (primary only).
     pub lock_lease: Duration,
+    /// How long a data node may go without renewing its lease with the primary before it is
+    /// declared dead and dropped from the stripes' replicas (primary only; a data node learns
+    /// it from the primary).
+    pub node_lease: Duration,
+    /// Copies of every stripe of a new file whose creator does not ask (primary only; never
+    /// more than the cluster's nodes).
+    pub replicas: u32,
     pub qos: QosConfig,
     /// Where to serve Prometheus text metrics (`None`: nowhere).
     pub metrics: Option<String>,

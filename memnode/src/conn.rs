@@ -200,7 +200,7 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
                     fd,
                     &node.table,
                     c,
-                    &reg.stop,
+                    (&reg.stop, &node.serve),
                     admitted.clock_offset_ns(),
                 )
             });
@@ -244,6 +244,7 @@ fn serve_shm(mut stream: UnixStream, node: &Node, fence: u64) {
     let Some(_reg) = node.fences.register(fence, stop) else {
         return;
     };
+    node.lease_words.add(counters.region(), &node.serve);
     if let Err(e) = rackfs_verbs::shm::send_regions(&stream, &node.table, counters.region()) {
         warn!(error = %e, "cannot send regions to an shm client");
         return;

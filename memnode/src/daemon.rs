@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
 use rackfs_verbs::auth::NonceLog;
+use rackfs_verbs::lease::ServeLease;
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Access, Region, RegionTable};
 use tracing::info;
@@ -164,11 +165,21 @@ impl MemNode {
         let is_primary = cfg.role == Role::Primary;
         let node = Arc::new(Node {
             members: Membership::new(me, is_primary),
-            meta: is_primary.then(|| Mutex::new(MetaService::new(cfg.quarantine, wall_ns()))),
+            meta: is_primary.then(|| {
+                let mut m = MetaService::new(cfg.quarantine, wall_ns());
+                m.namespace.set_default_replicas(cfg.replicas);
+                Mutex::new(m)
+            }),
             controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
             watchers: Default::default(),
             fences: Default::default(),
             leases: is_primary.then(|| Leases::new(cfg.lock_lease)),
+            node_leases: is_primary.then(|| Leases::new(cfg.node_lease)),
+            serve: match cfg.role {
+                Role::Join(_) => ServeLease::none(),
+                _ => ServeLease::forever(),
+            },
+            lease_words: Default::default(),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
             store,
@@ -212,15 +223,20 @@ impl MemNode {
                 while !n.is_stopping() {
                     std::thread::sleep(check);
                     let now = Instant::now();
-                    if now - last > check + leases.lease() / 4 {
+                    let nodes = n.node_leases.as_ref().expect("primary");
+                    if now - last > check + leases.lease().min(nodes.lease()) / 4 {
                         // This node was paused: nobody could renew meanwhile.
                         info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every lease restarts");
                         leases.restart_all(now);
+                        nodes.restart_all(now);
                     }
                     last = now;
                     let expired = leases.expire(now);
                     for session in expired {
                         thread(&n, "fence", move |n| n.fence_mount(session));
+                    }
+                    for id in nodes.expire(now) {
+                        crate::liveness::declare_dead(&n, id as u32, "its lease lapsed");
                     }
                 }
             });
@@ -252,6 +268,10 @@ impl MemNode {
                     addr: addr.clone(),
                     err,
                 })?;
+            let primary = addr.clone();
+            thread(&node, "node-lease", move |n| {
+                crate::liveness::keep_lease(&n, &primary)
+            });
         }
         info!(
             node = node.cfg.node_id,

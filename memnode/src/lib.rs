@@ -16,6 +16,7 @@ pub mod counters;
 pub mod daemon;
 pub mod fence;
 pub mod lease;
+pub mod liveness;
 pub mod membership;
 pub mod metrics;
 pub mod node;

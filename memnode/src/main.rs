@@ -49,6 +49,16 @@ struct Args {
     /// every quarter of this) before it is fenced on every node and its locks recovered.
     #[arg(long, default_value_t = 4000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
     lock_lease_ms: u64,
+    /// Milliseconds a data node may go without renewing its lease with the primary (it renews
+    /// every quarter of this) before it is declared dead: it stops serving, and its stripes'
+    /// other replicas carry on without it (primary only).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
+    node_lease_ms: u64,
+    /// Copies of every stripe of a new file, on different nodes, unless the mount asks
+    /// otherwise (`-o replicas=N`); never more than the nodes at the file's creation (primary
+    /// only).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=4))]
+    replicas: u32,
     /// QoS period in milliseconds: reservations and limits hold per period.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     qos_period_ms: u64,
@@ -123,6 +133,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),
+        node_lease: std::time::Duration::from_millis(args.node_lease_ms),
+        replicas: args.replicas,
         qos: rackfs_memnode::qos::QosConfig {
             period: std::time::Duration::from_millis(args.qos_period_ms),
             check: std::time::Duration::from_millis(1),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{
-    ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, PROTOCOL_VERSION,
+    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, PROTOCOL_VERSION,
 };
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::{Refusal, RpcError};
@@ -56,6 +56,12 @@ pub struct Node {
     pub fences: Fences,
     /// Lock holders' leases (primary only).
     pub leases: Option<Leases>,
+    /// Data nodes' leases, by node id (primary only; see [`crate::liveness`]).
+    pub node_leases: Option<Leases>,
+    /// This node's own lease to serve data (forever on the primary and standalone nodes).
+    pub serve: rackfs_verbs::lease::ServeLease,
+    /// Where this node's shm clients keep their copy of its lease.
+    pub lease_words: crate::liveness::LeaseWords,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -217,6 +223,7 @@ impl Node {
                     | ControlRequest::Stats
                     | ControlRequest::Cluster
                     | ControlRequest::Renew { .. }
+                    | ControlRequest::NodeRenew { .. }
             );
             if let (false, Err(r)) = (harmless, l.check(session)) {
                 return r.into();
@@ -261,9 +268,18 @@ impl Node {
                 None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
             },
             ControlRequest::Join { node } => self
-                .members
-                .accept_join(node, &self.cfg.secret)
+                .accept_join(node)
                 .map_or_else(ControlResponse::from, ControlResponse::Cluster),
+            ControlRequest::NodeRenew { node } => match &self.node_leases {
+                Some(l) => l
+                    .renew(node as u64)
+                    .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+                        ms: d.as_millis() as u64,
+                    }),
+                None => refused(ErrorCode::NotPrimary, "node leases are kept by the primary"),
+            },
+            ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
                 Some(b) => b
                     .lock(session, space, l, r)
@@ -370,6 +386,23 @@ impl Node {
         }
     }
 
+    /// The primary's side of a join. A joining node is empty (new, or it discarded its
+    /// stripes after being declared dead), so replicas it held before are dropped first; its
+    /// lease starts now.
+    fn accept_join(&self, node: rackfs_proto::control::NodeAddr) -> Result<ClusterInfo, Refusal> {
+        let id = node.node_id;
+        let known = self.members.peer(id).is_ok();
+        if known && self.meta.is_some() {
+            crate::liveness::declare_dead(self, id, "it joined again, empty");
+        }
+        let info = self.members.accept_join(node, &self.cfg.secret)?;
+        if let Some(l) = &self.node_leases {
+            l.end(id as u64);
+            l.hold(id as u64);
+        }
+        Ok(info)
+    }
+
     /// Sets the QoS of `slot`'s mount, or (`None`) of the caller's own mount.
     fn qos_set(
         &self,
@@ -423,7 +456,12 @@ fn no_baseline() -> ControlResponse {
 
 impl Storage for Node {
     fn data_nodes(&self) -> Vec<u32> {
-        self.members.data_nodes()
+        let mut v = self.members.data_nodes();
+        // A node declared dead takes no new data until it joined again.
+        if let Some(l) = &self.node_leases {
+            v.retain(|&id| id == self.cfg.node_id || l.check(id as u64).is_ok());
+        }
+        v
     }
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {

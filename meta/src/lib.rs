@@ -8,6 +8,7 @@
 //! process for tests, so the service runs under property tests and under simulation alike.
 //! The caller serialises calls (one `&mut` at a time).
 
+pub mod file;
 pub mod locktree;
 pub mod namespace;
 pub mod placement;

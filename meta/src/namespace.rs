@@ -3,14 +3,9 @@
 //! The service runs one request at a time (its owner serialises them). Regular files also have
 //! state that mounts read and update one-sidedly in the primary's region: the file record and
 //! the extent table, whose formats and writers are stated in [`rackfs_proto::record`]. This
-//! type is the only writer of the record's table words and of the tables, and writes them in
-//! the order stated there; it frees a file's stripes (quarantined by their data node), tables
-//! and record only when the file has no names and no opens left.
-//!
-//! A stripe's extent holds only the bytes written to it so far ([`extent_cap`]): the first
-//! stripe of a file grows by moving to an extent at least twice as large, later stripes are
-//! allocated whole, and when the last open of a file closes its last stripe is trimmed to the
-//! file's size. So memory follows data for small files, and large files keep whole stripes.
+//! type writes the record's size and time words on truncate and setattr; a file's layout
+//! (table, replicas) is its [`File`]'s. A file's stripes (quarantined by their data nodes),
+//! tables and record are freed only when it has no names and no opens left.
 //!
 //! Time comes from [`Storage::wall_ns`], so the service runs under a simulated clock too.
 
@@ -21,29 +16,16 @@ use rackfs_proto::namespace::{
     Attr, Change, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
     MAX_FILE_SIZE, MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
-use rackfs_proto::record::{
-    location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE,
-    REC_STRIPE, REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
-};
+use rackfs_proto::record::{MAX_REPLICAS, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE};
 use rackfs_proto::Refusal;
-use rackfs_verbs::Region;
 
+use crate::file::{read_word, write_word, Dropped, File};
 use crate::storage::Storage;
 
 type MetaResult<T> = Result<T, Refusal>;
 
 fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
     Err(Refusal::new(code, msg))
-}
-
-struct FileState {
-    record: u64,
-    table: u64,
-    table_cap: u64,
-    stripe_unit: u64,
-    stripes: BTreeMap<u64, StripeExtent>,
-    /// Earlier tables, kept because clients may still read them.
-    retired_tables: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -66,7 +48,7 @@ struct Inode {
     rdev: u32,
     target: Vec<u8>,
     dir: Option<DirState>,
-    file: Option<FileState>,
+    file: Option<File>,
     opens: u32,
 }
 
@@ -75,6 +57,8 @@ pub struct Namespace {
     inodes: HashMap<u64, Inode>,
     next_ino: u64,
     next_tag: u64,
+    /// Replicas of a new file's stripes when its creator does not ask (at most the nodes).
+    default_replicas: u32,
     /// Opens held per client session, released when the session ends.
     sessions: HashMap<u64, HashMap<u64, u32>>,
     /// Regular files deleted since [`Namespace::take_deleted`] was last called (their lock
@@ -108,9 +92,16 @@ impl Namespace {
             inodes: HashMap::from([(ROOT_INO, root)]),
             next_ino: ROOT_INO + 1,
             next_tag: 1,
+            default_replicas: 2,
             sessions: HashMap::new(),
             deleted: Vec::new(),
         }
+    }
+
+    /// Sets how many replicas new files get when their creator does not ask (1 to
+    /// [`MAX_REPLICAS`]; never more than the cluster's nodes).
+    pub fn set_default_replicas(&mut self, r: u32) {
+        self.default_replicas = r.clamp(1, MAX_REPLICAS);
     }
 
     /// Handles one request on behalf of client session `session`.
@@ -304,7 +295,7 @@ impl Namespace {
                     record: f.record,
                     stripe_unit: f.stripe_unit,
                 }),
-                f.stripes.values().map(StripeExtent::cap).sum(),
+                f.memory(),
             ),
             None => (
                 match i.kind {
@@ -370,7 +361,10 @@ impl Namespace {
             opens: 0,
         };
         match kind {
-            NewKind::File { stripe_unit } => {
+            NewKind::File {
+                stripe_unit,
+                replicas,
+            } => {
                 if stripe_unit == 0
                     || !stripe_unit.is_multiple_of(4096)
                     || stripe_unit > MAX_STRIPE_UNIT
@@ -382,19 +376,25 @@ impl Namespace {
                         ),
                     );
                 }
+                if replicas > MAX_REPLICAS {
+                    return err(
+                        ErrorCode::Invalid,
+                        format!("{replicas} replicas asked; at most {MAX_REPLICAS} are allowed"),
+                    );
+                }
+                // The cluster's default when none is asked, never more than there are nodes.
+                let replicas = match replicas {
+                    0 => self.default_replicas,
+                    r => r,
+                }
+                .min(st.data_nodes().len() as u32)
+                .max(1);
                 let (me, region) = st.local();
                 let record = st.alloc(me, RECORD_LEN, None)?;
                 write_word(region, record + REC_STRIPE, stripe_unit);
                 write_word(region, record + REC_INO, ino);
                 write_word(region, record + REC_MTIME, t);
-                inode.file = Some(FileState {
-                    record,
-                    table: 0,
-                    table_cap: 0,
-                    stripe_unit,
-                    stripes: BTreeMap::new(),
-                    retired_tables: Vec::new(),
-                });
+                inode.file = Some(File::new(record, stripe_unit, replicas, region));
             }
             NewKind::Dir => {
                 inode.kind = Kind::Dir;
@@ -544,18 +544,7 @@ impl Namespace {
         let i = self.inodes.remove(&ino).expect("present");
         if let Some(f) = i.file {
             self.deleted.push(ino);
-            let (me, _) = st.local();
-            for (_, s) in f.stripes {
-                let _ = st.free(s.node, s.offset - TAG_SPACE);
-            }
-            for t in f
-                .retired_tables
-                .into_iter()
-                .chain((f.table != 0).then_some(f.table))
-            {
-                let _ = st.free(me, t);
-            }
-            let _ = st.free(me, f.record);
+            f.delete(st);
         }
     }
 
@@ -823,30 +812,7 @@ impl Namespace {
         write_word(region, f.record + REC_SIZE, size);
         write_word(region, f.record + REC_MTIME, t);
         i.mtime = t;
-        let unit = f.stripe_unit;
-        // Zero the cut-off tail of the last kept stripe, so a later extension reads zeros.
-        if size < old && !size.is_multiple_of(unit) {
-            if let Some(s) = f.stripes.get(&(size / unit)) {
-                if size % unit < s.cap() {
-                    st.zero(s.node, s.offset + size % unit, s.cap() - size % unit)?;
-                }
-            }
-        }
-        // Stripes wholly beyond the new size go, even when the file grows: a stripe allocated
-        // past the end by a write that never set the size would otherwise stay until unlink.
-        let gone: Vec<u64> = f
-            .stripes
-            .range(size.div_ceil(unit)..)
-            .map(|(&k, _)| k)
-            .collect();
-        for k in gone {
-            let s = f.stripes.remove(&k).expect("present");
-            let e = f.table + k * ENTRY_LEN;
-            write_word(region, e + 8, 0);
-            write_word(region, e, 0);
-            st.free(s.node, s.offset - TAG_SPACE)?;
-        }
-        Ok(())
+        f.cut(size, old, st)
     }
 
     fn alloc_stripe(
@@ -855,12 +821,10 @@ impl Namespace {
         stripe: u64,
         end: u64,
         st: &dyn Storage,
-    ) -> MetaResult<StripeExtent> {
-        // Every extent gets a serial of its own (one wasted on a refusal costs nothing).
+    ) -> MetaResult<Vec<StripeExtent>> {
+        // Every allocation gets a serial of its own (one wasted on a refusal costs nothing).
         let serial = self.next_tag;
         self.next_tag += 1;
-        let (me, region) = st.local();
-        let nodes = st.data_nodes();
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return err(ErrorCode::Invalid, "not a regular file");
@@ -874,138 +838,48 @@ impl Namespace {
                 format!("{end} bytes do not fit a stripe of {}", f.stripe_unit),
             );
         }
-        if let Some(s) = f.stripes.get(&stripe) {
-            if s.cap() >= end {
-                return Ok(*s);
-            }
-            let cap = extent_cap(f.stripe_unit, stripe, end, s.cap());
-            return f.resize(stripe, cap, serial, st);
-        }
-        if stripe >= f.table_cap {
-            let cap = (stripe + 1).next_power_of_two().max(16);
-            let table = st.alloc(me, cap * ENTRY_LEN, None)?;
-            if f.table != 0 {
-                let mut old = vec![0u8; (f.table_cap * ENTRY_LEN) as usize];
-                region.read(f.table, &mut old).expect("table in region");
-                region.write(table, &old).expect("table in region");
-                f.retired_tables.push(f.table);
-            }
-            f.table = table;
-            f.table_cap = cap;
-            write_word(region, f.record + REC_TABLE, table);
-            write_word(region, f.record + REC_TABLE_CAP, cap);
-        }
-        let cap = extent_cap(f.stripe_unit, stripe, end, 0);
-        let tag = stripe_tag(serial, cap);
-        // Spread stripes round-robin over the nodes, starting at a per-file offset; a node that
-        // cannot be reached (or is full) passes the stripe on to the next one.
-        let first = ((ino + stripe) % nodes.len() as u64) as usize;
-        let mut placed = None;
-        let mut last = None;
-        for k in 0..nodes.len() {
-            let node = nodes[(first + k) % nodes.len()];
-            match st.alloc(node, cap, Some(tag)) {
-                Ok(base) => {
-                    placed = Some((node, base));
-                    break;
-                }
-                Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::OutOfMemory) => {
-                    last = Some(e)
-                }
-                Err(e) => return Err(e),
+        f.alloc_stripe(ino, stripe, end, serial, st)
+    }
+
+    /// Data node `node` was declared dead: its replicas are dropped from every stripe that
+    /// has another (see [`File::drop_node`]).
+    pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
+        let (_, region) = st.local();
+        let mut total = Dropped::default();
+        for i in self.inodes.values_mut() {
+            if let Some(f) = i.file.as_mut() {
+                let d = f.drop_node(node, region);
+                total.replicas += d.replicas;
+                total.lost += d.lost;
             }
         }
-        let Some((node, base)) = placed else {
-            return Err(last.expect("at least one node was tried"));
-        };
-        let s = StripeExtent {
-            node,
-            offset: base + TAG_SPACE,
-            tag,
-        };
-        f.publish(region, stripe, s);
-        Ok(s)
+        total
+    }
+
+    /// The health of the files' data: files with a degraded stripe (fewer live replicas than
+    /// asked), and files with a stripe whose every live replica is on a node in `down`.
+    pub fn health(&self, down: &[u32]) -> Health {
+        let mut h = Health::default();
+        for f in self.inodes.values().filter_map(|i| i.file.as_ref()) {
+            h.files += 1;
+            if f.lost(down) > 0 {
+                h.unavailable += 1;
+            } else if f.degraded() > 0 {
+                h.degraded += 1;
+            }
+        }
+        h
     }
 }
 
-/// The capacity of a new extent for stripe `stripe` that must hold `end` bytes, replacing one
-/// of `old` bytes (0: none). The first stripe grows geometrically (so a file written in
-/// pieces is copied O(1) times per byte) up to the whole stripe; later stripes are whole.
-pub fn extent_cap(unit: u64, stripe: u64, end: u64, old: u64) -> u64 {
-    if stripe > 0 {
-        return unit;
-    }
-    let want = end
-        .max(old.saturating_mul(2))
-        .max(1)
-        .next_multiple_of(EXTENT_GRANULE);
-    if want >= unit - unit / 4 {
-        unit
-    } else {
-        want
-    }
-}
-
-impl FileState {
-    /// Writes stripe `stripe`'s table entry: location first, then the tag that makes it live.
-    fn publish(&mut self, region: &Region, stripe: u64, s: StripeExtent) {
-        let e = self.table + stripe * ENTRY_LEN;
-        write_word(region, e, location(s.node, s.offset));
-        write_word(region, e + 8, s.tag);
-        self.stripes.insert(stripe, s);
-    }
-
-    /// Moves stripe `stripe` into an extent of `cap` bytes on its node: the entry is cleared
-    /// first (clients that miss it ask the service, which answers after the move), the data
-    /// node moves the data, then the new entry is published.
-    fn resize(
-        &mut self,
-        stripe: u64,
-        cap: u64,
-        serial: u64,
-        st: &dyn Storage,
-    ) -> MetaResult<StripeExtent> {
-        let (_, region) = st.local();
-        let old = self.stripes[&stripe];
-        let e = self.table + stripe * ENTRY_LEN;
-        write_word(region, e + 8, 0);
-        write_word(region, e, 0);
-        let tag = stripe_tag(serial, cap);
-        match st.resize(old.node, old.offset - TAG_SPACE, cap, tag) {
-            Ok(base) => {
-                let s = StripeExtent {
-                    node: old.node,
-                    offset: base + TAG_SPACE,
-                    tag,
-                };
-                self.publish(region, stripe, s);
-                Ok(s)
-            }
-            Err(e) => {
-                // Nothing moved: the old extent stays the stripe's.
-                self.publish(region, stripe, old);
-                Err(e)
-            }
-        }
-    }
-
-    /// Shrinks the last stripe's extent to what the file's size needs, when that saves more
-    /// than an eighth of it (a file that grew by doubling, or was truncated).
-    fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
-        let (_, region) = st.local();
-        let size = read_word(region, self.record + REC_SIZE);
-        let Some((&k, s)) = self.stripes.iter().next_back() else {
-            return Ok(());
-        };
-        let need = size
-            .saturating_sub(k * self.stripe_unit)
-            .clamp(1, self.stripe_unit)
-            .next_multiple_of(EXTENT_GRANULE);
-        if need + s.cap() / 8 >= s.cap() {
-            return Ok(());
-        }
-        self.resize(k, need, serial, st).map(|_| ())
-    }
+/// How many regular files are whole, degraded or unavailable (see [`Namespace::health`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Health {
+    pub files: u64,
+    /// Files with a stripe below its replication factor (readable and writable).
+    pub degraded: u64,
+    /// Files with a stripe none of whose replicas is reachable (EIO there until a node returns).
+    pub unavailable: u64,
 }
 
 fn check_name(name: &[u8]) -> MetaResult<()> {
@@ -1019,14 +893,4 @@ fn check_name(name: &[u8]) -> MetaResult<()> {
         );
     }
     Ok(())
-}
-
-/// Reads a word of the service's own region (atomically: clients CAS the same words).
-pub fn read_word(region: &Region, offset: u64) -> u64 {
-    region.load(offset).expect("word in region")
-}
-
-/// Writes a word of the service's own region (atomically).
-pub fn write_word(region: &Region, offset: u64, v: u64) {
-    region.store(offset, v).expect("word in region")
 }

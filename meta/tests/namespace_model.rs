@@ -22,10 +22,11 @@ const UNIT: u64 = 4096;
 
 #[derive(Debug, Clone)]
 enum MKind {
-    /// Stripes by index, with the most bytes ever asked of each.
+    /// Stripes by index, with the most bytes ever asked of each, and the copies of each.
     File {
         size: u64,
         stripes: BTreeMap<u64, u64>,
+        replicas: u64,
     },
     Dir {
         entries: BTreeMap<Vec<u8>, u64>,
@@ -270,7 +271,7 @@ impl Model {
         let i = self.inodes.get_mut(&ino).ok_or(ErrorCode::NotFound)?;
         if let Some(s) = size {
             match &mut i.kind {
-                MKind::File { size, stripes } => {
+                MKind::File { size, stripes, .. } => {
                     *size = s;
                     stripes.retain(|&k, _| k < s.div_ceil(UNIT));
                 }
@@ -288,6 +289,13 @@ impl Model {
     }
 
     /// Stripe allocation: the model keeps which stripes exist and how much was asked of each.
+    fn replicas(&self, ino: u64) -> u64 {
+        match &self.inodes[&ino].kind {
+            MKind::File { replicas, .. } => *replicas,
+            _ => 0,
+        }
+    }
+
     fn alloc_stripe(&mut self, ino: u64, stripe: u64, end: u64) -> MResult<()> {
         let i = self.inodes.get_mut(&ino).ok_or(ErrorCode::NotFound)?;
         match &mut i.kind {
@@ -436,7 +444,12 @@ fn compare(svc: &mut MetaService, st: &MemStorage, m: &Model) -> Result<(), Test
 /// unit; later stripes are whole; each has its tag.
 fn stripe_bytes(m: &Model) -> (u64, u64) {
     let ends = m.inodes.values().flat_map(|i| match &i.kind {
-        MKind::File { stripes, .. } => stripes.iter().map(|(&k, &e)| (k, e)).collect(),
+        MKind::File {
+            stripes, replicas, ..
+        } => stripes
+            .iter()
+            .flat_map(|(&k, &e)| std::iter::repeat_n((k, e), *replicas as usize))
+            .collect(),
         _ => Vec::new(),
     });
     ends.fold((0, 0), |(lo, hi), (stripe, end)| {
@@ -469,8 +482,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         MKind::File {
                             size: 0,
                             stripes: BTreeMap::new(),
+                            replicas: name.first().map_or(1, |&c| c as u64 % 3 + 1),
                         },
-                        NewKind::File { stripe_unit: UNIT },
+                        NewKind::File {
+                            stripe_unit: UNIT,
+                            replicas: name.first().map_or(1, |&c| c as u32 % 3 + 1),
+                        },
                     ),
                     1 => (
                         MKind::Dir {
@@ -572,10 +589,19 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::AllocStripe { ino, stripe, end } => {
                 let ino = pick(&known, ino);
+                let got = call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe, end });
+                if let Ok(ControlResponse::Stripe(r)) = &got {
+                    // Every replica asked for, each on its own node, all under one tag.
+                    let mut nodes: Vec<u32> = r.iter().map(|e| e.node).collect();
+                    nodes.dedup();
+                    prop_assert_eq!(nodes.len(), r.len(), "replicas share a node: {:?}", r);
+                    prop_assert!(r.iter().all(|e| e.tag == r[0].tag && e.cap() >= end));
+                    let want = m.replicas(ino);
+                    prop_assert_eq!(r.len() as u64, want, "{:?}", r);
+                }
                 (
                     m.alloc_stripe(ino, stripe, end).map(|_| None),
-                    call(&mut svc, &st, MetaRequest::AllocStripe { ino, stripe, end })
-                        .map(|_| None),
+                    got.map(|_| None),
                 )
             }
         };
@@ -596,9 +622,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         on_nodes,
         lo
     );
-    // At most: also an extent table of 16 entries per file (stripe indices stay below 16).
+    // At most: also an extent table of 16 entries (of up to 3 slots) per file (stripe indices
+    // stay below 16).
     prop_assert!(
-        on_nodes <= hi + files * (64 + 16 * 16),
+        on_nodes <= hi + files * (64 + 3 * 16 * 16),
         "{} bytes for stripes of at most {}",
         on_nodes,
         hi

@@ -19,10 +19,10 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 20] = [
+pub const RPC_KINDS: [&str; 22] = [
     "hello",
     "ping",
     "stats",
@@ -43,6 +43,8 @@ pub const RPC_KINDS: [&str; 20] = [
     "renew",
     "fence",
     "adopt",
+    "node_failed",
+    "node_renew",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +121,20 @@ pub enum ControlRequest {
     Adopt {
         from: u64,
     },
+    /// Sent by a mount to the primary when data node `node` failed one of its writes: answered
+    /// `Ok` once the node is declared dead and dropped from every stripe's replicas (a write
+    /// then goes to the replicas left), refused with `Unavailable` while the node still
+    /// answers the primary (the mount reconnects and writes again).
+    NodeFailed {
+        node: u32,
+    },
+    /// Sent by data node `node`, on a connection of its own, to the primary every quarter of
+    /// its lease: it serves data only while renewed (`rackfs_verbs::lease`). Answered with
+    /// [`ControlResponse::Lease`]; refused with [`ErrorCode::Fenced`] once the node was
+    /// declared dead, after which it discards its stripes and joins again, empty.
+    NodeRenew {
+        node: u32,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -175,6 +191,8 @@ impl ControlRequest {
             ControlRequest::Renew { .. } => 17,
             ControlRequest::Fence { .. } => 18,
             ControlRequest::Adopt { .. } => 19,
+            ControlRequest::NodeFailed { .. } => 20,
+            ControlRequest::NodeRenew { .. } => 21,
         }
     }
 }
@@ -390,7 +408,8 @@ pub enum ControlResponse {
     Attr(Attr),
     Entries(Vec<DirEntry>),
     Target(Vec<u8>),
-    Stripe(StripeExtent),
+    /// A stripe's replicas (at least one).
+    Stripe(Vec<StripeExtent>),
     FsStat(FsStat),
     LockSlot(u16),
     LockTree(u64),

@@ -25,10 +25,17 @@ pub enum Kind {
 /// What to create.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NewKind {
-    File { stripe_unit: u64 },
+    /// A regular file with `replicas` copies of every stripe (0: the cluster's default).
+    File {
+        stripe_unit: u64,
+        replicas: u32,
+    },
     Dir,
     Symlink(Vec<u8>),
-    Special { kind: Kind, rdev: u32 },
+    Special {
+        kind: Kind,
+        rdev: u32,
+    },
 }
 
 /// Where a regular file's record lives (always on the primary).
@@ -165,7 +172,7 @@ pub enum MetaRequest {
         ino: u64,
     },
     /// Make stripe `stripe` of a file hold at least its first `end` bytes (allocating it if
-    /// it is a hole, growing its extent if it is smaller); returns its extent.
+    /// it is a hole, growing its extents if they are smaller); returns its replicas' extents.
     AllocStripe {
         ino: u64,
         stripe: u64,

@@ -13,11 +13,17 @@
 //!     not yet filled;
 //!   - the stripe unit ([`REC_STRIPE`]) and inode number ([`REC_INO`]): written once at create;
 //!   - the published lock tree ([`REC_LOCKS`], a [`crate::locktree::TreeWord`]): only the
-//!     service writes it (see `rackfs_meta::locktree`).
-//! * an **extent table**: per stripe index, [`ENTRY_LEN`] bytes `location, tag`, where
-//!   location is [`location`]`(node, data offset)` and `tag` identifies the allocation (0: a
-//!   hole). Only the service writes it: location then tag on allocation, tag then location on
-//!   free. When a table grows it is copied and the old copy kept until the file is deleted,
+//!     service writes it (see `rackfs_meta::locktree`);
+//!   - the replication factor `r` ([`REC_REPLICAS`], 0 read as 1): written once at create.
+//! * an **extent table**: per stripe index, an entry of `r` slots ([`entry_offset`]), one per
+//!   replica, each [`ENTRY_LEN`] bytes `location, tag`, where location is
+//!   [`location`]`(node, data offset)` and `tag` identifies the allocation (all replicas of a
+//!   stripe share it; 0: an empty slot, and a stripe with every slot empty is a hole). The
+//!   replicas of a stripe are on different nodes and hold the same bytes: a write goes to every
+//!   replica in the entry, a read to any one. Only the service writes the table: location then
+//!   tag when it places a replica, tag then location when it frees or drops one (a replica on
+//!   a node declared dead is dropped from the entry; the last replica of a stripe is never
+//!   dropped, so a stripe whose every replica is gone fails rather than reading as a hole). When a table grows it is copied and the old copy kept until the file is deleted,
 //!   because clients may still read it; they re-check the record after reading entries.
 //! * a **stripe owner tag**: the first 8 bytes of every stripe extent, [`TAG_SPACE`] before its
 //!   data, written by the data node when it allocates the extent and tombstoned (0) when it is
@@ -53,7 +59,11 @@ pub const REC_STRIPE: u64 = 32;
 pub const REC_INO: u64 = 40;
 /// Record word: the published lock tree.
 pub const REC_LOCKS: u64 = 48;
-/// Bytes of one extent-table entry (`location`, `tag`).
+/// Record word: the replication factor (0 is 1).
+pub const REC_REPLICAS: u64 = 56;
+/// Most replicas a file may have.
+pub const MAX_REPLICAS: u32 = 4;
+/// Bytes of one extent-table slot (`location`, `tag`); an entry has one per replica.
 pub const ENTRY_LEN: u64 = 16;
 /// Bytes before a tagged (file stripe) extent's data: its tag lives in the first 8.
 pub const TAG_SPACE: u64 = 64;
@@ -72,6 +82,12 @@ pub fn stripe_tag(serial: u64, cap: u64) -> u64 {
 /// The data bytes an extent with owner tag `tag` holds.
 pub fn tag_capacity(tag: u64) -> u64 {
     (tag >> TAG_SERIAL_BITS) * EXTENT_GRANULE
+}
+
+/// Offset of stripe `stripe`'s entry in an extent table at `table` of a file with `replicas`
+/// replicas (its slot `j` is `j *` [`ENTRY_LEN`] further).
+pub fn entry_offset(table: u64, stripe: u64, replicas: u32) -> u64 {
+    table + stripe * replicas.max(1) as u64 * ENTRY_LEN
 }
 
 /// An extent-table location word: `node << 48 | offset`.

@@ -19,6 +19,7 @@
 pub mod auth;
 pub mod counters;
 mod error;
+pub mod lease;
 pub mod masked;
 mod qp;
 pub mod rdma;

@@ -18,6 +18,10 @@
 //! `busy == 0` after its store, no batch of the client runs again (one that raced the store
 //! saw it, or was counted in `busy`). A client stopped *inside* a batch keeps `busy` up: the
 //! node cannot fence it and must stop the process ([`fence_client`] says which happened).
+//!
+//! The node's own lease to serve data ([`crate::lease`]) is a third word, [`LEASE_WORD`],
+//! written only by the node (at connect and on every renewal); a batch runs only while it
+//! holds, checked after `busy` is raised like the fence.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -41,6 +45,9 @@ const MAX_FDS: usize = 16;
 pub const FENCE_WORD: u64 = 2048;
 /// Offset in an shm client's counter block of its batches in progress.
 pub const BUSY_WORD: u64 = 2056;
+/// Offset in an shm client's counter block of the node's lease to serve data: until when, on
+/// `CLOCK_MONOTONIC` (written only by the node; see [`crate::lease`]).
+pub const LEASE_WORD: u64 = 2064;
 
 pub(crate) struct ShmQp {
     table: RegionTable,
@@ -76,6 +83,17 @@ impl ShmQp {
             return Err(VerbsError::Fenced {
                 peer: self.peer.clone(),
                 reason: "the mount's lease expired; its batches are refused".into(),
+            });
+        }
+        let lease = block.shared_word(LEASE_WORD).load(Ordering::SeqCst);
+        if !crate::lease::valid_until(lease) {
+            busy.fetch_sub(1, Ordering::SeqCst);
+            return Err(VerbsError::ConnectionLost {
+                peer: self.peer.clone(),
+                reason: "the memory node's lease from the primary lapsed (it may be stopped, \
+                         or declared dead and its data copied elsewhere): its memory is not \
+                         read or written"
+                    .into(),
             });
         }
         let mut done = Completions::with_capacity(batch.len(), batch.read_bytes() as usize);
@@ -169,6 +187,17 @@ pub fn connect_fenced(
         node_gone,
         liveness: stream,
     }))))
+}
+
+/// Node side: sets the node's lease deadline in shm client block `block` ([`LEASE_WORD`]);
+/// `raise` only ever moves it later.
+pub fn set_lease(block: &Region, until: u64, raise: bool) {
+    let w = block.shared_word(LEASE_WORD);
+    if raise {
+        w.fetch_max(until, Ordering::SeqCst);
+    } else {
+        w.store(until, Ordering::SeqCst);
+    }
 }
 
 /// Node side: fences the shm client of counter block `block` (see the module docs). Returns

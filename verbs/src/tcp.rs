@@ -522,7 +522,8 @@ fn decode_response(body: Vec<u8>, f: &InFlight) -> Result<Completions, WireError
 ///
 /// `poll` is the adaptive-polling budget on `fd` (the connection's socket) before each
 /// blocking read. Once `stop` is set (the client was fenced), no further batch is executed
-/// and the connection ends. `handshake_offset_ns` is the clock offset the handshake measured
+/// and the connection ends; while `lease` has lapsed, a batch closes the connection unexecuted
+/// (see [`crate::lease`]). `handshake_offset_ns` is the clock offset the handshake measured
 /// ([`crate::auth::Admitted::clock_offset_ns`]).
 pub fn serve_verbs(
     input: impl Read,
@@ -530,7 +531,7 @@ pub fn serve_verbs(
     (fd, poll): (RawFd, Duration),
     table: &RegionTable,
     counters: &VerbCounters,
-    stop: &AtomicBool,
+    (stop, lease): (&AtomicBool, &crate::lease::ServeLease),
     handshake_offset_ns: i128,
 ) -> Result<(), WireError> {
     let mut reader = BufReader::with_capacity(256 << 10, input);
@@ -560,6 +561,17 @@ pub fn serve_verbs(
         if stop.load(Ordering::SeqCst) {
             // Fenced: this batch and every later one stay unexecuted.
             return Ok(());
+        }
+        if !lease.valid() {
+            return Err(WireError::malformed(
+                "verbs request",
+                format!(
+                    "batch {} refused: this memory node's lease from the primary lapsed (it \
+                     may have been declared dead and its data copied elsewhere); the \
+                     connection is closed",
+                    head.seq
+                ),
+            ));
         }
         let offset = wall_ns() as i128 - head.sent_ns as i128;
         let least = *offset_min.get_or_insert(offset);

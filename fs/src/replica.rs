@@ -1,0 +1,218 @@
+//! Which replica of a stripe a read goes to (RackOut's read balancing), from what this mount
+//! observes of each node: operations outstanding, recent latency, recent failures.
+//!
+//! Writes go to every replica; only reads choose. The static policy reads a stripe always from
+//! the same replica (a hash of file and stripe), which spreads a uniform load evenly and keeps
+//! nothing to measure. The adaptive policy reads from the replica whose node costs least now:
+//! `(outstanding + 1) * recent latency`, so a node that is slow or loaded (by this mount or,
+//! through its latency, by others) gets fewer reads. Either way a node that failed recently is
+//! passed over while another replica is left.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use rackfs_proto::namespace::StripeExtent;
+
+use crate::clock::clock_ns;
+use crate::options::ReadPolicy;
+
+/// How long a node that failed an operation is passed over by reads (ns).
+const FAILED_FOR_NS: u64 = 2_000_000_000;
+/// Weight of the newest sample in the latency average, as a shift (1/8).
+const EWMA_SHIFT: u32 = 3;
+
+/// What this mount observes of one node.
+#[derive(Default)]
+pub struct Load {
+    outstanding: AtomicU64,
+    /// Recent batch latency, ns (exponentially weighted; 0 before the first sample).
+    latency_ns: AtomicU64,
+    /// When it last failed (`clock_ns`; 0: never).
+    failed_at: AtomicU64,
+}
+
+impl Load {
+    fn cost(&self) -> u128 {
+        let lat = self.latency_ns.load(Ordering::Relaxed).max(1) as u128;
+        (self.outstanding.load(Ordering::Relaxed) as u128 + 1) * lat
+    }
+
+    fn failed_recently(&self, now: u64) -> bool {
+        let f = self.failed_at.load(Ordering::Relaxed);
+        f != 0 && now.saturating_sub(f) < FAILED_FOR_NS
+    }
+}
+
+/// One batch in flight to a node: counted outstanding until dropped, then its latency is
+/// sampled (only if it succeeded: a failure is noted by [`NodeLoads::failed`]).
+pub struct InFlight {
+    load: Arc<Load>,
+    started: u64,
+    ok: bool,
+}
+
+impl InFlight {
+    /// The batch completed.
+    pub fn done(mut self) {
+        self.ok = true;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.load.outstanding.fetch_sub(1, Ordering::Relaxed);
+        if self.ok {
+            let sample = clock_ns().saturating_sub(self.started);
+            let old = self.load.latency_ns.load(Ordering::Relaxed);
+            let new = if old == 0 {
+                sample
+            } else {
+                old - (old >> EWMA_SHIFT) + (sample >> EWMA_SHIFT)
+            };
+            self.load.latency_ns.store(new, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The mount's observations of every node, and the read policy that uses them.
+pub struct NodeLoads {
+    policy: RwLock<ReadPolicy>,
+    nodes: RwLock<HashMap<u32, Arc<Load>>>,
+}
+
+impl NodeLoads {
+    pub fn new(policy: ReadPolicy) -> NodeLoads {
+        NodeLoads {
+            policy: RwLock::new(policy),
+            nodes: RwLock::default(),
+        }
+    }
+
+    pub fn set_policy(&self, p: ReadPolicy) {
+        *self.policy.write().expect("policy lock") = p;
+    }
+
+    fn load(&self, node: u32) -> Arc<Load> {
+        if let Some(l) = self.nodes.read().expect("loads lock").get(&node) {
+            return l.clone();
+        }
+        self.nodes
+            .write()
+            .expect("loads lock")
+            .entry(node)
+            .or_default()
+            .clone()
+    }
+
+    /// A batch to `node` is about to go out.
+    pub fn start(&self, node: u32) -> InFlight {
+        let load = self.load(node);
+        load.outstanding.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            load,
+            started: clock_ns(),
+            ok: false,
+        }
+    }
+
+    /// An operation on `node` failed: reads pass it over for a while.
+    pub fn failed(&self, node: u32) {
+        self.load(node)
+            .failed_at
+            .store(clock_ns(), Ordering::Relaxed);
+    }
+
+    /// The replica of stripe `stripe` of file `ino` a read should go to, among `replicas`
+    /// leaving out nodes in `avoid`; `None` when every replica is avoided.
+    pub fn choose(
+        &self,
+        ino: u64,
+        stripe: u64,
+        replicas: &[StripeExtent],
+        avoid: &[u32],
+    ) -> Option<StripeExtent> {
+        let now = clock_ns();
+        let open: Vec<StripeExtent> = replicas
+            .iter()
+            .filter(|e| !avoid.contains(&e.node))
+            .copied()
+            .collect();
+        let healthy: Vec<StripeExtent> = open
+            .iter()
+            .filter(|e| !self.load(e.node).failed_recently(now))
+            .copied()
+            .collect();
+        let pool = if healthy.is_empty() { open } else { healthy };
+        if pool.len() <= 1 {
+            return pool.first().copied();
+        }
+        let fixed = pool[static_index(ino, stripe, pool.len())];
+        match *self.policy.read().expect("policy lock") {
+            ReadPolicy::Static => Some(fixed),
+            ReadPolicy::Adaptive => {
+                let best = pool
+                    .iter()
+                    .min_by_key(|e| self.load(e.node).cost())
+                    .copied()
+                    .expect("two or more");
+                // Ties go to the static choice, so an idle cluster still spreads reads.
+                if self.load(best.node).cost() < self.load(fixed.node).cost() {
+                    Some(best)
+                } else {
+                    Some(fixed)
+                }
+            }
+        }
+    }
+}
+
+/// A well-mixed hash of file and stripe, modulo `n`.
+fn static_index(ino: u64, stripe: u64, n: usize) -> usize {
+    let mut x = ino.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ stripe;
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 29;
+    (x % n as u64) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ext(node: u32) -> StripeExtent {
+        StripeExtent {
+            node,
+            offset: 64,
+            tag: 1 << 40,
+        }
+    }
+
+    #[test]
+    fn static_reads_spread_over_replicas_and_stick_to_one_per_stripe() {
+        let l = NodeLoads::new(ReadPolicy::Static);
+        let r = [ext(0), ext(1)];
+        let mut per_node = [0; 2];
+        for stripe in 0..1000 {
+            let a = l.choose(7, stripe, &r, &[]).unwrap();
+            assert_eq!(a, l.choose(7, stripe, &r, &[]).unwrap());
+            per_node[a.node as usize] += 1;
+        }
+        assert!(per_node.iter().all(|&n| n > 400), "{per_node:?}");
+    }
+
+    #[test]
+    fn adaptive_reads_avoid_a_busy_node_and_everyone_avoids_a_failed_one() {
+        let l = NodeLoads::new(ReadPolicy::Adaptive);
+        let r = [ext(0), ext(1)];
+        let _busy: Vec<InFlight> = (0..4).map(|_| l.start(1)).collect();
+        for stripe in 0..100 {
+            assert_eq!(l.choose(7, stripe, &r, &[]).unwrap().node, 0);
+        }
+        l.failed(0);
+        assert_eq!(l.choose(7, 3, &r, &[]).unwrap().node, 1);
+        // Avoided outright: only the other one; both avoided: none.
+        assert_eq!(l.choose(7, 3, &r, &[1]).unwrap().node, 0);
+        assert_eq!(l.choose(7, 3, &r, &[0, 1]), None);
+    }
+}

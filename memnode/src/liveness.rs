@@ -1,0 +1,170 @@
+//! Data nodes' leases with the primary (see `rackfs_verbs::lease`): a data node serves data
+//! only while the primary renews its lease, and the primary declares a node dead (drops it
+//! from every stripe's replicas) only once its lease has lapsed.
+//!
+//! * A data node renews every quarter of the lease, on a control connection of its own
+//!   ([`keep_lease`]), timing each lease from when it sent the renewal. Its [`ServeLease`] is
+//!   what its tcp NIC threads check, and it copies the deadline into each shm client's
+//!   counter block ([`LeaseWords`], `rackfs_verbs::shm::LEASE_WORD`), which the client checks.
+//! * The primary times leases with [`crate::lease::Leases`] keyed by node id, from when each
+//!   renewal arrived. A node whose lease lapses is declared dead ([`declare_dead`]): marked
+//!   down (no new data goes there) and dropped from every stripe that has another replica.
+//! * A node declared dead learns it at its next renewal (refused `Fenced`): it discards every
+//!   stripe it holds (they may be stale) and joins again, empty. A node that joins is always
+//!   empty (fresh, or after discarding), so joining also drops its old replicas.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
+use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_verbs::lease::{monotonic_ns, ServeLease};
+use rackfs_verbs::shm::set_lease;
+use rackfs_verbs::Region;
+use tracing::{info, warn};
+
+use crate::node::Node;
+
+/// The counter blocks of this node's shm clients, where their copy of the node's lease lives.
+#[derive(Default)]
+pub struct LeaseWords(Mutex<Vec<Weak<Region>>>);
+
+impl LeaseWords {
+    /// A new shm client's counter block: it gets the lease's deadline now and on every
+    /// renewal, as long as it lives.
+    pub fn add(&self, block: &Arc<Region>, lease: &ServeLease) {
+        self.0
+            .lock()
+            .expect("lease words lock")
+            .push(Arc::downgrade(block));
+        set_lease(block, lease.until(), true);
+    }
+
+    /// Copies the lease's deadline into every live client's block.
+    fn publish(&self, until: u64) {
+        let mut v = self.0.lock().expect("lease words lock");
+        v.retain(|w| match w.upgrade() {
+            Some(b) => {
+                set_lease(&b, until, false);
+                true
+            }
+            None => false,
+        });
+    }
+}
+
+/// A data node's renewal loop (runs on a thread of its own while the node runs).
+pub fn keep_lease(node: &Node, primary: &str) {
+    let id = node.cfg.node_id;
+    let mut conn: Option<ControlClient> = None;
+    let mut every = Duration::from_millis(100);
+    let mut complained = false;
+    while !node.is_stopping() {
+        let c = match conn.take() {
+            Some(c) => c,
+            None => match ControlClient::connect(
+                primary,
+                &node.cfg.secret,
+                &format!("lease-{}", node.cfg.name),
+            ) {
+                Ok(c) => c,
+                Err(e) => {
+                    if !std::mem::replace(&mut complained, true) {
+                        warn!(primary, error = %e, "cannot reach the primary to renew this node's lease; it stops serving data when the lease lapses");
+                    }
+                    std::thread::sleep(every);
+                    continue;
+                }
+            },
+        };
+        let sent = monotonic_ns();
+        match c.call(&ControlRequest::NodeRenew { node: id }) {
+            Ok(ControlResponse::Lease { ms }) => {
+                node.serve.extend_to(sent + ms * 1_000_000);
+                node.lease_words.publish(node.serve.until());
+                every = Duration::from_millis(ms / 4).max(Duration::from_millis(10));
+                if std::mem::replace(&mut complained, false) {
+                    info!("this node's lease is renewed again");
+                }
+                conn = Some(c);
+            }
+            Err(RpcError::Refused {
+                code: ErrorCode::Fenced,
+                message,
+            }) => {
+                node.serve.end();
+                node.lease_words.publish(0);
+                let n = node.store.discard_stripes();
+                warn!(why = %message, discarded = n, "the primary declared this node dead: its stripes are discarded (their other replicas carry on) and it joins again, empty");
+                if let Err(e) = node.members.join(primary, &node.cfg.secret) {
+                    warn!(error = %e, "cannot join the cluster again yet; retrying");
+                }
+                conn = Some(c);
+            }
+            Ok(other) => {
+                warn!(answer = ?other, "unexpected answer to a lease renewal");
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut complained, true) {
+                    warn!(primary, error = %e, "cannot renew this node's lease; it stops serving data when the lease lapses");
+                }
+            }
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// Primary: data node `id` is out (its lease lapsed, or it joined again, empty): no new data
+/// goes there, and it is dropped from every stripe that has another replica.
+pub fn declare_dead(node: &Node, id: u32, why: &str) {
+    node.members.mark_down(id, why);
+    let Some(meta) = &node.meta else { return };
+    let d = meta
+        .lock()
+        .expect("metadata lock")
+        .namespace
+        .drop_node(id, node);
+    if d.replicas > 0 || d.lost > 0 {
+        warn!(
+            node = id,
+            reason = why,
+            dropped = d.replicas,
+            unavailable = d.lost,
+            "memory node out of the cluster: its replicas are dropped from the stripes that have another; stripes it alone held fail with EIO until it returns"
+        );
+    }
+}
+
+/// Primary: a mount could not write to data node `id`. Answers once the node is out (its lease
+/// lapsed: it serves nothing any more, so writes may go on without it), or refuses if it keeps
+/// renewing for a whole lease (the mount's connection failed, not the node).
+pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
+    let Some(leases) = &node.node_leases else {
+        return Err(Refusal::new(
+            ErrorCode::NotPrimary,
+            "node leases are kept by the primary",
+        ));
+    };
+    if id == node.cfg.node_id {
+        return Err(Refusal::new(
+            ErrorCode::Unavailable,
+            format!("memory node {id} is the primary and answers"),
+        ));
+    }
+    node.members.peer(id)?;
+    let until = std::time::Instant::now() + leases.lease() + Duration::from_millis(500);
+    loop {
+        if leases.check(id as u64).is_err() {
+            // Idempotent: the lease checker may be dropping it right now.
+            declare_dead(node, id, "its lease lapsed");
+            return Ok(());
+        }
+        if std::time::Instant::now() > until {
+            return Err(Refusal::new(
+                ErrorCode::Unavailable,
+                format!("memory node {id} still renews its lease with the primary"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

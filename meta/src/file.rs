@@ -1,0 +1,434 @@
+//! A regular file's layout as the service keeps it: its record, its extent table and the
+//! replicas of its stripes.
+//!
+//! [`File`] is the only writer of the record's table words and of the table, and writes them
+//! in the order `rackfs_proto::record` states: a slot's location then its tag when a replica
+//! is placed, its tag then its location when one is freed or dropped; a new table is filled
+//! before the record points at it. Every replica of a stripe is on a different node, shares
+//! the stripe's tag and capacity, and holds the same bytes (mounts write all of them under the
+//! range lock). When a node is declared dead its replicas are dropped from every stripe that
+//! has another; a stripe's last replica is never dropped, so a stripe whose every copy is gone
+//! fails to read instead of reading as a hole.
+//!
+//! A stripe's extents hold only the bytes written to it so far ([`extent_cap`]): the first
+//! stripe of a file grows by moving to extents at least twice as large, later stripes are
+//! allocated whole, and when the last open of a file closes its last stripe is trimmed to the
+//! file's size.
+
+use std::collections::BTreeMap;
+
+use rackfs_proto::control::ErrorCode;
+use rackfs_proto::namespace::StripeExtent;
+use rackfs_proto::record::{
+    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, REC_REPLICAS, REC_SIZE,
+    REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
+};
+use rackfs_proto::Refusal;
+use rackfs_verbs::Region;
+
+use crate::storage::Storage;
+
+type MetaResult<T> = Result<T, Refusal>;
+
+/// One stripe's replicas, by table slot (`None`: an empty slot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replicas(Vec<Option<StripeExtent>>);
+
+impl Replicas {
+    /// The live replicas' extents.
+    pub fn live(&self) -> Vec<StripeExtent> {
+        self.0.iter().flatten().copied().collect()
+    }
+
+    /// Data bytes each replica holds.
+    pub fn cap(&self) -> u64 {
+        self.0.iter().flatten().next().map_or(0, StripeExtent::cap)
+    }
+
+    /// Node memory the replicas hold.
+    fn memory(&self) -> u64 {
+        self.0.iter().flatten().map(StripeExtent::cap).sum()
+    }
+
+    fn on(&self, node: u32) -> Option<usize> {
+        self.0
+            .iter()
+            .position(|s| s.is_some_and(|e| e.node == node))
+    }
+}
+
+/// A regular file's record, extent table and stripes (see the module docs).
+pub struct File {
+    pub record: u64,
+    pub stripe_unit: u64,
+    /// Copies of every stripe the file asks for (fewer when fewer nodes could take them).
+    pub replicas: u32,
+    table: u64,
+    table_cap: u64,
+    stripes: BTreeMap<u64, Replicas>,
+    /// Earlier tables, kept because clients may still read them.
+    retired_tables: Vec<u64>,
+}
+
+/// What dropping a dead node's replicas did to one file.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    /// Replicas dropped from stripes that keep another.
+    pub replicas: u64,
+    /// Stripes whose only live replica was on the node (they fail until it returns).
+    pub lost: u64,
+}
+
+impl File {
+    /// A new, empty file whose record is at `record` (the caller wrote its other words).
+    pub fn new(record: u64, stripe_unit: u64, replicas: u32, region: &Region) -> File {
+        write_word(region, record + REC_REPLICAS, replicas as u64);
+        File {
+            record,
+            stripe_unit,
+            replicas,
+            table: 0,
+            table_cap: 0,
+            stripes: BTreeMap::new(),
+            retired_tables: Vec::new(),
+        }
+    }
+
+    /// Node memory the file's replicas hold.
+    pub fn memory(&self) -> u64 {
+        self.stripes.values().map(Replicas::memory).sum()
+    }
+
+    /// Stripes with fewer live replicas than the file asks for.
+    pub fn degraded(&self) -> u64 {
+        self.stripes
+            .values()
+            .filter(|r| r.live().len() < self.replicas as usize)
+            .count() as u64
+    }
+
+    fn slot(&self, stripe: u64, j: usize) -> u64 {
+        entry_offset(self.table, stripe, self.replicas) + j as u64 * ENTRY_LEN
+    }
+
+    /// Writes a stripe's table entry, slot by slot: location first, then the tag that makes
+    /// the replica live.
+    fn publish(&mut self, region: &Region, stripe: u64, r: Replicas) {
+        for (j, s) in r.0.iter().enumerate() {
+            if let Some(e) = s {
+                let at = self.slot(stripe, j);
+                write_word(region, at, location(e.node, e.offset));
+                write_word(region, at + 8, e.tag);
+            }
+        }
+        self.stripes.insert(stripe, r);
+    }
+
+    /// Empties slot `j` of a stripe's entry: tag first, then location.
+    fn clear_slot(&self, region: &Region, stripe: u64, j: usize) {
+        let at = self.slot(stripe, j);
+        write_word(region, at + 8, 0);
+        write_word(region, at, 0);
+    }
+
+    fn clear(&self, region: &Region, stripe: u64) {
+        for j in 0..self.replicas as usize {
+            self.clear_slot(region, stripe, j);
+        }
+    }
+
+    /// Makes stripe `stripe` hold at least its first `end` bytes: places a hole's replicas on
+    /// `nodes` (see [`File::place`]), or grows its extents. `serial` numbers a new allocation.
+    pub fn alloc_stripe(
+        &mut self,
+        ino: u64,
+        stripe: u64,
+        end: u64,
+        serial: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<Vec<StripeExtent>> {
+        if let Some(r) = self.stripes.get(&stripe) {
+            if r.cap() >= end {
+                return Ok(r.live());
+            }
+            let cap = extent_cap(self.stripe_unit, stripe, end, r.cap());
+            return self.resize(stripe, cap, serial, st);
+        }
+        if stripe >= self.table_cap {
+            self.grow_table(stripe, st)?;
+        }
+        let cap = extent_cap(self.stripe_unit, stripe, end, 0);
+        let r = self.place(ino, stripe, stripe_tag(serial, cap), st)?;
+        let (_, region) = st.local();
+        let live = r.live();
+        self.publish(region, stripe, r);
+        Ok(live)
+    }
+
+    /// Allocates up to `replicas` extents tagged `tag` on different nodes: round-robin from a
+    /// per-file, per-stripe start, so stripes and their copies spread over the nodes; a node
+    /// that cannot be reached or is full passes its replica on to the next. A stripe gets
+    /// fewer replicas (degraded) when fewer nodes can take one, and fails only when none can.
+    fn place(&self, ino: u64, stripe: u64, tag: u64, st: &dyn Storage) -> MetaResult<Replicas> {
+        let nodes = st.data_nodes();
+        let cap = rackfs_proto::record::tag_capacity(tag);
+        let first = ((ino + stripe) % nodes.len() as u64) as usize;
+        let mut placed = Vec::new();
+        let mut last = None;
+        for k in 0..nodes.len() {
+            if placed.len() == self.replicas as usize {
+                break;
+            }
+            let node = nodes[(first + k) % nodes.len()];
+            match st.alloc(node, cap, Some(tag)) {
+                Ok(base) => placed.push(Some(StripeExtent {
+                    node,
+                    offset: base + TAG_SPACE,
+                    tag,
+                })),
+                Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::OutOfMemory) => {
+                    last = Some(e)
+                }
+                Err(e) => {
+                    for p in placed.iter().flatten() {
+                        let _ = st.free(p.node, p.offset - TAG_SPACE);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if placed.is_empty() {
+            return Err(last.expect("at least one node was tried"));
+        }
+        if placed.len() < self.replicas as usize {
+            tracing::warn!(
+                ino,
+                stripe,
+                placed = placed.len(),
+                replicas = self.replicas,
+                why = %last.as_ref().map_or(String::new(), |e| e.message.clone()),
+                "stripe placed with fewer replicas than the file asks for"
+            );
+        }
+        placed.resize(self.replicas as usize, None);
+        Ok(Replicas(placed))
+    }
+
+    /// A larger table holding stripe `stripe`, filled before the record points at it.
+    fn grow_table(&mut self, stripe: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (me, region) = st.local();
+        let cap = (stripe + 1).next_power_of_two().max(16);
+        let bytes = |entries: u64| entry_offset(0, entries, self.replicas);
+        let table = st.alloc(me, bytes(cap), None)?;
+        if self.table != 0 {
+            let mut old = vec![0u8; bytes(self.table_cap) as usize];
+            region.read(self.table, &mut old).expect("table in region");
+            region.write(table, &old).expect("table in region");
+            self.retired_tables.push(self.table);
+        }
+        self.table = table;
+        self.table_cap = cap;
+        write_word(region, self.record + REC_TABLE, table);
+        write_word(region, self.record + REC_TABLE_CAP, cap);
+        Ok(())
+    }
+
+    /// Moves stripe `stripe` into extents of `cap` bytes on the same nodes: the entry is
+    /// cleared first (clients that miss it ask the service, which answers after the move),
+    /// each data node moves its replica, then the new entry is published. A replica whose move
+    /// fails while another's succeeds is dropped (the stripe is left degraded); if every move
+    /// fails nothing moved and the old entry is published again.
+    fn resize(
+        &mut self,
+        stripe: u64,
+        cap: u64,
+        serial: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<Vec<StripeExtent>> {
+        let (_, region) = st.local();
+        let old = self.stripes[&stripe].clone();
+        self.clear(region, stripe);
+        let tag = stripe_tag(serial, cap);
+        let mut moved = old.clone();
+        let mut failure = None;
+        for s in moved.0.iter_mut() {
+            let Some(e) = *s else { continue };
+            match st.resize(e.node, e.offset - TAG_SPACE, cap, tag) {
+                Ok(base) => {
+                    *s = Some(StripeExtent {
+                        node: e.node,
+                        offset: base + TAG_SPACE,
+                        tag,
+                    })
+                }
+                Err(err) => {
+                    tracing::warn!(node = e.node, stripe, error = %err, "a replica could not be moved to a larger extent: dropped");
+                    *s = None;
+                    failure = Some(err);
+                }
+            }
+        }
+        match failure {
+            Some(e) if moved.live().is_empty() => {
+                self.publish(region, stripe, old);
+                Err(e)
+            }
+            _ => {
+                let live = moved.live();
+                self.publish(region, stripe, moved);
+                Ok(live)
+            }
+        }
+    }
+
+    /// Shrinks the last stripe's extents to what the file's size needs, when that saves more
+    /// than an eighth of them (a file that grew by doubling, or was truncated).
+    pub fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        let size = read_word(region, self.record + REC_SIZE);
+        let Some((&k, r)) = self.stripes.iter().next_back() else {
+            return Ok(());
+        };
+        let need = size
+            .saturating_sub(k * self.stripe_unit)
+            .clamp(1, self.stripe_unit)
+            .next_multiple_of(EXTENT_GRANULE);
+        if need + r.cap() / 8 >= r.cap() {
+            return Ok(());
+        }
+        self.resize(k, need, serial, st).map(|_| ())
+    }
+
+    /// After the size became `size` (from `old`): zeroes the cut-off tail of the last kept
+    /// stripe (so a later extension reads zeros) and frees the stripes wholly beyond it, even
+    /// when the file grew (a stripe allocated past the end by a write that never set the size
+    /// would otherwise stay until unlink). A replica that cannot be zeroed is dropped while
+    /// another is; its node's memory is freed when it can be.
+    pub fn cut(&mut self, size: u64, old: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        let unit = self.stripe_unit;
+        if size < old && !size.is_multiple_of(unit) {
+            let k = size / unit;
+            if let Some(r) = self.stripes.get(&k).cloned() {
+                let at = size % unit;
+                if at < r.cap() {
+                    let mut zeroed = r.clone();
+                    let mut failure = None;
+                    for (j, s) in r.0.iter().enumerate() {
+                        let Some(e) = s else { continue };
+                        if let Err(err) = st.zero(e.node, e.offset + at, r.cap() - at) {
+                            failure = Some(err);
+                            zeroed.0[j] = None;
+                        }
+                    }
+                    if let Some(e) = failure {
+                        if zeroed.live().is_empty() {
+                            return Err(e);
+                        }
+                        for j in 0..r.0.len() {
+                            if zeroed.0[j].is_none() && r.0[j].is_some() {
+                                self.clear_slot(region, k, j);
+                            }
+                        }
+                        self.stripes.insert(k, zeroed);
+                    }
+                }
+            }
+        }
+        let gone: Vec<u64> = self
+            .stripes
+            .range(size.div_ceil(unit)..)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in gone {
+            let r = self.stripes.remove(&k).expect("present");
+            self.clear(region, k);
+            free_all(&r, st);
+        }
+        Ok(())
+    }
+
+    /// Drops `node`'s replicas from every stripe that has another live one.
+    pub fn drop_node(&mut self, node: u32, region: &Region) -> Dropped {
+        let mut d = Dropped::default();
+        let mut changed = Vec::new();
+        for (&k, r) in &self.stripes {
+            let Some(j) = r.on(node) else { continue };
+            if r.live().len() > 1 {
+                changed.push((k, j));
+                d.replicas += 1;
+            } else {
+                d.lost += 1;
+            }
+        }
+        for (k, j) in changed {
+            self.clear_slot(region, k, j);
+            if let Some(r) = self.stripes.get_mut(&k) {
+                r.0[j] = None;
+            }
+        }
+        d
+    }
+
+    /// Stripes whose only live replica is on a node in `down`.
+    pub fn lost(&self, down: &[u32]) -> u64 {
+        self.stripes
+            .values()
+            .filter(|r| r.live().iter().all(|e| down.contains(&e.node)))
+            .count() as u64
+    }
+
+    /// Frees everything the file holds: its stripes' extents, its tables and its record.
+    pub fn delete(self, st: &dyn Storage) {
+        let (me, _) = st.local();
+        for r in self.stripes.values() {
+            free_all(r, st);
+        }
+        for t in self
+            .retired_tables
+            .into_iter()
+            .chain((self.table != 0).then_some(self.table))
+        {
+            let _ = st.free(me, t);
+        }
+        let _ = st.free(me, self.record);
+    }
+}
+
+/// Frees every live replica's extent; a node that cannot be reached keeps its (unreferenced)
+/// extent, logged.
+fn free_all(r: &Replicas, st: &dyn Storage) {
+    for e in r.0.iter().flatten() {
+        if let Err(err) = st.free(e.node, e.offset - TAG_SPACE) {
+            tracing::warn!(node = e.node, error = %err, "a freed stripe's extent stays allocated on its node");
+        }
+    }
+}
+
+/// The capacity of a new extent for stripe `stripe` that must hold `end` bytes, replacing one
+/// of `old` bytes (0: none). The first stripe grows geometrically (so a file written in
+/// pieces is copied O(1) times per byte) up to the whole stripe; later stripes are whole.
+pub fn extent_cap(unit: u64, stripe: u64, end: u64, old: u64) -> u64 {
+    if stripe > 0 {
+        return unit;
+    }
+    let want = end
+        .max(old.saturating_mul(2))
+        .max(1)
+        .next_multiple_of(EXTENT_GRANULE);
+    if want >= unit - unit / 4 {
+        unit
+    } else {
+        want
+    }
+}
+
+/// Reads a word of the service's own region (atomically: clients CAS the same words).
+pub fn read_word(region: &Region, offset: u64) -> u64 {
+    region.load(offset).expect("word in region")
+}
+
+/// Writes a word of the service's own region (atomically).
+pub fn write_word(region: &Region, offset: u64, v: u64) {
+    region.store(offset, v).expect("word in region")
+}
