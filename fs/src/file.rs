@@ -282,7 +282,12 @@ impl FileData {
     /// seen live within their node's lease, and returns the stripes that turned out stale (or
     /// lost a replica to a failed node). Writing to a replica seen live long ago could land
     /// in memory the node has freed and reused.
-    fn recheck(&self, cl: &Cluster, tags: &[TagCheck]) -> Result<Vec<u64>, i32> {
+    fn recheck(
+        &self,
+        cl: &Cluster,
+        tags: &[TagCheck],
+        dead: &mut Vec<u32>,
+    ) -> Result<Vec<u64>, i32> {
         let now = clock_ns();
         let expired: Vec<TagCheck> = {
             let l = self.layout.read().expect("layout lock");
@@ -316,7 +321,7 @@ impl FileData {
                 Ok(n) => n.rkey,
                 Err(err) => {
                     self.verbs_err(cl, node, err);
-                    gone.extend(self.replica_failed(cl, node)?);
+                    gone.extend(self.replica_failed(cl, node, dead)?);
                     continue;
                 }
             };
@@ -331,7 +336,7 @@ impl FileData {
         let mut stale = stale_stripes(&checks, &out.done);
         self.seen_live(&checks, &stale, sent);
         stale.extend(gone);
-        stale.extend(self.failed_writes(cl, out.failed)?);
+        stale.extend(self.failed_writes(cl, out.failed, dead)?);
         Ok(stale)
     }
 
@@ -346,13 +351,20 @@ impl FileData {
     }
 
     /// Data node `node` failed a write: once the primary has dropped it from the replicas
-    /// (or found it alive), forgets the cached stripes with a replica there and returns them
-    /// (the write is redone on a fresh layout).
-    fn replica_failed(&self, cl: &Cluster, node: u32) -> Result<Vec<u64>, i32> {
+    /// (noted in `dead`) or found it alive, forgets the cached stripes with a replica there and
+    /// returns them (the write is redone on a fresh layout).
+    fn replica_failed(
+        &self,
+        cl: &Cluster,
+        node: u32,
+        dead: &mut Vec<u32>,
+    ) -> Result<Vec<u64>, i32> {
         if node == self.primary {
             return Err(libc::EIO); // the file record is there: nothing to fail over to
         }
-        cl.node_failed(node)?;
+        if cl.node_failed(node)? {
+            dead.push(node);
+        }
         let mut l = self.layout.write().expect("layout lock");
         let on: Vec<u64> = l
             .stripes
@@ -368,13 +380,18 @@ impl FileData {
 
     /// The stripes to redo after the nodes in `failed` failed a write (see
     /// [`FileData::replica_failed`]); EIO if the mount was fenced or the primary failed.
-    fn failed_writes(&self, cl: &Cluster, failed: Vec<(u32, VerbsError)>) -> Result<Vec<u64>, i32> {
+    fn failed_writes(
+        &self,
+        cl: &Cluster,
+        failed: Vec<(u32, VerbsError)>,
+        dead: &mut Vec<u32>,
+    ) -> Result<Vec<u64>, i32> {
         let mut redo = Vec::new();
         for (node, e) in failed {
             if matches!(e, VerbsError::Fenced { .. }) {
                 return Err(libc::EIO);
             }
-            redo.extend(self.replica_failed(cl, node)?);
+            redo.extend(self.replica_failed(cl, node, dead)?);
         }
         Ok(redo)
     }
@@ -727,6 +744,8 @@ impl FileData {
         let pr = self
             .node(cl, self.primary, session)
             .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+        // Nodes declared dead after failing this write.
+        let mut dead: Vec<u32> = Vec::new();
         for _ in 0..MAX_ATTEMPTS {
             let short = self.short(&ps);
             if !short.is_empty() {
@@ -770,6 +789,16 @@ impl FileData {
                     complete = false;
                     break;
                 }
+                if let Some(e) = replicas.iter().find(|e| dead.contains(&e.node)) {
+                    // Its only replica is on a node declared dead: nothing to write to.
+                    tracing::warn!(
+                        ino = self.ino,
+                        stripe = p.stripe,
+                        node = e.node,
+                        "the stripe's only replica is on a memory node declared dead: EIO"
+                    );
+                    return Err(libc::EIO);
+                }
                 let bytes = &data[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
                 for e in replicas {
                     match self.stage(cl, p, e, &mut touched) {
@@ -779,7 +808,7 @@ impl FileData {
                         }
                         Err(err) => {
                             self.verbs_err(cl, e.node, err);
-                            redo = self.replica_failed(cl, e.node)?;
+                            redo = self.replica_failed(cl, e.node, &mut dead)?;
                             complete = false;
                             break 'pieces;
                         }
@@ -803,13 +832,13 @@ impl FileData {
             let _admitted = match self.admit(cl, &tokens) {
                 Ok(a) => a,
                 Err(failed) => {
-                    let redo = self.failed_writes(cl, vec![failed])?;
+                    let redo = self.failed_writes(cl, vec![failed], &mut dead)?;
                     self.evict(&redo);
                     continue;
                 }
             };
             // Right before the data goes out (QoS may have made us wait).
-            let expired = self.recheck(cl, &tags)?;
+            let expired = self.recheck(cl, &tags, &mut dead)?;
             if !expired.is_empty() {
                 self.evict(&expired);
                 continue;
@@ -820,7 +849,7 @@ impl FileData {
                 // A replica's node failed: once it is dropped from the stripes (or found
                 // alive), the whole write is redone on the replicas left. Writing a range
                 // twice under the lock is harmless.
-                let redo = self.failed_writes(cl, out.failed)?;
+                let redo = self.failed_writes(cl, out.failed, &mut dead)?;
                 self.evict(&redo);
                 continue;
             }

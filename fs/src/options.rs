@@ -338,6 +338,9 @@ mod tests {
             ("reservation=100,limit=50", "below reservation"),
             ("qos=off,reservation=100", "need qos=on"),
             ("ro=1", "unknown mount option"),
+            ("replicas=0", "from 1 to 4"),
+            ("replicas=5", "from 1 to 4"),
+            ("read_policy=random", "adaptive or static"),
         ] {
             let e = MountOptions::parse(bad).unwrap_err();
             assert!(e.to_string().contains(says), "{bad}: {e}");

@@ -154,15 +154,6 @@ impl ExtentAllocator {
         self.allocated.get(&offset).copied()
     }
 
-    /// Offsets of the live file stripes.
-    pub fn tagged(&self) -> Vec<u64> {
-        self.allocated
-            .iter()
-            .filter(|(_, e)| e.1)
-            .map(|(&o, _)| o)
-            .collect()
-    }
-
     /// Marks an extent as no longer a live file stripe (freed into quarantine).
     pub fn mark_untagged(&mut self, offset: u64) {
         if let Some(e) = self.allocated.get_mut(&offset) {

@@ -180,6 +180,7 @@ impl MemNode {
                 _ => ServeLease::forever(),
             },
             lease_words: Default::default(),
+            discards: Default::default(),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
             store,
@@ -236,7 +237,7 @@ impl MemNode {
                         thread(&n, "fence", move |n| n.fence_mount(session));
                     }
                     for id in nodes.expire(now) {
-                        crate::liveness::declare_dead(&n, id as u32, "its lease lapsed");
+                        crate::liveness::declare_dead(&n, id as u32, "its lease lapsed", false);
                     }
                 }
             });

@@ -9,10 +9,12 @@
 //! * The primary times leases with [`crate::lease::Leases`] keyed by node id, from when each
 //!   renewal arrived. A node whose lease lapses is declared dead ([`declare_dead`]): marked
 //!   down (no new data goes there) and dropped from every stripe that has another replica.
-//! * A node declared dead learns it at its next renewal (refused `Fenced`): it discards every
-//!   stripe it holds (they may be stale) and joins again, empty. A node that joins is always
-//!   empty (fresh, or after discarding), so joining also drops its old replicas.
+//! * A node declared dead is taken back at its next renewal: the primary first frees on it the
+//!   replicas it dropped (stale now; tombstoning their tags sends mounts that cached them back
+//!   to the layout), then renews. Stripes it alone held were never dropped and serve again.
+//!   A node that joins (again) is new and empty, so joining drops its old replicas.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -88,19 +90,6 @@ pub fn keep_lease(node: &Node, primary: &str) {
                 }
                 conn = Some(c);
             }
-            Err(RpcError::Refused {
-                code: ErrorCode::Fenced,
-                message,
-            }) => {
-                node.serve.end();
-                node.lease_words.publish(0);
-                let n = node.store.discard_stripes();
-                warn!(why = %message, discarded = n, "the primary declared this node dead: its stripes are discarded (their other replicas carry on) and it joins again, empty");
-                if let Err(e) = node.members.join(primary, &node.cfg.secret) {
-                    warn!(error = %e, "cannot join the cluster again yet; retrying");
-                }
-                conn = Some(c);
-            }
             Ok(other) => {
                 warn!(answer = ?other, "unexpected answer to a lease renewal");
             }
@@ -114,25 +103,84 @@ pub fn keep_lease(node: &Node, primary: &str) {
     }
 }
 
-/// Primary: data node `id` is out (its lease lapsed, or it joined again, empty): no new data
-/// goes there, and it is dropped from every stripe that has another replica.
-pub fn declare_dead(node: &Node, id: u32, why: &str) {
+/// The primary's record of nodes declared dead: per node, the extents of its replicas that
+/// were dropped (stale now), freed on the node before it serves again. Its lock also
+/// serialises declaring a node dead with taking it back.
+#[derive(Default)]
+pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
+
+/// Primary: data node `id` is out (its lease lapsed; `joined`: it joined again, empty): no new
+/// data goes there, and it is dropped from every stripe that has another replica. Does nothing
+/// for a node whose lease holds (it renewed meanwhile), unless it joined.
+pub fn declare_dead(node: &Node, id: u32, why: &str, joined: bool) {
+    let (Some(meta), Some(leases)) = (&node.meta, &node.node_leases) else {
+        return;
+    };
+    let mut discards = node.discards.0.lock().expect("discards lock");
+    if !joined && leases.check(id as u64).is_ok() {
+        return;
+    }
     node.members.mark_down(id, why);
-    let Some(meta) = &node.meta else { return };
     let d = meta
         .lock()
         .expect("metadata lock")
         .namespace
         .drop_node(id, node);
-    if d.replicas > 0 || d.lost > 0 {
+    if !d.extents.is_empty() || d.lost > 0 {
         warn!(
             node = id,
             reason = why,
-            dropped = d.replicas,
+            dropped = d.extents.len(),
             unavailable = d.lost,
             "memory node out of the cluster: its replicas are dropped from the stripes that have another; stripes it alone held fail with EIO until it returns"
         );
     }
+    let pending = discards.entry(id).or_default();
+    if joined {
+        pending.clear(); // its memory is new
+    } else {
+        pending.extend(d.extents);
+    }
+}
+
+/// Primary: renews data node `id`'s lease. A node declared dead is taken back here: the
+/// replicas dropped from it are freed on it first (their tags tombstoned, so a mount that
+/// cached them re-reads the layout), then its lease starts again and new data may go there.
+pub fn renew(node: &Node, id: u32) -> Result<Duration, Refusal> {
+    let Some(leases) = &node.node_leases else {
+        return Err(Refusal::new(
+            ErrorCode::NotPrimary,
+            "node leases are kept by the primary",
+        ));
+    };
+    if let Ok(d) = leases.renew(id as u64) {
+        return Ok(d);
+    }
+    declare_dead(node, id, "its lease lapsed", false);
+    let mut discards = node.discards.0.lock().expect("discards lock");
+    let peer = node.members.peer(id)?;
+    let pending = discards.remove(&id).unwrap_or_default();
+    for (i, &offset) in pending.iter().enumerate() {
+        match peer.free(offset) {
+            Ok(_) | Err(RpcError::Refused { .. }) => {}
+            Err(e) => {
+                discards.insert(id, pending[i..].to_vec());
+                return Err(Refusal::new(
+                    ErrorCode::Unavailable,
+                    format!("stale replicas on node {id} not freed yet: {e}"),
+                ));
+            }
+        }
+    }
+    leases.end(id as u64);
+    leases.hold(id as u64);
+    node.members.mark_up(id);
+    info!(
+        node = id,
+        freed = pending.len(),
+        "memory node back: its dropped replicas are freed, and it takes new data again"
+    );
+    Ok(leases.lease())
 }
 
 /// Primary: a mount could not write to data node `id`. Answers once the node is out (its lease
@@ -156,7 +204,7 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
     loop {
         if leases.check(id as u64).is_err() {
             // Idempotent: the lease checker may be dropping it right now.
-            declare_dead(node, id, "its lease lapsed");
+            declare_dead(node, id, "its lease lapsed", false);
             return Ok(());
         }
         if std::time::Instant::now() > until {

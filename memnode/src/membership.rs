@@ -65,7 +65,7 @@ impl Membership {
                     node,
                     name = %p.addr.name,
                     reason = %why,
-                    "memory node unreachable: its files return EIO, new data goes to the others"
+                    "memory node unreachable: new data goes to the others (it is dropped from the replicas once its lease lapses)"
                 );
                 p.down = Some(why.to_string());
             }

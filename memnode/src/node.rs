@@ -62,6 +62,8 @@ pub struct Node {
     pub serve: rackfs_verbs::lease::ServeLease,
     /// Where this node's shm clients keep their copy of its lease.
     pub lease_words: crate::liveness::LeaseWords,
+    /// Replicas dropped from nodes declared dead, to free when they return (primary only).
+    pub discards: crate::liveness::Discards,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -270,14 +272,13 @@ impl Node {
             ControlRequest::Join { node } => self
                 .accept_join(node)
                 .map_or_else(ControlResponse::from, ControlResponse::Cluster),
-            ControlRequest::NodeRenew { node } => match &self.node_leases {
-                Some(l) => l
-                    .renew(node as u64)
-                    .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+            ControlRequest::NodeRenew { node } => {
+                crate::liveness::renew(self, node).map_or_else(ControlResponse::from, |d| {
+                    ControlResponse::Lease {
                         ms: d.as_millis() as u64,
-                    }),
-                None => refused(ErrorCode::NotPrimary, "node leases are kept by the primary"),
-            },
+                    }
+                })
+            }
             ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
@@ -393,7 +394,7 @@ impl Node {
         let id = node.node_id;
         let known = self.members.peer(id).is_ok();
         if known && self.meta.is_some() {
-            crate::liveness::declare_dead(self, id, "it joined again, empty");
+            crate::liveness::declare_dead(self, id, "it joined again, empty", true);
         }
         let info = self.members.accept_join(node, &self.cfg.secret)?;
         if let Some(l) = &self.node_leases {

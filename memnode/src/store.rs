@@ -164,19 +164,6 @@ impl Store {
         }
     }
 
-    /// Frees every file stripe this node holds (tombstoned and quarantined): after the primary
-    /// declared the node dead they may be stale, and the node joins again empty. Returns how
-    /// many there were.
-    pub fn discard_stripes(&self) -> usize {
-        let tagged = self.allocator.lock().expect("allocator lock").tagged();
-        for &offset in &tagged {
-            if let Err(e) = self.free(offset) {
-                warn!(offset, error = %e, "a stripe could not be discarded");
-            }
-        }
-        tagged.len()
-    }
-
     /// Zeroes `len` bytes at `offset`, which must lie inside one allocated extent.
     pub fn zero(&self, offset: u64, len: u64) -> Result<(), Refusal> {
         let inside = self

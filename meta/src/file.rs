@@ -70,11 +70,12 @@ pub struct File {
     retired_tables: Vec<u64>,
 }
 
-/// What dropping a dead node's replicas did to one file.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// What dropping a dead node's replicas did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Dropped {
-    /// Replicas dropped from stripes that keep another.
-    pub replicas: u64,
+    /// Extents (their start on the node) of the replicas dropped from stripes that keep
+    /// another: the node must free them before it serves again, as they go stale.
+    pub extents: Vec<u64>,
     /// Stripes whose only live replica was on the node (they fail until it returns).
     pub lost: u64,
 }
@@ -138,7 +139,7 @@ impl File {
     }
 
     /// Makes stripe `stripe` hold at least its first `end` bytes: places a hole's replicas on
-    /// `nodes` (see [`File::place`]), or grows its extents. `serial` numbers a new allocation.
+    /// different data nodes, or grows its extents. `serial` numbers a new allocation.
     pub fn alloc_stripe(
         &mut self,
         ino: u64,
@@ -348,15 +349,16 @@ impl File {
         Ok(())
     }
 
-    /// Drops `node`'s replicas from every stripe that has another live one.
-    pub fn drop_node(&mut self, node: u32, region: &Region) -> Dropped {
-        let mut d = Dropped::default();
+    /// Drops `node`'s replicas from every stripe that has another live one (adding them to
+    /// `d`).
+    pub fn drop_node(&mut self, node: u32, region: &Region, d: &mut Dropped) {
         let mut changed = Vec::new();
         for (&k, r) in &self.stripes {
             let Some(j) = r.on(node) else { continue };
             if r.live().len() > 1 {
                 changed.push((k, j));
-                d.replicas += 1;
+                d.extents
+                    .push(r.0[j].expect("live slot").offset - TAG_SPACE);
             } else {
                 d.lost += 1;
             }
@@ -367,7 +369,6 @@ impl File {
                 r.0[j] = None;
             }
         }
-        d
     }
 
     /// Stripes whose only live replica is on a node in `down`.

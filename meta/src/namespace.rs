@@ -845,15 +845,11 @@ impl Namespace {
     /// has another (see [`File::drop_node`]).
     pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
         let (_, region) = st.local();
-        let mut total = Dropped::default();
-        for i in self.inodes.values_mut() {
-            if let Some(f) = i.file.as_mut() {
-                let d = f.drop_node(node, region);
-                total.replicas += d.replicas;
-                total.lost += d.lost;
-            }
+        let mut d = Dropped::default();
+        for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {
+            f.drop_node(node, region, &mut d);
         }
-        total
+        d
     }
 
     /// The health of the files' data: files with a degraded stripe (fewer live replicas than

@@ -116,6 +116,11 @@ pub struct FioRun {
 }
 
 impl FioRun {
+    /// Whether fio is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Waits for fio and parses its report; panics with fio's own message if it failed.
     pub fn wait(self) -> FioReport {
         let out = self.child.wait_with_output().expect("wait for fio");

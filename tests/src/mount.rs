@@ -57,6 +57,11 @@ impl Mount {
         Ok(m)
     }
 
+    /// The mount's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub fn path(&self, rel: &str) -> PathBuf {
         self.dir.join(rel)
     }

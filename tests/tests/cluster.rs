@@ -332,19 +332,24 @@ fn steady_state_io_makes_no_control_rpc() {
     assert!(v1 - v0 >= 2000, "every I/O was verbs: {} verbs", v1 - v0);
 }
 
+/// With one replica (`replicas=1`), a dead node fails the files whose data it held, and only
+/// those.
 #[test]
-fn a_dead_memory_node_fails_its_files_only_over_shm() {
+fn a_dead_memory_node_fails_its_unreplicated_files_only_over_shm() {
     dead_node_case("");
 }
 
 #[test]
-fn a_dead_memory_node_fails_its_files_only_over_tcp() {
+fn a_dead_memory_node_fails_its_unreplicated_files_only_over_tcp() {
     dead_node_case("transport=tcp");
 }
 
 fn dead_node_case(transport: &str) {
     let mut c = TestCluster::start(2, "32M");
-    let m = Mount::new(&c, &format!("attr_timeout=0,stripe_unit=64K,{transport}"));
+    let m = Mount::new(
+        &c,
+        &format!("attr_timeout=0,stripe_unit=64K,replicas=1,{transport}"),
+    );
     // Small files: stripe 0 of inode i lands on node (i % 2), so some live on each node.
     for i in 0..6 {
         fs::write(m.path(&format!("f{i}")), format!("file {i}")).unwrap();
@@ -895,15 +900,15 @@ fn log_names(m: &Mount, what: &str, node: &str) {
     assert!(log.contains(what) && log.contains(node), "{log}");
 }
 
-/// Over tcp, a data node that stops answering (SIGSTOP) fails reads and writes of its stripes
-/// with EIO after the mount's `timeout=`; a write that failed so never lands when the node
+/// Over tcp, a data node that stops answering (SIGSTOP) fails reads and writes of stripes it
+/// alone holds (`replicas=1`) with EIO after the mount's `timeout=`; a write that failed so never lands when the node
 /// resumes; then the mount serves again.
 #[test]
 fn a_stopped_data_node_fails_io_over_tcp_within_the_deadline_and_recovers() {
     let c = TestCluster::start(2, "64M");
     let m = Mount::new(
         &c,
-        "attr_timeout=0,timeout=1,transport=tcp,stripe_unit=64K,qos=off",
+        "attr_timeout=0,timeout=1,transport=tcp,stripe_unit=64K,qos=off,replicas=1",
     );
     const STRIPES: usize = 8; // spread over both nodes
     fs::write(m.path("f"), vec![b'A'; STRIPES << 16]).unwrap();
