@@ -21,7 +21,7 @@ use rackfs_proto::control::ControlResponse;
 use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
 use rackfs_proto::record::{
     entry_offset, split_location, ENTRY_LEN, RECORD_LEN, REC_INO, REC_MTIME, REC_REPLICAS,
-    REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
+    REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
 use rackfs_verbs::{Batch, Completions, RemoteAddr, VerbsError, WrId};
 
@@ -216,10 +216,15 @@ impl FileData {
                 (l.table, l.cap, l.replicas) = now;
                 continue;
             }
+            let mut moving = Vec::new();
             for (k, id) in entries {
                 let e = done
                     .data(id)
                     .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                if (0..replicas as usize).any(|j| word(e, 2 * j + 1) == TAG_MOVING) {
+                    moving.push(k);
+                    continue;
+                }
                 // The service clears a slot before it frees or drops the replica: live when
                 // sent.
                 let live: Vec<Cached> = (0..replicas as usize)
@@ -237,9 +242,48 @@ impl FileData {
                     l.stripes.insert(k, live);
                 }
             }
+            drop(l);
+            for k in moving {
+                self.ask_stripe(cl, k)?;
+            }
             return Ok(size);
         }
         Err(libc::EIO)
+    }
+
+    /// Learns stripe `k`'s replicas from the service, which answers once a move or copy of it
+    /// in progress is done (its entry is marked moving meanwhile).
+    fn ask_stripe(&self, cl: &Cluster, k: u64) -> Result<(), i32> {
+        let sent = clock_ns();
+        let replicas = match cl.primary().meta(MetaRequest::GetStripe {
+            ino: self.ino,
+            stripe: k,
+        }) {
+            Ok(ControlResponse::Stripe(r)) => r,
+            Ok(_) => return Err(libc::EIO),
+            Err(e) => return Err(e.errno()),
+        };
+        self.cache_stripe(k, replicas, sent);
+        Ok(())
+    }
+
+    /// Caches stripe `k`'s replicas, learnt from the service by an RPC sent at `sent`.
+    fn cache_stripe(&self, k: u64, replicas: Vec<StripeExtent>, sent: u64) {
+        if replicas.is_empty() {
+            return;
+        }
+        let live = replicas
+            .into_iter()
+            .map(|extent| Cached {
+                extent,
+                live_at: sent,
+            })
+            .collect();
+        self.layout
+            .write()
+            .expect("layout lock")
+            .stripes
+            .insert(k, live);
     }
 
     /// Stripes of `ps` this mount has no extent for.
@@ -762,18 +806,7 @@ impl FileData {
                         Ok(_) => return Err(libc::EIO),
                         Err(e) => return Err(e.errno()),
                     };
-                    let live = s
-                        .into_iter()
-                        .map(|extent| Cached {
-                            extent,
-                            live_at: sent,
-                        })
-                        .collect();
-                    self.layout
-                        .write()
-                        .expect("layout lock")
-                        .stripes
-                        .insert(k, live);
+                    self.cache_stripe(k, s, sent);
                 }
             }
             // Every piece goes to every replica of its stripe.

@@ -33,6 +33,8 @@ pub struct NodeConfig {
     /// Copies of every stripe of a new file whose creator does not ask (primary only; never
     /// more than the cluster's nodes).
     pub replicas: u32,
+    /// Bytes per second re-replication may copy (primary only).
+    pub rebuild_rate: u64,
     pub qos: QosConfig,
     /// Where to serve Prometheus text metrics (`None`: nowhere).
     pub metrics: Option<String>,

@@ -181,6 +181,7 @@ impl MemNode {
             },
             lease_words: Default::default(),
             discards: Default::default(),
+            rebuilds: Default::default(),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
             store,
@@ -211,6 +212,10 @@ impl MemNode {
             );
         }
         if node.meta.is_some() {
+            let rate = node.cfg.rebuild_rate;
+            every(&node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
+                crate::liveness::rebuild_round(n, rate)
+            });
             every(&node, "lock-trees", Duration::from_millis(1), |n| {
                 let meta = n.meta.as_ref().expect("primary");
                 meta.lock().expect("metadata lock").tick(n);

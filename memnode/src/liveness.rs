@@ -9,12 +9,15 @@
 //! * The primary times leases with [`crate::lease::Leases`] keyed by node id, from when each
 //!   renewal arrived. A node whose lease lapses is declared dead ([`declare_dead`]): marked
 //!   down (no new data goes there) and dropped from every stripe that has another replica.
+//! * Stripes left with fewer replicas than their file asks for are copied onto other live
+//!   nodes in the background, rate-bounded ([`rebuild_round`], `rackfs_meta::file::File::rebuild`).
 //! * A node declared dead is taken back at its next renewal: the primary first frees on it the
 //!   replicas it dropped (stale now; tombstoning their tags sends mounts that cached them back
 //!   to the layout), then renews. Stripes it alone held were never dropped and serve again.
 //!   A node that joins (again) is new and empty, so joining drops its old replicas.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -214,5 +217,49 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
             ));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Re-replication progress (primary only).
+#[derive(Default)]
+pub struct Rebuilds {
+    pub stripes: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+/// How often the primary looks for degraded stripes to copy.
+pub const REBUILD_EVERY: Duration = Duration::from_millis(200);
+
+/// Primary: one round of re-replication. Copies degraded stripes back to their replication
+/// factor, at most `rate` bytes per second (so foreground I/O keeps going), one stripe per
+/// hold of the metadata lock.
+pub fn rebuild_round(node: &Node, rate: u64) {
+    let Some(meta) = &node.meta else { return };
+    let mut budget = (rate as u128 * REBUILD_EVERY.as_millis() / 1000) as u64;
+    let work = meta
+        .lock()
+        .expect("metadata lock")
+        .namespace
+        .degraded_stripes(64);
+    for (ino, stripe) in work {
+        if budget == 0 || node.is_stopping() {
+            break;
+        }
+        let copied = meta
+            .lock()
+            .expect("metadata lock")
+            .namespace
+            .rebuild(ino, stripe, node);
+        match copied {
+            Ok(0) => {}
+            Ok(n) => {
+                budget = budget.saturating_sub(n);
+                node.rebuilds.stripes.fetch_add(1, Ordering::Relaxed);
+                node.rebuilds.bytes.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                warn!(ino, stripe, error = %e, "re-replicating a stripe failed; retrying later")
+            }
+        }
     }
 }

@@ -59,6 +59,10 @@ struct Args {
     /// only).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=4))]
     replicas: u32,
+    /// How fast stripes left with too few replicas by a dead node are copied onto other
+    /// nodes, in bytes per second (e.g. 64M), so foreground I/O keeps going (primary only).
+    #[arg(long, default_value = "128M", value_parser = parse_rate)]
+    rebuild_rate: u64,
     /// QoS period in milliseconds: reservations and limits hold per period.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     qos_period_ms: u64,
@@ -93,6 +97,15 @@ struct Args {
     /// 1 to 4 at once for SECONDS each; prints C_G and C_L and the flags that set them.
     #[arg(long, value_name = "SECONDS")]
     profile: Option<u64>,
+}
+
+/// A rate in bytes per second: a size such as `64M`, at least 1 MiB.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    let v = rackfs_proto::size::parse_size(s).map_err(|e| e.to_string())?;
+    if v < 1 << 20 {
+        return Err(format!("{s} is below 1M per second"));
+    }
+    Ok(v)
 }
 
 fn main() -> ExitCode {
@@ -135,6 +148,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),
         node_lease: std::time::Duration::from_millis(args.node_lease_ms),
         replicas: args.replicas,
+        rebuild_rate: args.rebuild_rate,
         qos: rackfs_memnode::qos::QosConfig {
             period: std::time::Duration::from_millis(args.qos_period_ms),
             check: std::time::Duration::from_millis(1),

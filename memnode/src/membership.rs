@@ -81,6 +81,19 @@ impl Membership {
         }
     }
 
+    /// The tcp address of node `node` (this one or a peer), for one-sided reads.
+    pub fn tcp_of(&self, node: u32) -> Option<String> {
+        let me = self.me.lock().expect("me lock");
+        if me.node_id == node {
+            return me.tcp.clone();
+        }
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .get(&node)
+            .and_then(|p| p.addr.tcp.clone())
+    }
+
     /// The control connection to peer `node`.
     pub fn peer(&self, node: u32) -> Result<Arc<ControlClient>, Refusal> {
         self.peers

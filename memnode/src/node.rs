@@ -64,6 +64,8 @@ pub struct Node {
     pub lease_words: crate::liveness::LeaseWords,
     /// Replicas dropped from nodes declared dead, to free when they return (primary only).
     pub discards: crate::liveness::Discards,
+    /// Re-replication progress (primary only).
+    pub rebuilds: crate::liveness::Rebuilds,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -120,6 +122,17 @@ impl Node {
             let m = m.lock().expect("metadata lock");
             s.lock_trees = m.locks.memory();
             s.lock_recoveries = m.locks.recoveries;
+            let up = self.data_nodes();
+            let down: Vec<u32> = self
+                .members
+                .peers()
+                .into_iter()
+                .map(|(id, _)| id)
+                .filter(|id| !up.contains(id))
+                .collect();
+            s.health = m.namespace.health(&down);
+            s.health.rebuilt_stripes = self.rebuilds.stripes.load(Ordering::Relaxed);
+            s.health.rebuilt_bytes = self.rebuilds.bytes.load(Ordering::Relaxed);
         }
         s
     }
@@ -280,6 +293,19 @@ impl Node {
                 })
             }
             ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            ControlRequest::Retag { offset, tag } => self
+                .store
+                .retag(offset, tag)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            ControlRequest::Pull {
+                source,
+                from,
+                to,
+                len,
+            } => self
+                .store
+                .pull(&source, &self.cfg.secret, (from, to, len))
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
                 Some(b) => b
@@ -510,6 +536,39 @@ impl Storage for Node {
             .call(&ControlRequest::Zero { offset, len })
             .map(|_| ())
             .map_err(|e| self.peer_failed(node, e))
+    }
+
+    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+        if node == self.cfg.node_id {
+            return self.store.retag(offset, tag);
+        }
+        self.members
+            .peer(node)?
+            .call(&ControlRequest::Retag { offset, tag })
+            .map(|_| ())
+            .map_err(|e| self.peer_failed(node, e))
+    }
+
+    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+        let source = self.members.tcp_of(src).ok_or_else(|| {
+            Refusal::new(
+                ErrorCode::Unavailable,
+                format!("node {src} has no tcp address to copy from"),
+            )
+        })?;
+        if dst == self.cfg.node_id {
+            return self.store.pull(&source, &self.cfg.secret, (from, to, len));
+        }
+        self.members
+            .peer(dst)?
+            .call(&ControlRequest::Pull {
+                source,
+                from,
+                to,
+                len,
+            })
+            .map(|_| ())
+            .map_err(|e| self.peer_failed(dst, e))
     }
 
     fn local(&self) -> (u32, &Region) {

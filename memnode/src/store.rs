@@ -164,6 +164,70 @@ impl Store {
         }
     }
 
+    /// Gives the live stripe extent at `offset` the tag `tag`, in place (re-replication).
+    pub fn retag(&self, offset: u64, tag: u64) -> Result<(), Refusal> {
+        let a = self.allocator.lock().expect("allocator lock");
+        match a.extent(offset) {
+            Some((_, true)) => {
+                self.region
+                    .store(offset, tag)
+                    .expect("tag inside the region");
+                // A client's write that found the old tag was ordered before this point.
+                fence(Ordering::SeqCst);
+                Ok(())
+            }
+            _ => Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("no live stripe extent at {offset:#x}"),
+            )),
+        }
+    }
+
+    /// Copies `len` bytes at `from` of node `source`'s region (read one-sidedly over tcp, in
+    /// pieces of at most 1 MiB) to `to` of this node's, which must lie in one allocated extent.
+    pub fn pull(
+        &self,
+        source: &str,
+        secret: &rackfs_verbs::Secret,
+        (from, to, len): (u64, u64, u64),
+    ) -> Result<(), Refusal> {
+        const PIECE: u64 = 1 << 20;
+        let unavailable = |e: rackfs_verbs::VerbsError| {
+            Refusal::new(
+                ErrorCode::Unavailable,
+                format!("reading from {source}: {e}"),
+            )
+        };
+        if self
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .containing(to, len)
+            .is_none()
+        {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!("{len} bytes at {to:#x} are not inside one allocated extent"),
+            ));
+        }
+        let qp = rackfs_verbs::tcp::connect(source, secret, "rebuild").map_err(unavailable)?;
+        let rkey = qp.regions().first().map(|r| r.rkey).ok_or_else(|| {
+            Refusal::new(ErrorCode::Unavailable, format!("{source} has no region"))
+        })?;
+        let mut at = 0;
+        while at < len {
+            let n = PIECE.min(len - at);
+            let bytes = qp
+                .read(rackfs_verbs::RemoteAddr::new(rkey, from + at), n as u32)
+                .map_err(unavailable)?;
+            self.region
+                .write(to + at, &bytes)
+                .expect("extent inside the region");
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Zeroes `len` bytes at `offset`, which must lie inside one allocated extent.
     pub fn zero(&self, offset: u64, len: u64) -> Result<(), Refusal> {
         let inside = self

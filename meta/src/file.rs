@@ -21,7 +21,7 @@ use rackfs_proto::control::ErrorCode;
 use rackfs_proto::namespace::StripeExtent;
 use rackfs_proto::record::{
     entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, REC_REPLICAS, REC_SIZE,
-    REC_TABLE, REC_TABLE_CAP, TAG_SPACE,
+    REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
@@ -112,14 +112,17 @@ impl File {
         entry_offset(self.table, stripe, self.replicas) + j as u64 * ENTRY_LEN
     }
 
-    /// Writes a stripe's table entry, slot by slot: location first, then the tag that makes
-    /// the replica live.
+    /// Writes a stripe's table entry, slot by slot: for a replica its location first, then
+    /// the tag that makes it live; an empty slot is cleared.
     fn publish(&mut self, region: &Region, stripe: u64, r: Replicas) {
         for (j, s) in r.0.iter().enumerate() {
-            if let Some(e) = s {
-                let at = self.slot(stripe, j);
-                write_word(region, at, location(e.node, e.offset));
-                write_word(region, at + 8, e.tag);
+            match s {
+                Some(e) => {
+                    let at = self.slot(stripe, j);
+                    write_word(region, at, location(e.node, e.offset));
+                    write_word(region, at + 8, e.tag);
+                }
+                None => self.clear_slot(region, stripe, j),
             }
         }
         self.stripes.insert(stripe, r);
@@ -136,6 +139,125 @@ impl File {
         for j in 0..self.replicas as usize {
             self.clear_slot(region, stripe, j);
         }
+    }
+
+    /// Marks a stripe's live slots as moving ([`TAG_MOVING`]; locations stay): a mount that
+    /// finds them asks the service, which answers once the move is published.
+    fn mark_moving(&self, region: &Region, stripe: u64) {
+        for (j, s) in self.stripes[&stripe].0.iter().enumerate() {
+            if s.is_some() {
+                write_word(region, self.slot(stripe, j) + 8, TAG_MOVING);
+            }
+        }
+    }
+
+    /// Stripe `stripe`'s live replicas (none: a hole).
+    pub fn stripe(&self, stripe: u64) -> Vec<StripeExtent> {
+        self.stripes
+            .get(&stripe)
+            .map_or_else(Vec::new, Replicas::live)
+    }
+
+    /// Up to `max` stripes with fewer live replicas than the file asks for.
+    pub fn degraded_stripes(&self, max: usize) -> Vec<u64> {
+        self.stripes
+            .iter()
+            .filter(|(_, r)| r.live().len() < self.replicas as usize)
+            .map(|(&k, _)| k)
+            .take(max)
+            .collect()
+    }
+
+    /// Copies degraded stripe `stripe` onto another of the live nodes `nodes`, back towards
+    /// the file's replication factor. In order: the entry is marked moving; each surviving
+    /// replica is retagged in place with a new tag (a mount's write that found the old tag
+    /// landed before that, and is in the copy; one that finds the new tag asks the service,
+    /// which answers after this); a new extent is allocated on a node holding no replica and
+    /// the data copied from a survivor; the entry is published with every replica under the
+    /// new tag. Returns the bytes copied (0: nothing to do or no node could take it).
+    pub fn rebuild(
+        &mut self,
+        ino: u64,
+        stripe: u64,
+        serial: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<u64> {
+        let (_, region) = st.local();
+        let Some(old) = self.stripes.get(&stripe).cloned() else {
+            return Ok(0);
+        };
+        let live = old.live();
+        let nodes = st.data_nodes();
+        let Some(src) = live.iter().find(|e| nodes.contains(&e.node)).copied() else {
+            return Ok(0); // no live copy: it waits for a node to return
+        };
+        if live.len() >= self.replicas as usize {
+            return Ok(0);
+        }
+        let candidates: Vec<u32> = nodes
+            .iter()
+            .copied()
+            .filter(|n| !live.iter().any(|e| e.node == *n))
+            .collect();
+        if candidates.is_empty() {
+            return Ok(0);
+        }
+        let cap = old.cap();
+        let tag = stripe_tag(serial, cap);
+        self.mark_moving(region, stripe);
+        let mut next = old.clone();
+        for s in next.0.iter_mut() {
+            let Some(e) = *s else { continue };
+            match st.retag(e.node, e.offset - TAG_SPACE, tag) {
+                Ok(()) => *s = Some(StripeExtent { tag, ..e }),
+                Err(err) => {
+                    tracing::warn!(node = e.node, stripe, error = %err, "a replica could not be retagged for re-replication: dropped");
+                    *s = None;
+                }
+            }
+        }
+        let Some(src) = next
+            .0
+            .iter()
+            .flatten()
+            .find(|e| e.node == src.node)
+            .copied()
+        else {
+            // The source went away meanwhile; whatever survived is published again.
+            let keep = if next.live().is_empty() { old } else { next };
+            self.publish(region, stripe, keep);
+            return Ok(0);
+        };
+        let first = ((ino + stripe) % candidates.len() as u64) as usize;
+        let mut copied = 0;
+        for k in 0..candidates.len() {
+            let node = candidates[(first + k) % candidates.len()];
+            let Ok(base) = st.alloc(node, cap, Some(tag)) else {
+                continue;
+            };
+            match st.copy(src.node, src.offset, node, base + TAG_SPACE, cap) {
+                Ok(()) => {
+                    let slot = next
+                        .0
+                        .iter()
+                        .position(Option::is_none)
+                        .expect("a free slot");
+                    next.0[slot] = Some(StripeExtent {
+                        node,
+                        offset: base + TAG_SPACE,
+                        tag,
+                    });
+                    copied = cap;
+                    break;
+                }
+                Err(err) => {
+                    tracing::warn!(src = src.node, dst = node, stripe, error = %err, "copying a stripe for re-replication failed");
+                    let _ = st.free(node, base);
+                }
+            }
+        }
+        self.publish(region, stripe, next);
+        Ok(copied)
     }
 
     /// Makes stripe `stripe` hold at least its first `end` bytes: places a hole's replicas on
@@ -248,7 +370,7 @@ impl File {
     ) -> MetaResult<Vec<StripeExtent>> {
         let (_, region) = st.local();
         let old = self.stripes[&stripe].clone();
-        self.clear(region, stripe);
+        self.mark_moving(region, stripe);
         let tag = stripe_tag(serial, cap);
         let mut moved = old.clone();
         let mut failure = None;

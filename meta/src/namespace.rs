@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use rackfs_proto::control::{ControlResponse, ErrorCode};
+use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Change, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
     MAX_FILE_SIZE, MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
@@ -149,6 +149,12 @@ impl Namespace {
             MetaRequest::AllocStripe { ino, stripe, end } => self
                 .alloc_stripe(ino, stripe, end, st)
                 .map(ControlResponse::Stripe),
+            MetaRequest::GetStripe { ino, stripe } => {
+                self.get(ino).and_then(|i| match i.file.as_ref() {
+                    Some(f) => Ok(ControlResponse::Stripe(f.stripe(stripe))),
+                    None => err(ErrorCode::Invalid, "not a regular file"),
+                })
+            }
             MetaRequest::LockSlot | MetaRequest::LockTree { .. } => err(
                 ErrorCode::Internal,
                 "lock requests are the lock-tree service's, not the namespace's",
@@ -852,30 +858,51 @@ impl Namespace {
         d
     }
 
+    /// Up to `max` stripes (file, stripe) below their file's replication factor.
+    pub fn degraded_stripes(&self, max: usize) -> Vec<(u64, u64)> {
+        let mut v = Vec::new();
+        for (&ino, i) in &self.inodes {
+            if let Some(f) = &i.file {
+                v.extend(
+                    f.degraded_stripes(max - v.len())
+                        .into_iter()
+                        .map(|k| (ino, k)),
+                );
+                if v.len() >= max {
+                    break;
+                }
+            }
+        }
+        v
+    }
+
+    /// Copies stripe `stripe` of file `ino` back towards its replication factor (see
+    /// [`File::rebuild`]); returns the bytes copied.
+    pub fn rebuild(&mut self, ino: u64, stripe: u64, st: &dyn Storage) -> MetaResult<u64> {
+        let serial = self.next_tag;
+        self.next_tag += 1;
+        match self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut()) {
+            Some(f) => f.rebuild(ino, stripe, serial, st),
+            None => Ok(0), // deleted meanwhile
+        }
+    }
+
     /// The health of the files' data: files with a degraded stripe (fewer live replicas than
     /// asked), and files with a stripe whose every live replica is on a node in `down`.
-    pub fn health(&self, down: &[u32]) -> Health {
-        let mut h = Health::default();
+    pub fn health(&self, down: &[u32]) -> DataHealth {
+        let mut h = DataHealth::default();
         for f in self.inodes.values().filter_map(|i| i.file.as_ref()) {
             h.files += 1;
+            let degraded = f.degraded();
+            h.degraded_stripes += degraded;
             if f.lost(down) > 0 {
-                h.unavailable += 1;
-            } else if f.degraded() > 0 {
-                h.degraded += 1;
+                h.unavailable_files += 1;
+            } else if degraded > 0 {
+                h.degraded_files += 1;
             }
         }
         h
     }
-}
-
-/// How many regular files are whole, degraded or unavailable (see [`Namespace::health`]).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Health {
-    pub files: u64,
-    /// Files with a stripe below its replication factor (readable and writable).
-    pub degraded: u64,
-    /// Files with a stripe none of whose replicas is reachable (EIO there until a node returns).
-    pub unavailable: u64,
 }
 
 fn check_name(name: &[u8]) -> MetaResult<()> {

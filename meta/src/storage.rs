@@ -30,6 +30,10 @@ pub trait Storage: Send + Sync {
     fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal>;
     /// Zeroes `len` bytes at `offset` of an allocated extent on `node`.
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal>;
+    /// Gives the stripe extent at `offset` on `node` the tag `tag`, in place.
+    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal>;
+    /// Copies `len` bytes from `from` on node `src` to `to` on node `dst`.
+    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal>;
     /// This node's id and data region (where records, tables and lock trees live).
     fn local(&self) -> (u32, &Region);
     /// Capacity and free bytes over the data nodes.
@@ -174,6 +178,50 @@ impl Storage for MemStorage {
         }
         if node == 0 {
             self.region.discard(offset, len).expect("extent in region");
+        }
+        Ok(())
+    }
+
+    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+        if !self
+            .node(node)?
+            .lock()
+            .expect("node lock")
+            .live
+            .contains_key(&offset)
+        {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("no extent at {offset:#x} on node {node}"),
+            ));
+        }
+        if node == 0 {
+            self.region
+                .store(offset, tag)
+                .expect("tag inside the region");
+        }
+        Ok(())
+    }
+
+    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+        for (node, at) in [(src, from), (dst, to)] {
+            let n = self.node(node)?.lock().expect("node lock");
+            let inside = n
+                .live
+                .range(..=at)
+                .next_back()
+                .is_some_and(|(&o, &l)| at + len <= o + l);
+            if !inside {
+                return Err(Refusal::new(
+                    ErrorCode::Invalid,
+                    format!("{len} bytes at {at:#x} are not inside one extent on node {node}"),
+                ));
+            }
+        }
+        if (src, dst) == (0, 0) {
+            self.region
+                .copy_within(from, to, len)
+                .expect("extents in region");
         }
         Ok(())
     }

@@ -22,7 +22,7 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 22] = [
+pub const RPC_KINDS: [&str; 24] = [
     "hello",
     "ping",
     "stats",
@@ -45,6 +45,8 @@ pub const RPC_KINDS: [&str; 22] = [
     "adopt",
     "node_failed",
     "node_renew",
+    "retag",
+    "pull",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,6 +137,22 @@ pub enum ControlRequest {
     NodeRenew {
         node: u32,
     },
+    /// The primary to a data node: give the stripe extent at `offset` the owner tag `tag`, in
+    /// place (re-replication: a mount's write that found the old tag landed before this, and
+    /// one that finds the new tag is redone on the new layout).
+    Retag {
+        offset: u64,
+        tag: u64,
+    },
+    /// The primary to a data node: copy `len` bytes from offset `from` of node `source`'s
+    /// region (read one-sidedly over tcp from `source`'s address) to offset `to` of this one
+    /// (re-replication of a stripe onto this node).
+    Pull {
+        source: String,
+        from: u64,
+        to: u64,
+        len: u64,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -193,6 +211,8 @@ impl ControlRequest {
             ControlRequest::Adopt { .. } => 19,
             ControlRequest::NodeFailed { .. } => 20,
             ControlRequest::NodeRenew { .. } => 21,
+            ControlRequest::Retag { .. } => 22,
+            ControlRequest::Pull { .. } => 23,
         }
     }
 }
@@ -292,6 +312,8 @@ pub struct NodeStats {
     /// Bytes of lock trees (published and retired) and trees replaced by recovery (primary).
     pub lock_trees: u64,
     pub lock_recoveries: u64,
+    /// The files' data health (primary only; see [`DataHealth`]).
+    pub health: DataHealth,
     /// Verbs served by NIC threads and executed by shm clients, by opcode.
     pub verbs: VerbTotals,
     /// Control RPCs served, by kind ([`RPC_KINDS`]).
@@ -303,6 +325,21 @@ pub struct NodeStats {
     pub connections_total: u64,
     pub auth_failures: u64,
     pub protocol_errors: u64,
+}
+
+/// How whole the files' data is, and how far re-replication got (the primary's view).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataHealth {
+    pub files: u64,
+    /// Files with a stripe below its replication factor (still readable and writable).
+    pub degraded_files: u64,
+    /// Files with a stripe none of whose replicas is on a live node (EIO there).
+    pub unavailable_files: u64,
+    /// Stripes below their replication factor, waiting to be copied.
+    pub degraded_stripes: u64,
+    /// Stripes copied back to their replication factor since the primary started.
+    pub rebuilt_stripes: u64,
+    pub rebuilt_bytes: u64,
 }
 
 /// One finished QoS period of one node.
@@ -516,6 +553,7 @@ mod tests {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[7],
                 lock_trees: words[8], lock_recoveries: words[9],
+                health: DataHealth { files: words[40], degraded_files: words[41], unavailable_files: words[42], degraded_stripes: words[43], rebuilt_stripes: words[44], rebuilt_bytes: words[45] },
                 verbs: VerbTotals { ops: words[10..16].try_into().unwrap(), bytes: words[16..22].try_into().unwrap(), errors: words[22], batches: words[23] },
                 rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..44].try_into().unwrap(),
                 rdma: (words[47] % 2 == 1).then(|| format!("rxe{}", words[46])),

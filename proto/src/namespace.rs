@@ -178,6 +178,11 @@ pub enum MetaRequest {
         stripe: u64,
         end: u64,
     },
+    /// Stripe `stripe`'s replicas (none: a hole), answered after any move of it in progress.
+    GetStripe {
+        ino: u64,
+        stripe: u64,
+    },
     StatFs,
     /// This session's client slot in lock trees (assigned on first request).
     LockSlot,

@@ -21,7 +21,8 @@
 //!   stripe share it; 0: an empty slot, and a stripe with every slot empty is a hole). The
 //!   replicas of a stripe are on different nodes and hold the same bytes: a write goes to every
 //!   replica in the entry, a read to any one. Only the service writes the table: location then
-//!   tag when it places a replica, tag then location when it frees or drops one (a replica on
+//!   tag when it places a replica, tag then location when it frees or drops one, and only the
+//!   tag ([`TAG_MOVING`]) while it moves or copies the stripe (a replica on
 //!   a node declared dead is dropped from the entry; the last replica of a stripe is never
 //!   dropped, so a stripe whose every replica is gone fails rather than reading as a hole). When a table grows it is copied and the old copy kept until the file is deleted,
 //!   because clients may still read it; they re-check the record after reading entries.
@@ -69,6 +70,10 @@ pub const ENTRY_LEN: u64 = 16;
 pub const TAG_SPACE: u64 = 64;
 /// Stripe extents' capacities are multiples of this many bytes.
 pub const EXTENT_GRANULE: u64 = 64;
+/// A slot's tag while the service moves or re-replicates its stripe (never a real tag: its
+/// capacity would exceed any stripe unit). A mount that finds it asks the service for the
+/// stripe (`MetaRequest::GetStripe`), which answers once the move is done.
+pub const TAG_MOVING: u64 = u64::MAX;
 /// Low bits of a tag that number the allocation; the bits above hold the capacity.
 const TAG_SERIAL_BITS: u32 = 40;
 

@@ -293,8 +293,9 @@ fn full_cluster_is_enospc_and_loses_nothing() {
 #[test]
 fn thousands_of_small_files_fit_where_their_bytes_fit() {
     // 2 x 16 MiB and the default 1 MiB stripe unit: with a stripe per file, 32 files fit.
+    // One replica: the memory per copy is what is measured (two copies take twice it).
     let c = TestCluster::start(2, "16M");
-    let m = Mount::new(&c, "attr_timeout=0");
+    let m = Mount::new(&c, "attr_timeout=0,replicas=1");
     let used =
         |c: &TestCluster| c.control(0).stats().unwrap().used + c.control(1).stats().unwrap().used;
     let base = used(&c);

@@ -165,3 +165,62 @@ fn a_dead_node_of_two_leaves_every_file_readable_and_writable() {
     fs::write(m.path("new"), vec![9u8; 1 << 20]).unwrap();
     assert_eq!(fs::read(m.path("new")).unwrap(), vec![9u8; 1 << 20]);
 }
+
+/// After a node dies, its stripes are copied back to two replicas on the nodes left while a
+/// writer keeps overwriting them (`rackfs status` counts the copies); a second node's death
+/// then loses nothing either.
+#[test]
+fn a_dead_nodes_stripes_are_copied_back_while_written_and_survive_a_second_death() {
+    let mut c = cluster();
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    const FILES: usize = 8;
+    const LEN: usize = 4 << 16;
+    let content = |i: usize, round: u8| vec![round.wrapping_mul(31).wrapping_add(i as u8); LEN];
+    for i in 0..FILES {
+        fs::write(m.path(&format!("f{i}")), content(i, 0)).unwrap();
+    }
+    c.kill(1);
+    // A writer overwrites every file, round after round, while the copies are made.
+    let dir = m.dir.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut round = 0u8;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                round = round.wrapping_add(1);
+                for i in 0..FILES {
+                    let f = OpenOptions::new()
+                        .write(true)
+                        .open(dir.join(format!("f{i}")))
+                        .unwrap();
+                    f.write_all_at(&content(i, round), 0)
+                        .unwrap_or_else(|e| panic!("round {round} f{i}: {e}"));
+                }
+            }
+            round
+        })
+    };
+    let health = || c.control(0).stats().unwrap().health;
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let h = health();
+            h.rebuilt_stripes > 0 && h.degraded_stripes == 0
+        }),
+        "copies made: {:?}",
+        health()
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let last = writer.join().unwrap();
+    assert!(last >= 1, "the writer ran during the copies");
+    let h = health();
+    assert_eq!((h.degraded_files, h.unavailable_files), (0, 0), "{h:?}");
+    c.kill(2);
+    for i in 0..FILES {
+        assert_eq!(
+            fs::read(m.path(&format!("f{i}"))).unwrap(),
+            content(i, last),
+            "f{i} after a second node died"
+        );
+    }
+}
