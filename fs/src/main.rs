@@ -234,8 +234,8 @@ fn status(
         println!("cluster {addr} (primary {}):", info.primary.name);
         if !info.down.is_empty() {
             println!(
-                "  DEGRADED: {} of {} memory nodes down (their files return EIO; new data goes \
-                 to the others)",
+                "  DEGRADED: {} of {} memory nodes down (stripes with a replica elsewhere carry \
+                 on; new data goes to the others)",
                 info.down.len(),
                 info.nodes.len()
             );
@@ -284,6 +284,23 @@ fn status(
             .map(|o| format!("{}={}", o.name(), s.verbs.ops[o.index()]))
             .collect();
         println!("  primary verbs by opcode: {}", by_op.join(" "));
+        let h = s.health;
+        let state = match (h.unavailable_files, h.degraded_files) {
+            (0, 0) => "healthy",
+            (0, _) => "degraded",
+            _ => "UNAVAILABLE",
+        };
+        println!(
+            "  data: {state}: {} files, {} degraded ({} stripes below their replicas), {} \
+             unavailable (every replica of a stripe on a down node: EIO); re-replicated {} \
+             stripes, {}",
+            h.files,
+            h.degraded_files,
+            h.degraded_stripes,
+            h.unavailable_files,
+            h.rebuilt_stripes,
+            format_size(h.rebuilt_bytes)
+        );
         println!(
             "  range locks: {} of lock trees, {} trees recovered from dead mounts",
             format_size(s.lock_trees),

@@ -40,6 +40,33 @@ pub fn render(s: &NodeStats, qos: Option<&QosNodeStatus>) -> String {
         "Lock trees replaced after a mount died in them.",
         s.lock_recoveries,
     );
+    let h = &s.health;
+    gauge("files", "Regular files (primary).", h.files);
+    gauge(
+        "files_degraded",
+        "Files with a stripe below its replication factor (primary).",
+        h.degraded_files,
+    );
+    gauge(
+        "files_unavailable",
+        "Files with a stripe none of whose replicas is on a live node (primary).",
+        h.unavailable_files,
+    );
+    gauge(
+        "stripes_degraded",
+        "Stripes below their replication factor, waiting to be copied (primary).",
+        h.degraded_stripes,
+    );
+    gauge(
+        "rebuilt_stripes",
+        "Stripes copied back to their replication factor (primary).",
+        h.rebuilt_stripes,
+    );
+    gauge(
+        "rebuilt_bytes",
+        "Bytes copied by re-replication (primary).",
+        h.rebuilt_bytes,
+    );
     gauge(
         "auth_failures",
         "Connections refused for a wrong secret.",

@@ -100,11 +100,13 @@ impl File {
         self.stripes.values().map(Replicas::memory).sum()
     }
 
-    /// Stripes with fewer live replicas than the file asks for.
-    pub fn degraded(&self) -> u64 {
+    /// Stripes with fewer live replicas off the nodes in `down` than the file asks for.
+    pub fn degraded(&self, down: &[u32]) -> u64 {
         self.stripes
             .values()
-            .filter(|r| r.live().len() < self.replicas as usize)
+            .filter(|r| {
+                r.live().iter().filter(|e| !down.contains(&e.node)).count() < self.replicas as usize
+            })
             .count() as u64
     }
 
@@ -554,4 +556,88 @@ pub fn read_word(region: &Region, offset: u64) -> u64 {
 /// Writes a word of the service's own region (atomically).
 pub fn write_word(region: &Region, offset: u64, v: u64) {
     region.store(offset, v).expect("word in region")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::MemStorage;
+
+    /// The live slots of stripe `k`'s entry as the table holds them: (node, tag).
+    fn entry(st: &MemStorage, f: &File, k: u64) -> Vec<(u32, u64)> {
+        let (_, region) = st.local();
+        (0..f.replicas as usize)
+            .map(|j| {
+                let at = f.slot(k, j);
+                (read_word(region, at), read_word(region, at + 8))
+            })
+            .filter(|&(loc, tag)| loc != 0 && tag != 0)
+            .map(|(loc, tag)| (rackfs_proto::record::split_location(loc).0, tag))
+            .collect()
+    }
+
+    fn file(st: &MemStorage, replicas: u32, stripes: u64) -> File {
+        let (me, region) = st.local();
+        let record = st.alloc(me, 64, None).unwrap();
+        let mut f = File::new(record, 4096, replicas, region);
+        for k in 0..stripes {
+            f.alloc_stripe(7, k, 4096, k + 1, st).unwrap();
+        }
+        f
+    }
+
+    #[test]
+    fn replicas_sit_on_distinct_nodes_and_the_table_lists_each() {
+        let st = MemStorage::new(3, 1 << 24);
+        let f = file(&st, 2, 9);
+        for k in 0..9 {
+            let e = entry(&st, &f, k);
+            assert_eq!(e.len(), 2, "stripe {k}: {e:?}");
+            assert_ne!(e[0].0, e[1].0, "stripe {k} has both replicas on one node");
+            assert_eq!(e[0].1, e[1].1, "one tag per stripe");
+        }
+    }
+
+    #[test]
+    fn a_dead_node_is_dropped_where_another_replica_lives_and_copies_restore_the_factor() {
+        let st = MemStorage::new(3, 1 << 24);
+        let mut two = file(&st, 2, 9);
+        let mut one = file(&st, 1, 9);
+        let on1 = |f: &File| {
+            (0..9)
+                .filter(|&k| entry(&st, f, k).iter().any(|e| e.0 == 1))
+                .count()
+        };
+        let (had2, had1) = (on1(&two), on1(&one));
+        assert!(had2 > 0 && had1 > 0, "node 1 holds some of each");
+        st.set_down(1);
+        let (_, region) = st.local();
+        let mut d = Dropped::default();
+        two.drop_node(1, region, &mut d);
+        one.drop_node(1, region, &mut d);
+        // Dropped where a copy is left; a stripe's only copy stays (it fails, not a hole).
+        assert_eq!((d.extents.len(), d.lost as usize), (had2, had1));
+        assert_eq!((on1(&two), on1(&one)), (0, had1));
+        assert_eq!(two.degraded(&[]), had2 as u64);
+        assert_eq!(one.lost(&[1]), had1 as u64);
+        for (n, k) in two.degraded_stripes(100).into_iter().enumerate() {
+            let old = entry(&st, &two, k)[0].1;
+            assert_eq!(two.rebuild(7, k, 100 + n as u64, &st).unwrap(), 4096);
+            let e = entry(&st, &two, k);
+            assert_eq!(e.len(), 2, "stripe {k} copied back: {e:?}");
+            assert!(
+                e.iter().all(|x| x.0 != 1 && x.1 != old),
+                "new tag, live nodes: {e:?}"
+            );
+        }
+        assert_eq!(two.degraded(&[]), 0);
+        // Nothing to copy where a single node is left.
+        st.set_down(2);
+        let mut d = Dropped::default();
+        two.drop_node(2, region, &mut d);
+        for k in two.degraded_stripes(100) {
+            assert_eq!(two.rebuild(7, k, 999, &st).unwrap(), 0);
+            assert_eq!(entry(&st, &two, k).len(), 1, "the survivor stays published");
+        }
+    }
 }

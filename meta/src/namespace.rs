@@ -893,7 +893,7 @@ impl Namespace {
         let mut h = DataHealth::default();
         for f in self.inodes.values().filter_map(|i| i.file.as_ref()) {
             h.files += 1;
-            let degraded = f.degraded();
+            let degraded = f.degraded(down);
             h.degraded_stripes += degraded;
             if f.lost(down) > 0 {
                 h.unavailable_files += 1;

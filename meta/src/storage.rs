@@ -61,6 +61,8 @@ pub struct MemStorage {
     capacity: u64,
     nodes: Vec<Mutex<SimNode>>,
     now: AtomicU64,
+    /// Nodes taken out ([`MemStorage::set_down`]): not data nodes, and refuse everything.
+    down: Mutex<Vec<u32>>,
 }
 
 impl MemStorage {
@@ -72,7 +74,13 @@ impl MemStorage {
             capacity,
             nodes: (0..nodes.max(1)).map(|_| Mutex::default()).collect(),
             now: AtomicU64::new(1_000_000_000),
+            down: Mutex::default(),
         }
+    }
+
+    /// Takes `node` out: it is no data node any more and refuses every request.
+    pub fn set_down(&self, node: u32) {
+        self.down.lock().expect("down lock").push(node);
     }
 
     /// Moves the clock forward.
@@ -86,6 +94,12 @@ impl MemStorage {
     }
 
     fn node(&self, node: u32) -> Result<&Mutex<SimNode>, Refusal> {
+        if self.down.lock().expect("down lock").contains(&node) {
+            return Err(Refusal::new(
+                ErrorCode::Unavailable,
+                format!("node {node} is down"),
+            ));
+        }
         self.nodes
             .get(node as usize)
             .ok_or_else(|| Refusal::new(ErrorCode::Unavailable, format!("no node {node}")))
@@ -94,7 +108,10 @@ impl MemStorage {
 
 impl Storage for MemStorage {
     fn data_nodes(&self) -> Vec<u32> {
-        (0..self.nodes.len() as u32).collect()
+        let down = self.down.lock().expect("down lock");
+        (0..self.nodes.len() as u32)
+            .filter(|n| !down.contains(n))
+            .collect()
     }
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
