@@ -8,6 +8,7 @@ mod qos;
 mod qos_engine;
 mod qos_mounts;
 mod qos_pshift;
+mod replicas;
 mod shared;
 mod stats;
 mod suite;
@@ -80,6 +81,15 @@ enum Cmd {
         run: RunArgs,
         /// Seconds per fio run, after 1 s of ramp (quick: 1).
         #[arg(long, default_value_t = 4)]
+        runtime: u32,
+    },
+    /// Replicated reads under skew (a hot node; r=1, r=2 static, r=2 adaptive) and the cost
+    /// of a second replica on writes (needs root, fio and the cgroup v1 cpu controller).
+    Replicas {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Seconds per fio run, after 1 s of ramp (quick: 2).
+        #[arg(long, default_value_t = 5)]
         runtime: u32,
     },
     /// Haechi's experiments 2A, 2B, 2C and 4 on the simulator with a modelled NIC.
@@ -242,6 +252,19 @@ fn main() {
                 fio::ratios(&rows),
                 run.out,
             );
+        }
+        Cmd::Replicas { run, runtime } => {
+            let cfg = replicas::Config {
+                runs: run.runs(),
+                runtime_s: if run.quick { 2 } else { runtime.max(1) },
+            };
+            match replicas::run(&cfg) {
+                Ok(md) => report(&md, run.out),
+                Err(e) => {
+                    eprintln!("rackfs-bench replicas: {e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Cmd::Qos { run } => {
             let periods = if run.quick { 6 } else { 20 };
