@@ -187,8 +187,7 @@ pub fn run(cfg: &Config) -> Result<String, String> {
     let skew = {
         let _t = Throttle::new(hot, HOT_PERCENT)?;
         eprintln!("Zipf(0.99) 4K random reads, node 2 throttled to {HOT_PERCENT}% of a CPU:");
-        let rows = measure(&c, &dirs, "randread", cfg);
-        rows
+        measure(&c, &dirs, "randread", cfg)
     };
     eprintln!("4K random writes, no node throttled:");
     let writes = measure(&c, &[dirs[0].clone(), dirs[2].clone()], "randwrite", cfg);
