@@ -12,10 +12,12 @@ fn semantics_doc_names_existing_tests() {
         if file.contains(' ') || test.contains(' ') {
             continue;
         }
-        // Integration tests live in tests/tests; tests of one crate in that crate's tests/.
+        // Integration tests live in tests/tests; tests of one crate in that crate's tests/
+        // (the metadata service's unit tests of file layouts in meta/src).
         let src = [
             "tests/tests",
             "meta/tests",
+            "meta/src",
             "locks/tests",
             "qos/tests",
             "verbs/tests",
