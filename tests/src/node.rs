@@ -25,19 +25,33 @@ impl MemNodeProcess {
     }
 
     pub fn start_with(region: &str, secret: Secret, extra: &[&str]) -> MemNodeProcess {
+        Self::start_in(&[], "127.0.0.1:0", region, secret, extra)
+    }
+
+    /// A node listening on `listen`, started through the command `prefix` (e.g. `ip netns exec
+    /// NS`, which execs the node in a network namespace, so the child is the node itself).
+    pub fn start_in(
+        prefix: &[&str],
+        listen: &str,
+        region: &str,
+        secret: Secret,
+        extra: &[&str],
+    ) -> MemNodeProcess {
         let dir = TempDir::new("mn");
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, secret.expose()).expect("write secret");
         let shm = dir.path().join("mn.sock");
         let stderr_log = dir.path().join("stderr.log");
-        let mut child = Command::new(bin_path("rackfs-memnode"))
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--region",
-                region,
-                "--secret-file",
-            ])
+        let mut cmd = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(bin_path("rackfs-memnode"));
+                c
+            }
+            None => Command::new(bin_path("rackfs-memnode")),
+        };
+        let mut child = cmd
+            .args(["--listen", listen, "--region", region, "--secret-file"])
             .arg(&secret_file)
             .arg("--shm-socket")
             .arg(&shm)
