@@ -12,6 +12,8 @@ use crate::qos::QosConfig;
 pub struct NodeConfig {
     pub node_id: u32,
     pub name: String,
+    /// The node's failure domain (replicas of a stripe avoid sharing one).
+    pub domain: Option<String>,
     /// TCP address for verbs and control connections (`None`: no TCP listener).
     pub listen: Option<String>,
     /// Unix socket for shm (and local control) connections.

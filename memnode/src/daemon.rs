@@ -161,6 +161,7 @@ impl MemNode {
             capacity: len,
             qos_area: qos.as_ref().map_or(0, |q| q.area),
             quarantine_ms: cfg.quarantine.as_millis() as u64,
+            domain: cfg.domain.clone(),
         };
         let is_primary = cfg.role == Role::Primary;
         let node = Arc::new(Node {

@@ -33,6 +33,10 @@ struct Args {
     /// A name for logs and errors (default: mn<node-id>).
     #[arg(long)]
     name: Option<String>,
+    /// This node's failure domain (a rack, a host, a power feed): the replicas of a stripe
+    /// go to nodes of different domains while there are enough (default: a domain of its own).
+    #[arg(long, value_name = "NAME")]
+    domain: Option<String>,
     /// Microseconds a NIC thread polls its connection before sleeping (0: never poll).
     #[arg(long, default_value_t = 50)]
     poll_us: u64,
@@ -133,6 +137,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let node = MemNode::start(NodeConfig {
         node_id: args.node_id,
         name: args.name.unwrap_or_else(|| format!("mn{}", args.node_id)),
+        domain: args.domain,
         listen: args.listen,
         shm_socket: args.shm_socket.clone(),
         region_len: args.region,

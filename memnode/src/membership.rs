@@ -94,6 +94,19 @@ impl Membership {
             .and_then(|p| p.addr.tcp.clone())
     }
 
+    /// Node `node`'s failure domain (this one or a peer).
+    pub fn domain_of(&self, node: u32) -> Option<String> {
+        let me = self.me.lock().expect("me lock");
+        if me.node_id == node {
+            return me.domain.clone();
+        }
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .get(&node)
+            .and_then(|p| p.addr.domain.clone())
+    }
+
     /// The control connection to peer `node`.
     pub fn peer(&self, node: u32) -> Result<Arc<ControlClient>, Refusal> {
         self.peers

@@ -571,6 +571,10 @@ impl Storage for Node {
             .map_err(|e| self.peer_failed(dst, e))
     }
 
+    fn domain(&self, node: u32) -> Option<String> {
+        self.members.domain_of(node)
+    }
+
     fn local(&self) -> (u32, &Region) {
         (self.cfg.node_id, self.data_region())
     }

@@ -196,7 +196,8 @@ impl File {
         if live.len() >= self.replicas as usize {
             return Ok(0);
         }
-        let candidates: Vec<u32> = nodes
+        // Nodes holding no replica, those of a failure domain no replica is in first.
+        let mut candidates: Vec<u32> = nodes
             .iter()
             .copied()
             .filter(|n| !live.iter().any(|e| e.node == *n))
@@ -204,6 +205,10 @@ impl File {
         if candidates.is_empty() {
             return Ok(0);
         }
+        // Spread copies over the candidates, a per-file, per-stripe start (the sort is stable).
+        let start = ((ino + stripe) % candidates.len() as u64) as usize;
+        candidates.rotate_left(start);
+        candidates.sort_by_key(|&n| live.iter().any(|e| domain(st, e.node) == domain(st, n)));
         let cap = old.cap();
         let tag = stripe_tag(serial, cap);
         self.mark_moving(region, stripe);
@@ -230,10 +235,8 @@ impl File {
             self.publish(region, stripe, keep);
             return Ok(0);
         };
-        let first = ((ino + stripe) % candidates.len() as u64) as usize;
         let mut copied = 0;
-        for k in 0..candidates.len() {
-            let node = candidates[(first + k) % candidates.len()];
+        for &node in &candidates {
             let Ok(base) = st.alloc(node, cap, Some(tag)) else {
                 continue;
             };
@@ -291,34 +294,49 @@ impl File {
     }
 
     /// Allocates up to `replicas` extents tagged `tag` on different nodes: round-robin from a
-    /// per-file, per-stripe start, so stripes and their copies spread over the nodes; a node
-    /// that cannot be reached or is full passes its replica on to the next. A stripe gets
-    /// fewer replicas (degraded) when fewer nodes can take one, and fails only when none can.
+    /// per-file, per-stripe start, so stripes and their copies spread over the nodes, and on
+    /// nodes of different failure domains while there are enough ([`Storage::domain`]); a node
+    /// that cannot be reached or is full passes its replica on to the next. A stripe gets fewer
+    /// replicas (degraded) when fewer nodes can take one, and fails only when none can.
     fn place(&self, ino: u64, stripe: u64, tag: u64, st: &dyn Storage) -> MetaResult<Replicas> {
         let nodes = st.data_nodes();
         let cap = rackfs_proto::record::tag_capacity(tag);
         let first = ((ino + stripe) % nodes.len() as u64) as usize;
-        let mut placed = Vec::new();
+        let order: Vec<u32> = (0..nodes.len())
+            .map(|k| nodes[(first + k) % nodes.len()])
+            .collect();
+        let mut placed: Vec<Option<StripeExtent>> = Vec::new();
+        let mut tried = Vec::new();
         let mut last = None;
-        for k in 0..nodes.len() {
-            if placed.len() == self.replicas as usize {
-                break;
-            }
-            let node = nodes[(first + k) % nodes.len()];
-            match st.alloc(node, cap, Some(tag)) {
-                Ok(base) => placed.push(Some(StripeExtent {
-                    node,
-                    offset: base + TAG_SPACE,
-                    tag,
-                })),
-                Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::OutOfMemory) => {
-                    last = Some(e)
+        // First only nodes of domains not used yet, then any node left.
+        for spread in [true, false] {
+            for &node in &order {
+                if placed.len() == self.replicas as usize {
+                    break;
                 }
-                Err(e) => {
-                    for p in placed.iter().flatten() {
-                        let _ = st.free(p.node, p.offset - TAG_SPACE);
+                let shared = placed
+                    .iter()
+                    .flatten()
+                    .any(|e| domain(st, e.node) == domain(st, node));
+                if tried.contains(&node) || (spread && shared) {
+                    continue;
+                }
+                tried.push(node);
+                match st.alloc(node, cap, Some(tag)) {
+                    Ok(base) => placed.push(Some(StripeExtent {
+                        node,
+                        offset: base + TAG_SPACE,
+                        tag,
+                    })),
+                    Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::OutOfMemory) => {
+                        last = Some(e)
                     }
-                    return Err(e);
+                    Err(e) => {
+                        for p in placed.iter().flatten() {
+                            let _ = st.free(p.node, p.offset - TAG_SPACE);
+                        }
+                        return Err(e);
+                    }
                 }
             }
         }
@@ -520,6 +538,11 @@ impl File {
     }
 }
 
+/// Node `node`'s failure domain for placement (a node without one is a domain of its own).
+fn domain(st: &dyn Storage, node: u32) -> String {
+    st.domain(node).unwrap_or_else(|| format!("\0node {node}"))
+}
+
 /// Frees every live replica's extent; a node that cannot be reached keeps its (unreferenced)
 /// extent, logged.
 fn free_all(r: &Replicas, st: &dyn Storage) {
@@ -595,6 +618,28 @@ mod tests {
             assert_eq!(e.len(), 2, "stripe {k}: {e:?}");
             assert_ne!(e[0].0, e[1].0, "stripe {k} has both replicas on one node");
             assert_eq!(e[0].1, e[1].1, "one tag per stripe");
+        }
+    }
+
+    #[test]
+    fn replicas_go_to_different_failure_domains_while_there_are_enough() {
+        let st = MemStorage::new(4, 1 << 24);
+        for (node, rack) in [(0, "a"), (1, "a"), (2, "b"), (3, "b")] {
+            st.set_domain(node, rack);
+        }
+        let f = file(&st, 2, 16);
+        let rack = |n: u32| if n < 2 { "a" } else { "b" };
+        for k in 0..16 {
+            let e = entry(&st, &f, k);
+            assert_ne!(rack(e[0].0), rack(e[1].0), "stripe {k} in one rack: {e:?}");
+        }
+        // Three replicas over two racks: the third shares a rack, on a node of its own.
+        let f = file(&st, 3, 4);
+        for k in 0..4 {
+            let mut nodes: Vec<u32> = entry(&st, &f, k).iter().map(|e| e.0).collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            assert_eq!(nodes.len(), 3, "stripe {k}");
         }
     }
 

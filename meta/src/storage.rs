@@ -34,6 +34,8 @@ pub trait Storage: Send + Sync {
     fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal>;
     /// Copies `len` bytes from `from` on node `src` to `to` on node `dst`.
     fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal>;
+    /// Node `node`'s failure domain (`None`: a domain of its own).
+    fn domain(&self, node: u32) -> Option<String>;
     /// This node's id and data region (where records, tables and lock trees live).
     fn local(&self) -> (u32, &Region);
     /// Capacity and free bytes over the data nodes.
@@ -63,6 +65,8 @@ pub struct MemStorage {
     now: AtomicU64,
     /// Nodes taken out ([`MemStorage::set_down`]): not data nodes, and refuse everything.
     down: Mutex<Vec<u32>>,
+    /// Failure domains by node ([`MemStorage::set_domain`]).
+    domains: Mutex<BTreeMap<u32, String>>,
 }
 
 impl MemStorage {
@@ -75,7 +79,16 @@ impl MemStorage {
             nodes: (0..nodes.max(1)).map(|_| Mutex::default()).collect(),
             now: AtomicU64::new(1_000_000_000),
             down: Mutex::default(),
+            domains: Mutex::default(),
         }
+    }
+
+    /// Puts `node` in failure domain `domain`.
+    pub fn set_domain(&self, node: u32, domain: &str) {
+        self.domains
+            .lock()
+            .expect("domains lock")
+            .insert(node, domain.into());
     }
 
     /// Takes `node` out: it is no data node any more and refuses every request.
@@ -241,6 +254,14 @@ impl Storage for MemStorage {
                 .expect("extents in region");
         }
         Ok(())
+    }
+
+    fn domain(&self, node: u32) -> Option<String> {
+        self.domains
+            .lock()
+            .expect("domains lock")
+            .get(&node)
+            .cloned()
     }
 
     fn local(&self) -> (u32, &Region) {

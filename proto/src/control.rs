@@ -233,6 +233,9 @@ pub struct NodeAddr {
     /// cached stripe without first re-checking its tag only within half of this since it last
     /// saw the tag match (see `rackfs_proto::record`).
     pub quarantine_ms: u64,
+    /// The node's failure domain (a rack, a host, a power feed): replicas of a stripe go to
+    /// different domains while there are enough (`None`: a domain of its own).
+    pub domain: Option<String>,
 }
 
 /// The cluster as a node knows it.
