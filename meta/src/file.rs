@@ -170,13 +170,14 @@ impl File {
             .collect()
     }
 
-    /// Copies degraded stripe `stripe` onto another of the live nodes `nodes`, back towards
-    /// the file's replication factor. In order: the entry is marked moving; each surviving
-    /// replica is retagged in place with a new tag (a mount's write that found the old tag
-    /// landed before that, and is in the copy; one that finds the new tag asks the service,
-    /// which answers after this); a new extent is allocated on a node holding no replica and
-    /// the data copied from a survivor; the entry is published with every replica under the
-    /// new tag. Returns the bytes copied (0: nothing to do or no node could take it).
+    /// Copies degraded stripe `stripe` onto another live node, back towards the file's
+    /// replication factor. In order: a new extent, tagged with a new tag, is allocated on a
+    /// node holding no replica (nothing happens if none can take it); the entry is marked
+    /// moving; each surviving replica is retagged in place with the new tag (a mount's write
+    /// that found the old tag landed before that, and is in the copy; one that finds the new
+    /// tag asks the service, which answers after this); the data is copied from a survivor;
+    /// the entry is published with every replica under the new tag. Returns the bytes copied
+    /// (0: nothing to do, or no node could take it).
     pub fn rebuild(
         &mut self,
         ino: u64,
@@ -211,6 +212,13 @@ impl File {
         candidates.sort_by_key(|&n| live.iter().any(|e| domain(st, e.node) == domain(st, n)));
         let cap = old.cap();
         let tag = stripe_tag(serial, cap);
+        // The new replica's extent first: nothing changes while no node can take it.
+        let Some((node, base)) = candidates
+            .iter()
+            .find_map(|&n| st.alloc(n, cap, Some(tag)).ok().map(|base| (n, base)))
+        else {
+            return Ok(0);
+        };
         self.mark_moving(region, stripe);
         let mut next = old.clone();
         for s in next.0.iter_mut() {
@@ -223,45 +231,36 @@ impl File {
                 }
             }
         }
-        let Some(src) = next
-            .0
-            .iter()
-            .flatten()
-            .find(|e| e.node == src.node)
-            .copied()
-        else {
-            // The source went away meanwhile; whatever survived is published again.
-            let keep = if next.live().is_empty() { old } else { next };
-            self.publish(region, stripe, keep);
-            return Ok(0);
+        let copied = match next.0.iter().flatten().find(|e| e.node == src.node) {
+            Some(src) => st.copy(src.node, src.offset, node, base + TAG_SPACE, cap),
+            None => Err(rackfs_proto::Refusal::new(
+                ErrorCode::Unavailable,
+                format!("node {} went away", src.node),
+            )),
         };
-        let mut copied = 0;
-        for &node in &candidates {
-            let Ok(base) = st.alloc(node, cap, Some(tag)) else {
-                continue;
-            };
-            match st.copy(src.node, src.offset, node, base + TAG_SPACE, cap) {
-                Ok(()) => {
-                    let slot = next
-                        .0
-                        .iter()
-                        .position(Option::is_none)
-                        .expect("a free slot");
-                    next.0[slot] = Some(StripeExtent {
-                        node,
-                        offset: base + TAG_SPACE,
-                        tag,
-                    });
-                    copied = cap;
-                    break;
-                }
-                Err(err) => {
-                    tracing::warn!(src = src.node, dst = node, stripe, error = %err, "copying a stripe for re-replication failed");
-                    let _ = st.free(node, base);
-                }
+        let copied = match copied {
+            Ok(()) => {
+                let slot = next
+                    .0
+                    .iter()
+                    .position(Option::is_none)
+                    .expect("a free slot");
+                next.0[slot] = Some(StripeExtent {
+                    node,
+                    offset: base + TAG_SPACE,
+                    tag,
+                });
+                cap
             }
-        }
-        self.publish(region, stripe, next);
+            Err(err) => {
+                tracing::warn!(src = src.node, dst = node, stripe, error = %err, "copying a stripe for re-replication failed; retrying later");
+                let _ = st.free(node, base);
+                0
+            }
+        };
+        // Whatever survived is published (the old entry if nothing did).
+        let keep = if next.live().is_empty() { old } else { next };
+        self.publish(region, stripe, keep);
         Ok(copied)
     }
 
