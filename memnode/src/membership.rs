@@ -81,30 +81,17 @@ impl Membership {
         }
     }
 
-    /// The tcp address of node `node` (this one or a peer), for one-sided reads.
-    pub fn tcp_of(&self, node: u32) -> Option<String> {
-        let me = self.me.lock().expect("me lock");
+    /// Where node `node` (this one or a peer) is reached, and its failure domain.
+    pub fn addr_of(&self, node: u32) -> Option<NodeAddr> {
+        let me = self.me();
         if me.node_id == node {
-            return me.tcp.clone();
+            return Some(me);
         }
         self.peers
             .lock()
             .expect("peers lock")
             .get(&node)
-            .and_then(|p| p.addr.tcp.clone())
-    }
-
-    /// Node `node`'s failure domain (this one or a peer).
-    pub fn domain_of(&self, node: u32) -> Option<String> {
-        let me = self.me.lock().expect("me lock");
-        if me.node_id == node {
-            return me.domain.clone();
-        }
-        self.peers
-            .lock()
-            .expect("peers lock")
-            .get(&node)
-            .and_then(|p| p.addr.domain.clone())
+            .map(|p| p.addr.clone())
     }
 
     /// The control connection to peer `node`.

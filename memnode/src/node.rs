@@ -550,12 +550,16 @@ impl Storage for Node {
     }
 
     fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
-        let source = self.members.tcp_of(src).ok_or_else(|| {
-            Refusal::new(
-                ErrorCode::Unavailable,
-                format!("node {src} has no tcp address to copy from"),
-            )
-        })?;
+        let source = self
+            .members
+            .addr_of(src)
+            .and_then(|a| a.tcp)
+            .ok_or_else(|| {
+                Refusal::new(
+                    ErrorCode::Unavailable,
+                    format!("node {src} has no tcp address to copy from"),
+                )
+            })?;
         if dst == self.cfg.node_id {
             return self.store.pull(&source, &self.cfg.secret, (from, to, len));
         }
@@ -572,7 +576,7 @@ impl Storage for Node {
     }
 
     fn domain(&self, node: u32) -> Option<String> {
-        self.members.domain_of(node)
+        self.members.addr_of(node).and_then(|a| a.domain)
     }
 
     fn local(&self) -> (u32, &Region) {
