@@ -174,7 +174,7 @@ impl Cluster {
                 warn!(
                     node = id,
                     reason = %why,
-                    "the cluster is degraded: this memory node is down (its files return EIO)"
+                    "the cluster is degraded: this memory node is down (stripes it alone holds return EIO)"
                 );
             }
             return Ok(Cluster {

@@ -1,6 +1,13 @@
 //! The data path of one regular file: one-sided reads and writes straight to its stripes.
 //!
-//! A mount caches a file's layout (the extent table's address and the stripes it has seen).
+//! A mount caches a file's layout (the extent table's address and, per stripe it has seen, its
+//! replicas). A write goes to every replica of each stripe it touches and returns when all
+//! hold it; a read goes to one ([`crate::replica`] chooses). A node that fails a read is
+//! avoided and another replica read. A node that fails a write is reported to the primary
+//! (`ControlRequest::NodeFailed`), which answers once the node's lease has lapsed and it is
+//! dropped from the replicas (so it serves nothing stale); the write is then redone on the
+//! replicas left. An entry marked moving (`TAG_MOVING`: the service is moving or copying the
+//! stripe) is asked of the service, which answers once the move is done.
 //! Every batch that touches a stripe reads the stripe's owner tag after its data ops, on the
 //! same queue pair, so the check executes after them; a mismatch means the stripe was freed
 //! (truncate, unlink) or moved to a larger extent elsewhere, and the operation is redone with a
