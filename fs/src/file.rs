@@ -416,6 +416,12 @@ impl FileData {
         if cl.node_failed(node)? {
             dead.push(node);
         }
+        Ok(self.forget_node(node))
+    }
+
+    /// Forgets the cached stripes with a replica on `node` (the next use reads the table
+    /// again, which no longer lists the node once the primary dropped it); returns them.
+    fn forget_node(&self, node: u32) -> Vec<u64> {
         let mut l = self.layout.write().expect("layout lock");
         let on: Vec<u64> = l
             .stripes
@@ -426,7 +432,7 @@ impl FileData {
         for k in &on {
             l.stripes.remove(k);
         }
-        Ok(on)
+        on
     }
 
     /// The stripes to redo after the nodes in `failed` failed a write (see
@@ -652,7 +658,10 @@ impl FileData {
                 if out.failed.iter().any(|(n, _)| *n == self.primary) && size_id.is_some() {
                     return Err(libc::EIO);
                 }
-                avoid.extend(out.failed.iter().map(|(n, _)| *n));
+                for (n, _) in &out.failed {
+                    self.forget_node(*n);
+                    avoid.push(*n);
+                }
                 continue;
             }
             let done = out.done;

@@ -6,7 +6,8 @@
 //! nothing to measure. The adaptive policy reads from the replica whose node costs least now:
 //! `(outstanding + 1) * recent latency`, so a node that is slow or loaded (by this mount or,
 //! through its latency, by others) gets fewer reads. Either way a node that failed recently is
-//! passed over while another replica is left.
+//! passed over while another replica is left: for 2 s, doubled with each failure in a row up to
+//! 32 s, until an operation on it succeeds.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,8 +18,10 @@ use rackfs_proto::namespace::StripeExtent;
 use crate::clock::clock_ns;
 use crate::options::ReadPolicy;
 
-/// How long a node that failed an operation is passed over by reads (ns).
+/// How long a node that failed an operation is passed over by reads (ns), doubled with every
+/// failure in a row up to [`MAX_FAILED_FOR_NS`], reset by a success.
 const FAILED_FOR_NS: u64 = 2_000_000_000;
+const MAX_FAILED_FOR_NS: u64 = 32_000_000_000;
 /// Weight of the newest sample in the latency average, as a shift (1/8).
 const EWMA_SHIFT: u32 = 3;
 
@@ -30,6 +33,8 @@ pub struct Load {
     latency_ns: AtomicU64,
     /// When it last failed (`clock_ns`; 0: never).
     failed_at: AtomicU64,
+    /// Failures since its last success.
+    failures: AtomicU64,
 }
 
 impl Load {
@@ -40,7 +45,9 @@ impl Load {
 
     fn failed_recently(&self, now: u64) -> bool {
         let f = self.failed_at.load(Ordering::Relaxed);
-        f != 0 && now.saturating_sub(f) < FAILED_FOR_NS
+        let n = self.failures.load(Ordering::Relaxed).clamp(1, 5) as u32;
+        let passed_over = (FAILED_FOR_NS << (n - 1)).min(MAX_FAILED_FOR_NS);
+        f != 0 && now.saturating_sub(f) < passed_over
     }
 }
 
@@ -63,6 +70,7 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.load.outstanding.fetch_sub(1, Ordering::Relaxed);
         if self.ok {
+            self.load.failures.store(0, Ordering::Relaxed);
             let sample = clock_ns().saturating_sub(self.started);
             let old = self.load.latency_ns.load(Ordering::Relaxed);
             let new = if old == 0 {
@@ -118,9 +126,9 @@ impl NodeLoads {
 
     /// An operation on `node` failed: reads pass it over for a while.
     pub fn failed(&self, node: u32) {
-        self.load(node)
-            .failed_at
-            .store(clock_ns(), Ordering::Relaxed);
+        let l = self.load(node);
+        l.failed_at.store(clock_ns(), Ordering::Relaxed);
+        l.failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The replica of stripe `stripe` of file `ino` a read should go to, among `replicas`
