@@ -54,12 +54,13 @@ struct SimNode {
     used: u64,
 }
 
-/// An in-memory [`Storage`]: `nodes` data nodes of `capacity` bytes each; node 0's memory is a
-/// real region (records and lock trees are read and written there), the others are bookkeeping
-/// only. Freed memory is not reused, so a stale offset never aliases a live one. Time stands
-/// still until [`MemStorage::advance`].
+/// An in-memory [`Storage`]: `nodes` data nodes of `capacity` bytes each, each a real region
+/// (node 0's holds records, tables and lock trees). Freed memory is not reused, so a stale
+/// offset never aliases a live one. Time stands still until [`MemStorage::advance`]. A test
+/// can run code of its own at the start of every call ([`MemStorage::set_hook`]), to interleave
+/// clients' one-sided steps with the service's.
 pub struct MemStorage {
-    region: Region,
+    regions: Vec<Region>,
     capacity: u64,
     nodes: Vec<Mutex<SimNode>>,
     now: AtomicU64,
@@ -67,19 +68,46 @@ pub struct MemStorage {
     down: Mutex<Vec<u32>>,
     /// Failure domains by node ([`MemStorage::set_domain`]).
     domains: Mutex<BTreeMap<u32, String>>,
+    hook: Mutex<Option<Hook>>,
 }
+
+/// Code run at the start of every [`Storage`] call of a [`MemStorage`].
+pub type Hook = Box<dyn FnMut(&MemStorage) + Send>;
 
 impl MemStorage {
     pub fn new(nodes: u32, capacity: u64) -> MemStorage {
-        let region = Region::create_memfd("rackfs-meta-test", capacity, 1, Access::ALL)
-            .expect("a memfd region for the in-memory storage");
+        let regions = (0..nodes.max(1))
+            .map(|_| {
+                Region::create_memfd("rackfs-meta-test", capacity, 1, Access::ALL)
+                    .expect("a memfd region for the in-memory storage")
+            })
+            .collect();
         MemStorage {
-            region,
+            regions,
             capacity,
             nodes: (0..nodes.max(1)).map(|_| Mutex::default()).collect(),
             now: AtomicU64::new(1_000_000_000),
             down: Mutex::default(),
             domains: Mutex::default(),
+            hook: Mutex::default(),
+        }
+    }
+
+    /// Node `node`'s memory.
+    pub fn region(&self, node: u32) -> &Region {
+        &self.regions[node as usize]
+    }
+
+    /// Runs `hook` at the start of every [`Storage`] call from now on.
+    pub fn set_hook(&self, hook: Hook) {
+        *self.hook.lock().expect("hook lock") = Some(hook);
+    }
+
+    fn call_hook(&self) {
+        let taken = self.hook.lock().expect("hook lock").take();
+        if let Some(mut h) = taken {
+            h(self);
+            *self.hook.lock().expect("hook lock") = Some(h);
         }
     }
 
@@ -128,6 +156,7 @@ impl Storage for MemStorage {
     }
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
+        self.call_hook();
         let mut n = self.node(node)?.lock().expect("node lock");
         let (len, align) = match tag {
             Some(_) => ((len + TAG_SPACE).next_multiple_of(64), 64),
@@ -143,13 +172,16 @@ impl Storage for MemStorage {
         n.next = offset + len;
         n.used += len;
         n.live.insert(offset, len);
-        if let (Some(t), 0) = (tag, node) {
-            self.region.store(offset, t).expect("tag inside the region");
+        if let Some(t) = tag {
+            self.region(node)
+                .store(offset, t)
+                .expect("tag inside the region");
         }
         Ok(offset)
     }
 
     fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+        self.call_hook();
         let mut n = self.node(node)?.lock().expect("node lock");
         let len = n.live.remove(&offset).ok_or_else(|| {
             Refusal::new(
@@ -158,13 +190,14 @@ impl Storage for MemStorage {
             )
         })?;
         n.used -= len;
-        if node == 0 {
-            self.region.discard(offset, len).expect("extent in region");
-        }
+        self.region(node)
+            .discard(offset, len)
+            .expect("extent in region");
         Ok(())
     }
 
     fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
+        self.call_hook();
         let old = self
             .node(node)?
             .lock()
@@ -179,21 +212,20 @@ impl Storage for MemStorage {
                 )
             })?;
         let new = self.alloc(node, len, Some(tag))?;
-        if node == 0 {
-            self.region.store(offset, 0).expect("tag inside the region");
-            self.region
-                .copy_within(
-                    offset + TAG_SPACE,
-                    new + TAG_SPACE,
-                    (old - TAG_SPACE).min(len),
-                )
-                .expect("extents in region");
-        }
+        let r = self.region(node);
+        r.store(offset, 0).expect("tag inside the region");
+        r.copy_within(
+            offset + TAG_SPACE,
+            new + TAG_SPACE,
+            (old - TAG_SPACE).min(len),
+        )
+        .expect("extents in region");
         self.free(node, offset)?;
         Ok(new)
     }
 
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+        self.call_hook();
         let n = self.node(node)?.lock().expect("node lock");
         let inside = n
             .live
@@ -206,13 +238,14 @@ impl Storage for MemStorage {
                 format!("{len} bytes at {offset:#x} are not inside one extent"),
             ));
         }
-        if node == 0 {
-            self.region.discard(offset, len).expect("extent in region");
-        }
+        self.region(node)
+            .discard(offset, len)
+            .expect("extent in region");
         Ok(())
     }
 
     fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+        self.call_hook();
         if !self
             .node(node)?
             .lock()
@@ -225,15 +258,14 @@ impl Storage for MemStorage {
                 format!("no extent at {offset:#x} on node {node}"),
             ));
         }
-        if node == 0 {
-            self.region
-                .store(offset, tag)
-                .expect("tag inside the region");
-        }
+        self.region(node)
+            .store(offset, tag)
+            .expect("tag inside the region");
         Ok(())
     }
 
     fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+        self.call_hook();
         for (node, at) in [(src, from), (dst, to)] {
             let n = self.node(node)?.lock().expect("node lock");
             let inside = n
@@ -248,11 +280,13 @@ impl Storage for MemStorage {
                 ));
             }
         }
-        if (src, dst) == (0, 0) {
-            self.region
-                .copy_within(from, to, len)
-                .expect("extents in region");
-        }
+        let mut bytes = vec![0u8; len as usize];
+        self.region(src)
+            .read(from, &mut bytes)
+            .expect("extent in region");
+        self.region(dst)
+            .write(to, &bytes)
+            .expect("extent in region");
         Ok(())
     }
 
@@ -265,7 +299,7 @@ impl Storage for MemStorage {
     }
 
     fn local(&self) -> (u32, &Region) {
-        (0, &self.region)
+        (0, &self.regions[0])
     }
 
     fn fs_stat(&self) -> FsStat {
