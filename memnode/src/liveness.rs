@@ -112,18 +112,21 @@ pub fn keep_lease(node: &Node, primary: &str) {
 #[derive(Default)]
 pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
 
-/// Primary: data node `id` is out (its lease lapsed; `joined`: it joined again, empty): no new
-/// data goes there, and it is dropped from every stripe that has another replica. Does nothing
-/// for a node whose lease holds (it renewed meanwhile), unless it joined.
+/// Primary: data node `id` is out (its lease lapsed): no new data goes there, and it is dropped
+/// from every stripe that has another replica. Does nothing for a node whose lease holds (it
+/// renewed meanwhile). `joined`: the node just joined again with empty memory, so its old
+/// replicas are dropped, but it is up.
 pub fn declare_dead(node: &Node, id: u32, why: &str, joined: bool) {
     let (Some(meta), Some(leases)) = (&node.meta, &node.node_leases) else {
         return;
     };
     let mut discards = node.discards.0.lock().expect("discards lock");
-    if !joined && leases.check(id as u64).is_ok() {
-        return;
+    if !joined {
+        if leases.check(id as u64).is_ok() {
+            return;
+        }
+        node.members.mark_down(id, why);
     }
-    node.members.mark_down(id, why);
     let d = meta
         .lock()
         .expect("metadata lock")

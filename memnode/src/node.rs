@@ -419,10 +419,12 @@ impl Node {
     fn accept_join(&self, node: rackfs_proto::control::NodeAddr) -> Result<ClusterInfo, Refusal> {
         let id = node.node_id;
         let known = self.members.peer(id).is_ok();
-        if known && self.meta.is_some() {
+        // Only once the join is accepted: a refused one (an id already taken by a node at
+        // another address) leaves the running node's replicas alone.
+        let info = self.members.accept_join(node, &self.cfg.secret)?;
+        if known {
             crate::liveness::declare_dead(self, id, "it joined again, empty", true);
         }
-        let info = self.members.accept_join(node, &self.cfg.secret)?;
         if let Some(l) = &self.node_leases {
             l.end(id as u64);
             l.hold(id as u64);
