@@ -419,6 +419,14 @@ impl FileData {
         Ok(self.forget_node(node))
     }
 
+    /// A read failed on `node`: it is avoided for the rest of the read, and the stripes cached
+    /// with a replica there are read from the table again (a cached entry may predate copies
+    /// made since, on other nodes).
+    fn avoid(&self, node: u32, avoid: &mut Vec<u32>) {
+        self.forget_node(node);
+        avoid.push(node);
+    }
+
     /// Forgets the cached stripes with a replica on `node` (the next use reads the table
     /// again, which no longer lists the node once the primary dropped it); returns them.
     fn forget_node(&self, node: u32) -> Vec<u64> {
@@ -609,7 +617,7 @@ impl FileData {
                     continue;
                 };
                 let Some(e) = cl.loads.choose(self.ino, p.stripe, &replicas, &avoid) else {
-                    tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, "no replica of the stripe could be read: EIO");
+                    tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, ?replicas, "no replica of the stripe could be read: EIO");
                     return Err(libc::EIO);
                 };
                 let at = match self.stage(cl, p, e, &mut touched) {
@@ -617,7 +625,7 @@ impl FileData {
                     Err(err) => {
                         self.verbs_err(cl, e.node, err);
                         cl.loads.failed(e.node);
-                        avoid.push(e.node);
+                        self.avoid(e.node, &mut avoid);
                         continue 'attempt;
                     }
                 };
@@ -648,7 +656,7 @@ impl FileData {
             let _admitted = match self.admit(cl, &tokens) {
                 Ok(a) => a,
                 Err((node, _)) => {
-                    avoid.push(node);
+                    self.avoid(node, &mut avoid);
                     continue;
                 }
             };
@@ -659,8 +667,7 @@ impl FileData {
                     return Err(libc::EIO);
                 }
                 for (n, _) in &out.failed {
-                    self.forget_node(*n);
-                    avoid.push(*n);
+                    self.avoid(*n, &mut avoid);
                 }
                 continue;
             }
