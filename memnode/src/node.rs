@@ -493,6 +493,10 @@ impl Storage for Node {
         v
     }
 
+    fn cluster_size(&self) -> usize {
+        1 + self.members.peers().len()
+    }
+
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         if node == self.cfg.node_id {
             return Ok(self.store.alloc(len, GRANULE, tag)?);

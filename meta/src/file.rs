@@ -343,7 +343,9 @@ impl File {
             return Err(last.expect("at least one node was tried"));
         }
         if placed.len() < self.replicas as usize {
-            tracing::warn!(
+            // Not a warning per stripe: `rackfs status` counts the degraded files, and the copies
+            // are made as soon as a node can take them.
+            tracing::debug!(
                 ino,
                 stripe,
                 placed = placed.len(),

@@ -388,12 +388,13 @@ impl Namespace {
                         format!("{replicas} replicas asked; at most {MAX_REPLICAS} are allowed"),
                     );
                 }
-                // The cluster's default when none is asked, never more than there are nodes.
+                // The cluster's default when none is asked, never more than there are nodes
+                // (those down included: their copies are made when they or others are back).
                 let replicas = match replicas {
                     0 => self.default_replicas,
                     r => r,
                 }
-                .min(st.data_nodes().len() as u32)
+                .min(st.cluster_size() as u32)
                 .max(1);
                 let (me, region) = st.local();
                 let record = st.alloc(me, RECORD_LEN, None)?;

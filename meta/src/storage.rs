@@ -19,6 +19,8 @@ use rackfs_verbs::{Access, Region};
 pub trait Storage: Send + Sync {
     /// Ids of the nodes that hold file data, this one included.
     fn data_nodes(&self) -> Vec<u32>;
+    /// How many data nodes the cluster has, those down included.
+    fn cluster_size(&self) -> usize;
     /// Allocates `len` bytes on `node`. A tagged extent is a file stripe: its tag is written in
     /// its first 8 bytes and its data starts [`TAG_SPACE`] after the returned offset.
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
@@ -153,6 +155,10 @@ impl Storage for MemStorage {
         (0..self.nodes.len() as u32)
             .filter(|n| !down.contains(n))
             .collect()
+    }
+
+    fn cluster_size(&self) -> usize {
+        self.nodes.len()
     }
 
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {

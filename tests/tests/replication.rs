@@ -224,3 +224,35 @@ fn a_dead_nodes_stripes_are_copied_back_while_written_and_survive_a_second_death
         );
     }
 }
+
+/// A file written while one of two nodes is away (stopped, declared dead) still asks for two
+/// replicas: it is placed on the node left, and its second copies are made on the other node
+/// once that is back.
+#[test]
+fn files_written_while_a_node_is_away_get_their_second_copy_when_it_returns() {
+    let c = TestCluster::start_with(2, "32M", &["--node-lease-ms", "1000"]);
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp,timeout=1");
+    let pid = c.nodes[1].as_ref().unwrap().child.id() as i32;
+    // SAFETY: SIGSTOP to a memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let health = || c.control(0).stats().unwrap().health;
+    // Once its lease lapsed, new data goes to node 0 only.
+    std::thread::sleep(Duration::from_millis(1500));
+    fs::write(m.path("late"), vec![7u8; 4 << 16]).unwrap();
+    assert!(health().degraded_files >= 1, "{:?}", health());
+    let before = used(&c, 0);
+    // SAFETY: SIGCONT to the same process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let h = health;
+    assert!(
+        wait_for(Duration::from_secs(15), || {
+            let h = h();
+            h.degraded_stripes == 0 && h.rebuilt_stripes >= 4
+        }),
+        "copied once the node is back: {:?}",
+        h()
+    );
+    assert!(used(&c, 1) >= 4 << 16, "node 1 holds the copies");
+    assert_eq!(used(&c, 0), before, "node 0 kept its own");
+    assert_eq!(fs::read(m.path("late")).unwrap(), vec![7u8; 4 << 16]);
+}
