@@ -840,6 +840,11 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
         .unwrap()
         .parse()
         .unwrap();
+    // Written before the death: `rackfs up` keeps two copies of everything, so these survive.
+    let before: Vec<Vec<u8>> = (0..4).map(|i| vec![0x40 + i as u8; 300 << 10]).collect();
+    for (i, data) in before.iter().enumerate() {
+        fs::write(d.join(format!("before{i}")), data).unwrap();
+    }
     let mn1 = node_pid(&child_pids(up_pid), "1");
     // SAFETY: SIGKILL to a memory node process this test's `rackfs up` started.
     unsafe { libc::kill(mn1, libc::SIGKILL) };
@@ -849,6 +854,13 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(is_rackfs_mount(&d), "the mount survives a data node");
     assert!(rackfs_fs::up::pid_alive(up_pid), "rackfs up keeps running");
+    for (i, data) in before.iter().enumerate() {
+        assert_eq!(
+            &fs::read(d.join(format!("before{i}"))).unwrap(),
+            data,
+            "before{i}"
+        );
+    }
     // New files go to the surviving node: all of them work, small and over a stripe.
     for i in 0..6 {
         let data = vec![i as u8 + 1; 100 << 10];
@@ -862,9 +874,11 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
     assert!(
         wait_for(Duration::from_secs(5), || {
             let s = run_rackfs(&["status"]);
-            String::from_utf8_lossy(&s.stdout).contains("DEGRADED")
+            let s = String::from_utf8_lossy(&s.stdout).to_string();
+            s.contains("DEGRADED") && s.contains("data: degraded")
         }),
-        "rackfs status reports the cluster degraded"
+        "rackfs status reports the cluster and its files degraded: {}",
+        String::from_utf8_lossy(&run_rackfs(&["status"]).stdout)
     );
     let out = run_rackfs(&["down", ds]);
     assert!(out.status.success(), "{out:?}");

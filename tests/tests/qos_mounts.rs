@@ -162,6 +162,12 @@ fn each_node_exposes_its_qos_on_a_prometheus_endpoint() {
         page.contains("rackfs_qos_capacity_iops{node=\"mn0\",profiled=\"true\"}"),
         "{page}"
     );
+    // The files' health (the primary's view): the hammered file, whole.
+    assert!(page.contains("rackfs_files{node=\"mn0\"} 1"), "{page}");
+    assert!(
+        page.contains("rackfs_files_unavailable{node=\"mn0\"} 0"),
+        "{page}"
+    );
     // The mount's reservation share on this node, in IOPS, after a period has ended.
     assert!(
         page.lines()
