@@ -86,6 +86,12 @@ fn handshake<S: Read + Write>(
             Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
         } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
             Err("this memory node serves no RDMA clients (start it with --rdma-device NAME)".into())
+        } else if h.kind != ConnKind::Control && !node.serve.valid() {
+            Err(format!(
+                "memory node {}'s lease from the primary lapsed: it serves no data until the \
+                 primary renews it",
+                node.cfg.name
+            ))
         } else if node.fences.is_fenced(h.fence) {
             Err(format!(
                 "fenced: the lease of this mount's session {} expired and memory node {} \
@@ -215,6 +221,11 @@ fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
             let Some(_reg) = socket_stop().and_then(|s| node.fences.register(fence, s)) else {
                 return;
             };
+            let Ok(own) = stream.duplicate() else {
+                return;
+            };
+            let own: Arc<OwnedFd> = Arc::new(own.into());
+            node.lease_words.add_rdma(&own);
             let nic = node.rdma.as_ref().expect("refused in the handshake");
             match nic.serve(stream) {
                 Ok(()) => debug!(%peer, "rdma client gone; its queue pair is destroyed"),

@@ -275,10 +275,10 @@ impl MemNode {
                     addr: addr.clone(),
                     err,
                 })?;
-            let primary = addr.clone();
-            thread(&node, "node-lease", move |n| {
-                crate::liveness::keep_lease(&n, &primary)
-            });
+            // The first lease before anyone is served: data connections are refused without.
+            let mut lease = crate::liveness::Renewer::new(addr);
+            lease.renew(&node);
+            thread(&node, "node-lease", move |n| lease.run(&n));
         }
         info!(
             node = node.cfg.node_id,

@@ -3,9 +3,12 @@
 //! from every stripe's replicas) only once its lease has lapsed.
 //!
 //! * A data node renews every quarter of the lease, on a control connection of its own
-//!   ([`keep_lease`]), timing each lease from when it sent the renewal. Its [`ServeLease`] is
-//!   what its tcp NIC threads check, and it copies the deadline into each shm client's
-//!   counter block ([`LeaseWords`], `rackfs_verbs::shm::LEASE_WORD`), which the client checks.
+//!   ([`Renewer`]; the first renewal before it serves anyone), timing each lease from when it
+//!   sent the renewal. Its [`ServeLease`] is what its tcp NIC threads check before every batch
+//!   and its handshake before every data connection; it copies the deadline into each shm
+//!   client's counter block ([`LeaseWords`], `rackfs_verbs::shm::LEASE_WORD`), which the client
+//!   checks; when it lapses, rdma clients' connections are shut down (their queue pairs go).
+//!   A node stopped outright cannot do the last: its NIC goes on serving rdma reads.
 //! * The primary times leases with [`crate::lease::Leases`] keyed by node id, from when each
 //!   renewal arrived. A node whose lease lapses is declared dead ([`declare_dead`]): marked
 //!   down (no new data goes there) and dropped from every stripe that has another replica.
@@ -17,6 +20,7 @@
 //!   A node that joins (again) is new and empty, so joining drops its old replicas.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -30,24 +34,49 @@ use tracing::{info, warn};
 
 use crate::node::Node;
 
-/// The counter blocks of this node's shm clients, where their copy of the node's lease lives.
+/// What enforces this node's lease beyond its own NIC threads: the counter blocks of its shm
+/// clients (their copy of the lease) and the sockets of its rdma clients (closed when the lease
+/// lapses, which destroys their queue pairs: the NIC serves them without the node's CPU).
 #[derive(Default)]
-pub struct LeaseWords(Mutex<Vec<Weak<Region>>>);
+pub struct LeaseWords {
+    blocks: Mutex<Vec<Weak<Region>>>,
+    rdma: Mutex<Vec<Weak<OwnedFd>>>,
+}
 
 impl LeaseWords {
     /// A new shm client's counter block: it gets the lease's deadline now and on every
     /// renewal, as long as it lives.
     pub fn add(&self, block: &Arc<Region>, lease: &ServeLease) {
-        self.0
+        self.blocks
             .lock()
             .expect("lease words lock")
             .push(Arc::downgrade(block));
         set_lease(block, lease.until(), true);
     }
 
+    /// An rdma client's socket (a duplicate), shut down if the lease lapses.
+    pub fn add_rdma(&self, socket: &Arc<OwnedFd>) {
+        self.rdma
+            .lock()
+            .expect("lease words lock")
+            .push(Arc::downgrade(socket));
+    }
+
+    /// The lease lapsed: every rdma client's connection is shut down (they reconnect once it
+    /// is renewed; the handshake refuses data connections meanwhile).
+    fn lapsed(&self) {
+        let mut v = self.rdma.lock().expect("lease words lock");
+        for s in v.iter().filter_map(Weak::upgrade) {
+            // SAFETY: shutdown(2) on a socket descriptor the connection's thread owns and keeps
+            // open while this Arc lives; it only ends the connection.
+            unsafe { libc::shutdown(s.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        v.clear();
+    }
+
     /// Copies the lease's deadline into every live client's block.
     fn publish(&self, until: u64) {
-        let mut v = self.0.lock().expect("lease words lock");
+        let mut v = self.blocks.lock().expect("lease words lock");
         v.retain(|w| match w.upgrade() {
             Some(b) => {
                 set_lease(&b, until, false);
@@ -58,51 +87,84 @@ impl LeaseWords {
     }
 }
 
-/// A data node's renewal loop (runs on a thread of its own while the node runs).
-pub fn keep_lease(node: &Node, primary: &str) {
-    let id = node.cfg.node_id;
-    let mut conn: Option<ControlClient> = None;
-    let mut every = Duration::from_millis(100);
-    let mut complained = false;
-    while !node.is_stopping() {
-        let c = match conn.take() {
+/// A data node's side of its lease: renews it with the primary on a control connection of its
+/// own, timing each lease from when the renewal was sent.
+pub struct Renewer {
+    primary: String,
+    conn: Option<ControlClient>,
+    every: Duration,
+    complained: bool,
+    lapsed: bool,
+}
+
+impl Renewer {
+    pub fn new(primary: &str) -> Renewer {
+        Renewer {
+            primary: primary.into(),
+            conn: None,
+            every: Duration::from_millis(100),
+            complained: false,
+            lapsed: false,
+        }
+    }
+
+    /// Renews the lease once (connecting first if needed).
+    pub fn renew(&mut self, node: &Node) {
+        let c = match self.conn.take() {
             Some(c) => c,
             None => match ControlClient::connect(
-                primary,
+                &self.primary,
                 &node.cfg.secret,
                 &format!("lease-{}", node.cfg.name),
             ) {
                 Ok(c) => c,
                 Err(e) => {
-                    if !std::mem::replace(&mut complained, true) {
-                        warn!(primary, error = %e, "cannot reach the primary to renew this node's lease; it stops serving data when the lease lapses");
-                    }
-                    std::thread::sleep(every);
-                    continue;
+                    self.trouble(&e.to_string());
+                    return self.check(node);
                 }
             },
         };
         let sent = monotonic_ns();
-        match c.call(&ControlRequest::NodeRenew { node: id }) {
+        match c.call(&ControlRequest::NodeRenew {
+            node: node.cfg.node_id,
+        }) {
             Ok(ControlResponse::Lease { ms }) => {
                 node.serve.extend_to(sent + ms * 1_000_000);
                 node.lease_words.publish(node.serve.until());
-                every = Duration::from_millis(ms / 4).max(Duration::from_millis(10));
-                if std::mem::replace(&mut complained, false) {
+                self.every = Duration::from_millis(ms / 4).max(Duration::from_millis(10));
+                if std::mem::replace(&mut self.complained, false) {
                     info!("this node's lease is renewed again");
                 }
-                conn = Some(c);
+                self.conn = Some(c);
             }
-            Ok(other) => {
-                warn!(answer = ?other, "unexpected answer to a lease renewal");
-            }
-            Err(e) => {
-                if !std::mem::replace(&mut complained, true) {
-                    warn!(primary, error = %e, "cannot renew this node's lease; it stops serving data when the lease lapses");
-                }
-            }
+            Ok(other) => self.trouble(&format!("unexpected answer {other:?}")),
+            Err(e) => self.trouble(&e.to_string()),
         }
-        std::thread::sleep(every);
+        self.check(node);
+    }
+
+    fn trouble(&mut self, why: &str) {
+        if !std::mem::replace(&mut self.complained, true) {
+            warn!(primary = %self.primary, error = why, "cannot renew this node's lease; it stops serving data when the lease lapses");
+        }
+    }
+
+    /// Once the lease lapsed: logged, and rdma clients are cut off.
+    fn check(&mut self, node: &Node) {
+        if node.serve.valid() {
+            self.lapsed = false;
+        } else if !std::mem::replace(&mut self.lapsed, true) {
+            warn!("this node's lease lapsed: it serves no data until the primary renews it");
+            node.lease_words.lapsed();
+        }
+    }
+
+    /// Renews every quarter of the lease while the node runs (on a thread of its own).
+    pub fn run(mut self, node: &Node) {
+        while !node.is_stopping() {
+            std::thread::sleep(self.every);
+            self.renew(node);
+        }
     }
 }
 

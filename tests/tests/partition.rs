@@ -156,15 +156,28 @@ fn a_node_partitioned_from_the_primary_but_not_from_the_mount_is_fenced_by_its_l
     assert!(used(&inside) >= LEN as u64 / 3, "mn2 holds replicas");
     let _ = peer;
 
+    // A data connection opened while the node holds its lease.
+    let early = inside.tcp_qp();
     net.partition(true);
     // mn2 can no longer renew: once its lease lapsed it serves nothing, even to the mount
     // that still reaches it.
     std::thread::sleep(Duration::from_millis(1500));
-    let qp = inside.tcp_qp();
-    let rkey = qp.regions()[0].rkey;
+    // It refuses new data connections, and executes nothing on one opened before.
+    match rackfs_verbs::tcp::connect(&inside.tcp, &inside.secret, "probe") {
+        Ok(qp) => {
+            let rkey = qp.regions()[0].rkey;
+            assert!(
+                qp.read(RemoteAddr::new(rkey, 0), 8).is_err(),
+                "a node whose lease lapsed still serves a read"
+            );
+        }
+        Err(e) => assert!(e.to_string().contains("lease"), "{e}"),
+    }
     assert!(
-        qp.read(RemoteAddr::new(rkey, 0), 8).is_err(),
-        "a node whose lease lapsed still serves a read"
+        early
+            .read(RemoteAddr::new(early.regions()[0].rkey, 0), 8)
+            .is_err(),
+        "a node whose lease lapsed still serves a read on a connection opened before"
     );
     let t0 = Instant::now();
     let f = OpenOptions::new().write(true).open(m.path("f")).unwrap();
