@@ -263,6 +263,13 @@ fn status(
                         format_size(s.verbs.bytes.iter().sum()),
                         s.rpcs.iter().sum::<u64>()
                     );
+                    if let Some((_, why)) = info.down.iter().find(|d| d.0 == n.node_id) {
+                        // It answers here, but the primary holds it out (its lease lapsed).
+                        println!("         OUT of the cluster (serves no data): {why}");
+                    }
+                    if let Some(d) = &n.domain {
+                        println!("         failure domain: {d}");
+                    }
                     if let Some(r) = &s.rdma {
                         // One-sided verbs over RDMA never reach the node: not in the counts.
                         println!("         rdma: {r}; {} rdma client(s) connected", s.open[3]);

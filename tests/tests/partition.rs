@@ -190,6 +190,14 @@ fn a_node_partitioned_from_the_primary_but_not_from_the_mount_is_fenced_by_its_l
         "{}",
         primary.stderr()
     );
+    // `rackfs status` reaches mn2 (it answers this host) but shows it out of the cluster.
+    let status = Command::new(rackfs_tests::bin_path("rackfs"))
+        .args(["status", "--cluster", &primary.tcp, "--secret-file"])
+        .arg(&primary.secret_file)
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("OUT of the cluster"), "{status}");
 
     net.partition(false);
     assert!(
