@@ -136,6 +136,23 @@ impl MemStorage {
         self.nodes[node as usize].lock().expect("node lock").used
     }
 
+    /// Refuses `[at, at + len)` on `node` unless it lies inside one live extent.
+    fn inside(&self, node: u32, at: u64, len: u64) -> Result<(), Refusal> {
+        let n = self.node(node)?.lock().expect("node lock");
+        let inside = n
+            .live
+            .range(..=at)
+            .next_back()
+            .is_some_and(|(&o, &l)| at + len <= o + l);
+        if !inside {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!("{len} bytes at {at:#x} are not inside one extent on node {node}"),
+            ));
+        }
+        Ok(())
+    }
+
     fn node(&self, node: u32) -> Result<&Mutex<SimNode>, Refusal> {
         if self.down.lock().expect("down lock").contains(&node) {
             return Err(Refusal::new(
@@ -232,18 +249,7 @@ impl Storage for MemStorage {
 
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
         self.call_hook();
-        let n = self.node(node)?.lock().expect("node lock");
-        let inside = n
-            .live
-            .range(..=offset)
-            .next_back()
-            .is_some_and(|(&o, &l)| offset + len <= o + l);
-        if !inside {
-            return Err(Refusal::new(
-                ErrorCode::Invalid,
-                format!("{len} bytes at {offset:#x} are not inside one extent"),
-            ));
-        }
+        self.inside(node, offset, len)?;
         self.region(node)
             .discard(offset, len)
             .expect("extent in region");
@@ -272,20 +278,8 @@ impl Storage for MemStorage {
 
     fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
         self.call_hook();
-        for (node, at) in [(src, from), (dst, to)] {
-            let n = self.node(node)?.lock().expect("node lock");
-            let inside = n
-                .live
-                .range(..=at)
-                .next_back()
-                .is_some_and(|(&o, &l)| at + len <= o + l);
-            if !inside {
-                return Err(Refusal::new(
-                    ErrorCode::Invalid,
-                    format!("{len} bytes at {at:#x} are not inside one extent on node {node}"),
-                ));
-            }
-        }
+        self.inside(src, from, len)?;
+        self.inside(dst, to, len)?;
         let mut bytes = vec![0u8; len as usize];
         self.region(src)
             .read(from, &mut bytes)
