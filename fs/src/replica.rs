@@ -140,36 +140,39 @@ impl NodeLoads {
         replicas: &[StripeExtent],
         avoid: &[u32],
     ) -> Option<StripeExtent> {
+        // One copy (replicas=1, or a degraded stripe): nothing to choose, nothing to look up.
+        if let [only] = replicas {
+            return (!avoid.contains(&only.node)).then_some(*only);
+        }
         let now = clock_ns();
-        let open: Vec<StripeExtent> = replicas
+        let open: Vec<(StripeExtent, Arc<Load>)> = replicas
             .iter()
             .filter(|e| !avoid.contains(&e.node))
-            .copied()
+            .map(|e| (*e, self.load(e.node)))
             .collect();
-        let healthy: Vec<StripeExtent> = open
+        let healthy: Vec<(StripeExtent, Arc<Load>)> = open
             .iter()
-            .filter(|e| !self.load(e.node).failed_recently(now))
-            .copied()
+            .filter(|(_, l)| !l.failed_recently(now))
+            .cloned()
             .collect();
         let pool = if healthy.is_empty() { open } else { healthy };
         if pool.len() <= 1 {
-            return pool.first().copied();
+            return pool.first().map(|p| p.0);
         }
-        let fixed = pool[static_index(ino, stripe, pool.len())];
+        let fixed = &pool[static_index(ino, stripe, pool.len())];
         match *self.policy.read().expect("policy lock") {
-            ReadPolicy::Static => Some(fixed),
+            ReadPolicy::Static => Some(fixed.0),
             ReadPolicy::Adaptive => {
                 let best = pool
                     .iter()
-                    .min_by_key(|e| self.load(e.node).cost())
-                    .copied()
+                    .min_by_key(|(_, l)| l.cost())
                     .expect("two or more");
                 // Ties go to the static choice, so an idle cluster still spreads reads.
-                if self.load(best.node).cost() < self.load(fixed.node).cost() {
-                    Some(best)
+                Some(if best.1.cost() < fixed.1.cost() {
+                    best.0
                 } else {
-                    Some(fixed)
-                }
+                    fixed.0
+                })
             }
         }
     }
