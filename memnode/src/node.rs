@@ -457,6 +457,15 @@ impl Node {
 }
 
 impl Node {
+    /// Has peer `node` carry out `req` (answered `Ok` or refused).
+    fn on_peer(&self, node: u32, req: &ControlRequest) -> Result<(), Refusal> {
+        self.members
+            .peer(node)?
+            .call(req)
+            .map(|_| ())
+            .map_err(|e| self.peer_failed(node, e))
+    }
+
     /// A call to peer `node` failed: a lost connection marks it down (new data then goes to
     /// the other nodes); either way the caller gets a refusal naming the node.
     fn peer_failed(&self, node: u32, e: RpcError) -> Refusal {
@@ -537,22 +546,14 @@ impl Storage for Node {
         if node == self.cfg.node_id {
             return self.store.zero(offset, len);
         }
-        self.members
-            .peer(node)?
-            .call(&ControlRequest::Zero { offset, len })
-            .map(|_| ())
-            .map_err(|e| self.peer_failed(node, e))
+        self.on_peer(node, &ControlRequest::Zero { offset, len })
     }
 
     fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
         if node == self.cfg.node_id {
             return self.store.retag(offset, tag);
         }
-        self.members
-            .peer(node)?
-            .call(&ControlRequest::Retag { offset, tag })
-            .map(|_| ())
-            .map_err(|e| self.peer_failed(node, e))
+        self.on_peer(node, &ControlRequest::Retag { offset, tag })
     }
 
     fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
@@ -569,16 +570,13 @@ impl Storage for Node {
         if dst == self.cfg.node_id {
             return self.store.pull(&source, &self.cfg.secret, (from, to, len));
         }
-        self.members
-            .peer(dst)?
-            .call(&ControlRequest::Pull {
-                source,
-                from,
-                to,
-                len,
-            })
-            .map(|_| ())
-            .map_err(|e| self.peer_failed(dst, e))
+        let pull = ControlRequest::Pull {
+            source,
+            from,
+            to,
+            len,
+        };
+        self.on_peer(dst, &pull)
     }
 
     fn domain(&self, node: u32) -> Option<String> {
