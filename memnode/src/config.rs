@@ -28,10 +28,14 @@ pub struct NodeConfig {
     /// How long a mount holding range locks may go without renewing its lease before it is
     /// fenced and its locks recovered (primary only).
     pub lock_lease: Duration,
-    /// How long a data node may go without renewing its lease with the primary before it is
-    /// declared dead and dropped from the stripes' replicas (primary only; a data node learns
-    /// it from the primary).
+    /// The lease a data node holds with the coordinator: one that lapses is declared dead and
+    /// dropped from the stripes' replicas, and serves nothing until admitted again.
     pub node_lease: Duration,
+    /// etcd client endpoints (`host:port`, comma-separated) holding the cluster map, the
+    /// leases and the election (`None`: the embedded coordinator, in the primary).
+    pub etcd: Option<String>,
+    /// The cluster's name: its keys' prefix in etcd.
+    pub cluster: String,
     /// Copies of every stripe of a new file whose creator does not ask (primary only; never
     /// more than the cluster's nodes).
     pub replicas: u32,

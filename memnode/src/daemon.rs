@@ -48,6 +48,10 @@ pub enum StartError {
     Region { len: u64, err: std::io::Error },
     #[error("cannot listen on {addr}: {err}")]
     Listen { addr: String, err: std::io::Error },
+    #[error("cannot reach the coordinator: {0}")]
+    Coordinator(#[from] rackfs_coord::CoordError),
+    #[error("{0}")]
+    Election(#[from] crate::election::ElectionError),
     #[error("cannot join the primary at {addr}: {err}")]
     Join {
         addr: String,
@@ -164,6 +168,26 @@ impl MemNode {
             domain: cfg.domain.clone(),
         };
         let is_primary = cfg.role == Role::Primary;
+        let coord = crate::coordinator::open(&cfg)?;
+        let primacy = match (is_primary, &cfg.etcd) {
+            (true, Some(_)) => {
+                let me =
+                    serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
+                Some(crate::election::campaign(
+                    coord.clone(),
+                    &me,
+                    cfg.node_lease,
+                    &cfg.cluster,
+                )?)
+            }
+            (true, None) => {
+                let me =
+                    serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
+                let _ = coord.create("primary", me.to_string().as_bytes(), None)?;
+                None
+            }
+            _ => None,
+        };
         let node = Arc::new(Node {
             members: Membership::new(me, is_primary),
             meta: is_primary.then(|| {
@@ -175,9 +199,15 @@ impl MemNode {
             watchers: Default::default(),
             fences: Default::default(),
             leases: is_primary.then(|| Leases::new(cfg.lock_lease)),
-            node_leases: is_primary.then(|| Leases::new(cfg.node_lease)),
-            serve: match cfg.role {
-                Role::Join(_) => ServeLease::none(),
+            epochs: is_primary.then(Default::default),
+            coord,
+            serve: match (&cfg.role, &primacy) {
+                (Role::Join(_), _) => ServeLease::none(),
+                (_, Some((_, until))) => {
+                    let l = ServeLease::none();
+                    l.extend_to(*until);
+                    l
+                }
                 _ => ServeLease::forever(),
             },
             lease_words: Default::default(),
@@ -230,23 +260,26 @@ impl MemNode {
                 while !n.is_stopping() {
                     std::thread::sleep(check);
                     let now = Instant::now();
-                    let nodes = n.node_leases.as_ref().expect("primary");
-                    if now - last > check + leases.lease().min(nodes.lease()) / 4 {
+                    if now - last > check + leases.lease() / 4 {
                         // This node was paused: nobody could renew meanwhile.
-                        info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every lease restarts");
+                        info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every mount's lease restarts");
                         leases.restart_all(now);
-                        nodes.restart_all(now);
                     }
                     last = now;
                     let expired = leases.expire(now);
                     for session in expired {
                         thread(&n, "fence", move |n| n.fence_mount(session));
                     }
-                    for id in nodes.expire(now) {
-                        crate::liveness::declare_dead(&n, id as u32, "its lease lapsed", false);
-                    }
                 }
             });
+        }
+        if node.epochs.is_some() {
+            every(&node, "members", node.cfg.node_lease / 8, |n| {
+                crate::liveness::check_members(n)
+            });
+        }
+        if let Some((p, _)) = primacy {
+            thread(&node, "primary-lease", move |n| p.run(&n));
         }
         if let Some(addr) = &node.cfg.metrics {
             let l = TcpListener::bind(addr).map_err(|err| StartError::Listen {
@@ -276,7 +309,7 @@ impl MemNode {
                     err,
                 })?;
             // The first lease before anyone is served: data connections are refused without.
-            let mut lease = crate::liveness::Renewer::new(addr);
+            let mut lease = crate::liveness::Renewer::new(node.coord.clone(), addr);
             lease.renew(&node);
             thread(&node, "node-lease", move |n| lease.run(&n));
         }

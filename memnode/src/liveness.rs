@@ -1,23 +1,25 @@
-//! Data nodes' leases with the primary (see `rackfs_verbs::lease`): a data node serves data
-//! only while the primary renews its lease, and the primary declares a node dead (drops it
-//! from every stripe's replicas) only once its lease has lapsed.
+//! Data nodes' membership (see `rackfs_verbs::lease` and [`crate::coordinator`]): a data node
+//! serves data only while it holds its lease with the coordinator, under the epoch the primary
+//! admitted it with, and the primary declares a node dead (drops it from every stripe's
+//! replicas) only once that lease has lapsed.
 //!
-//! * A data node renews every quarter of the lease, on a control connection of its own
-//!   ([`Renewer`]; the first renewal before it serves anyone), timing each lease from when it
-//!   sent the renewal. Its [`ServeLease`] is what its tcp NIC threads check before every batch
+//! * A data node registers under a new lease (its *epoch*), is admitted by the primary, then
+//!   renews every quarter of the lease ([`Renewer`]; admitted before it serves anyone), timing
+//!   each lease from when it sent the renewal. A lapsed lease cannot be renewed: the node is
+//!   fenced and starts over under a new epoch. Its [`ServeLease`] is what its tcp NIC threads check before every batch
 //!   and its handshake before every data connection; it copies the deadline into each shm
 //!   client's counter block ([`LeaseWords`], `rackfs_verbs::shm::LEASE_WORD`), which the client
 //!   checks; when it lapses, rdma clients' connections are shut down (their queue pairs go).
 //!   A node stopped outright cannot do the last: its NIC goes on serving rdma reads.
-//! * The primary times leases with [`crate::lease::Leases`] keyed by node id, from when each
-//!   renewal arrived. A node whose lease lapses is declared dead ([`declare_dead`]): marked
-//!   down (no new data goes there) and dropped from every stripe that has another replica.
+//! * The primary looks at the coordinator's members a few times per lease ([`check_members`],
+//!   [`Epochs`]). A node whose lease lapsed is declared dead ([`declare_dead`]): marked down
+//!   (no new data goes there) and dropped from every stripe that has another replica.
 //! * Stripes left with fewer replicas than their file asks for are copied onto other live
 //!   nodes in the background, rate-bounded ([`rebuild_round`], `rackfs_meta::file::File::rebuild`).
-//! * A node declared dead is taken back at its next renewal: the primary first frees on it the
-//!   replicas it dropped (stale now; tombstoning their tags sends mounts that cached them back
-//!   to the layout), then renews. Stripes it alone held were never dropped and serve again.
-//!   A node that joins (again) is new and empty, so joining drops its old replicas.
+//! * A node that comes back under a new epoch is admitted ([`admit`]) only after the primary
+//!   freed on it the replicas it dropped (stale now; tombstoning their tags sends mounts that
+//!   cached them back to the layout). Stripes it alone held were never dropped and serve
+//!   again. A node that joins (again) is new and empty, so joining drops its old replicas.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -25,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use rackfs_coord::{renew_every, CoordError, Coordinator, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::lease::{monotonic_ns, ServeLease};
@@ -32,6 +35,7 @@ use rackfs_verbs::shm::set_lease;
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 
+use crate::coordinator::{members, node_key};
 use crate::node::Node;
 
 /// What enforces this node's lease beyond its own NIC threads: the counter blocks of its shm
@@ -75,7 +79,7 @@ impl LeaseWords {
     }
 
     /// Copies the lease's deadline into every live client's block.
-    fn publish(&self, until: u64) {
+    pub fn publish(&self, until: u64) {
         let mut v = self.blocks.lock().expect("lease words lock");
         v.retain(|w| match w.upgrade() {
             Some(b) => {
@@ -87,65 +91,120 @@ impl LeaseWords {
     }
 }
 
-/// A data node's side of its lease: renews it with the primary on a control connection of its
-/// own, timing each lease from when the renewal was sent.
+/// A data node's side of its membership: holds a lease with the coordinator, registers under
+/// it (`nodes/<id>`, its epoch being the lease's id), asks the primary to admit it under that
+/// epoch, then renews the lease every quarter of its ttl, timing it from when the renewal was
+/// sent. A lease that lapsed cannot be renewed: the node starts over with a new epoch.
 pub struct Renewer {
+    coord: Arc<dyn Coordinator>,
     primary: String,
     conn: Option<ControlClient>,
+    /// The lease this node registered under, and whether the primary admitted it.
+    lease: Option<(LeaseId, bool)>,
     every: Duration,
     complained: bool,
     lapsed: bool,
 }
 
 impl Renewer {
-    pub fn new(primary: &str) -> Renewer {
+    pub fn new(coord: Arc<dyn Coordinator>, primary: &str) -> Renewer {
         Renewer {
+            coord,
             primary: primary.into(),
             conn: None,
+            lease: None,
             every: Duration::from_millis(100),
             complained: false,
             lapsed: false,
         }
     }
 
-    /// Renews the lease once (connecting first if needed).
+    /// One round: registers, asks for admission or renews, as the lease's state calls for.
     pub fn renew(&mut self, node: &Node) {
-        let c = match self.conn.take() {
-            Some(c) => c,
-            None => match ControlClient::connect(
-                &self.primary,
-                &node.cfg.secret,
-                &format!("lease-{}", node.cfg.name),
-            ) {
-                Ok(c) => c,
-                Err(e) => {
-                    self.trouble(&e.to_string());
-                    return self.check(node);
-                }
-            },
-        };
         let sent = monotonic_ns();
-        match c.call(&ControlRequest::NodeRenew {
-            node: node.cfg.node_id,
-        }) {
-            Ok(ControlResponse::Lease { ms }) => {
-                node.serve.extend_to(sent + ms * 1_000_000);
-                node.lease_words.publish(node.serve.until());
-                self.every = Duration::from_millis(ms / 4).max(Duration::from_millis(10));
-                if std::mem::replace(&mut self.complained, false) {
-                    info!("this node's lease is renewed again");
-                }
-                self.conn = Some(c);
-            }
-            Ok(other) => self.trouble(&format!("unexpected answer {other:?}")),
-            Err(e) => self.trouble(&e.to_string()),
+        if let Err(why) = self.step(node, sent) {
+            self.trouble(&why);
         }
         self.check(node);
     }
 
+    fn step(&mut self, node: &Node, sent: u64) -> Result<(), String> {
+        let ttl = match self.lease {
+            None => {
+                let (lease, ttl) = self
+                    .coord
+                    .grant(node.cfg.node_lease)
+                    .map_err(|e| e.to_string())?;
+                let me = node.members.me();
+                let value = serde_json::json!({
+                    "epoch": lease, "name": me.name, "tcp": me.tcp, "shm": me.shm, "domain": me.domain,
+                });
+                self.coord
+                    .put(
+                        &node_key(node.cfg.node_id),
+                        value.to_string().as_bytes(),
+                        Some(lease),
+                    )
+                    .map_err(|e| e.to_string())?;
+                info!(epoch = lease, coordinator = %self.coord.describe(), "registered this node under a new epoch");
+                self.lease = Some((lease, false));
+                self.every = renew_every(ttl);
+                ttl
+            }
+            Some((lease, _)) => match self.coord.keep_alive(lease) {
+                Ok(ttl) => ttl,
+                Err(CoordError::Expired(_)) => {
+                    warn!(epoch = lease, "this node's lease lapsed: it is fenced, and registers under a new epoch to be admitted again");
+                    self.lease = None;
+                    return Ok(());
+                }
+                Err(e) => return Err(e.to_string()),
+            },
+        };
+        let Some((lease, admitted)) = self.lease else {
+            return Ok(());
+        };
+        if !admitted {
+            self.admit(node, lease)?;
+            self.lease = Some((lease, true));
+        }
+        node.serve.extend_to(sent + ttl.as_nanos() as u64);
+        node.lease_words.publish(node.serve.until());
+        if std::mem::replace(&mut self.complained, false) {
+            info!("this node's lease is renewed again");
+        }
+        Ok(())
+    }
+
+    /// Asks the primary to admit this node under epoch `lease`.
+    fn admit(&mut self, node: &Node, lease: LeaseId) -> Result<(), String> {
+        let c = match self.conn.take() {
+            Some(c) => c,
+            None => ControlClient::connect(
+                &self.primary,
+                &node.cfg.secret,
+                &format!("lease-{}", node.cfg.name),
+            )
+            .map_err(|e| e.to_string())?,
+        };
+        let r = c.call(&ControlRequest::NodeAdmit {
+            node: node.cfg.node_id,
+            epoch: lease,
+        });
+        self.conn = Some(c);
+        match r {
+            Ok(ControlResponse::Lease { .. }) => {
+                info!(epoch = lease, "admitted by the primary: serving data");
+                Ok(())
+            }
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(format!("the primary did not admit this node: {e}")),
+        }
+    }
+
     fn trouble(&mut self, why: &str) {
         if !std::mem::replace(&mut self.complained, true) {
-            warn!(primary = %self.primary, error = why, "cannot renew this node's lease; it stops serving data when the lease lapses");
+            warn!(coordinator = %self.coord.describe(), primary = %self.primary, error = why, "cannot renew this node's lease; it stops serving data when the lease lapses");
         }
     }
 
@@ -154,7 +213,7 @@ impl Renewer {
         if node.serve.valid() {
             self.lapsed = false;
         } else if !std::mem::replace(&mut self.lapsed, true) {
-            warn!("this node's lease lapsed: it serves no data until the primary renews it");
+            warn!("this node's lease lapsed: it serves no data until it is admitted again");
             node.lease_words.lapsed();
         }
     }
@@ -168,27 +227,89 @@ impl Renewer {
     }
 }
 
+/// The primary's view of the data nodes' membership: the epoch each was admitted under, and the
+/// epochs the coordinator showed at its last look. A node is live while the two agree.
+#[derive(Default)]
+pub struct Epochs(Mutex<EpochState>);
+
+#[derive(Default)]
+struct EpochState {
+    admitted: HashMap<u32, LeaseId>,
+    registered: HashMap<u32, LeaseId>,
+}
+
+impl Epochs {
+    /// Whether node `id` holds the lease it was admitted under (as last seen).
+    pub fn is_live(&self, id: u32) -> bool {
+        let s = self.0.lock().expect("epochs lock");
+        s.admitted
+            .get(&id)
+            .is_some_and(|e| s.registered.get(&id) == Some(e))
+    }
+
+    /// The epoch node `id` was admitted under.
+    pub fn admitted(&self, id: u32) -> Option<LeaseId> {
+        self.0
+            .lock()
+            .expect("epochs lock")
+            .admitted
+            .get(&id)
+            .copied()
+    }
+
+    /// Takes the coordinator's current members; returns the admitted nodes no longer live.
+    pub fn refresh(&self, registered: Vec<(u32, LeaseId)>) -> Vec<u32> {
+        let mut s = self.0.lock().expect("epochs lock");
+        s.registered = registered.into_iter().collect();
+        let s = &*s;
+        s.admitted
+            .iter()
+            .filter(|(id, e)| s.registered.get(id) != Some(e))
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn admit(&self, id: u32, epoch: LeaseId) {
+        let mut s = self.0.lock().expect("epochs lock");
+        s.admitted.insert(id, epoch);
+        s.registered.insert(id, epoch);
+    }
+
+    /// Node `id` joined again, empty: it is not admitted until it asks under a new epoch.
+    pub fn forget(&self, id: u32) {
+        self.0.lock().expect("epochs lock").admitted.remove(&id);
+    }
+}
+
 /// The primary's record of nodes declared dead: per node, the extents of its replicas that
 /// were dropped (stale now), freed on the node before it serves again. Its lock also
-/// serialises declaring a node dead with taking it back.
+/// serialises declaring a node dead with admitting it.
 #[derive(Default)]
 pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
 
-/// Primary: data node `id` is out (its lease lapsed): no new data goes there, and it is dropped
-/// from every stripe that has another replica. Does nothing for a node whose lease holds (it
-/// renewed meanwhile). `joined`: the node just joined again with empty memory, so its old
-/// replicas are dropped, but it is up.
-pub fn declare_dead(node: &Node, id: u32, why: &str, joined: bool) {
-    let (Some(meta), Some(leases)) = (&node.meta, &node.node_leases) else {
-        return;
-    };
+/// Primary: data node `id` is out (its lease lapsed): no new data goes there, and it is
+/// dropped from every stripe that has another replica. Does nothing for a node that is live
+/// (it renewed meanwhile).
+pub fn declare_dead(node: &Node, id: u32, why: &str) {
+    let Some(epochs) = &node.epochs else { return };
     let mut discards = node.discards.0.lock().expect("discards lock");
-    if !joined {
-        if leases.check(id as u64).is_ok() {
-            return;
-        }
-        node.members.mark_down(id, why);
+    if epochs.is_live(id) {
+        return;
     }
+    node.members.mark_down(id, why);
+    drop_replicas(node, id, why, &mut discards, false);
+}
+
+/// Drops node `id` from every stripe that has another replica. `empty`: the node's memory is
+/// new (it joined again), so there is nothing on it to free later.
+fn drop_replicas(
+    node: &Node,
+    id: u32,
+    why: &str,
+    discards: &mut HashMap<u32, Vec<u64>>,
+    empty: bool,
+) {
+    let Some(meta) = &node.meta else { return };
     let d = meta
         .lock()
         .expect("metadata lock")
@@ -204,28 +325,57 @@ pub fn declare_dead(node: &Node, id: u32, why: &str, joined: bool) {
         );
     }
     let pending = discards.entry(id).or_default();
-    if joined {
-        pending.clear(); // its memory is new
+    if empty {
+        pending.clear();
     } else {
         pending.extend(d.extents);
     }
 }
 
-/// Primary: renews data node `id`'s lease. A node declared dead is taken back here: the
-/// replicas dropped from it are freed on it first (their tags tombstoned, so a mount that
-/// cached them re-reads the layout), then its lease starts again and new data may go there.
-pub fn renew(node: &Node, id: u32) -> Result<Duration, Refusal> {
-    let Some(leases) = &node.node_leases else {
+/// Primary: node `id` joined again with empty memory: its old replicas are dropped, and it
+/// takes data only once admitted under a new epoch.
+pub fn rejoined(node: &Node, id: u32) {
+    let Some(epochs) = &node.epochs else { return };
+    let mut discards = node.discards.0.lock().expect("discards lock");
+    epochs.forget(id);
+    drop_replicas(node, id, "it joined again, empty", &mut discards, true);
+}
+
+/// Primary: admits data node `id` under `epoch`, a lease under which the coordinator shows it
+/// registered. A node coming back from an earlier epoch is fenced by the new one: its replicas
+/// of the old epoch are dropped where another copy exists and freed on it (their tags
+/// tombstoned, so a mount that cached them re-reads the layout) before it is admitted.
+/// Stripes it alone held were never dropped and serve again.
+pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> {
+    let Some(epochs) = &node.epochs else {
         return Err(Refusal::new(
             ErrorCode::NotPrimary,
-            "node leases are kept by the primary",
+            "data nodes are admitted by the primary",
         ));
     };
-    if let Ok(d) = leases.renew(id as u64) {
-        return Ok(d);
+    let unavailable = |e: CoordError| {
+        Refusal::new(
+            ErrorCode::Unavailable,
+            format!("cannot check node {id}'s lease with the coordinator: {e}"),
+        )
+    };
+    let registered = members(&*node.coord).map_err(unavailable)?;
+    if !registered.contains(&(id, epoch)) {
+        return Err(Refusal::new(
+            ErrorCode::Fenced,
+            format!("node {id} is not registered under epoch {epoch:x} (its lease lapsed?)"),
+        ));
     }
-    declare_dead(node, id, "its lease lapsed", false);
     let mut discards = node.discards.0.lock().expect("discards lock");
+    let before = epochs.admitted(id);
+    if before == Some(epoch) {
+        return Ok(node.cfg.node_lease);
+    }
+    if before.is_some() {
+        node.members
+            .mark_down(id, "it comes back under a new epoch");
+        drop_replicas(node, id, "its earlier epoch ended", &mut discards, false);
+    }
     let peer = node.members.peer(id)?;
     let pending = discards.remove(&id).unwrap_or_default();
     for (i, &offset) in pending.iter().enumerate() {
@@ -240,25 +390,39 @@ pub fn renew(node: &Node, id: u32) -> Result<Duration, Refusal> {
             }
         }
     }
-    leases.end(id as u64);
-    leases.hold(id as u64);
+    epochs.admit(id, epoch);
     node.members.mark_up(id);
-    info!(
-        node = id,
-        freed = pending.len(),
-        "memory node back: its dropped replicas are freed, and it takes new data again"
-    );
-    Ok(leases.lease())
+    if before.is_some() || !pending.is_empty() {
+        info!(node = id, epoch, freed = pending.len(), "memory node back under a new epoch: its dropped replicas are freed, and it takes new data again");
+    } else {
+        info!(node = id, epoch, "memory node admitted: it takes new data");
+    }
+    Ok(node.cfg.node_lease)
+}
+
+/// Primary: one look at the coordinator's members; nodes whose lease lapsed are declared dead.
+pub fn check_members(node: &Node) {
+    let Some(epochs) = &node.epochs else { return };
+    match members(&*node.coord) {
+        Ok(registered) => {
+            for id in epochs.refresh(registered) {
+                declare_dead(node, id, "its lease lapsed");
+            }
+        }
+        Err(e) => {
+            warn!(coordinator = %node.coord.describe(), error = %e, "cannot read the cluster's members from the coordinator; no node is declared dead meanwhile")
+        }
+    }
 }
 
 /// Primary: a mount could not write to data node `id`. Answers once the node is out (its lease
 /// lapsed: it serves nothing any more, so writes may go on without it), or refuses if it keeps
-/// renewing for a whole lease (the mount's connection failed, not the node).
+/// its lease for a whole lease (the mount's connection failed, not the node).
 pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
-    let Some(leases) = &node.node_leases else {
+    let Some(epochs) = &node.epochs else {
         return Err(Refusal::new(
             ErrorCode::NotPrimary,
-            "node leases are kept by the primary",
+            "data nodes' leases are watched by the primary",
         ));
     };
     if id == node.cfg.node_id {
@@ -268,17 +432,17 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
         ));
     }
     node.members.peer(id)?;
-    let until = std::time::Instant::now() + leases.lease() + Duration::from_millis(500);
+    let until = std::time::Instant::now() + node.cfg.node_lease + Duration::from_millis(1500);
     loop {
-        if leases.check(id as u64).is_err() {
-            // Idempotent: the lease checker may be dropping it right now.
-            declare_dead(node, id, "its lease lapsed", false);
+        if !epochs.is_live(id) {
+            // Idempotent: the member check may be dropping it right now.
+            declare_dead(node, id, "its lease lapsed");
             return Ok(());
         }
         if std::time::Instant::now() > until {
             return Err(Refusal::new(
                 ErrorCode::Unavailable,
-                format!("memory node {id} still renews its lease with the primary"),
+                format!("memory node {id} still holds its lease"),
             ));
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -53,11 +53,18 @@ struct Args {
     /// every quarter of this) before it is fenced on every node and its locks recovered.
     #[arg(long, default_value_t = 4000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
     lock_lease_ms: u64,
-    /// Milliseconds a data node may go without renewing its lease with the primary (it renews
-    /// every quarter of this) before it is declared dead: it stops serving, and its stripes'
-    /// other replicas carry on without it (primary only).
+    /// Milliseconds of a data node's lease with the coordinator (it renews every quarter of
+    /// this): one that lapses is declared dead, stops serving, and its stripes' other replicas
+    /// carry on without it. etcd rounds leases up to whole seconds (at least 2 s).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
     node_lease_ms: u64,
+    /// Keep the cluster map, the nodes' leases and the primary's election in etcd at these
+    /// client endpoints (host:port, comma-separated); without it the primary holds them.
+    #[arg(long, value_name = "ENDPOINTS")]
+    etcd: Option<String>,
+    /// The cluster's name: its keys live under /rackfs/NAME/ in etcd.
+    #[arg(long, default_value = "rackfs", value_name = "NAME")]
+    cluster: String,
     /// Copies of every stripe of a new file, on different nodes, unless the mount asks
     /// otherwise (`-o replicas=N`); never more than the nodes at the file's creation (primary
     /// only).
@@ -152,6 +159,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),
         node_lease: std::time::Duration::from_millis(args.node_lease_ms),
+        etcd: args.etcd,
+        cluster: args.cluster,
         replicas: args.replicas,
         rebuild_rate: args.rebuild_rate,
         qos: rackfs_memnode::qos::QosConfig {

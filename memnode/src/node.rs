@@ -56,8 +56,11 @@ pub struct Node {
     pub fences: Fences,
     /// Lock holders' leases (primary only).
     pub leases: Option<Leases>,
-    /// Data nodes' leases, by node id (primary only; see [`crate::liveness`]).
-    pub node_leases: Option<Leases>,
+    /// Where this node's lease, the cluster map and the election live (see
+    /// [`crate::coordinator`]).
+    pub coord: std::sync::Arc<dyn rackfs_coord::Coordinator>,
+    /// The epochs data nodes were admitted under (primary only; see [`crate::liveness`]).
+    pub epochs: Option<crate::liveness::Epochs>,
     /// This node's own lease to serve data (forever on the primary and standalone nodes).
     pub serve: rackfs_verbs::lease::ServeLease,
     /// Where this node's shm clients keep their copy of its lease.
@@ -238,7 +241,8 @@ impl Node {
                     | ControlRequest::Stats
                     | ControlRequest::Cluster
                     | ControlRequest::Renew { .. }
-                    | ControlRequest::NodeRenew { .. }
+                    | ControlRequest::NodeAdmit { .. }
+                    | ControlRequest::Coord(_)
             );
             if let (false, Err(r)) = (harmless, l.check(session)) {
                 return r.into();
@@ -285,13 +289,18 @@ impl Node {
             ControlRequest::Join { node } => self
                 .accept_join(node)
                 .map_or_else(ControlResponse::from, ControlResponse::Cluster),
-            ControlRequest::NodeRenew { node } => {
-                crate::liveness::renew(self, node).map_or_else(ControlResponse::from, |d| {
-                    ControlResponse::Lease {
-                        ms: d.as_millis() as u64,
-                    }
-                })
+            ControlRequest::NodeAdmit { node, epoch } => crate::liveness::admit(self, node, epoch)
+                .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+                    ms: d.as_millis() as u64,
+                }),
+            ControlRequest::Coord(call) if self.cfg.role == crate::Role::Primary => {
+                crate::coordinator::serve(&*self.coord, call)
+                    .map_or_else(ControlResponse::from, ControlResponse::Coord)
             }
+            ControlRequest::Coord(_) => refused(
+                ErrorCode::NotPrimary,
+                "the embedded coordinator is held by the primary",
+            ),
             ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::Retag { offset, tag } => self
@@ -413,9 +422,8 @@ impl Node {
         }
     }
 
-    /// The primary's side of a join. A joining node is empty (new, or it discarded its
-    /// stripes after being declared dead), so replicas it held before are dropped first; its
-    /// lease starts now.
+    /// The primary's side of a join. A joining node is empty (a new process), so replicas it
+    /// held before are dropped first; it takes data once admitted under its epoch.
     fn accept_join(&self, node: rackfs_proto::control::NodeAddr) -> Result<ClusterInfo, Refusal> {
         let id = node.node_id;
         let known = self.members.peer(id).is_ok();
@@ -423,11 +431,7 @@ impl Node {
         // another address) leaves the running node's replicas alone.
         let info = self.members.accept_join(node, &self.cfg.secret)?;
         if known {
-            crate::liveness::declare_dead(self, id, "it joined again, empty", true);
-        }
-        if let Some(l) = &self.node_leases {
-            l.end(id as u64);
-            l.hold(id as u64);
+            crate::liveness::rejoined(self, id);
         }
         Ok(info)
     }
@@ -495,9 +499,9 @@ fn no_baseline() -> ControlResponse {
 impl Storage for Node {
     fn data_nodes(&self) -> Vec<u32> {
         let mut v = self.members.data_nodes();
-        // A node declared dead takes no new data until it joined again.
-        if let Some(l) = &self.node_leases {
-            v.retain(|&id| id == self.cfg.node_id || l.check(id as u64).is_ok());
+        // A node takes new data only while it holds the lease it was admitted under.
+        if let Some(e) = &self.epochs {
+            v.retain(|&id| id == self.cfg.node_id || e.is_live(id));
         }
         v
     }

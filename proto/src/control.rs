@@ -19,10 +19,10 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 24] = [
+pub const RPC_KINDS: [&str; 25] = [
     "hello",
     "ping",
     "stats",
@@ -44,9 +44,10 @@ pub const RPC_KINDS: [&str; 24] = [
     "fence",
     "adopt",
     "node_failed",
-    "node_renew",
+    "node_admit",
     "retag",
     "pull",
+    "coord",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -130,12 +131,14 @@ pub enum ControlRequest {
     NodeFailed {
         node: u32,
     },
-    /// Sent by data node `node`, on a connection of its own, to the primary every quarter of
-    /// its lease: it serves data only while renewed (`rackfs_verbs::lease`). Answered with
-    /// [`ControlResponse::Lease`]; refused with [`ErrorCode::Fenced`] once the node was
-    /// declared dead, after which it discards its stripes and joins again, empty.
-    NodeRenew {
+    /// Sent by data node `node` to the primary once it holds a coordinator lease `epoch` under
+    /// which it registered itself (`nodes/<id>`): take it (back) into the cluster under that
+    /// epoch. A node declared dead gets its stale replicas freed first. The node serves data
+    /// only from the answer on ([`ControlResponse::Lease`], its lease's ttl) and only while it
+    /// keeps that lease alive with the coordinator (`rackfs_verbs::lease`).
+    NodeAdmit {
         node: u32,
+        epoch: i64,
     },
     /// The primary to a data node: give the stripe extent at `offset` the owner tag `tag`, in
     /// place (re-replication: a mount's write that found the old tag landed before this, and
@@ -153,6 +156,9 @@ pub enum ControlRequest {
         to: u64,
         len: u64,
     },
+    /// A coordinator operation on the embedded coordinator (primary only; see
+    /// [`crate::coord`]).
+    Coord(crate::coord::CoordCall),
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -210,9 +216,10 @@ impl ControlRequest {
             ControlRequest::Fence { .. } => 18,
             ControlRequest::Adopt { .. } => 19,
             ControlRequest::NodeFailed { .. } => 20,
-            ControlRequest::NodeRenew { .. } => 21,
+            ControlRequest::NodeAdmit { .. } => 21,
             ControlRequest::Retag { .. } => 22,
             ControlRequest::Pull { .. } => 23,
+            ControlRequest::Coord(_) => 24,
         }
     }
 }
@@ -468,6 +475,8 @@ pub enum ControlResponse {
     Lease {
         ms: u64,
     },
+    /// A coordinator operation's answer.
+    Coord(crate::coord::CoordAnswer),
     /// Changes for a watcher, numbered up to `seq` (acknowledge with that). `lost`: changes
     /// were dropped because the watcher lagged (its caches expire on their own).
     Changes {
@@ -551,7 +560,7 @@ mod tests {
         }
 
         #[test]
-        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 48), name in ".{0,30}") {
+        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 49), name in ".{0,30}") {
             let s = NodeStats {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[7],
@@ -559,7 +568,7 @@ mod tests {
                 health: DataHealth { files: words[40], degraded_files: words[41], unavailable_files: words[42], degraded_stripes: words[43], rebuilt_stripes: words[44], rebuilt_bytes: words[45] },
                 verbs: VerbTotals { ops: words[10..16].try_into().unwrap(), bytes: words[16..22].try_into().unwrap(), errors: words[22], batches: words[23] },
                 rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..44].try_into().unwrap(),
-                rdma: (words[47] % 2 == 1).then(|| format!("rxe{}", words[46])),
+                rdma: (words[48] % 2 == 1).then(|| format!("rxe{}", words[46])),
                 connections_total: words[43], auth_failures: words[44], protocol_errors: words[45],
             };
             let r = ControlResponse::Stats(Box::new(s));

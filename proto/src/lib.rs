@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod control;
+pub mod coord;
 pub mod locktree;
 pub mod namespace;
 pub mod record;

@@ -302,20 +302,20 @@ fn steady_state_io_makes_no_control_rpc() {
     f.write_all_at(&vec![1u8; 256 << 10], 0).unwrap(); // allocates the stripes
     let mut buf = vec![0u8; 4096];
     f.read_exact_at(&mut buf, 0).unwrap();
-    // Lease renewals (mounts' and data nodes', each on a connection of its own) are not on
-    // the I/O path.
+    // Lease renewals (mounts' and data nodes' with the embedded coordinator, each on a
+    // connection of its own) are not on the I/O path.
     let kind = |name: &str| {
         rackfs_proto::control::RPC_KINDS
             .iter()
             .position(|k| *k == name)
             .unwrap()
     };
-    let (renew, node_renew) = (kind("renew"), kind("node_renew"));
+    let (renew, coord) = (kind("renew"), kind("coord"));
     let rpcs = |c: &TestCluster| -> u64 {
         (0..2)
             .map(|i| {
                 let s = c.control(i).stats().unwrap();
-                s.rpcs.iter().sum::<u64>() - s.rpcs[renew] - s.rpcs[node_renew]
+                s.rpcs.iter().sum::<u64>() - s.rpcs[renew] - s.rpcs[coord]
             })
             .sum()
     };

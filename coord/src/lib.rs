@@ -1,0 +1,69 @@
+//! Cluster coordination: leases, a small key space and create-if-absent, the three things the
+//! cluster map, node liveness and the primary's election are built on.
+//!
+//! [`Coordinator`] is the interface. [`Etcd`] puts it on a real etcd cluster (its v3 JSON
+//! gateway, so the build needs neither protoc nor an async runtime); [`Local`] is the embedded
+//! default, held by the primary in process, with the same semantics but no survival beyond it.
+//!
+//! Semantics every implementation keeps:
+//! * a lease lapses `ttl` after its last renewal on the coordinator's clock, and every key put
+//!   under it disappears then; a lapsed lease cannot be renewed ([`CoordError::Expired`]), so a
+//!   holder that was cut off learns it was fenced and must start over with a new lease;
+//! * the holder times its own lease from when it *sent* the renewal, so it believes itself
+//!   live for no longer than the coordinator does;
+//! * [`Coordinator::create`] puts a key only if it is absent, atomically: at most one caller
+//!   wins while the key lives (the primary's election).
+
+mod etcd;
+mod local;
+
+use std::time::Duration;
+
+pub use etcd::Etcd;
+pub use local::Local;
+
+/// A lease's id (etcd's lease id; never 0).
+pub type LeaseId = i64;
+
+/// Why a coordination call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordError {
+    #[error("coordinator unreachable ({endpoints}): {why}")]
+    Unreachable { endpoints: String, why: String },
+    #[error("lease {0:x} has lapsed")]
+    Expired(LeaseId),
+    #[error("coordinator at {endpoint} answered something unexpected: {what}")]
+    Protocol { endpoint: String, what: String },
+}
+
+/// Leases, keys and create-if-absent (see the crate docs). Keys are relative to the
+/// coordinator's cluster prefix.
+pub trait Coordinator: Send + Sync {
+    /// A new lease of about `ttl` (etcd rounds up to whole seconds and a minimum); returns it
+    /// and the ttl granted.
+    fn grant(&self, ttl: Duration) -> Result<(LeaseId, Duration), CoordError>;
+    /// Renews `lease`; returns its ttl from now.
+    fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError>;
+    /// Ends `lease` now (its keys go).
+    fn revoke(&self, lease: LeaseId) -> Result<(), CoordError>;
+    /// Sets `key`, bound to `lease` if given.
+    fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<(), CoordError>;
+    /// Sets `key` only if it is absent; `Err(value)` when present, with its value.
+    fn create(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Option<LeaseId>,
+    ) -> Result<Result<(), Vec<u8>>, CoordError>;
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, CoordError>;
+    /// Every key starting with `prefix`, in key order, with its value.
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError>;
+    fn delete(&self, key: &str) -> Result<(), CoordError>;
+    /// Where it is, for logs and `rackfs status`.
+    fn describe(&self) -> String;
+}
+
+/// How often a holder renews a lease of `ttl` (a quarter of it, at least every 10 ms).
+pub fn renew_every(ttl: Duration) -> Duration {
+    (ttl / 4).max(Duration::from_millis(10))
+}

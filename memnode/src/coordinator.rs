@@ -1,0 +1,221 @@
+//! Which [`Coordinator`] a node uses, and the embedded one's RPC surface.
+//!
+//! With `--etcd` every node talks to etcd itself. Without, the primary holds a
+//! [`rackfs_coord::Local`] and data nodes reach it through [`Remote`], which carries each
+//! operation in a [`ControlRequest::Coord`] to the primary ([`serve`] answers it there): one
+//! interface, one liveness protocol, whichever coordinator runs it.
+//!
+//! Keys a cluster keeps (relative to its prefix): `primary` (the primary's address, under its
+//! lease: the election), and `nodes/<id>` (a data node's address and epoch, under the lease
+//! whose id is that epoch: the node is a member while the key lives).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rackfs_coord::{CoordError, Coordinator, Etcd, LeaseId, Local};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
+use rackfs_proto::coord::{CoordAnswer, CoordCall};
+use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_verbs::Secret;
+
+use crate::config::{NodeConfig, Role};
+
+/// The key of data node `id`'s membership.
+pub fn node_key(id: u32) -> String {
+    format!("nodes/{id}")
+}
+
+/// The node ids and epochs of the members registered under `nodes/`.
+pub fn members(c: &dyn Coordinator) -> Result<Vec<(u32, LeaseId)>, CoordError> {
+    Ok(c.list("nodes/")?
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let id = k.strip_prefix("nodes/")?.parse().ok()?;
+            let m: serde_json::Value = serde_json::from_slice(&v).ok()?;
+            Some((id, m["epoch"].as_i64()?))
+        })
+        .collect())
+}
+
+/// The coordinator of a node with configuration `cfg`.
+pub fn open(cfg: &NodeConfig) -> Result<Arc<dyn Coordinator>, CoordError> {
+    let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
+    if let Some(endpoints) = &cfg.etcd {
+        return Ok(Arc::new(Etcd::new(endpoints, &cfg.cluster, deadline)?));
+    }
+    Ok(match &cfg.role {
+        Role::Join(primary) => Arc::new(Remote::new(primary, &cfg.secret, &cfg.name, deadline)),
+        // The primary asks it at least every member check, an eighth of a lease.
+        _ => Arc::new(Local::new(cfg.node_lease / 4)),
+    })
+}
+
+/// The embedded coordinator, reached on the primary.
+pub struct Remote {
+    primary: String,
+    secret: Secret,
+    name: String,
+    deadline: Duration,
+    conn: Mutex<Option<ControlClient>>,
+}
+
+impl Remote {
+    pub fn new(primary: &str, secret: &Secret, name: &str, deadline: Duration) -> Remote {
+        Remote {
+            primary: primary.into(),
+            secret: secret.clone(),
+            name: format!("coord-{name}"),
+            deadline,
+            conn: Mutex::new(None),
+        }
+    }
+
+    fn call(&self, call: CoordCall) -> Result<CoordAnswer, CoordError> {
+        let lease = match &call {
+            CoordCall::KeepAlive { lease } => Some(*lease),
+            CoordCall::Put { lease, .. } | CoordCall::Create { lease, .. } => *lease,
+            _ => None,
+        };
+        let unreachable = |e: RpcError| CoordError::Unreachable {
+            endpoints: self.primary.clone(),
+            why: e.to_string(),
+        };
+        let mut conn = self.conn.lock().expect("coordinator connection lock");
+        let c = match conn.take() {
+            Some(c) => c,
+            None => {
+                let c = ControlClient::connect(&self.primary, &self.secret, &self.name)
+                    .map_err(unreachable)?;
+                c.set_deadline(self.deadline);
+                c
+            }
+        };
+        match c.call(&ControlRequest::Coord(call)) {
+            Ok(ControlResponse::Coord(a)) => {
+                *conn = Some(c);
+                Ok(a)
+            }
+            Ok(other) => Err(CoordError::Protocol {
+                endpoint: self.primary.clone(),
+                what: format!("{other:?}"),
+            }),
+            Err(RpcError::Refused {
+                code: ErrorCode::Fenced,
+                ..
+            }) if lease.is_some() => {
+                *conn = Some(c);
+                Err(CoordError::Expired(lease.expect("checked")))
+            }
+            Err(e) => Err(unreachable(e)),
+        }
+    }
+}
+
+fn unexpected(a: CoordAnswer) -> CoordError {
+    CoordError::Protocol {
+        endpoint: "the primary".into(),
+        what: format!("{a:?}"),
+    }
+}
+
+impl Coordinator for Remote {
+    fn grant(&self, ttl: Duration) -> Result<(LeaseId, Duration), CoordError> {
+        match self.call(CoordCall::Grant {
+            ttl_ms: ttl.as_millis() as u64,
+        })? {
+            CoordAnswer::Granted { lease, ttl_ms } => Ok((lease, Duration::from_millis(ttl_ms))),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError> {
+        match self.call(CoordCall::KeepAlive { lease })? {
+            CoordAnswer::Ttl { ms } => Ok(Duration::from_millis(ms)),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn revoke(&self, lease: LeaseId) -> Result<(), CoordError> {
+        self.call(CoordCall::Revoke { lease }).map(drop)
+    }
+
+    fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<(), CoordError> {
+        self.call(CoordCall::Put {
+            key: key.into(),
+            value: value.to_vec(),
+            lease,
+        })
+        .map(drop)
+    }
+
+    fn create(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Option<LeaseId>,
+    ) -> Result<Result<(), Vec<u8>>, CoordError> {
+        match self.call(CoordCall::Create {
+            key: key.into(),
+            value: value.to_vec(),
+            lease,
+        })? {
+            CoordAnswer::Created(None) => Ok(Ok(())),
+            CoordAnswer::Created(Some(v)) => Ok(Err(v)),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, CoordError> {
+        match self.call(CoordCall::Get { key: key.into() })? {
+            CoordAnswer::Value(v) => Ok(v),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError> {
+        match self.call(CoordCall::List {
+            prefix: prefix.into(),
+        })? {
+            CoordAnswer::Keys(v) => Ok(v),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn delete(&self, key: &str) -> Result<(), CoordError> {
+        self.call(CoordCall::Delete { key: key.into() }).map(drop)
+    }
+
+    fn describe(&self) -> String {
+        format!("embedded, in the primary at {}", self.primary)
+    }
+}
+
+/// The primary's side of [`Remote`]: one operation on its own coordinator.
+pub fn serve(c: &dyn Coordinator, call: CoordCall) -> Result<CoordAnswer, Refusal> {
+    let r = match call {
+        CoordCall::Grant { ttl_ms } => {
+            c.grant(Duration::from_millis(ttl_ms))
+                .map(|(lease, ttl)| CoordAnswer::Granted {
+                    lease,
+                    ttl_ms: ttl.as_millis() as u64,
+                })
+        }
+        CoordCall::KeepAlive { lease } => c.keep_alive(lease).map(|ttl| CoordAnswer::Ttl {
+            ms: ttl.as_millis() as u64,
+        }),
+        CoordCall::Revoke { lease } => c.revoke(lease).map(|_| CoordAnswer::Done),
+        CoordCall::Put { key, value, lease } => {
+            c.put(&key, &value, lease).map(|_| CoordAnswer::Done)
+        }
+        CoordCall::Create { key, value, lease } => c
+            .create(&key, &value, lease)
+            .map(|r| CoordAnswer::Created(r.err())),
+        CoordCall::Get { key } => c.get(&key).map(CoordAnswer::Value),
+        CoordCall::List { prefix } => c.list(&prefix).map(CoordAnswer::Keys),
+        CoordCall::Delete { key } => c.delete(&key).map(|_| CoordAnswer::Done),
+    };
+    r.map_err(|e| match e {
+        CoordError::Expired(_) => Refusal::new(ErrorCode::Fenced, e.to_string()),
+        other => Refusal::new(ErrorCode::Unavailable, other.to_string()),
+    })
+}
