@@ -16,11 +16,13 @@
 
 mod etcd;
 mod local;
+pub mod server;
 
 use std::time::Duration;
 
 pub use etcd::Etcd;
 pub use local::Local;
+pub use server::EtcdServer;
 
 /// A lease's id (etcd's lease id; never 0).
 pub type LeaseId = i64;

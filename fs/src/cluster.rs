@@ -325,47 +325,17 @@ impl Cluster {
             peer: format!("node {id}"),
             reason: "not in the cluster".into(),
         })?;
-        let qp = match (
-            local_socket(&addr, self.transport),
-            &addr.tcp,
-            self.transport,
-        ) {
-            (Some(sock), _, _) => rackfs_verbs::shm::connect_fenced(
-                Path::new(sock),
-                &self.secret,
-                &self.name,
-                session,
-            )?,
-            (None, _, TransportChoice::Shm) => {
-                return Err(VerbsError::Connect {
-                    peer: addr.name.clone(),
-                    reason: "transport=shm but the node's socket is not on this host".into(),
-                })
-            }
-            (None, Some(tcp), TransportChoice::Rdma) => rackfs_verbs::rdma::connect(
-                tcp,
-                &self.secret,
-                &self.name,
-                session,
-                self.rdma_device.as_deref(),
-            )?,
-            (None, Some(tcp), _) => rackfs_verbs::tcp::connect_with(
-                tcp,
-                &self.secret,
-                &self.name,
-                rackfs_verbs::tcp::TcpOptions {
-                    deadline: Duration::from_millis(
-                        self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
-                    ),
-                    fence: session,
-                    ..Default::default()
-                },
-            )?,
-            (None, None, _) => {
-                return Err(VerbsError::Connect {
-                    peer: addr.name.clone(),
-                    reason: "the node has no reachable address".into(),
-                })
+        let qp = match self.connect_to(&addr, session) {
+            Ok(qp) => qp,
+            Err(e) => {
+                // A node started again listens elsewhere: ask the primary where it is now.
+                let info = self.primary().cluster().map_err(|_| e.clone())?;
+                let now = info.nodes.iter().find(|n| n.node_id == id).cloned();
+                *self.info.write().expect("cluster info lock") = info;
+                match now {
+                    Some(now) if now != addr => self.connect_to(&now, session)?,
+                    _ => return Err(e),
+                }
             }
         };
         let rkey = qp
@@ -389,6 +359,55 @@ impl Cluster {
             nodes.insert(id, node.clone());
         }
         Ok(node)
+    }
+
+    /// A new queue pair to the node at `addr`, over the mount's transport.
+    fn connect_to(&self, addr: &NodeAddr, session: u64) -> Result<QueuePair, VerbsError> {
+        Ok(
+            match (
+                local_socket(addr, self.transport),
+                &addr.tcp,
+                self.transport,
+            ) {
+                (Some(sock), _, _) => rackfs_verbs::shm::connect_fenced(
+                    Path::new(sock),
+                    &self.secret,
+                    &self.name,
+                    session,
+                )?,
+                (None, _, TransportChoice::Shm) => {
+                    return Err(VerbsError::Connect {
+                        peer: addr.name.clone(),
+                        reason: "transport=shm but the node's socket is not on this host".into(),
+                    })
+                }
+                (None, Some(tcp), TransportChoice::Rdma) => rackfs_verbs::rdma::connect(
+                    tcp,
+                    &self.secret,
+                    &self.name,
+                    session,
+                    self.rdma_device.as_deref(),
+                )?,
+                (None, Some(tcp), _) => rackfs_verbs::tcp::connect_with(
+                    tcp,
+                    &self.secret,
+                    &self.name,
+                    rackfs_verbs::tcp::TcpOptions {
+                        deadline: Duration::from_millis(
+                            self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
+                        ),
+                        fence: session,
+                        ..Default::default()
+                    },
+                )?,
+                (None, None, _) => {
+                    return Err(VerbsError::Connect {
+                        peer: addr.name.clone(),
+                        reason: "the node has no reachable address".into(),
+                    })
+                }
+            },
+        )
     }
 
     /// This mount's lock client slot and lock configuration, obtained on first use: the slot

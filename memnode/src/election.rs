@@ -43,8 +43,21 @@ pub fn campaign(
     let mut told = false;
     loop {
         let sent = monotonic_ns();
-        let (lease, granted) = coord.grant(ttl)?;
-        match coord.create("primary", me.to_string().as_bytes(), Some(lease))? {
+        let attempt = coord.grant(ttl).and_then(|(lease, granted)| {
+            let won = coord.create("primary", me.to_string().as_bytes(), Some(lease))?;
+            Ok((lease, granted, won))
+        });
+        let (lease, granted, won) = match attempt {
+            Ok(a) => a,
+            // A coordinator that answers slowly or not yet: try again until giving up.
+            Err(e) if Instant::now() > give_up => return Err(e.into()),
+            Err(e) => {
+                warn!(coordinator = %coord.describe(), error = %e, "cannot campaign for primary yet; retrying");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        match won {
             Ok(()) => {
                 info!(coordinator = %coord.describe(), epoch = lease, "elected primary of the cluster");
                 let p = Primacy {
@@ -73,9 +86,11 @@ pub fn campaign(
 }
 
 impl Primacy {
-    /// Renews the primary's lease while the node runs; extends its serve lease from each
-    /// renewal's sending. Once the lease lapsed the process exits: someone else may be primary.
-    pub fn run(self, node: &Node) {
+    /// Renews the primary's lease while the node runs, extending its serve lease from each
+    /// renewal's sending. Once the lease lapsed (the coordinator was out of reach for a whole
+    /// lease) the node serves nothing and campaigns again: it resumes if the key is still free
+    /// and exits if another node took it.
+    pub fn run(mut self, node: &Node) {
         let mut complained = false;
         while !node.is_stopping() {
             std::thread::sleep(self.every);
@@ -84,21 +99,53 @@ impl Primacy {
                 Ok(ttl) => {
                     node.serve.extend_to(sent + ttl.as_nanos() as u64);
                     node.lease_words.publish(node.serve.until());
-                    complained = false;
+                    if std::mem::replace(&mut complained, false) {
+                        info!("the primary's lease is renewed again");
+                    }
                 }
                 Err(CoordError::Expired(_)) => {
-                    error!(coordinator = %self.coord.describe(), "this primary's lease lapsed: another node may be primary now, so this one stops");
-                    std::process::exit(3);
+                    warn!(coordinator = %self.coord.describe(), "this primary's lease lapsed: it serves nothing until it is elected again");
+                    node.lease_words.lapsed();
+                    self.again(node);
                 }
                 Err(e) => {
                     if !std::mem::replace(&mut complained, true) {
                         warn!(coordinator = %self.coord.describe(), error = %e, "cannot renew the primary's lease; it stops serving when the lease lapses");
                     }
-                    if !node.serve.valid() {
-                        error!("this primary's lease lapsed while the coordinator was unreachable: it stops");
-                        std::process::exit(3);
-                    }
                 }
+            }
+        }
+    }
+
+    /// Campaigns again after the lease lapsed.
+    fn again(&mut self, node: &Node) {
+        let me = node.members.me();
+        let me = serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
+        while !node.is_stopping() {
+            let sent = monotonic_ns();
+            let attempt = self
+                .coord
+                .grant(node.cfg.node_lease)
+                .and_then(|(lease, ttl)| {
+                    let won =
+                        self.coord
+                            .create("primary", me.to_string().as_bytes(), Some(lease))?;
+                    Ok((lease, ttl, won))
+                });
+            match attempt {
+                Ok((lease, ttl, Ok(()))) => {
+                    info!(epoch = lease, "elected primary again: serving");
+                    self.lease = lease;
+                    node.serve.extend_to(sent + ttl.as_nanos() as u64);
+                    node.lease_words.publish(node.serve.until());
+                    return;
+                }
+                Ok((lease, _, Err(holder))) => {
+                    let _ = self.coord.revoke(lease);
+                    error!(holder = %String::from_utf8_lossy(&holder), "another node is primary now: this one exits");
+                    std::process::exit(3);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }
     }

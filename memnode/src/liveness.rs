@@ -68,7 +68,7 @@ impl LeaseWords {
 
     /// The lease lapsed: every rdma client's connection is shut down (they reconnect once it
     /// is renewed; the handshake refuses data connections meanwhile).
-    fn lapsed(&self) {
+    pub fn lapsed(&self) {
         let mut v = self.rdma.lock().expect("lease words lock");
         for s in v.iter().filter_map(Weak::upgrade) {
             // SAFETY: shutdown(2) on a socket descriptor the connection's thread owns and keeps
@@ -329,6 +329,26 @@ fn drop_replicas(
         pending.clear();
     } else {
         pending.extend(d.extents);
+    }
+}
+
+/// Primary: the extent at `offset` on node `id` could not be freed (the node is down); it is
+/// freed when the node is admitted again, before it serves anyone.
+pub fn discard(node: &Node, id: u32, offset: u64) {
+    let mut discards = node.discards.0.lock().expect("discards lock");
+    discards.entry(id).or_default().push(offset);
+}
+
+/// Primary: node `id` did not answer a call: its lease is revoked, so within one lease it
+/// serves nothing and must be admitted again under a new epoch (which first frees what it
+/// should have freed meanwhile).
+pub fn fence(node: &Node, id: u32) {
+    let Some(epoch) = node.epochs.as_ref().and_then(|e| e.admitted(id)) else {
+        return;
+    };
+    match node.coord.revoke(epoch) {
+        Ok(()) => warn!(node = id, epoch, "memory node did not answer the primary: its lease is revoked, so it serves nothing until admitted again"),
+        Err(e) => warn!(node = id, error = %e, "cannot revoke the lease of a memory node that did not answer; it is dropped when its lease lapses"),
     }
 }
 

@@ -72,6 +72,15 @@ impl Membership {
         }
     }
 
+    /// Whether peer `node` is marked down.
+    pub fn is_down(&self, node: u32) -> bool {
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .get(&node)
+            .is_some_and(|p| p.down.is_some())
+    }
+
     /// Records that peer `node` answered again; logged once.
     pub fn mark_up(&self, node: u32) {
         if let Some(p) = self.peers.lock().expect("peers lock").get_mut(&node) {
@@ -165,8 +174,14 @@ impl Membership {
         }
     }
 
-    /// The primary's side of a join: connects back to the node and adds it.
-    pub fn accept_join(&self, node: NodeAddr, secret: &Secret) -> Result<ClusterInfo, Refusal> {
+    /// The primary's side of a join: connects back to the node and adds it. A node id already
+    /// in the cluster at another address is refused while `live` says its holder is.
+    pub fn accept_join(
+        &self,
+        node: NodeAddr,
+        secret: &Secret,
+        live: impl Fn(u32) -> bool,
+    ) -> Result<ClusterInfo, Refusal> {
         let me = self.me();
         if !self.is_primary {
             return Err(Refusal::new(
@@ -181,11 +196,11 @@ impl Membership {
             ));
         }
         if let Some(p) = self.peers.lock().expect("peers lock").get(&node.node_id) {
-            if p.addr.name != node.name || p.addr.tcp != node.tcp {
+            if (p.addr.name != node.name || p.addr.tcp != node.tcp) && live(node.node_id) {
                 return Err(Refusal::new(
                     ErrorCode::Exists,
                     format!(
-                        "node id {} is already in the cluster as {}",
+                        "node id {} is already in the cluster as {}, which holds its lease",
                         node.node_id, p.addr.name
                     ),
                 ));

@@ -247,6 +247,16 @@ impl Node {
             if let (false, Err(r)) = (harmless, l.check(session)) {
                 return r.into();
             }
+            if !harmless && !self.serve.valid() {
+                return refused(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "primary {} lost its lease with the coordinator ({}); retry once it is elected again",
+                        self.cfg.name,
+                        self.coord.describe()
+                    ),
+                );
+            }
         }
         match req {
             ControlRequest::Hello { .. } => ControlResponse::Hello {
@@ -429,7 +439,8 @@ impl Node {
         let known = self.members.peer(id).is_ok();
         // Only once the join is accepted: a refused one (an id already taken by a node at
         // another address) leaves the running node's replicas alone.
-        let info = self.members.accept_join(node, &self.cfg.secret)?;
+        let live = |id| self.epochs.as_ref().is_some_and(|e| e.is_live(id));
+        let info = self.members.accept_join(node, &self.cfg.secret, live)?;
         if known {
             crate::liveness::rejoined(self, id);
         }
@@ -463,21 +474,31 @@ impl Node {
 impl Node {
     /// Has peer `node` carry out `req` (answered `Ok` or refused).
     fn on_peer(&self, node: u32, req: &ControlRequest) -> Result<(), Refusal> {
-        self.members
-            .peer(node)?
-            .call(req)
-            .map(|_| ())
-            .map_err(|e| self.peer_failed(node, e))
+        self.with_peer(node, |c| c.call(req).map(|_| ()))
     }
 
-    /// A call to peer `node` failed: a lost connection marks it down (new data then goes to
-    /// the other nodes); either way the caller gets a refusal naming the node.
-    fn peer_failed(&self, node: u32, e: RpcError) -> Refusal {
-        if matches!(e, RpcError::Connection(_)) {
-            self.members.mark_down(node, &e.to_string());
+    /// Runs one call on peer `node`'s control connection. A peer marked down is not asked (the
+    /// metadata service, which calls here under its lock, never waits on it twice); one that
+    /// does not answer is marked down and fenced ([`crate::liveness::fence`]).
+    fn with_peer<T>(
+        &self,
+        node: u32,
+        call: impl FnOnce(&rackfs_proto::ControlClient) -> Result<T, RpcError>,
+    ) -> Result<T, Refusal> {
+        if self.members.is_down(node) {
+            return Err(Refusal::new(
+                ErrorCode::Unavailable,
+                format!("memory node {node} is down"),
+            ));
         }
-        let r = e.into_refusal();
-        Refusal::new(r.code, format!("node {node}: {}", r.message))
+        call(&*self.members.peer(node)?).map_err(|e| {
+            if matches!(e, RpcError::Connection(_) | RpcError::Timeout { .. }) {
+                self.members.mark_down(node, &e.to_string());
+                crate::liveness::fence(self, node);
+            }
+            let r = e.into_refusal();
+            Refusal::new(r.code, format!("node {node}: {}", r.message))
+        })
     }
 }
 
@@ -514,11 +535,8 @@ impl Storage for Node {
         if node == self.cfg.node_id {
             return Ok(self.store.alloc(len, GRANULE, tag)?);
         }
-        self.members
-            .peer(node)?
-            .alloc_tagged(len, GRANULE, tag)
+        self.with_peer(node, |c| c.alloc_tagged(len, GRANULE, tag))
             .map(|(_, off)| off)
-            .map_err(|e| self.peer_failed(node, e))
     }
 
     fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
@@ -529,21 +547,22 @@ impl Storage for Node {
                 .map(|_| ())
                 .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()));
         }
-        self.members
-            .peer(node)?
-            .free(offset)
-            .map(|_| ())
-            .map_err(|e| self.peer_failed(node, e))
+        match self.with_peer(node, |c| c.free(offset)) {
+            Ok(_) => Ok(()),
+            Err(r) if r.code == ErrorCode::Unavailable => {
+                // Freed when the node is admitted again, before it serves anyone.
+                crate::liveness::discard(self, node, offset);
+                Ok(())
+            }
+            Err(r) => Err(r),
+        }
     }
 
     fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
         if node == self.cfg.node_id {
             return Ok(self.store.resize(offset, len, tag)?);
         }
-        self.members
-            .peer(node)?
-            .resize(offset, len, tag)
-            .map_err(|e| self.peer_failed(node, e))
+        self.with_peer(node, |c| c.resize(offset, len, tag))
     }
 
     fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {

@@ -118,10 +118,17 @@ impl Drop for MemNodeProcess {
     }
 }
 
-/// A cluster of memory-node processes: node 0 is the primary, the others join it.
+/// A cluster of memory-node processes: node 0 is the primary, the others join it. On etcd
+/// ([`TestCluster::on_etcd`]) it owns the etcd server too.
 pub struct TestCluster {
     pub nodes: Vec<Option<MemNodeProcess>>,
     pub secret_file: PathBuf,
+    secret: Secret,
+    region: String,
+    /// Each node's flags, to start it again.
+    flags: Vec<Vec<String>>,
+    pub etcd: Option<rackfs_coord::EtcdServer>,
+    etcd_dir: Option<TempDir>,
     _dir: TempDir,
 }
 
@@ -133,57 +140,72 @@ impl TestCluster {
 
     /// [`TestCluster::start`] with more `rackfs-memnode` flags for every node.
     pub fn start_with(n: usize, region: &str, extra: &[&str]) -> TestCluster {
+        Self::launch(n, region, extra, None)
+    }
+
+    /// [`TestCluster::start_with`] with the cluster map, leases and election on a real etcd
+    /// (started here, on loopback), as cluster `test`.
+    pub fn on_etcd(n: usize, region: &str, extra: &[&str]) -> TestCluster {
+        let dir = TempDir::in_memory("etcd");
+        let etcd = rackfs_coord::EtcdServer::start(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = etcd.endpoint().to_string();
+        let flags = [extra, &["--etcd", &endpoint, "--cluster", "test"]].concat();
+        let mut c = Self::launch(n, region, &flags, Some(etcd));
+        c.etcd_dir = Some(dir);
+        c
+    }
+
+    fn launch(
+        n: usize,
+        region: &str,
+        extra: &[&str],
+        etcd: Option<rackfs_coord::EtcdServer>,
+    ) -> TestCluster {
         let secret = Secret::generate();
         let dir = TempDir::new("cluster");
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, secret.expose()).expect("write secret");
-        let mut nodes = Vec::new();
-        let first = MemNodeProcess::start_with(
-            region,
-            secret.clone(),
-            &[
-                &[
-                    "--primary",
-                    "--node-id",
-                    "0",
-                    "--name",
-                    "mn0",
-                    "--quarantine-ms",
-                    "200",
-                ],
-                extra,
-            ]
-            .concat(),
-        );
-        let primary = first.tcp.clone();
-        nodes.push(Some(first));
-        for i in 1..n {
+        let mut c = TestCluster {
+            nodes: Vec::new(),
+            secret_file,
+            secret,
+            region: region.into(),
+            flags: Vec::new(),
+            etcd,
+            etcd_dir: None,
+            _dir: dir,
+        };
+        for i in 0..n {
             let id = i.to_string();
             let name = format!("mn{i}");
-            nodes.push(Some(MemNodeProcess::start_with(
-                region,
-                secret.clone(),
-                &[
-                    &[
-                        "--join",
-                        primary.as_str(),
-                        "--node-id",
-                        &id,
-                        "--name",
-                        &name,
-                        "--quarantine-ms",
-                        "200",
-                    ],
-                    extra,
-                ]
-                .concat(),
-            )));
+            let mut f: Vec<String> = match i {
+                0 => vec!["--primary".into()],
+                _ => vec!["--join".into(), c.addr()],
+            };
+            f.extend(
+                ["--node-id", &id, "--name", &name, "--quarantine-ms", "200"].map(String::from),
+            );
+            f.extend(extra.iter().map(|s| s.to_string()));
+            c.flags.push(f);
+            c.nodes.push(None);
+            c.restart(i);
         }
-        TestCluster {
-            nodes,
-            secret_file,
-            _dir: dir,
-        }
+        c
+    }
+
+    /// Starts node `i` (again) with its flags: a new process, with empty memory.
+    pub fn restart(&mut self, i: usize) {
+        let flags: Vec<&str> = self.flags[i].iter().map(String::as_str).collect();
+        self.nodes[i] = Some(MemNodeProcess::start_with(
+            &self.region,
+            self.secret.clone(),
+            &flags,
+        ));
+    }
+
+    /// The etcd client endpoint (clusters on etcd only).
+    pub fn etcd_endpoint(&self) -> &str {
+        self.etcd.as_ref().expect("a cluster on etcd").endpoint()
     }
 
     /// The primary's TCP address (a mount source).

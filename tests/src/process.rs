@@ -30,10 +30,21 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
+        Self::under(&std::env::temp_dir(), tag)
+    }
+
+    /// A scratch directory in memory (`/dev/shm` when there is one): for etcd's data, whose
+    /// fsyncs would otherwise stall on a busy disk.
+    pub fn in_memory(tag: &str) -> TempDir {
+        let shm = Path::new("/dev/shm");
+        Self::under(if shm.is_dir() { shm } else { Path::new("/tmp") }, tag)
+    }
+
+    fn under(base: &Path, tag: &str) -> TempDir {
         let mut n = [0u8; 6];
         n.copy_from_slice(&rackfs_verbs::auth::nonce()[..6]);
         let hex: String = n.iter().map(|b| format!("{b:02x}")).collect();
-        let p = std::env::temp_dir().join(format!("rackfs-{tag}-{hex}"));
+        let p = base.join(format!("rackfs-{tag}-{hex}"));
         std::fs::create_dir_all(&p).expect("create temp dir");
         TempDir(p)
     }

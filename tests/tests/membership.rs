@@ -1,0 +1,226 @@
+//! Membership on a real etcd (`--etcd`; Debian's `etcd-server`, started on loopback): nodes
+//! register under leases whose ids are their epochs, the primary is elected through a key, a
+//! node whose lease lapsed is dropped and comes back only under a new epoch, and a second
+//! primary never acts beside the first.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use rackfs_coord::{Coordinator, Etcd};
+use rackfs_tests::{wait_for, Mount, TestCluster};
+
+fn etcd(c: &TestCluster) -> Etcd {
+    Etcd::new(c.etcd_endpoint(), "test", Duration::from_secs(2)).unwrap()
+}
+
+/// The epochs etcd holds for the cluster's data nodes, by node id.
+fn epochs(c: &TestCluster) -> Vec<(u32, i64)> {
+    etcd(c)
+        .list("nodes/")
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| {
+            let v: serde_json::Value = serde_json::from_slice(&v).unwrap();
+            (k[6..].parse().unwrap(), v["epoch"].as_i64().unwrap())
+        })
+        .collect()
+}
+
+fn epoch_of(c: &TestCluster, id: u32) -> Option<i64> {
+    epochs(c)
+        .into_iter()
+        .find(|(n, _)| *n == id)
+        .map(|(_, e)| e)
+}
+
+/// The cluster map lives in etcd; a killed data node's key goes with its lease, it is dropped
+/// from the replicas (files stay readable), and started again it registers under a new epoch
+/// and takes new data.
+#[test]
+fn on_etcd_a_killed_node_is_dropped_with_its_lease_and_returns_under_a_new_epoch() {
+    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+    let map = etcd(&c);
+    let primary: serde_json::Value =
+        serde_json::from_slice(&map.get("primary").unwrap().expect("a primary key")).unwrap();
+    assert_eq!(primary["name"], "mn0");
+    assert!(
+        wait_for(Duration::from_secs(5), || epochs(&c).len() == 2),
+        "{:?}",
+        epochs(&c)
+    );
+    let old = epoch_of(&c, 2).unwrap();
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    for i in 0..6 {
+        fs::write(m.path(&format!("f{i}")), vec![i as u8; 256 << 10]).unwrap();
+    }
+    c.kill(2);
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(10), || epoch_of(&c, 2).is_none()),
+        "node 2's key outlives its lease"
+    );
+    let primary_log = || c.nodes[0].as_ref().unwrap().stderr();
+    assert!(
+        wait_for(Duration::from_secs(5), || primary_log()
+            .contains("memory node out of the cluster")),
+        "{}",
+        primary_log()
+    );
+    eprintln!("node 2 dropped {:?} after kill -9", t0.elapsed());
+    for i in 0..6 {
+        assert_eq!(
+            fs::read(m.path(&format!("f{i}"))).unwrap(),
+            vec![i as u8; 256 << 10]
+        );
+    }
+    c.restart(2);
+    assert!(
+        wait_for(Duration::from_secs(10), || epoch_of(&c, 2)
+            .is_some_and(|e| e != old)),
+        "node 2 registers under a new epoch: {:?}",
+        epochs(&c)
+    );
+    let used = |i: usize| c.control(i).stats().unwrap().used;
+    let before = used(2);
+    for i in 0..12 {
+        fs::write(m.path(&format!("n{i}")), vec![9u8; 64 << 10]).unwrap_or_else(|e| {
+            panic!(
+                "{e}: {}\n{}\n{}",
+                m.log_text(),
+                c.nodes[0].as_ref().unwrap().stderr(),
+                c.nodes[2].as_ref().unwrap().stderr()
+            )
+        });
+    }
+    assert!(used(2) > before, "the returned node takes new data");
+}
+
+/// A data node stopped past its lease is fenced: etcd drops its key, the primary drops its
+/// replicas; resumed, it finds its lease gone, registers under a new epoch and is admitted
+/// only after its stale replicas are freed. Nothing stale is read.
+#[test]
+fn on_etcd_a_stopped_node_is_fenced_by_its_epoch() {
+    let c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+    assert!(wait_for(Duration::from_secs(5), || epochs(&c).len() == 2));
+    let old = epoch_of(&c, 1).unwrap();
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp,timeout=1");
+    const LEN: usize = 12 << 16;
+    fs::write(m.path("f"), vec![b'A'; LEN]).unwrap();
+    let pid = c.nodes[1].as_ref().unwrap().child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    assert!(
+        wait_for(Duration::from_secs(10), || epoch_of(&c, 1).is_none()),
+        "the stopped node's lease lapses"
+    );
+    let log = |i: usize| c.nodes[i].as_ref().unwrap().stderr();
+    assert!(
+        wait_for(Duration::from_secs(5), || log(0)
+            .contains("memory node out of the cluster")),
+        "{}",
+        log(0)
+    );
+    // Truncates and rewrites: the stopped node's extents are freed when it is admitted again.
+    fs::write(m.path("f"), vec![b'B'; LEN]).unwrap();
+    // SAFETY: SIGCONT to a memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(
+        wait_for(Duration::from_secs(10), || log(0)
+            .contains("memory node back under a new epoch")),
+        "{}",
+        log(0)
+    );
+    assert!(log(1).contains("lease lapsed"), "{}", log(1));
+    let new = epoch_of(&c, 1).unwrap();
+    assert_ne!(new, old, "a new epoch");
+    assert_eq!(fs::read(m.path("f")).unwrap(), vec![b'B'; LEN]);
+    let fresh = Mount::new(&c, "attr_timeout=0,transport=tcp");
+    assert_eq!(fs::read(fresh.path("f")).unwrap(), vec![b'B'; LEN]);
+}
+
+/// One primary per cluster: a second `--primary` of the same cluster waits out the holder's
+/// lease and then refuses to start, naming the holder; after a kill -9 of the primary, a new
+/// one is elected once the old lease lapsed.
+#[test]
+fn on_etcd_one_primary_acts_at_a_time() {
+    let mut c = TestCluster::on_etcd(1, "32M", &["--node-lease-ms", "2000"]);
+    let second = std::process::Command::new(rackfs_tests::bin_path("rackfs-memnode"))
+        .args([
+            "--primary",
+            "--listen",
+            "127.0.0.1:0",
+            "--region",
+            "16M",
+            "--node-id",
+            "7",
+        ])
+        .args([
+            "--etcd",
+            c.etcd_endpoint(),
+            "--cluster",
+            "test",
+            "--node-lease-ms",
+            "2000",
+        ])
+        .arg("--secret-file")
+        .arg(&c.secret_file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success());
+    assert!(
+        err.contains("another primary holds cluster test") && err.contains("mn0"),
+        "{err}"
+    );
+    c.kill(0);
+    let t0 = Instant::now();
+    c.restart(0);
+    let took = t0.elapsed();
+    let log = c.nodes[0].as_ref().unwrap().stderr();
+    assert!(log.contains("elected primary"), "{log}");
+    assert!(log.contains("waiting for its lease to lapse"), "{log}");
+    eprintln!("a restarted primary was elected after {took:?}");
+}
+
+/// etcd stopped for less than a lease changes nothing; stopped for longer, the nodes and the
+/// primary stop serving (nothing acts on a lapsed lease) and resume on their own once it is
+/// back, under new epochs, with every byte intact.
+#[test]
+fn on_etcd_the_cluster_rides_out_an_etcd_pause() {
+    let c = TestCluster::on_etcd(2, "32M", &["--node-lease-ms", "2000"]);
+    assert!(wait_for(Duration::from_secs(5), || epochs(&c).len() == 1));
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    fs::write(m.path("f"), vec![5u8; 1 << 20]).unwrap();
+    let etcd_pid = c.etcd.as_ref().unwrap().pid() as i32;
+    let pause = |d: Duration| {
+        rackfs_tests::stop_process(etcd_pid);
+        std::thread::sleep(d);
+        // SAFETY: SIGCONT to the etcd this test started.
+        assert_eq!(unsafe { libc::kill(etcd_pid, libc::SIGCONT) }, 0);
+    };
+    let e1 = epoch_of(&c, 1).unwrap();
+    pause(Duration::from_millis(500));
+    assert_eq!(fs::read(m.path("f")).unwrap(), vec![5u8; 1 << 20]);
+    assert_eq!(epoch_of(&c, 1), Some(e1), "a short pause ends no lease");
+    pause(Duration::from_secs(5));
+    let log = |i: usize| c.nodes[i].as_ref().unwrap().stderr();
+    assert!(
+        wait_for(Duration::from_secs(15), || log(0)
+            .contains("elected primary again")),
+        "{}",
+        log(0)
+    );
+    assert!(
+        wait_for(Duration::from_secs(15), || epoch_of(&c, 1)
+            .is_some_and(|e| e != e1)),
+        "{:?}",
+        epochs(&c)
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || fs::read(m.path("f"))
+            .is_ok_and(|d| d == vec![5u8; 1 << 20])),
+        "the file reads back once the cluster serves again"
+    );
+    fs::write(m.path("g"), b"after").unwrap();
+    assert_eq!(fs::read(m.path("g")).unwrap(), b"after");
+}
