@@ -2,6 +2,7 @@
 //! `etcd-server` started on free ports with its data in a directory of the caller's.
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -48,7 +49,18 @@ impl EtcdServer {
             err,
         })?;
         let bin = etcd_binary();
-        let child = Command::new(&bin)
+        let mut cmd = Command::new(&bin);
+        // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork
+        // and exec: etcd goes when the process that started it does.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
             .arg("--name=rackfs")
             .arg(format!("--data-dir={}", dir.join("etcd-data").display()))
             .arg(format!("--listen-client-urls=http://{endpoint}"))

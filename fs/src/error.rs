@@ -64,6 +64,8 @@ pub enum FsError {
         secs: u64,
         log: PathBuf,
     },
+    #[error("etcd did not start: {0}")]
+    Etcd(#[from] rackfs_coord::server::EtcdStartError),
     #[error("memory node {name} did not start: {last}")]
     NodeStart { name: String, last: String },
     #[error("RackFS is already up at {} (pid {pid}); run `rackfs down {}` first", .path.display(), .path.display())]

@@ -46,6 +46,10 @@ enum Cmd {
         /// over --transport, and the secret file is always the instance's own.
         #[arg(short = 'o', default_value = "")]
         options: String,
+        /// Keep membership, leases and the primary's election in a local etcd started for
+        /// this instance (Debian's etcd-server), instead of in the primary.
+        #[arg(long)]
+        etcd: bool,
     },
     /// Stop what `rackfs up` started at DIR: unmount, stop the nodes, clean up.
     Down {
@@ -110,6 +114,7 @@ fn main() -> ExitCode {
             transport,
             detach,
             options,
+            etcd,
         } => match up_options(&transport, &options) {
             // Bad options fail here, before anything starts.
             Err(e) => Err(e),
@@ -126,6 +131,7 @@ fn main() -> ExitCode {
                     "-o".into(),
                     options,
                 ];
+                let fwd = [fwd, etcd.then(|| "--etcd".into()).into_iter().collect()].concat();
                 up::up_detached(&dir, fwd).map_err(Into::into)
             }
             Ok(mount) => up::up(UpConfig {
@@ -133,6 +139,7 @@ fn main() -> ExitCode {
                 nodes,
                 region,
                 mount,
+                etcd,
             })
             .map_err(Into::into),
         },
@@ -232,6 +239,7 @@ fn status(
             ControlClient::connect(&addr, &secret, "rackfs-status").map_err(|e| e.to_string())?;
         let info = c.cluster().map_err(|e| e.to_string())?;
         println!("cluster {addr} (primary {}):", info.primary.name);
+        println!("  coordinator: {}", info.coordinator);
         if !info.down.is_empty() {
             println!(
                 "  DEGRADED: {} of {} memory nodes down (stripes with a replica elsewhere carry \
@@ -269,6 +277,9 @@ fn status(
                     }
                     if let Some(d) = &n.domain {
                         println!("         failure domain: {d}");
+                    }
+                    if let Some((_, e)) = info.epochs.iter().find(|e| e.0 == n.node_id) {
+                        println!("         epoch {e:x} (its lease with the coordinator)");
                     }
                     if let Some(r) = &s.rdma {
                         // One-sided verbs over RDMA never reach the node: not in the counts.

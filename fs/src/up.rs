@@ -30,6 +30,9 @@ pub struct UpConfig {
     pub region: u64,
     /// The mount's options (`rackfs up -o`); its secret file is the instance's own.
     pub mount: MountOptions,
+    /// Keep the cluster map, leases and election in a local etcd started here (instead of
+    /// the coordinator embedded in the primary).
+    pub etcd: bool,
 }
 
 /// The files of one `rackfs up` instance.
@@ -105,9 +108,13 @@ fn start_node(
     region: u64,
     join: Option<&str>,
     capacity: Option<(u64, u64)>,
+    etcd: Option<&str>,
 ) -> Result<NodeProc, FsError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
+    if let Some(endpoint) = etcd {
+        cmd.args(["--etcd", endpoint, "--cluster", "up"]);
+    }
     if let Some((global, local)) = capacity {
         cmd.args([
             "--qos-capacity",
@@ -256,12 +263,18 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         signal_hook::flag::register(sig, stop.clone()).map_err(FsError::Signals)?;
     }
     let mut nodes: Vec<NodeProc> = Vec::new();
+    let mut etcd = None;
     let result = (|| {
+        if cfg.etcd {
+            etcd = Some(rackfs_coord::EtcdServer::start(&inst)?);
+        }
+        let endpoint = etcd.as_ref().map(|e| e.endpoint().to_string());
         let primary_sock = format!("unix:{}", inst.join("mn0.sock").display());
         let capacity = qos_capacity(&inst);
         for id in 0..cfg.nodes {
             let join = (id > 0).then_some(primary_sock.as_str());
-            nodes.push(start_node(&inst, id, cfg.region, join, capacity)?);
+            let e = endpoint.as_deref();
+            nodes.push(start_node(&inst, id, cfg.region, join, capacity, e)?);
         }
         let opts = MountOptions {
             secret_file: secret_file.clone(),
@@ -295,6 +308,13 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
             }
         );
         println!("  secret file : {}", secret_file.display());
+        match &endpoint {
+            Some(e) => println!(
+                "  coordinator : etcd at {e} (cluster \"up\"; log {})",
+                inst.join("etcd.log").display()
+            ),
+            None => println!("  coordinator : embedded in the primary (mn0)"),
+        }
         match capacity {
             Some((g, l)) => println!(
                 "  QoS unit    : IOPS of 4 KiB; each node's capacity {g} IOPS, {l} per mount \
@@ -352,6 +372,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         Ok(())
     })();
     stop_nodes(&mut nodes);
+    drop(etcd);
     let _ = std::fs::remove_dir_all(&inst);
     if result.is_ok() {
         println!("RackFS at {} is down.", dir.display());

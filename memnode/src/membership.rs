@@ -154,6 +154,8 @@ impl Membership {
             primary,
             nodes,
             down,
+            coordinator: String::new(),
+            epochs: Vec::new(),
         })
     }
 

@@ -293,7 +293,17 @@ impl Node {
                 .zero(offset, len)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::Cluster => match self.members.cluster_info() {
-                Some(c) => ControlResponse::Cluster(c),
+                Some(mut c) => {
+                    c.coordinator = self.coord.describe();
+                    if let Some(e) = &self.epochs {
+                        c.epochs = c
+                            .nodes
+                            .iter()
+                            .filter_map(|n| Some((n.node_id, e.admitted(n.node_id)?)))
+                            .collect();
+                    }
+                    ControlResponse::Cluster(c)
+                }
                 None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
             },
             ControlRequest::Join { node } => self

@@ -255,6 +255,10 @@ pub struct ClusterInfo {
     /// Nodes the primary cannot reach, with why: their files return EIO and new data goes
     /// elsewhere. Empty on a healthy cluster.
     pub down: Vec<(u32, String)>,
+    /// Where membership, leases and the election live (etcd, or embedded in the primary).
+    pub coordinator: String,
+    /// The epoch each data node was admitted under (its lease with the coordinator), by id.
+    pub epochs: Vec<(u32, i64)>,
 }
 
 /// Error classes a node reports; each error response also carries a full message.

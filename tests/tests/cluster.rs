@@ -830,10 +830,20 @@ fn node_pid(pids: &[i32], id: &str) -> i32 {
 
 #[test]
 fn rackfs_up_keeps_serving_when_a_data_node_dies() {
+    up_survives_a_dead_data_node(&[], "embedded (in the primary)");
+}
+
+/// The same on a local etcd (`rackfs up --etcd`), which `rackfs down` stops too.
+#[test]
+fn rackfs_up_on_etcd_keeps_serving_when_a_data_node_dies() {
+    up_survives_a_dead_data_node(&["--etcd"], "etcd 127.0.0.1:");
+}
+
+fn up_survives_a_dead_data_node(flags: &[&str], coordinator: &str) {
     let dir = TempDir::new("up-dead");
     let d = dir.path().join("m");
     let ds = d.to_str().unwrap();
-    let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
+    let out = run_rackfs(&[&["up", ds, "--detach", "--region", "64M"], flags].concat());
     assert!(out.status.success(), "{out:?}");
     let inst = rackfs_fs::up::instance_dir(&fs::canonicalize(&d).unwrap());
     let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
@@ -845,7 +855,8 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
     for (i, data) in before.iter().enumerate() {
         fs::write(d.join(format!("before{i}")), data).unwrap();
     }
-    let mn1 = node_pid(&child_pids(up_pid), "1");
+    let children = child_pids(up_pid);
+    let mn1 = node_pid(&children, "1");
     // SAFETY: SIGKILL to a memory node process this test's `rackfs up` started.
     unsafe { libc::kill(mn1, libc::SIGKILL) };
     assert!(wait_for(Duration::from_secs(5), || {
@@ -880,9 +891,20 @@ fn rackfs_up_keeps_serving_when_a_data_node_dies() {
         "rackfs status reports the cluster and its files degraded: {}",
         String::from_utf8_lossy(&run_rackfs(&["status"]).stdout)
     );
+    let status = String::from_utf8_lossy(&run_rackfs(&["status"]).stdout).to_string();
+    assert!(
+        status.contains(&format!("coordinator: {coordinator}")),
+        "{status}"
+    );
     let out = run_rackfs(&["down", ds]);
     assert!(out.status.success(), "{out:?}");
     assert!(!is_rackfs_mount(&d));
+    for pid in children {
+        assert!(
+            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(pid)),
+            "process {pid} that rackfs up started outlives rackfs down"
+        );
+    }
 }
 
 /// `program path`, blocked on a stopped node, dies at once when killed.
