@@ -390,7 +390,7 @@ fn acknowledged_writes_survive_kills_moves_and_copies_over_many_seeds() {
     let seeds: u64 = std::env::var("RACKFS_REPLICATION_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
+        .unwrap_or(10_000);
     let mut cov = Coverage::default();
     for seed in 0..seeds {
         if let Err(e) = run(seed, &mut cov) {
