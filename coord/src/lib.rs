@@ -65,6 +65,69 @@ pub trait Coordinator: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// A lease as its holder sees it: valid until one ttl after the *sending* of the last
+/// renewal the coordinator answered. The coordinator times the lease from that renewal's
+/// arrival, which is no earlier, so a holder never believes itself live once the coordinator
+/// has let the lease go (and let another take its keys). Times are since any fixed start of
+/// the holder's monotonic clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub lease: LeaseId,
+    until: Duration,
+}
+
+impl Held {
+    /// `lease`, granted (or created under) by a request sent at `sent`, for `ttl`.
+    pub fn new(lease: LeaseId, sent: Duration, ttl: Duration) -> Held {
+        Held {
+            lease,
+            until: sent + ttl,
+        }
+    }
+
+    /// A renewal sent at `sent` was answered with `ttl`.
+    pub fn renewed(&mut self, sent: Duration, ttl: Duration) {
+        self.until = self.until.max(sent + ttl);
+    }
+
+    /// Whether the holder may act at `now`.
+    pub fn valid(&self, now: Duration) -> bool {
+        now < self.until
+    }
+
+    pub fn until(&self) -> Duration {
+        self.until
+    }
+}
+
+/// One try to take `key` for `value` under a new lease of `ttl` (an election's step), the
+/// request sent at `sent` on the holder's clock: the lease held, or the value holding the key
+/// (the new lease is revoked then).
+pub fn claim(
+    c: &dyn Coordinator,
+    key: &str,
+    value: &[u8],
+    ttl: Duration,
+    sent: Duration,
+) -> Result<Result<Held, Vec<u8>>, CoordError> {
+    let (lease, granted) = c.grant(ttl)?;
+    match c.create(key, value, Some(lease)) {
+        Ok(Ok(())) => Ok(Ok(Held::new(lease, sent, granted))),
+        other => {
+            let _ = c.revoke(lease);
+            other.map(|r| r.map(|()| unreachable!("handled above")))
+        }
+    }
+}
+
+/// Renews `held` by a renewal sent at `sent`; [`CoordError::Expired`] once the coordinator
+/// has let it go (the holder must stop acting and start over).
+pub fn renew(c: &dyn Coordinator, held: &mut Held, sent: Duration) -> Result<(), CoordError> {
+    let ttl = c.keep_alive(held.lease)?;
+    held.renewed(sent, ttl);
+    Ok(())
+}
+
 /// How often a holder renews a lease of `ttl` (a quarter of it, at least every 10 ms).
 pub fn renew_every(ttl: Duration) -> Duration {
     (ttl / 4).max(Duration::from_millis(10))

@@ -7,21 +7,24 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// Time as the coordinator reads it: since a fixed start.
+pub type Clock = Box<dyn Fn() -> Duration + Send + Sync>;
+
 use crate::{CoordError, Coordinator, LeaseId};
 
 #[derive(Default)]
 struct State {
     keys: BTreeMap<String, (Vec<u8>, Option<LeaseId>)>,
     /// Live leases: ttl and deadline.
-    leases: HashMap<LeaseId, (Duration, Instant)>,
+    leases: HashMap<LeaseId, (Duration, Duration)>,
     next: LeaseId,
     /// When the last call came, to notice a pause of the process.
-    last: Option<Instant>,
+    last: Option<Duration>,
 }
 
 impl State {
     /// Drops lapsed leases and their keys.
-    fn expire(&mut self, now: Instant) {
+    fn expire(&mut self, now: Duration) {
         let lapsed: Vec<LeaseId> = self
             .leases
             .iter()
@@ -50,21 +53,29 @@ impl State {
 pub struct Local {
     state: Mutex<State>,
     pause: Duration,
+    clock: Clock,
 }
 
 impl Local {
     /// `pause`: a gap between two calls longer than this means the process was paused (its
     /// owner calls at least that often).
     pub fn new(pause: Duration) -> Local {
+        let start = Instant::now();
+        Local::with_clock(pause, Box::new(move || start.elapsed()))
+    }
+
+    /// [`Local::new`] on a clock of the caller's (a simulation's).
+    pub fn with_clock(pause: Duration, clock: Clock) -> Local {
         Local {
             state: Mutex::default(),
             pause,
+            clock,
         }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         let mut s = self.state.lock().expect("coordinator lock");
-        let now = Instant::now();
+        let now = (self.clock)();
         if let Some(gap) = s.last.map(|l| now - l).filter(|&g| g > self.pause) {
             tracing::info!(paused = ?gap, "the embedded coordinator was paused: every lease restarts");
             for (ttl, until) in s.leases.values_mut() {
@@ -79,17 +90,19 @@ impl Local {
 
 impl Coordinator for Local {
     fn grant(&self, ttl: Duration) -> Result<(LeaseId, Duration), CoordError> {
+        let now = (self.clock)();
         let mut s = self.state();
         s.next += 1;
         let id = s.next;
-        s.leases.insert(id, (ttl, Instant::now() + ttl));
+        s.leases.insert(id, (ttl, now + ttl));
         Ok((id, ttl))
     }
 
     fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError> {
+        let now = (self.clock)();
         let mut s = self.state();
         let (ttl, until) = s.leases.get_mut(&lease).ok_or(CoordError::Expired(lease))?;
-        *until = Instant::now() + *ttl;
+        *until = now + *ttl;
         Ok(*ttl)
     }
 

@@ -173,7 +173,7 @@ impl MemNode {
             (true, Some(_)) => {
                 let me =
                     serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
-                Some(crate::election::campaign(
+                Some(crate::election::Primacy::campaign(
                     coord.clone(),
                     &me,
                     cfg.node_lease,
@@ -203,9 +203,9 @@ impl MemNode {
             coord,
             serve: match (&cfg.role, &primacy) {
                 (Role::Join(_), _) => ServeLease::none(),
-                (_, Some((_, until))) => {
+                (_, Some(p)) => {
                     let l = ServeLease::none();
-                    l.extend_to(*until);
+                    l.extend_to(p.until_ns());
                     l
                 }
                 _ => ServeLease::forever(),
@@ -278,7 +278,7 @@ impl MemNode {
                 crate::liveness::check_members(n)
             });
         }
-        if let Some((p, _)) = primacy {
+        if let Some(p) = primacy {
             thread(&node, "primary-lease", move |n| p.run(&n));
         }
         if let Some(addr) = &node.cfg.metrics {

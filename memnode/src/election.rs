@@ -2,14 +2,15 @@
 //! its own, for as long as it acts. Created only if absent, the key admits one primary per
 //! cluster; a primary starting while an earlier one's key lives waits out that lease (a killed
 //! primary's lease lapses by itself). With etcd the primary serves data and metadata only while
-//! its lease holds, timed from each renewal's sending, and stops (exits) once it lapsed, before
-//! etcd lets anyone else take the key: no two primaries ever act at once. The embedded
-//! coordinator lives in the primary itself, so there it simply holds.
+//! its lease holds, timed from each renewal's sending ([`rackfs_coord::Held`]), so it stops
+//! before etcd lets anyone else take the key: no two primaries ever act at once. Once its lease
+//! lapsed it campaigns again, and exits if another node won. The embedded coordinator lives in
+//! the primary itself, so there it simply holds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfs_coord::{renew_every, CoordError, Coordinator, LeaseId};
+use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Held};
 use rackfs_verbs::lease::monotonic_ns;
 use tracing::{error, info, warn};
 
@@ -24,81 +25,80 @@ pub enum ElectionError {
     Coordinator(#[from] CoordError),
 }
 
+/// Now on the clock leases are timed by (`rackfs_verbs::lease`).
+fn now() -> Duration {
+    Duration::from_nanos(monotonic_ns())
+}
+
 /// A primary's hold on its cluster.
 pub struct Primacy {
     coord: Arc<dyn Coordinator>,
-    lease: LeaseId,
-    every: Duration,
-}
-
-/// Takes the `primary` key for this node, waiting out an earlier holder's lease for up to
-/// twice `ttl` (plus a second).
-pub fn campaign(
-    coord: Arc<dyn Coordinator>,
-    me: &serde_json::Value,
+    me: Vec<u8>,
     ttl: Duration,
-    cluster: &str,
-) -> Result<(Primacy, u64), ElectionError> {
-    let give_up = Instant::now() + 2 * ttl + Duration::from_secs(1);
-    let mut told = false;
-    loop {
-        let sent = monotonic_ns();
-        let attempt = coord.grant(ttl).and_then(|(lease, granted)| {
-            let won = coord.create("primary", me.to_string().as_bytes(), Some(lease))?;
-            Ok((lease, granted, won))
-        });
-        let (lease, granted, won) = match attempt {
-            Ok(a) => a,
-            // A coordinator that answers slowly or not yet: try again until giving up.
-            Err(e) if Instant::now() > give_up => return Err(e.into()),
-            Err(e) => {
-                warn!(coordinator = %coord.describe(), error = %e, "cannot campaign for primary yet; retrying");
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            }
-        };
-        match won {
-            Ok(()) => {
-                info!(coordinator = %coord.describe(), epoch = lease, "elected primary of the cluster");
-                let p = Primacy {
-                    coord,
-                    lease,
-                    every: renew_every(granted),
-                };
-                return Ok((p, sent + granted.as_nanos() as u64));
-            }
-            Err(holder) => {
-                let _ = coord.revoke(lease);
-                let holder = String::from_utf8_lossy(&holder).to_string();
-                if Instant::now() > give_up {
-                    return Err(ElectionError::Held {
-                        cluster: cluster.into(),
-                        holder,
-                    });
-                }
-                if !std::mem::replace(&mut told, true) {
-                    info!(%holder, "the cluster has a primary's key: waiting for its lease to lapse");
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
-    }
+    held: Held,
 }
 
 impl Primacy {
-    /// Renews the primary's lease while the node runs, extending its serve lease from each
-    /// renewal's sending. Once the lease lapsed (the coordinator was out of reach for a whole
-    /// lease) the node serves nothing and campaigns again: it resumes if the key is still free
-    /// and exits if another node took it.
+    /// Takes the `primary` key for `me` under a lease of `ttl`, waiting out an earlier
+    /// holder's lease for up to twice `ttl` (plus a second).
+    pub fn campaign(
+        coord: Arc<dyn Coordinator>,
+        me: &serde_json::Value,
+        ttl: Duration,
+        cluster: &str,
+    ) -> Result<Primacy, ElectionError> {
+        let me = me.to_string().into_bytes();
+        let give_up = Instant::now() + 2 * ttl + Duration::from_secs(1);
+        let mut told = false;
+        loop {
+            match claim(&*coord, "primary", &me, ttl, now()) {
+                Ok(Ok(held)) => {
+                    info!(coordinator = %coord.describe(), epoch = held.lease, "elected primary of the cluster");
+                    return Ok(Primacy {
+                        coord,
+                        me,
+                        ttl,
+                        held,
+                    });
+                }
+                Ok(Err(holder)) => {
+                    let holder = String::from_utf8_lossy(&holder).to_string();
+                    if Instant::now() > give_up {
+                        return Err(ElectionError::Held {
+                            cluster: cluster.into(),
+                            holder,
+                        });
+                    }
+                    if !std::mem::replace(&mut told, true) {
+                        info!(%holder, "the cluster has a primary's key: waiting for its lease to lapse");
+                    }
+                }
+                // A coordinator that answers slowly or not yet: try again until giving up.
+                Err(e) if Instant::now() > give_up => return Err(e.into()),
+                Err(e) => {
+                    warn!(coordinator = %coord.describe(), error = %e, "cannot campaign for primary yet; retrying")
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Until when the primary may act, in `rackfs_verbs::lease` time.
+    pub fn until_ns(&self) -> u64 {
+        self.held.until().as_nanos() as u64
+    }
+
+    /// Renews the primary's lease while the node runs, extending its serve lease with each
+    /// renewal. Once the lease lapsed (the coordinator was out of reach for a whole lease) the
+    /// node serves nothing and campaigns again: it resumes if the key is still free and exits
+    /// if another node took it.
     pub fn run(mut self, node: &Node) {
         let mut complained = false;
         while !node.is_stopping() {
-            std::thread::sleep(self.every);
-            let sent = monotonic_ns();
-            match self.coord.keep_alive(self.lease) {
-                Ok(ttl) => {
-                    node.serve.extend_to(sent + ttl.as_nanos() as u64);
-                    node.lease_words.publish(node.serve.until());
+            std::thread::sleep(renew_every(self.ttl));
+            match renew(&*self.coord, &mut self.held, now()) {
+                Ok(()) => {
+                    self.serve(node);
                     if std::mem::replace(&mut complained, false) {
                         info!("the primary's lease is renewed again");
                     }
@@ -117,31 +117,22 @@ impl Primacy {
         }
     }
 
+    fn serve(&self, node: &Node) {
+        node.serve.extend_to(self.until_ns());
+        node.lease_words.publish(node.serve.until());
+    }
+
     /// Campaigns again after the lease lapsed.
     fn again(&mut self, node: &Node) {
-        let me = node.members.me();
-        let me = serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
         while !node.is_stopping() {
-            let sent = monotonic_ns();
-            let attempt = self
-                .coord
-                .grant(node.cfg.node_lease)
-                .and_then(|(lease, ttl)| {
-                    let won =
-                        self.coord
-                            .create("primary", me.to_string().as_bytes(), Some(lease))?;
-                    Ok((lease, ttl, won))
-                });
-            match attempt {
-                Ok((lease, ttl, Ok(()))) => {
-                    info!(epoch = lease, "elected primary again: serving");
-                    self.lease = lease;
-                    node.serve.extend_to(sent + ttl.as_nanos() as u64);
-                    node.lease_words.publish(node.serve.until());
+            match claim(&*self.coord, "primary", &self.me, self.ttl, now()) {
+                Ok(Ok(held)) => {
+                    info!(epoch = held.lease, "elected primary again: serving");
+                    self.held = held;
+                    self.serve(node);
                     return;
                 }
-                Ok((lease, _, Err(holder))) => {
-                    let _ = self.coord.revoke(lease);
+                Ok(Err(holder)) => {
                     error!(holder = %String::from_utf8_lossy(&holder), "another node is primary now: this one exits");
                     std::process::exit(3);
                 }

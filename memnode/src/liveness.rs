@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use rackfs_coord::{renew_every, CoordError, Coordinator, LeaseId};
+use rackfs_coord::{renew, renew_every, CoordError, Coordinator, Held, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::lease::{monotonic_ns, ServeLease};
@@ -100,7 +100,7 @@ pub struct Renewer {
     primary: String,
     conn: Option<ControlClient>,
     /// The lease this node registered under, and whether the primary admitted it.
-    lease: Option<(LeaseId, bool)>,
+    lease: Option<(Held, bool)>,
     every: Duration,
     complained: bool,
     lapsed: bool,
@@ -121,16 +121,17 @@ impl Renewer {
 
     /// One round: registers, asks for admission or renews, as the lease's state calls for.
     pub fn renew(&mut self, node: &Node) {
-        let sent = monotonic_ns();
-        if let Err(why) = self.step(node, sent) {
+        if let Err(why) = self.step(node) {
             self.trouble(&why);
         }
         self.check(node);
     }
 
-    fn step(&mut self, node: &Node, sent: u64) -> Result<(), String> {
-        let ttl = match self.lease {
+    fn step(&mut self, node: &Node) -> Result<(), String> {
+        let now = || Duration::from_nanos(monotonic_ns());
+        match &mut self.lease {
             None => {
+                let sent = now();
                 let (lease, ttl) = self
                     .coord
                     .grant(node.cfg.node_lease)
@@ -147,28 +148,27 @@ impl Renewer {
                     )
                     .map_err(|e| e.to_string())?;
                 info!(epoch = lease, coordinator = %self.coord.describe(), "registered this node under a new epoch");
-                self.lease = Some((lease, false));
+                self.lease = Some((Held::new(lease, sent, ttl), false));
                 self.every = renew_every(ttl);
-                ttl
             }
-            Some((lease, _)) => match self.coord.keep_alive(lease) {
-                Ok(ttl) => ttl,
+            Some((held, _)) => match renew(&*self.coord, held, now()) {
+                Ok(()) => {}
                 Err(CoordError::Expired(_)) => {
-                    warn!(epoch = lease, "this node's lease lapsed: it is fenced, and registers under a new epoch to be admitted again");
+                    warn!(epoch = held.lease, "this node's lease lapsed: it is fenced, and registers under a new epoch to be admitted again");
                     self.lease = None;
                     return Ok(());
                 }
                 Err(e) => return Err(e.to_string()),
             },
-        };
-        let Some((lease, admitted)) = self.lease else {
+        }
+        let Some((held, admitted)) = self.lease else {
             return Ok(());
         };
         if !admitted {
-            self.admit(node, lease)?;
-            self.lease = Some((lease, true));
+            self.admit(node, held.lease)?;
+            self.lease = Some((held, true));
         }
-        node.serve.extend_to(sent + ttl.as_nanos() as u64);
+        node.serve.extend_to(held.until().as_nanos() as u64);
         node.lease_words.publish(node.serve.until());
         if std::mem::replace(&mut self.complained, false) {
             info!("this node's lease is renewed again");

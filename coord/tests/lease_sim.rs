@@ -1,0 +1,294 @@
+//! The lease protocol under simulation, over many seeds: the real embedded coordinator
+//! ([`Local`], on a simulated clock) and the real holder rules ([`claim`], [`renew`],
+//! [`Held`]) driven by candidates for the primary's key and data nodes holding their
+//! membership keys, with random message delays (some longer than a lease), pauses and kills of
+//! every process, and pauses of the coordinator itself. Each event is checked by an oracle:
+//!
+//! * no two primaries act at once (a candidate acts while its [`Held`] is valid);
+//! * once the primary's member check saw a node's key gone (or under another epoch) and so
+//!   dropped it from the replicas, that node never serves again under the epoch it had
+//!   (writes go on without it, so anything it served would be stale).
+//!
+//! `RACKFS_LEASE_SEEDS=N` runs more seeds.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Held, LeaseId, Local};
+
+const TTL: Duration = Duration::from_millis(1000);
+const CANDIDATES: usize = 3;
+const MEMBERS: usize = 3;
+const RUN: Duration = Duration::from_secs(20);
+/// How often the primary reads the members (an eighth of a lease, as the daemon does).
+const CHECK: Duration = Duration::from_millis(125);
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+    fn chance(&mut self, per_mille: u64) -> bool {
+        self.below(1000) < per_mille
+    }
+    fn ms(&mut self, max: u64) -> Duration {
+        Duration::from_millis(self.below(max + 1))
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Candidate,
+    Member(usize),
+}
+
+/// A request on its way: sent at `sent`, processed by the coordinator at `arrive`, its answer
+/// back at `deliver`.
+struct InFlight {
+    sent: Duration,
+    arrive: Duration,
+    deliver: Duration,
+    answer: Option<Answer>,
+}
+
+enum Answer {
+    Claimed(Result<Result<Held, Vec<u8>>, CoordError>),
+    Registered(Result<Held, CoordError>),
+    Renewed(Held, Result<(), CoordError>),
+}
+
+struct Actor {
+    kind: Kind,
+    held: Option<Held>,
+    /// Alive, and paused until when.
+    alive: bool,
+    paused_until: Duration,
+    next_step: Duration,
+    request: Option<InFlight>,
+}
+
+impl Actor {
+    fn new(kind: Kind, at: Duration) -> Actor {
+        Actor {
+            kind,
+            held: None,
+            alive: true,
+            paused_until: Duration::ZERO,
+            next_step: at,
+            request: None,
+        }
+    }
+
+    /// Whether it acts at `now`: serves data, or acts as primary.
+    fn acts(&self, now: Duration) -> bool {
+        self.alive && now >= self.paused_until && self.held.is_some_and(|h| h.valid(now))
+    }
+}
+
+#[derive(Default)]
+struct Coverage {
+    primaries: u64,
+    drops: u64,
+    renewals: u64,
+    expired: u64,
+}
+
+fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let clock = Arc::new(AtomicU64::new(0));
+    let c = {
+        let clock = clock.clone();
+        Local::with_clock(
+            TTL / 4,
+            Box::new(move || Duration::from_nanos(clock.load(Ordering::SeqCst))),
+        )
+    };
+    let set = |t: Duration| clock.store(t.as_nanos() as u64, Ordering::SeqCst);
+    let kinds = (0..CANDIDATES)
+        .map(|_| Kind::Candidate)
+        .chain((0..MEMBERS).map(Kind::Member));
+    let mut actors: Vec<Actor> = kinds.map(|k| Actor::new(k, rng.ms(50))).collect();
+    // The coordinator is paused until then (requests wait for it).
+    let mut coord_paused_until = Duration::ZERO;
+    // The primary's view: the epoch it last saw each member under, and the epochs dropped.
+    let mut seen: BTreeMap<usize, LeaseId> = BTreeMap::new();
+    let mut dropped: Vec<(usize, LeaseId)> = Vec::new();
+    let mut next_check = CHECK;
+    let mut primaries_seen: Vec<LeaseId> = Vec::new();
+    let mut now = Duration::ZERO;
+    while now < RUN {
+        // The next event: an actor's step, a request's arrival or delivery, a member check.
+        let mut t = next_check.max(coord_paused_until);
+        for a in &actors {
+            if !a.alive {
+                continue;
+            }
+            match &a.request {
+                Some(r) if r.answer.is_none() => t = t.min(r.arrive.max(coord_paused_until)),
+                Some(r) => t = t.min(r.deliver.max(a.paused_until)),
+                None => t = t.min(a.next_step.max(a.paused_until)),
+            }
+        }
+        now = t.max(now);
+        // The coordinator answers what reached it (once it is not paused).
+        if now >= coord_paused_until {
+            set(now);
+            for a in actors.iter_mut().filter(|a| a.alive) {
+                let kind = a.kind;
+                let held = a.held;
+                let Some(r) = a
+                    .request
+                    .as_mut()
+                    .filter(|r| r.answer.is_none() && r.arrive <= now)
+                else {
+                    continue;
+                };
+                r.answer = Some(match (kind, held) {
+                    (_, Some(mut h)) => {
+                        let res = renew(&c, &mut h, r.sent);
+                        Answer::Renewed(h, res)
+                    }
+                    (Kind::Candidate, None) => {
+                        Answer::Claimed(claim(&c, "primary", b"candidate", TTL, r.sent))
+                    }
+                    (Kind::Member(j), None) => {
+                        Answer::Registered(c.grant(TTL).and_then(|(lease, ttl)| {
+                            c.put(&format!("nodes/{j}"), &lease.to_le_bytes(), Some(lease))?;
+                            Ok(Held::new(lease, r.sent, ttl))
+                        }))
+                    }
+                });
+                r.deliver = r.deliver.max(now + rng.ms(5));
+            }
+            if now >= next_check {
+                // The primary's member check: a member whose key is gone or under a new
+                // epoch is dropped under the epoch it was seen with.
+                for (k, v) in c.list("nodes/").unwrap() {
+                    let j: usize = k[6..].parse().unwrap();
+                    let e = LeaseId::from_le_bytes(v.try_into().unwrap());
+                    if let Some(old) = seen.insert(j, e).filter(|&old| old != e) {
+                        dropped.push((j, old));
+                        cov.drops += 1;
+                    }
+                }
+                let live: Vec<usize> = c
+                    .list("nodes/")
+                    .unwrap()
+                    .iter()
+                    .map(|(k, _)| k[6..].parse().unwrap())
+                    .collect();
+                seen.retain(|j, e| {
+                    live.contains(j) || {
+                        dropped.push((*j, *e));
+                        cov.drops += 1;
+                        false
+                    }
+                });
+                next_check = now + CHECK;
+            }
+        }
+        // Actors deliver answers and take steps.
+        for a in &mut actors {
+            if !a.alive || now < a.paused_until {
+                continue;
+            }
+            let answered = a
+                .request
+                .as_ref()
+                .is_some_and(|r| r.answer.is_some() && r.deliver <= now);
+            if answered {
+                let r = a.request.take().expect("answered");
+                match r.answer.unwrap() {
+                    Answer::Claimed(Ok(Ok(h))) => {
+                        a.held = Some(h);
+                        primaries_seen.push(h.lease);
+                        cov.primaries += 1;
+                    }
+                    Answer::Claimed(_) => {}
+                    Answer::Registered(res) => a.held = res.ok(),
+                    Answer::Renewed(h, Ok(())) => {
+                        a.held = Some(h);
+                        cov.renewals += 1;
+                    }
+                    Answer::Renewed(_, Err(CoordError::Expired(_))) => {
+                        a.held = None;
+                        cov.expired += 1;
+                    }
+                    Answer::Renewed(_, Err(e)) => return Err(format!("renewal failed: {e}")),
+                }
+                a.next_step = now + renew_every(TTL);
+            } else if a.request.is_none() && a.next_step <= now {
+                let d1 = if rng.chance(50) {
+                    rng.ms(2 * TTL.as_millis() as u64)
+                } else {
+                    rng.ms(20)
+                };
+                let d2 = if rng.chance(50) {
+                    rng.ms(2 * TTL.as_millis() as u64)
+                } else {
+                    rng.ms(20)
+                };
+                a.request = Some(InFlight {
+                    sent: now,
+                    arrive: now + d1,
+                    deliver: now + d1 + d2,
+                    answer: None,
+                });
+            }
+            // Faults: pauses and kills of the actor (a killed one starts again, empty).
+            if rng.chance(3) {
+                a.paused_until = now + rng.ms(3 * TTL.as_millis() as u64);
+            } else if rng.chance(1) {
+                *a = Actor::new(a.kind, now + rng.ms(2 * TTL.as_millis() as u64));
+            }
+        }
+        if now >= coord_paused_until && rng.chance(2) {
+            coord_paused_until = now + rng.ms(2 * TTL.as_millis() as u64);
+        }
+        // The oracle.
+        let acting: Vec<&Actor> = actors.iter().filter(|a| a.acts(now)).collect();
+        let primaries = acting.iter().filter(|a| a.kind == Kind::Candidate).count();
+        if primaries > 1 {
+            return Err(format!("{primaries} primaries act at {now:?}"));
+        }
+        for a in &acting {
+            if let Kind::Member(j) = a.kind {
+                let e = a.held.unwrap().lease;
+                if dropped.contains(&(j, e)) {
+                    return Err(format!(
+                        "node {j} serves at {now:?} under epoch {e}, after it was dropped"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn no_two_primaries_and_no_dropped_node_serves_over_many_seeds() {
+    let seeds: u64 = std::env::var("RACKFS_LEASE_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000);
+    let mut cov = Coverage::default();
+    for seed in 0..seeds {
+        if let Err(e) = run(seed, &mut cov) {
+            panic!("seed {seed}: {e}");
+        }
+    }
+    eprintln!(
+        "{seeds} seeds: {} primaries elected, {} members dropped, {} renewals, {} leases found lapsed",
+        cov.primaries, cov.drops, cov.renewals, cov.expired
+    );
+    assert!(
+        cov.primaries > seeds * 2 && cov.drops > seeds && cov.expired > seeds,
+        "the runs exercised too little to prove anything"
+    );
+}
