@@ -224,3 +224,45 @@ fn on_etcd_the_cluster_rides_out_an_etcd_pause() {
     fs::write(m.path("g"), b"after").unwrap();
     assert_eq!(fs::read(m.path("g")).unwrap(), b"after");
 }
+
+/// A primary stopped past its lease on etcd serves nothing once it resumes (its lease lapsed
+/// at etcd, and its own clock says so too), campaigns again, and, nobody else having taken
+/// the key, serves again: the files are intact and writable.
+#[test]
+fn on_etcd_a_stopped_primary_resumes_only_after_it_is_elected_again() {
+    let c = TestCluster::on_etcd(2, "32M", &["--node-lease-ms", "2000"]);
+    assert!(wait_for(Duration::from_secs(5), || epochs(&c).len() == 1));
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    fs::write(m.path("f"), vec![3u8; 512 << 10]).unwrap();
+    let first: serde_json::Value =
+        serde_json::from_slice(&etcd(&c).get("primary").unwrap().unwrap()).unwrap();
+    let pid = c.nodes[0].as_ref().unwrap().child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    assert!(
+        wait_for(Duration::from_secs(10), || etcd(&c)
+            .get("primary")
+            .unwrap()
+            .is_none()),
+        "the stopped primary's key lapses"
+    );
+    // SAFETY: SIGCONT to the memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let log = || c.nodes[0].as_ref().unwrap().stderr();
+    assert!(
+        wait_for(Duration::from_secs(10), || log()
+            .contains("elected primary again")),
+        "{}",
+        log()
+    );
+    assert!(log().contains("this primary's lease lapsed"), "{}", log());
+    let again: serde_json::Value =
+        serde_json::from_slice(&etcd(&c).get("primary").unwrap().unwrap()).unwrap();
+    assert_eq!(again["name"], first["name"]);
+    assert!(
+        wait_for(Duration::from_secs(20), || fs::read(m.path("f"))
+            .is_ok_and(|d| d == vec![3u8; 512 << 10])),
+        "the file reads back once the primary serves again"
+    );
+    fs::write(m.path("g"), b"after").unwrap();
+    assert_eq!(fs::read(m.path("g")).unwrap(), b"after");
+}
