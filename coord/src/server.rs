@@ -1,5 +1,6 @@
-//! A single-member etcd on loopback, for `rackfs up --etcd` and the tests: Debian's
-//! `etcd-server` started on free ports with its data in a directory of the caller's.
+//! etcd on loopback, for `rackfs up --etcd` and the tests: Debian's `etcd-server` started on
+//! free ports, one member or several forming one cluster, with their data in a directory of
+//! the caller's.
 
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
@@ -20,11 +21,16 @@ pub enum EtcdStartError {
     NotReady { secs: u64, log: String },
 }
 
-/// A running etcd (killed on drop unless [`EtcdServer::detach`]ed).
-pub struct EtcdServer {
+/// One member: its process and client endpoint.
+struct Member {
     child: Option<Child>,
     endpoint: String,
     log: PathBuf,
+}
+
+/// A running etcd cluster on loopback (its members are killed on drop).
+pub struct EtcdServer {
+    members: Vec<Member>,
 }
 
 fn free_port() -> Result<u16, EtcdStartError> {
@@ -38,81 +44,123 @@ pub fn etcd_binary() -> String {
 }
 
 impl EtcdServer {
-    /// Starts etcd with its data and log in `dir`, and waits until it answers.
+    /// One member with its data and log in `dir`; returns once it answers.
     pub fn start(dir: &Path) -> Result<EtcdServer, EtcdStartError> {
-        let (client, peer) = (free_port()?, free_port()?);
-        let endpoint = format!("127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = dir.join("etcd.log");
-        let out = std::fs::File::create(&log).map_err(|err| EtcdStartError::Spawn {
-            bin: log.display().to_string(),
-            err,
-        })?;
-        let bin = etcd_binary();
-        let mut cmd = Command::new(&bin);
-        // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork
-        // and exec: etcd goes when the process that started it does.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd
-            .arg("--name=rackfs")
-            .arg(format!("--data-dir={}", dir.join("etcd-data").display()))
-            .arg(format!("--listen-client-urls=http://{endpoint}"))
-            .arg(format!("--advertise-client-urls=http://{endpoint}"))
-            .arg(format!("--listen-peer-urls={peer_url}"))
-            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-            .arg(format!("--initial-cluster=rackfs={peer_url}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .map_err(|err| EtcdStartError::Spawn { bin, err })?;
+        Self::start_members(dir, 1)
+    }
+
+    /// A cluster of `n` members (data and logs in `dir`); returns once it answers.
+    pub fn start_members(dir: &Path, n: usize) -> Result<EtcdServer, EtcdStartError> {
+        let ports: Vec<(u16, u16)> = (0..n)
+            .map(|_| Ok((free_port()?, free_port()?)))
+            .collect::<Result<_, EtcdStartError>>()?;
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
         let mut s = EtcdServer {
-            child: Some(child),
-            endpoint,
-            log,
+            members: Vec::new(),
         };
-        let probe = Etcd::new(&s.endpoint, "probe", Duration::from_millis(500)).expect("valid");
+        for (i, (client, peer)) in ports.into_iter().enumerate() {
+            let m = spawn_member(dir, i, client, peer, &initial.join(","))?;
+            s.members.push(m);
+        }
+        let probe = Etcd::new(&s.endpoints(), "probe", Duration::from_millis(500)).expect("valid");
         let end = Instant::now() + Duration::from_secs(20);
         while probe.get("ready").is_err() {
-            let exited = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-            if Instant::now() > end || exited.is_some() {
-                return Err(EtcdStartError::NotReady {
-                    secs: 20,
-                    log: std::fs::read_to_string(&s.log).unwrap_or_default(),
-                });
+            let exited = s.members.iter_mut().any(|m| {
+                m.child
+                    .as_mut()
+                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
+            });
+            if Instant::now() > end || exited {
+                let log = s
+                    .members
+                    .iter()
+                    .map(|m| std::fs::read_to_string(&m.log).unwrap_or_default())
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                return Err(EtcdStartError::NotReady { secs: 20, log });
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(s)
     }
 
-    /// `host:port` of its client listener.
-    pub fn endpoint(&self) -> &str {
-        &self.endpoint
+    /// Every member's `host:port`, comma-separated (what `--etcd` takes).
+    pub fn endpoints(&self) -> String {
+        let e: Vec<&str> = self.members.iter().map(|m| m.endpoint.as_str()).collect();
+        e.join(",")
     }
 
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+    /// Member `i`'s process id (0 once killed).
+    pub fn pid(&self, i: usize) -> u32 {
+        self.members[i].child.as_ref().map_or(0, Child::id)
     }
 
-    /// Leaves it running after this value is dropped; returns its pid.
-    pub fn detach(mut self) -> u32 {
-        self.child.take().map_or(0, |c| c.id())
+    /// Kills member `i` (SIGKILL).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
+}
+
+fn spawn_member(
+    dir: &Path,
+    i: usize,
+    client: u16,
+    peer: u16,
+    initial: &str,
+) -> Result<Member, EtcdStartError> {
+    let endpoint = format!("127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let log = dir.join(format!("etcd{i}.log"));
+    let out = std::fs::File::create(&log).map_err(|err| EtcdStartError::Spawn {
+        bin: log.display().to_string(),
+        err,
+    })?;
+    let bin = etcd_binary();
+    let mut cmd = Command::new(&bin);
+    // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork and
+    // exec: etcd goes when the thread that started it does.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .arg(format!("--name=m{i}"))
+        .arg(format!(
+            "--data-dir={}",
+            dir.join(format!("etcd{i}-data")).display()
+        ))
+        .arg(format!("--listen-client-urls=http://{endpoint}"))
+        .arg(format!("--advertise-client-urls=http://{endpoint}"))
+        .arg(format!("--listen-peer-urls={peer_url}"))
+        .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+        .arg(format!("--initial-cluster={initial}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .map_err(|err| EtcdStartError::Spawn { bin, err })?;
+    Ok(Member {
+        child: Some(child),
+        endpoint,
+        log,
+    })
 }
 
 impl Drop for EtcdServer {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        for i in 0..self.members.len() {
+            self.kill(i);
         }
     }
 }

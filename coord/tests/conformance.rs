@@ -11,7 +11,7 @@ fn etcd(tag: &str) -> (EtcdServer, Etcd, std::path::PathBuf) {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let server = EtcdServer::start(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let c = Etcd::new(server.endpoint(), "test", Duration::from_secs(2)).unwrap();
+    let c = Etcd::new(&server.endpoints(), "test", Duration::from_secs(2)).unwrap();
     (server, c, dir)
 }
 
@@ -90,7 +90,7 @@ fn etcd_keeps_the_contract() {
     keys(&c);
     leases(&c, Duration::from_secs(2));
     // Another cluster's keys are its own.
-    let other = Etcd::new(_server.endpoint(), "other", Duration::from_secs(2)).unwrap();
+    let other = Etcd::new(&_server.endpoints(), "other", Duration::from_secs(2)).unwrap();
     assert_eq!(other.get("b").unwrap(), None);
     assert_eq!(other.list("nodes/").unwrap(), vec![]);
     drop(_server);
@@ -122,9 +122,9 @@ fn a_stopped_etcd_fails_calls_at_the_deadline_and_serves_again_once_resumed() {
     let (server, c, dir) = etcd("stopped");
     c.put("a", b"1", None).unwrap();
     // SAFETY: SIGSTOP/SIGCONT to the etcd this test started.
-    unsafe { libc::kill(server.pid() as i32, libc::SIGSTOP) };
+    unsafe { libc::kill(server.pid(0) as i32, libc::SIGSTOP) };
     let t = std::time::Instant::now();
-    let short = Etcd::new(server.endpoint(), "test", Duration::from_millis(400)).unwrap();
+    let short = Etcd::new(&server.endpoints(), "test", Duration::from_millis(400)).unwrap();
     assert!(matches!(
         short.get("a"),
         Err(CoordError::Unreachable { .. })
@@ -135,7 +135,7 @@ fn a_stopped_etcd_fails_calls_at_the_deadline_and_serves_again_once_resumed() {
         t.elapsed()
     );
     // SAFETY: as above.
-    unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) };
+    unsafe { libc::kill(server.pid(0) as i32, libc::SIGCONT) };
     assert_eq!(c.get("a").unwrap(), Some(b"1".to_vec()));
     drop(server);
     let _ = std::fs::remove_dir_all(dir);

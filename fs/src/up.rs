@@ -268,7 +268,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         if cfg.etcd {
             etcd = Some(rackfs_coord::EtcdServer::start(&inst)?);
         }
-        let endpoint = etcd.as_ref().map(|e| e.endpoint().to_string());
+        let endpoint = etcd.as_ref().map(rackfs_coord::EtcdServer::endpoints);
         let primary_sock = format!("unix:{}", inst.join("mn0.sock").display());
         let capacity = qos_capacity(&inst);
         for id in 0..cfg.nodes {

@@ -146,9 +146,15 @@ impl TestCluster {
     /// [`TestCluster::start_with`] with the cluster map, leases and election on a real etcd
     /// (started here, on loopback), as cluster `test`.
     pub fn on_etcd(n: usize, region: &str, extra: &[&str]) -> TestCluster {
+        Self::on_etcd_members(1, n, region, extra)
+    }
+
+    /// [`TestCluster::on_etcd`] on an etcd cluster of `members` members.
+    pub fn on_etcd_members(members: usize, n: usize, region: &str, extra: &[&str]) -> TestCluster {
         let dir = TempDir::in_memory("etcd");
-        let etcd = rackfs_coord::EtcdServer::start(dir.path()).unwrap_or_else(|e| panic!("{e}"));
-        let endpoint = etcd.endpoint().to_string();
+        let etcd = rackfs_coord::EtcdServer::start_members(dir.path(), members)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = etcd.endpoints();
         let flags = [extra, &["--etcd", &endpoint, "--cluster", "test"]].concat();
         let mut c = Self::launch(n, region, &flags, Some(etcd));
         c.etcd_dir = Some(dir);
@@ -203,9 +209,9 @@ impl TestCluster {
         ));
     }
 
-    /// The etcd client endpoint (clusters on etcd only).
-    pub fn etcd_endpoint(&self) -> &str {
-        self.etcd.as_ref().expect("a cluster on etcd").endpoint()
+    /// The etcd client endpoints, comma-separated (clusters on etcd only).
+    pub fn etcd_endpoints(&self) -> String {
+        self.etcd.as_ref().expect("a cluster on etcd").endpoints()
     }
 
     /// The primary's TCP address (a mount source).

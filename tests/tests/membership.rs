@@ -11,7 +11,7 @@ use rackfs_coord::{Coordinator, Etcd};
 use rackfs_tests::{wait_for, Mount, TestCluster};
 
 fn etcd(c: &TestCluster) -> Etcd {
-    Etcd::new(c.etcd_endpoint(), "test", Duration::from_secs(2)).unwrap()
+    Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2)).unwrap()
 }
 
 /// The epochs etcd holds for the cluster's data nodes, by node id.
@@ -156,7 +156,7 @@ fn on_etcd_one_primary_acts_at_a_time() {
         ])
         .args([
             "--etcd",
-            c.etcd_endpoint(),
+            &c.etcd_endpoints(),
             "--cluster",
             "test",
             "--node-lease-ms",
@@ -191,7 +191,7 @@ fn on_etcd_the_cluster_rides_out_an_etcd_pause() {
     assert!(wait_for(Duration::from_secs(5), || epochs(&c).len() == 1));
     let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
     fs::write(m.path("f"), vec![5u8; 1 << 20]).unwrap();
-    let etcd_pid = c.etcd.as_ref().unwrap().pid() as i32;
+    let etcd_pid = c.etcd.as_ref().unwrap().pid(0) as i32;
     let pause = |d: Duration| {
         rackfs_tests::stop_process(etcd_pid);
         std::thread::sleep(d);
@@ -265,4 +265,60 @@ fn on_etcd_a_stopped_primary_resumes_only_after_it_is_elected_again() {
     );
     fs::write(m.path("g"), b"after").unwrap();
     assert_eq!(fs::read(m.path("g")).unwrap(), b"after");
+}
+
+/// Whether the etcd member at `endpoint` is its cluster's leader (`/v3/maintenance/status`).
+fn is_leader(endpoint: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(endpoint) else {
+        return false;
+    };
+    let body = "{}";
+    let req = format!(
+        "POST /v3/maintenance/status HTTP/1.1\r\nHost: {endpoint}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut out = String::new();
+    if s.write_all(req.as_bytes()).is_err() || s.read_to_string(&mut out).is_err() {
+        return false;
+    }
+    let Some((_, json)) = out.split_once("\r\n\r\n") else {
+        return false;
+    };
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+    v["leader"].is_string() && v["leader"] == v["header"]["member_id"]
+}
+
+/// On a three-member etcd, losing a member (its leader, or else the endpoint every client
+/// tries first) loses nothing: clients go on with the others, etcd elects a new leader and
+/// keeps the leases, and no node is dropped.
+#[test]
+fn on_a_three_member_etcd_the_death_of_a_member_changes_nothing() {
+    let mut c = TestCluster::on_etcd_members(3, 2, "32M", &["--node-lease-ms", "2000"]);
+    assert!(wait_for(Duration::from_secs(5), || epochs(&c).len() == 1));
+    let before = epochs(&c);
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    fs::write(m.path("f"), vec![4u8; 256 << 10]).unwrap();
+    let endpoints = c.etcd_endpoints();
+    let leader = endpoints.split(',').position(is_leader).unwrap_or(0);
+    eprintln!(
+        "killing etcd member {leader} (leader: {})",
+        is_leader(endpoints.split(',').nth(leader).unwrap())
+    );
+    c.etcd.as_mut().unwrap().kill(leader);
+    for i in 0..30 {
+        fs::write(m.path(&format!("g{i}")), vec![i as u8; 64 << 10]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(fs::read(m.path("f")).unwrap(), vec![4u8; 256 << 10]);
+    for i in 0..30 {
+        assert_eq!(
+            fs::read(m.path(&format!("g{i}"))).unwrap(),
+            vec![i as u8; 64 << 10]
+        );
+    }
+    assert_eq!(epochs(&c), before, "no lease lapsed");
+    let log = c.nodes[0].as_ref().unwrap().stderr();
+    assert!(!log.contains("memory node out of the cluster"), "{log}");
+    assert!(!log.contains("lease lapsed"), "{log}");
 }
