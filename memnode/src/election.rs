@@ -132,6 +132,10 @@ impl Primacy {
                     self.serve(node);
                     return;
                 }
+                // Its own key from the lapsed lease, not yet reaped by the coordinator.
+                Ok(Err(holder)) if holder == self.me => {
+                    std::thread::sleep(Duration::from_millis(200))
+                }
                 Ok(Err(holder)) => {
                     error!(holder = %String::from_utf8_lossy(&holder), "another node is primary now: this one exits");
                     std::process::exit(3);
