@@ -124,8 +124,13 @@ impl Etcd {
         let v: Value = serde_json::from_slice(&payload)
             .map_err(|e| Exchange::Answer(format!("status {status}, body not JSON ({e})")))?;
         if status != "200" {
-            let msg = v["message"].as_str().unwrap_or("").to_string();
-            return Err(Exchange::Answer(format!("status {status}: {msg}")));
+            let msg = format!("status {status}: {}", v["message"].as_str().unwrap_or(""));
+            // A member that cannot serve now (no leader, timeout): another one may.
+            return Err(if status.starts_with('5') {
+                Exchange::Transport(msg)
+            } else {
+                Exchange::Answer(msg)
+            });
         }
         Ok(v)
     }
@@ -136,6 +141,16 @@ enum Exchange {
     Transport(String),
     /// The endpoint answered with an error.
     Answer(String),
+}
+
+/// A keepalive stream's answer: `result` (its TTL absent or 0 once the lease is gone), or
+/// `error` (with status 200) when etcd could not serve it, which says nothing of the lease.
+fn keepalive_answer(v: &Value, lease: LeaseId) -> Result<Result<Duration, CoordError>, String> {
+    match (num(&v["result"]["TTL"]), v["result"].is_object()) {
+        (Some(ttl), _) if ttl > 0 => Ok(Ok(Duration::from_secs(ttl as u64))),
+        (_, true) => Ok(Err(CoordError::Expired(lease))),
+        _ => Err(format!("keepalive of lease {lease:x} failed: {v}")),
+    }
 }
 
 fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
@@ -169,10 +184,10 @@ impl Coordinator for Etcd {
 
     fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError> {
         let v = self.call("/v3/lease/keepalive", json!({ "ID": lease.to_string() }))?;
-        match num(&v["result"]["TTL"]) {
-            Some(ttl) if ttl > 0 => Ok(Duration::from_secs(ttl as u64)),
-            _ => Err(CoordError::Expired(lease)),
-        }
+        keepalive_answer(&v, lease).map_err(|what| CoordError::Protocol {
+            endpoint: self.describe(),
+            what,
+        })?
     }
 
     fn revoke(&self, lease: LeaseId) -> Result<(), CoordError> {
@@ -279,6 +294,24 @@ mod tests {
         assert_eq!(prefix_end(b"/a/"), b"/a0".to_vec());
         assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
         assert_eq!(prefix_end(b"\xff"), vec![0]);
+    }
+
+    #[test]
+    fn only_a_keepalive_result_without_ttl_means_the_lease_lapsed() {
+        let ok = json!({ "result": { "ID": "5", "TTL": "2" } });
+        assert_eq!(
+            keepalive_answer(&ok, 5).unwrap().unwrap(),
+            Duration::from_secs(2)
+        );
+        let gone = json!({ "result": { "ID": "5" } });
+        assert!(matches!(
+            keepalive_answer(&gone, 5).unwrap(),
+            Err(CoordError::Expired(5))
+        ));
+        let failed = json!({ "error": { "grpc_code": 14, "message": "etcdserver: no leader" } });
+        assert!(keepalive_answer(&failed, 5)
+            .unwrap_err()
+            .contains("no leader"));
     }
 
     #[test]
