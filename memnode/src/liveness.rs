@@ -12,7 +12,7 @@
 //!   checks; when it lapses, rdma clients' connections are shut down (their queue pairs go).
 //!   A node stopped outright cannot do the last: its NIC goes on serving rdma reads.
 //! * The primary looks at the coordinator's members a few times per lease ([`check_members`],
-//!   [`Epochs`]). A node whose lease lapsed is declared dead ([`declare_dead`]): marked down
+//!   [`Epochs`]). A node whose lease lapsed is declared dead: marked down
 //!   (no new data goes there) and dropped from every stripe that has another replica.
 //! * Stripes left with fewer replicas than their file asks for are copied onto other live
 //!   nodes in the background, rate-bounded ([`rebuild_round`], `rackfs_meta::file::File::rebuild`).
@@ -290,7 +290,7 @@ pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
 /// Primary: data node `id` is out (its lease lapsed): no new data goes there, and it is
 /// dropped from every stripe that has another replica. Does nothing for a node that is live
 /// (it renewed meanwhile).
-pub fn declare_dead(node: &Node, id: u32, why: &str) {
+fn declare_dead(node: &Node, id: u32, why: &str) {
     let Some(epochs) = &node.epochs else { return };
     let mut discards = node.discards.0.lock().expect("discards lock");
     if epochs.is_live(id) {
