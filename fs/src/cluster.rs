@@ -313,13 +313,8 @@ impl Cluster {
                 return Ok(n.clone());
             }
         }
-        let mut addr = self.info().nodes.into_iter().find(|n| n.node_id == id);
-        if addr.is_none() {
-            if let Ok(info) = self.primary().cluster() {
-                addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
-                *self.info.write().expect("cluster info lock") = info;
-            }
-        }
+        let cached = self.info().nodes.into_iter().find(|n| n.node_id == id);
+        let addr = cached.or_else(|| self.ask_addr(id));
         let session = self.session();
         let addr = addr.ok_or_else(|| VerbsError::Connect {
             peer: format!("node {id}"),
@@ -327,16 +322,11 @@ impl Cluster {
         })?;
         let qp = match self.connect_to(&addr, session) {
             Ok(qp) => qp,
-            Err(e) => {
-                // A node started again listens elsewhere: ask the primary where it is now.
-                let info = self.primary().cluster().map_err(|_| e.clone())?;
-                let now = info.nodes.iter().find(|n| n.node_id == id).cloned();
-                *self.info.write().expect("cluster info lock") = info;
-                match now {
-                    Some(now) if now != addr => self.connect_to(&now, session)?,
-                    _ => return Err(e),
-                }
-            }
+            // A node started again listens elsewhere: ask the primary where it is now.
+            Err(e) => match self.ask_addr(id) {
+                Some(now) if now != addr => self.connect_to(&now, session)?,
+                _ => return Err(e),
+            },
         };
         let rkey = qp
             .regions()
@@ -359,6 +349,14 @@ impl Cluster {
             nodes.insert(id, node.clone());
         }
         Ok(node)
+    }
+
+    /// Where node `id` is now, as the primary says (the cached cluster map is refreshed).
+    fn ask_addr(&self, id: u32) -> Option<NodeAddr> {
+        let info = self.primary().cluster().ok()?;
+        let addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
+        *self.info.write().expect("cluster info lock") = info;
+        addr
     }
 
     /// A new queue pair to the node at `addr`, over the mount's transport.

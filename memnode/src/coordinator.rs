@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_coord::{CoordError, Coordinator, Etcd, LeaseId, Local};
-use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, NodeAddr};
 use rackfs_proto::coord::{CoordAnswer, CoordCall};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::Secret;
@@ -23,6 +23,21 @@ use crate::config::{NodeConfig, Role};
 /// The key of data node `id`'s membership.
 pub fn node_key(id: u32) -> String {
     format!("nodes/{id}")
+}
+
+/// The value of the `primary` key for node `me`.
+pub fn primary_value(me: &NodeAddr) -> Vec<u8> {
+    let v = serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
+    v.to_string().into_bytes()
+}
+
+/// The value of data node `me`'s `nodes/<id>` key, registered under lease `epoch` (read back
+/// by [`members`]).
+pub fn node_value(me: &NodeAddr, epoch: LeaseId) -> Vec<u8> {
+    let v = serde_json::json!({
+        "epoch": epoch, "name": me.name, "tcp": me.tcp, "shm": me.shm, "domain": me.domain,
+    });
+    v.to_string().into_bytes()
 }
 
 /// The node ids and epochs of the members registered under `nodes/`.

@@ -170,20 +170,14 @@ impl MemNode {
         let is_primary = cfg.role == Role::Primary;
         let coord = crate::coordinator::open(&cfg)?;
         let primacy = match (is_primary, &cfg.etcd) {
-            (true, Some(_)) => {
-                let me =
-                    serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
-                Some(crate::election::Primacy::campaign(
-                    coord.clone(),
-                    &me,
-                    cfg.node_lease,
-                    &cfg.cluster,
-                )?)
-            }
+            (true, Some(_)) => Some(crate::election::Primacy::campaign(
+                coord.clone(),
+                crate::coordinator::primary_value(&me),
+                cfg.node_lease,
+                &cfg.cluster,
+            )?),
             (true, None) => {
-                let me =
-                    serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
-                let _ = coord.create("primary", me.to_string().as_bytes(), None)?;
+                let _ = coord.create("primary", &crate::coordinator::primary_value(&me), None)?;
                 None
             }
             _ => None,

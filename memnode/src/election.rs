@@ -39,15 +39,14 @@ pub struct Primacy {
 }
 
 impl Primacy {
-    /// Takes the `primary` key for `me` under a lease of `ttl`, waiting out an earlier
+    /// Takes the `primary` key for `me` (its value) under a lease of `ttl`, waiting out an earlier
     /// holder's lease for up to twice `ttl` (plus a second).
     pub fn campaign(
         coord: Arc<dyn Coordinator>,
-        me: &serde_json::Value,
+        me: Vec<u8>,
         ttl: Duration,
         cluster: &str,
     ) -> Result<Primacy, ElectionError> {
-        let me = me.to_string().into_bytes();
         let give_up = Instant::now() + 2 * ttl + Duration::from_secs(1);
         let mut told = false;
         loop {

@@ -35,7 +35,7 @@ use rackfs_verbs::shm::set_lease;
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 
-use crate::coordinator::{members, node_key};
+use crate::coordinator::{members, node_key, node_value};
 use crate::node::Node;
 
 /// What enforces this node's lease beyond its own NIC threads: the counter blocks of its shm
@@ -136,16 +136,9 @@ impl Renewer {
                     .coord
                     .grant(node.cfg.node_lease)
                     .map_err(|e| e.to_string())?;
-                let me = node.members.me();
-                let value = serde_json::json!({
-                    "epoch": lease, "name": me.name, "tcp": me.tcp, "shm": me.shm, "domain": me.domain,
-                });
+                let value = node_value(&node.members.me(), lease);
                 self.coord
-                    .put(
-                        &node_key(node.cfg.node_id),
-                        value.to_string().as_bytes(),
-                        Some(lease),
-                    )
+                    .put(&node_key(node.cfg.node_id), &value, Some(lease))
                     .map_err(|e| e.to_string())?;
                 info!(epoch = lease, coordinator = %self.coord.describe(), "registered this node under a new epoch");
                 self.lease = Some((Held::new(lease, sent, ttl), false));
