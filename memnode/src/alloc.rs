@@ -126,6 +126,31 @@ impl ExtentAllocator {
         Ok(start)
     }
 
+    /// Allocates exactly `[offset, offset + len)` (rounded out to the granule), which must be
+    /// free: a standby taking over marks what its replayed namespace holds.
+    pub fn reserve(&mut self, offset: u64, len: u64) -> Result<(), AllocError> {
+        let end = (offset + len).next_multiple_of(GRANULE);
+        let start = offset / GRANULE * GRANULE;
+        let Some((&off, &size)) = self.by_offset.range(..=start).next_back() else {
+            return Err(AllocError::Invalid(format!("{start:#x} is not free")));
+        };
+        if off + size < end {
+            return Err(AllocError::Invalid(format!(
+                "[{start:#x}, {end:#x}) is not free"
+            )));
+        }
+        self.remove_free(off, size);
+        if start > off {
+            self.insert_free(off, start - off);
+        }
+        if off + size > end {
+            self.insert_free(end, off + size - end);
+        }
+        self.allocated.insert(start, (end - start, false));
+        self.used += end - start;
+        Ok(())
+    }
+
     /// Frees the extent starting at `offset`; returns its length.
     pub fn free(&mut self, offset: u64) -> Result<u64, AllocError> {
         let (len, _) = self

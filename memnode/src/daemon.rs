@@ -148,7 +148,11 @@ impl MemNode {
             None => None,
         };
         let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
-        let store = Store::new(&cfg.name, data.clone(), cfg.quarantine);
+        let meta_len = match cfg.role {
+            Role::Standalone => 0,
+            _ => crate::store::meta_area_len(len),
+        };
+        let store = Store::new(&cfg.name, data.clone(), cfg.quarantine, meta_len);
         // Cluster members run QoS on an area of their region; a standalone node (benchmarks,
         // verbs tests) leaves its whole region to its clients.
         let qos = (cfg.role != Role::Standalone).then(|| {

@@ -306,7 +306,6 @@ fn drop_replicas(
     let d = meta
         .lock()
         .expect("metadata lock")
-        .namespace
         .drop_node(id, node);
     if !d.extents.is_empty() || d.lost > 0 {
         warn!(
@@ -490,7 +489,6 @@ pub fn rebuild_round(node: &Node, rate: u64) {
         let copied = meta
             .lock()
             .expect("metadata lock")
-            .namespace
             .rebuild(ino, stripe, node);
         match copied {
             Ok(0) => {}

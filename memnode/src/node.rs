@@ -385,7 +385,9 @@ impl Node {
             },
             ControlRequest::Adopt { from } => match (&self.meta, &self.leases) {
                 (Some(meta), Some(l)) if l.check(from).is_err() => {
-                    meta.lock().expect("metadata lock").adopt(from, session);
+                    meta.lock()
+                        .expect("metadata lock")
+                        .adopt(from, session, self);
                     ControlResponse::Ok
                 }
                 (Some(_), _) => refused(
@@ -618,6 +620,18 @@ impl Storage for Node {
 
     fn local(&self) -> (u32, &Region) {
         (self.cfg.node_id, self.data_region())
+    }
+
+    fn meta_alloc(&self, len: u64) -> Result<u64, Refusal> {
+        Ok(self.store.meta_alloc(len)?)
+    }
+
+    fn meta_free(&self, offset: u64) {
+        self.store.meta_free(offset)
+    }
+
+    fn load(&self, offset: u64) -> u64 {
+        self.data_region().load(offset).expect("word in region")
     }
 
     fn fs_stat(&self) -> FsStat {

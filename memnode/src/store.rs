@@ -25,10 +25,23 @@ use crate::alloc::{AllocError, ExtentAllocator};
 /// Tagged extents freed and not yet reusable: (reusable at, offset, length).
 type Quarantine = Vec<(Instant, u64, u64)>;
 
-/// The data region with its allocator and quarantine.
+/// Where the metadata area starts (offset 0 of a region is never a record).
+const META_BASE: u64 = 4096;
+
+/// The metadata area of a cluster member's region of `len` bytes: a sixteenth of it, at the
+/// same offsets on every node so that a standby mirrors the primary's records and tables.
+pub fn meta_area_len(len: u64) -> u64 {
+    (len / 16).next_multiple_of(4096).max(2 * META_BASE)
+}
+
+/// The data region with its allocators and quarantine.
 pub struct Store {
     region: Arc<Region>,
+    /// File stripes, lock trees and the QoS area: the region past the metadata area.
     allocator: Mutex<ExtentAllocator>,
+    /// Records and extent tables: `[META_BASE, meta_len)`, used on the primary only.
+    meta: Mutex<ExtentAllocator>,
+    meta_len: u64,
     quarantine: Mutex<Quarantine>,
     hold: Duration,
 }
@@ -45,12 +58,15 @@ impl From<AllocError> for Refusal {
 }
 
 impl Store {
-    /// A store over `region`; freed stripes are held back for `hold`.
-    pub fn new(name: &str, region: Arc<Region>, hold: Duration) -> Store {
+    /// A store over `region` whose first `meta_len` bytes are the metadata area (0: none);
+    /// freed stripes are held back for `hold`.
+    pub fn new(name: &str, region: Arc<Region>, hold: Duration, meta_len: u64) -> Store {
         let len = region.info().len;
         Store {
             region,
-            allocator: Mutex::new(ExtentAllocator::new(name, 0, len)),
+            allocator: Mutex::new(ExtentAllocator::new(name, meta_len, len - meta_len)),
+            meta: Mutex::new(Self::meta_allocator(name, meta_len)),
+            meta_len,
             quarantine: Mutex::new(Vec::new()),
             hold,
         }
@@ -58,6 +74,42 @@ impl Store {
 
     pub fn region(&self) -> &Region {
         &self.region
+    }
+
+    fn meta_allocator(name: &str, meta_len: u64) -> ExtentAllocator {
+        ExtentAllocator::new(name, META_BASE, meta_len.saturating_sub(META_BASE))
+    }
+
+    /// How long the metadata area is.
+    pub fn meta_len(&self) -> u64 {
+        self.meta_len
+    }
+
+    /// Allocates `len` bytes of the metadata area.
+    pub fn meta_alloc(&self, len: u64) -> Result<u64, AllocError> {
+        self.meta.lock().expect("meta allocator lock").alloc(len, 64)
+    }
+
+    /// Frees and zeroes a metadata-area extent.
+    pub fn meta_free(&self, offset: u64) {
+        let mut a = self.meta.lock().expect("meta allocator lock");
+        if let Some((len, _)) = a.extent(offset) {
+            self.region
+                .discard(offset, len)
+                .expect("extent inside the region");
+            let _ = a.free(offset);
+        }
+    }
+
+    /// Starts the metadata allocator afresh with `held` (offset, bytes) allocated: a standby
+    /// taking over with the namespace it replayed.
+    pub fn meta_adopt(&self, name: &str, held: &[(u64, u64)]) -> Result<(), AllocError> {
+        let mut a = Self::meta_allocator(name, self.meta_len);
+        for &(at, len) in held {
+            a.reserve(at, len)?;
+        }
+        *self.meta.lock().expect("meta allocator lock") = a;
+        Ok(())
     }
 
     /// Allocates an extent; a tagged one (a file stripe) gets [`TAG_SPACE`] in front of its

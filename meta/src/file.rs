@@ -20,18 +20,19 @@ use std::collections::BTreeMap;
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::namespace::StripeExtent;
 use rackfs_proto::record::{
-    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, REC_REPLICAS, REC_SIZE,
-    REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
+    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, RECORD_LEN, REC_REPLICAS,
+    REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
+use serde::{Deserialize, Serialize};
 
 use crate::storage::Storage;
 
 type MetaResult<T> = Result<T, Refusal>;
 
 /// One stripe's replicas, by table slot (`None`: an empty slot).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Replicas(Vec<Option<StripeExtent>>);
 
 impl Replicas {
@@ -58,6 +59,7 @@ impl Replicas {
 }
 
 /// A regular file's record, extent table and stripes (see the module docs).
+#[derive(Serialize, Deserialize)]
 pub struct File {
     pub record: u64,
     pub stripe_unit: u64,
@@ -66,8 +68,8 @@ pub struct File {
     table: u64,
     table_cap: u64,
     stripes: BTreeMap<u64, Replicas>,
-    /// Earlier tables, kept because clients may still read them.
-    retired_tables: Vec<u64>,
+    /// Earlier tables (offset, bytes), kept because clients may still read them.
+    retired_tables: Vec<(u64, u64)>,
 }
 
 /// What dropping a dead node's replicas did.
@@ -360,15 +362,15 @@ impl File {
 
     /// A larger table holding stripe `stripe`, filled before the record points at it.
     fn grow_table(&mut self, stripe: u64, st: &dyn Storage) -> MetaResult<()> {
-        let (me, region) = st.local();
+        let (_, region) = st.local();
         let cap = (stripe + 1).next_power_of_two().max(16);
-        let bytes = |entries: u64| entry_offset(0, entries, self.replicas);
-        let table = st.alloc(me, bytes(cap), None)?;
+        let table = st.meta_alloc(self.table_bytes(cap))?;
         if self.table != 0 {
-            let mut old = vec![0u8; bytes(self.table_cap) as usize];
+            let mut old = vec![0u8; self.table_bytes(self.table_cap) as usize];
             region.read(self.table, &mut old).expect("table in region");
             region.write(table, &old).expect("table in region");
-            self.retired_tables.push(self.table);
+            self.retired_tables
+                .push((self.table, self.table_bytes(self.table_cap)));
         }
         self.table = table;
         self.table_cap = cap;
@@ -428,8 +430,7 @@ impl File {
     /// Shrinks the last stripe's extents to what the file's size needs, when that saves more
     /// than an eighth of them (a file that grew by doubling, or was truncated).
     pub fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
-        let (_, region) = st.local();
-        let size = read_word(region, self.record + REC_SIZE);
+        let size = st.load(self.record + REC_SIZE);
         let Some((&k, r)) = self.stripes.iter().next_back() else {
             return Ok(());
         };
@@ -524,18 +525,27 @@ impl File {
 
     /// Frees everything the file holds: its stripes' extents, its tables and its record.
     pub fn delete(self, st: &dyn Storage) {
-        let (me, _) = st.local();
         for r in self.stripes.values() {
             free_all(r, st);
         }
-        for t in self
-            .retired_tables
-            .into_iter()
-            .chain((self.table != 0).then_some(self.table))
-        {
-            let _ = st.free(me, t);
+        for (at, _) in self.meta_extents() {
+            st.meta_free(at);
         }
-        let _ = st.free(me, self.record);
+    }
+
+    /// The extents of the metadata area the file holds: (offset, bytes) of its record and
+    /// every table, retired ones included.
+    pub fn meta_extents(&self) -> Vec<(u64, u64)> {
+        let mut v = vec![(self.record, RECORD_LEN)];
+        v.extend(&self.retired_tables);
+        if self.table != 0 {
+            v.push((self.table, self.table_bytes(self.table_cap)));
+        }
+        v
+    }
+
+    fn table_bytes(&self, entries: u64) -> u64 {
+        entry_offset(0, entries, self.replicas)
     }
 }
 

@@ -9,6 +9,7 @@
 //! The caller serialises calls (one `&mut` at a time).
 
 pub mod file;
+pub mod journal;
 pub mod locktree;
 pub mod namespace;
 pub mod placement;
@@ -22,6 +23,9 @@ use rackfs_proto::namespace::{Change, MetaRequest};
 use rackfs_proto::record::REC_LOCKS;
 use rackfs_proto::Refusal;
 
+pub use file::Dropped;
+use journal::Recorder;
+pub use journal::{Entry, Outcome, Step};
 pub use locktree::LockTrees;
 pub use namespace::Namespace;
 pub use storage::{MemStorage, Storage};
@@ -32,6 +36,12 @@ pub struct MetaService {
     pub locks: LockTrees,
     /// Changes other mounts must forget, since [`MetaService::take_changes`] last ran.
     changes: Vec<Change>,
+    /// Whether namespace changes are journaled (a standby follows this service).
+    journaling: bool,
+    /// The last journal entry's number.
+    seq: u64,
+    /// Entries made since [`MetaService::take_journal`] last ran.
+    journal: Vec<Entry>,
 }
 
 impl MetaService {
@@ -39,11 +49,51 @@ impl MetaService {
     /// `lock_grace`: how long retired lock trees and the lock slots of ended sessions are kept
     /// (see [`locktree`]).
     pub fn new(lock_grace: Duration, now_ns: u64) -> MetaService {
+        Self::over(Namespace::new(now_ns), lock_grace, 0)
+    }
+
+    /// The service over `namespace`, whose journal is at entry `seq` (a standby taking over:
+    /// its lock trees start afresh).
+    pub fn over(namespace: Namespace, lock_grace: Duration, seq: u64) -> MetaService {
         MetaService {
-            namespace: Namespace::new(now_ns),
+            namespace,
             locks: LockTrees::new(lock_grace, lock_grace),
             changes: Vec::new(),
+            journaling: false,
+            seq,
+            journal: Vec::new(),
         }
+    }
+
+    /// Starts or stops journaling namespace changes (a standby is or is no longer following);
+    /// returns the last entry's number, the point a standby's snapshot stands at.
+    pub fn set_journaling(&mut self, on: bool) -> u64 {
+        self.journaling = on;
+        self.journal.clear();
+        self.seq
+    }
+
+    /// The journal entries made since the last call, in order.
+    pub fn take_journal(&mut self) -> Vec<Entry> {
+        std::mem::take(&mut self.journal)
+    }
+
+    /// Runs one namespace step, journaling it with its storage's answers when a standby
+    /// follows.
+    fn step(&mut self, step: Step, st: &dyn Storage) -> Outcome {
+        self.seq += 1;
+        if !self.journaling {
+            return step.run(&mut self.namespace, st);
+        }
+        let rec = Recorder::new(st);
+        let out = step.clone().run(&mut self.namespace, &rec);
+        self.journal.push(Entry {
+            seq: self.seq,
+            primary: st.local().0,
+            step,
+            answers: rec.into_answers(),
+        });
+        out
     }
 
     /// The namespace changes made since the last call (see [`Namespace::changes_of`]).
@@ -61,9 +111,16 @@ impl MetaService {
             MetaRequest::LockTree { ino, old, units } => self
                 .publish_tree(ino, old, units, st)
                 .map_or_else(ControlResponse::from, |w| ControlResponse::LockTree(w.0)),
+            other if !Step::changes(&other) => self.namespace.handle(session, other, st),
             other => {
                 let changes = self.namespace.changes_of(&other);
-                let resp = self.namespace.handle(session, other, st);
+                let step = Step::Handle {
+                    session,
+                    req: other,
+                };
+                let Outcome::Response(resp) = self.step(step, st) else {
+                    unreachable!("a request step answers a response")
+                };
                 if !matches!(resp, ControlResponse::Error { .. }) {
                     self.changes.extend(changes);
                 }
@@ -81,16 +138,34 @@ impl MetaService {
     }
 
     /// Session `to` takes over the opens of fenced session `from`.
-    pub fn adopt(&mut self, from: u64, to: u64) {
-        self.namespace.adopt(from, to);
+    pub fn adopt(&mut self, from: u64, to: u64, st: &dyn Storage) {
+        self.step(Step::Adopt { from, to }, st);
     }
 
     /// A client session ended (its mount went away): its opens are released and its lock slot
     /// is watched as dead.
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
         self.locks.end_session(session, st);
-        self.namespace.end_session(session, st);
+        self.step(Step::EndSession { session }, st);
         self.retire_deleted(st);
+    }
+
+    /// Data node `node` was declared dead: its replicas are dropped from every stripe that
+    /// has another (see [`Namespace::drop_node`]).
+    pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
+        match self.step(Step::DropNode { node }, st) {
+            Outcome::Dropped(d) => d,
+            _ => unreachable!("a drop step answers what it dropped"),
+        }
+    }
+
+    /// Copies a degraded stripe back towards its replication factor (see
+    /// [`Namespace::rebuild`]); returns the bytes copied.
+    pub fn rebuild(&mut self, ino: u64, stripe: u64, st: &dyn Storage) -> Result<u64, Refusal> {
+        match self.step(Step::Rebuild { ino, stripe }, st) {
+            Outcome::Rebuilt(r) => r,
+            _ => unreachable!("a rebuild step answers what it copied"),
+        }
     }
 
     /// Lock-tree recovery and reaping; call every millisecond or so.

@@ -9,7 +9,9 @@
 //!
 //! Time comes from [`Storage::wall_ns`], so the service runs under a simulated clock too.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
 
 use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode};
 use rackfs_proto::namespace::{
@@ -28,14 +30,15 @@ fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
     Err(Refusal::new(code, msg))
 }
 
-#[derive(Default)]
+#[derive(Default, Serialize, Deserialize)]
 struct DirState {
     parent: u64,
     entries: BTreeMap<u64, (Vec<u8>, u64)>,
-    by_name: HashMap<Vec<u8>, u64>,
+    by_name: BTreeMap<Vec<u8>, u64>,
     next_cookie: u64,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Inode {
     kind: Kind,
     perm: u16,
@@ -53,14 +56,15 @@ struct Inode {
 }
 
 /// The namespace and file layouts (see the module docs).
+#[derive(Serialize, Deserialize)]
 pub struct Namespace {
-    inodes: HashMap<u64, Inode>,
+    inodes: BTreeMap<u64, Inode>,
     next_ino: u64,
     next_tag: u64,
     /// Replicas of a new file's stripes when its creator does not ask (at most the nodes).
     default_replicas: u32,
     /// Opens held per client session, released when the session ends.
-    sessions: HashMap<u64, HashMap<u64, u32>>,
+    sessions: BTreeMap<u64, BTreeMap<u64, u32>>,
     /// Regular files deleted since [`Namespace::take_deleted`] was last called (their lock
     /// trees are to be retired).
     deleted: Vec<u64>,
@@ -89,11 +93,11 @@ impl Namespace {
             opens: 0,
         };
         Namespace {
-            inodes: HashMap::from([(ROOT_INO, root)]),
+            inodes: BTreeMap::from([(ROOT_INO, root)]),
             next_ino: ROOT_INO + 1,
             next_tag: 1,
             default_replicas: 2,
-            sessions: HashMap::new(),
+            sessions: BTreeMap::new(),
             deleted: Vec::new(),
         }
     }
@@ -211,6 +215,11 @@ impl Namespace {
             for (ino, n) in opens {
                 if let Some(i) = self.inodes.get_mut(&ino) {
                     i.opens = i.opens.saturating_sub(n);
+                    if let Some(f) = &i.file {
+                        // What the gone mount wrote reaches the standby with this step.
+                        st.load(f.record + REC_SIZE);
+                        st.load(f.record + REC_MTIME);
+                    }
                 }
                 self.maybe_delete(ino, st);
             }
@@ -233,6 +242,16 @@ impl Namespace {
             Some(f) => Ok(f.record),
             None => err(ErrorCode::Invalid, "not a regular file"),
         }
+    }
+
+    /// Every extent of the metadata area the namespace holds: (offset, bytes) of each file's
+    /// record and tables.
+    pub fn meta_extents(&self) -> Vec<(u64, u64)> {
+        self.inodes
+            .values()
+            .filter_map(|i| i.file.as_ref())
+            .flat_map(File::meta_extents)
+            .collect()
     }
 
     /// Regular files deleted since the last call.
@@ -396,8 +415,8 @@ impl Namespace {
                 }
                 .min(st.cluster_size() as u32)
                 .max(1);
-                let (me, region) = st.local();
-                let record = st.alloc(me, RECORD_LEN, None)?;
+                let (_, region) = st.local();
+                let record = st.meta_alloc(RECORD_LEN)?;
                 write_word(region, record + REC_STRIPE, stripe_unit);
                 write_word(region, record + REC_INO, ino);
                 write_word(region, record + REC_MTIME, t);
@@ -745,6 +764,11 @@ impl Namespace {
         let serial = self.next_tag;
         if let Some(i) = self.inodes.get_mut(&ino) {
             i.opens = i.opens.saturating_sub(1);
+            if let Some(f) = &i.file {
+                // What the closing mount wrote reaches the standby with this step.
+                st.load(f.record + REC_SIZE);
+                st.load(f.record + REC_MTIME);
+            }
             if i.opens == 0 && i.nlink > 0 {
                 if let Some(f) = i.file.as_mut() {
                     self.next_tag += 1;
@@ -815,7 +839,7 @@ impl Namespace {
                 "not a regular file",
             );
         };
-        let old = read_word(region, f.record + REC_SIZE);
+        let old = st.load(f.record + REC_SIZE);
         write_word(region, f.record + REC_SIZE, size);
         write_word(region, f.record + REC_MTIME, t);
         i.mtime = t;

@@ -40,6 +40,15 @@ pub trait Storage: Send + Sync {
     fn domain(&self, node: u32) -> Option<String>;
     /// This node's id and data region (where records, tables and lock trees live).
     fn local(&self) -> (u32, &Region);
+    /// Allocates `len` bytes of this node's metadata area (file records and extent tables:
+    /// the part of the region a standby mirrors at the same offsets).
+    fn meta_alloc(&self, len: u64) -> Result<u64, Refusal>;
+    /// Frees what [`Storage::meta_alloc`] gave at `offset`.
+    fn meta_free(&self, offset: u64);
+    /// A word of the local region that mounts write one-sidedly (a record's size or mtime).
+    /// The service reads such words only through here, so a standby replaying its steps sees
+    /// what it saw.
+    fn load(&self, offset: u64) -> u64;
     /// Capacity and free bytes over the data nodes.
     fn fs_stat(&self) -> FsStat;
     /// Wall-clock time, ns since the Unix epoch (file timestamps).
@@ -300,6 +309,18 @@ impl Storage for MemStorage {
 
     fn local(&self) -> (u32, &Region) {
         (0, &self.regions[0])
+    }
+
+    fn meta_alloc(&self, len: u64) -> Result<u64, Refusal> {
+        self.alloc(0, len, None)
+    }
+
+    fn meta_free(&self, offset: u64) {
+        let _ = self.free(0, offset);
+    }
+
+    fn load(&self, offset: u64) -> u64 {
+        self.regions[0].load(offset).expect("word in region")
     }
 
     fn fs_stat(&self) -> FsStat {

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use rackfs_meta::{MemStorage, MetaService, Storage};
+use rackfs_meta::{MemStorage, MetaService, Namespace, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE,
@@ -470,6 +470,7 @@ fn pick(known: &[u64], i: usize) -> u64 {
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let st = MemStorage::new(3, 1 << 30);
     let mut svc = MetaService::new(std::time::Duration::from_secs(2), st.wall_ns());
+    let mut standby = Standby::follow(&mut svc, &st);
     let mut m = Model::new();
     // Every inode number ever handed out, the deleted ones included (they must answer ENOENT).
     let mut known = vec![ROOT_INO];
@@ -607,6 +608,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         };
         prop_assert_eq!(&got, &want, "{:?}", op);
         compare(&mut svc, &st, &m)?;
+        standby.catch_up(&mut svc, &st)?;
     }
     let on_nodes: u64 = (0..3).map(|n| st.used(n)).sum::<u64>();
     let (lo, hi) = stripe_bytes(&m);
@@ -632,12 +634,66 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     );
     // Remove everything: every byte comes back (stripes, tables, records).
     remove_all(&mut svc, &st, &mut m, ROOT_INO)?;
+    standby.catch_up(&mut svc, &st)?;
     prop_assert_eq!(
         (0..3).map(|n| st.used(n)).sum::<u64>(),
         0,
         "memory leaked after removing every file"
     );
     Ok(())
+}
+
+/// A standby following the service by its journal, from a snapshot taken when it attached:
+/// after every step it must hold the same namespace and the same metadata-area bytes.
+struct Standby {
+    ns: Namespace,
+    region: rackfs_verbs::Region,
+    seq: u64,
+}
+
+impl Standby {
+    fn follow(svc: &mut MetaService, st: &MemStorage) -> Standby {
+        let seq = svc.set_journaling(true);
+        let bytes = postcard::to_allocvec(&svc.namespace).unwrap();
+        let region =
+            rackfs_verbs::Region::create_memfd("standby", 1 << 30, 1, rackfs_verbs::Access::ALL)
+                .unwrap();
+        for (at, len) in svc.namespace.meta_extents() {
+            let mut b = vec![0; len as usize];
+            st.local().1.read(at, &mut b).unwrap();
+            region.write(at, &b).unwrap();
+        }
+        Standby {
+            ns: postcard::from_bytes(&bytes).unwrap(),
+            region,
+            seq,
+        }
+    }
+
+    fn catch_up(&mut self, svc: &mut MetaService, st: &MemStorage) -> Result<(), TestCaseError> {
+        for e in svc.take_journal() {
+            prop_assert_eq!(e.seq, self.seq + 1, "journal entries in order");
+            self.seq = e.seq;
+            // Through the wire encoding, as a standby receives them.
+            let e: rackfs_meta::Entry =
+                postcard::from_bytes(&postcard::to_allocvec(&e).unwrap()).unwrap();
+            if let Err(why) = rackfs_meta::journal::replay(&mut self.ns, &self.region, e) {
+                return Err(TestCaseError::fail(why));
+            }
+        }
+        prop_assert_eq!(
+            postcard::to_allocvec(&self.ns).unwrap(),
+            postcard::to_allocvec(&svc.namespace).unwrap(),
+            "the standby's namespace differs from the primary's"
+        );
+        for (at, len) in svc.namespace.meta_extents() {
+            let (mut mine, mut theirs) = (vec![0; len as usize], vec![0; len as usize]);
+            st.local().1.read(at, &mut theirs).unwrap();
+            self.region.read(at, &mut mine).unwrap();
+            prop_assert_eq!(mine, theirs, "metadata-area bytes differ at {:#x}", at);
+        }
+        Ok(())
+    }
 }
 
 fn remove_all(

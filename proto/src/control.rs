@@ -412,7 +412,7 @@ pub struct FsStat {
 }
 
 /// A request the node refused: the error class and a message saying why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[error("{message}")]
 pub struct Refusal {
     pub code: ErrorCode,

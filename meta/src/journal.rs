@@ -1,0 +1,383 @@
+//! The primary's namespace changes, as a standby replays them.
+//!
+//! The namespace is a deterministic function of the [`Step`]s applied to it and of what
+//! [`Storage`] answered while they ran: it keeps ordered maps only, reads no clock and no
+//! mount-written word except through `Storage`. So a standby that applies the same steps in
+//! the same order, handing back every answer the primary's storage gave ([`Replay`]), holds
+//! the same namespace and writes the same bytes at the same offsets of its metadata area.
+//! Side effects on data nodes (allocating, freeing, copying stripes) happened once, under the
+//! primary; the replay only returns their answers. Lock trees are not journaled: a primary
+//! that takes over starts them afresh.
+//!
+//! Mount-written words (a record's size and mtime) reach the standby where the service reads
+//! them through [`Storage::load`]: when a file is released, truncated or trimmed, and when a
+//! session ends. A size written since then by a mount that still has the file open is
+//! reported again by that mount to the primary that takes over.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rackfs_proto::control::{ControlResponse, ErrorCode, FsStat};
+use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::Refusal;
+use rackfs_verbs::Region;
+use serde::{Deserialize, Serialize};
+
+use crate::file::Dropped;
+use crate::{Namespace, Storage};
+
+/// One change of the namespace, as the primary applied it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Step {
+    /// A namespace request of a client session (only those that change something).
+    Handle { session: u64, req: MetaRequest },
+    /// A client session ended: its opens are released.
+    EndSession { session: u64 },
+    /// Session `to` takes over fenced session `from`'s opens.
+    Adopt { from: u64, to: u64 },
+    /// A data node was declared dead: its replicas are dropped.
+    DropNode { node: u32 },
+    /// A degraded stripe is copied back towards its replication factor.
+    Rebuild { ino: u64, stripe: u64 },
+}
+
+/// What a step returned.
+#[derive(Debug)]
+pub enum Outcome {
+    Response(ControlResponse),
+    Dropped(Dropped),
+    Rebuilt(Result<u64, Refusal>),
+    Done,
+}
+
+impl Step {
+    /// Whether a namespace request changes anything (only those are journaled).
+    pub fn changes(req: &MetaRequest) -> bool {
+        !matches!(
+            req,
+            MetaRequest::Lookup { .. }
+                | MetaRequest::GetAttr { .. }
+                | MetaRequest::ReadDir { .. }
+                | MetaRequest::ReadLink { .. }
+                | MetaRequest::GetStripe { .. }
+                | MetaRequest::StatFs
+                | MetaRequest::LockSlot
+                | MetaRequest::LockTree { .. }
+        )
+    }
+
+    /// Applies the step to `ns`: the one place both the primary and a standby run it.
+    pub fn run(self, ns: &mut Namespace, st: &dyn Storage) -> Outcome {
+        match self {
+            Step::Handle { session, req } => Outcome::Response(ns.handle(session, req, st)),
+            Step::EndSession { session } => {
+                ns.end_session(session, st);
+                Outcome::Done
+            }
+            Step::Adopt { from, to } => {
+                ns.adopt(from, to);
+                Outcome::Done
+            }
+            Step::DropNode { node } => Outcome::Dropped(ns.drop_node(node, st)),
+            Step::Rebuild { ino, stripe } => Outcome::Rebuilt(ns.rebuild(ino, stripe, st)),
+        }
+    }
+}
+
+/// What one [`Storage`] call answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    Nodes(Vec<u32>),
+    Count(u64),
+    Offset(Result<u64, Refusal>),
+    Done(Result<(), Refusal>),
+    Domain(Option<String>),
+    Stat(FsStat),
+    Time(u64),
+    Elapsed(Duration),
+    Word(u64),
+}
+
+/// A step with the answers its storage gave, numbered in the primary's order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub seq: u64,
+    /// The primary's node id (what `Storage::local` named).
+    pub primary: u32,
+    pub step: Step,
+    pub answers: Vec<Answer>,
+}
+
+/// A [`Storage`] that passes every call to the primary's and keeps the answers.
+pub struct Recorder<'a> {
+    inner: &'a dyn Storage,
+    answers: Mutex<Vec<Answer>>,
+}
+
+impl<'a> Recorder<'a> {
+    pub fn new(inner: &'a dyn Storage) -> Recorder<'a> {
+        Recorder {
+            inner,
+            answers: Mutex::default(),
+        }
+    }
+
+    pub fn into_answers(self) -> Vec<Answer> {
+        self.answers.into_inner().expect("answers lock")
+    }
+
+    fn keep<T>(&self, v: T, as_answer: impl FnOnce(&T) -> Answer) -> T {
+        self.answers
+            .lock()
+            .expect("answers lock")
+            .push(as_answer(&v));
+        v
+    }
+}
+
+impl Storage for Recorder<'_> {
+    fn data_nodes(&self) -> Vec<u32> {
+        self.keep(self.inner.data_nodes(), |v| Answer::Nodes(v.clone()))
+    }
+    fn cluster_size(&self) -> usize {
+        self.keep(self.inner.cluster_size(), |&n| Answer::Count(n as u64))
+    }
+    fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
+        self.keep(self.inner.alloc(node, len, tag), |r| {
+            Answer::Offset(r.clone())
+        })
+    }
+    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.free(node, offset), |r| Answer::Done(r.clone()))
+    }
+    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
+        self.keep(self.inner.resize(node, offset, len, tag), |r| {
+            Answer::Offset(r.clone())
+        })
+    }
+    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.zero(node, offset, len), |r| {
+            Answer::Done(r.clone())
+        })
+    }
+    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.retag(node, offset, tag), |r| {
+            Answer::Done(r.clone())
+        })
+    }
+    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.copy(src, from, dst, to, len), |r| {
+            Answer::Done(r.clone())
+        })
+    }
+    fn domain(&self, node: u32) -> Option<String> {
+        self.keep(self.inner.domain(node), |d| Answer::Domain(d.clone()))
+    }
+    fn local(&self) -> (u32, &Region) {
+        self.inner.local()
+    }
+    fn meta_alloc(&self, len: u64) -> Result<u64, Refusal> {
+        self.keep(self.inner.meta_alloc(len), |r| Answer::Offset(r.clone()))
+    }
+    fn meta_free(&self, offset: u64) {
+        self.inner.meta_free(offset)
+    }
+    fn load(&self, offset: u64) -> u64 {
+        self.keep(self.inner.load(offset), |&w| Answer::Word(w))
+    }
+    fn fs_stat(&self) -> FsStat {
+        self.keep(self.inner.fs_stat(), |&s| Answer::Stat(s))
+    }
+    fn wall_ns(&self) -> u64 {
+        self.keep(self.inner.wall_ns(), |&t| Answer::Time(t))
+    }
+    fn elapsed(&self) -> Duration {
+        self.keep(self.inner.elapsed(), |&d| Answer::Elapsed(d))
+    }
+}
+
+/// A [`Storage`] that hands back a journal entry's answers in order, over the standby's own
+/// region. Data nodes are not touched; a word a mount wrote is written into the region as the
+/// primary read it. The first answer that does not fit the call is kept as the divergence.
+pub struct Replay<'a> {
+    primary: u32,
+    region: &'a Region,
+    answers: Mutex<VecDeque<Answer>>,
+    diverged: Mutex<Option<String>>,
+}
+
+impl<'a> Replay<'a> {
+    pub fn new(primary: u32, region: &'a Region, answers: Vec<Answer>) -> Replay<'a> {
+        Replay {
+            primary,
+            region,
+            answers: Mutex::new(answers.into()),
+            diverged: Mutex::default(),
+        }
+    }
+
+    /// Why the replay did not follow the primary's run, if it did not (answers asked for and
+    /// not there, of another kind, or left over).
+    pub fn divergence(self) -> Option<String> {
+        let left = self.answers.into_inner().expect("answers lock").len();
+        let d = self.diverged.into_inner().expect("diverged lock");
+        d.or_else(|| (left > 0).then(|| format!("{left} answers left over")))
+    }
+
+    fn next<T>(&self, call: &str, take: impl FnOnce(Answer) -> Option<T>, or: T) -> T {
+        let a = self.answers.lock().expect("answers lock").pop_front();
+        let got = format!("{a:?}");
+        match a.and_then(take) {
+            Some(v) => v,
+            None => {
+                let mut d = self.diverged.lock().expect("diverged lock");
+                d.get_or_insert_with(|| format!("{call} was answered {got}"));
+                or
+            }
+        }
+    }
+
+    fn offset(&self, call: &str) -> Result<u64, Refusal> {
+        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
+        self.next(
+            call,
+            |a| {
+                if let Answer::Offset(r) = a {
+                    Some(r)
+                } else {
+                    None
+                }
+            },
+            or,
+        )
+    }
+
+    fn done(&self, call: &str) -> Result<(), Refusal> {
+        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
+        self.next(
+            call,
+            |a| {
+                if let Answer::Done(r) = a {
+                    Some(r)
+                } else {
+                    None
+                }
+            },
+            or,
+        )
+    }
+}
+
+impl Storage for Replay<'_> {
+    fn data_nodes(&self) -> Vec<u32> {
+        let take = |a| {
+            if let Answer::Nodes(v) = a {
+                Some(v)
+            } else {
+                None
+            }
+        };
+        self.next("data_nodes", take, Vec::new())
+    }
+    fn cluster_size(&self) -> usize {
+        let take = |a| {
+            if let Answer::Count(n) = a {
+                Some(n as usize)
+            } else {
+                None
+            }
+        };
+        self.next("cluster_size", take, 1)
+    }
+    fn alloc(&self, _: u32, _: u64, _: Option<u64>) -> Result<u64, Refusal> {
+        self.offset("alloc")
+    }
+    fn free(&self, _: u32, _: u64) -> Result<(), Refusal> {
+        self.done("free")
+    }
+    fn resize(&self, _: u32, _: u64, _: u64, _: u64) -> Result<u64, Refusal> {
+        self.offset("resize")
+    }
+    fn zero(&self, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+        self.done("zero")
+    }
+    fn retag(&self, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+        self.done("retag")
+    }
+    fn copy(&self, _: u32, _: u64, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+        self.done("copy")
+    }
+    fn domain(&self, _: u32) -> Option<String> {
+        let take = |a| {
+            if let Answer::Domain(d) = a {
+                Some(d)
+            } else {
+                None
+            }
+        };
+        self.next("domain", take, None)
+    }
+    fn local(&self) -> (u32, &Region) {
+        (self.primary, self.region)
+    }
+    fn meta_alloc(&self, _: u64) -> Result<u64, Refusal> {
+        self.offset("meta_alloc")
+    }
+    fn meta_free(&self, _: u64) {}
+    fn load(&self, offset: u64) -> u64 {
+        let take = |a| {
+            if let Answer::Word(w) = a {
+                Some(w)
+            } else {
+                None
+            }
+        };
+        let w = self.next("load", take, 0);
+        // The primary's region held this word when it ran the step (a mount wrote it).
+        let _ = self.region.store(offset, w);
+        w
+    }
+    fn fs_stat(&self) -> FsStat {
+        let take = |a| {
+            if let Answer::Stat(s) = a {
+                Some(s)
+            } else {
+                None
+            }
+        };
+        self.next("fs_stat", take, FsStat::default())
+    }
+    fn wall_ns(&self) -> u64 {
+        let take = |a| {
+            if let Answer::Time(t) = a {
+                Some(t)
+            } else {
+                None
+            }
+        };
+        self.next("wall_ns", take, 0)
+    }
+    fn elapsed(&self) -> Duration {
+        let take = |a| {
+            if let Answer::Elapsed(d) = a {
+                Some(d)
+            } else {
+                None
+            }
+        };
+        self.next("elapsed", take, Duration::ZERO)
+    }
+}
+
+/// Applies one journal entry to a standby's namespace over its own region; an error says how
+/// the replay diverged from the primary's run (the standby is then out of sync).
+pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<(), String> {
+    let r = Replay::new(entry.primary, region, entry.answers);
+    entry.step.run(ns, &r);
+    ns.take_deleted();
+    match r.divergence() {
+        None => Ok(()),
+        Some(why) => Err(format!("journal entry {}: {why}", entry.seq)),
+    }
+}
