@@ -48,7 +48,8 @@ pub struct Node {
 pub struct Cluster {
     /// The control connection to the primary and its session id (this mount's fence token).
     primary: RwLock<(Arc<ControlClient>, u64)>,
-    pub primary_id: u32,
+    /// The primary's node id (it changes when a standby takes over).
+    primary_id: std::sync::atomic::AtomicU32,
     info: RwLock<ClusterInfo>,
     nodes: RwLock<HashMap<u32, Arc<Node>>>,
     secret: Secret,
@@ -69,6 +70,8 @@ pub struct Cluster {
     qos_wanted: Mutex<Option<(u64, u64, u32)>>,
     /// Told the QoS slot of each new session (the mount's state record keeps it).
     on_session: Mutex<Option<SessionHook>>,
+    /// Run once this mount continues on a primary that took over (see [`Cluster::failover`]).
+    on_failover: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// Held while a new session is set up.
     recovering: Mutex<()>,
     /// What this mount observes of each node, for choosing which replica a read goes to.
@@ -126,6 +129,11 @@ impl Cluster {
         self.primary.read().expect("primary lock").clone()
     }
 
+    /// The primary's node id: its region holds the file records and lock trees.
+    pub fn primary_id(&self) -> u32 {
+        self.primary_id.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Sets how long control RPCs to the primary and verb batches over tcp wait for their node.
     pub fn set_deadline(&self, d: Duration) {
         self.primary.read().expect("primary lock").0.set_deadline(d);
@@ -178,7 +186,7 @@ impl Cluster {
                 );
             }
             return Ok(Cluster {
-                primary_id: primary.node_id(),
+                primary_id: primary.node_id().into(),
                 primary: RwLock::new((Arc::new(primary), session)),
                 info: RwLock::new(info),
                 nodes: RwLock::new(HashMap::new()),
@@ -193,6 +201,7 @@ impl Cluster {
                 lease: RwLock::default(),
                 qos_wanted: Mutex::new(None),
                 on_session: Mutex::new(None),
+                on_failover: Mutex::new(None),
                 recovering: Mutex::new(()),
                 loads: NodeLoads::new(ReadPolicy::Adaptive),
             });
@@ -246,6 +255,137 @@ impl Cluster {
     /// Calls `hook` with the QoS slot of every new session this mount starts.
     pub fn on_new_session(&self, hook: impl Fn(Option<u16>) + Send + Sync + 'static) {
         *self.on_session.lock().expect("session hook lock") = Some(Box::new(hook));
+    }
+
+    /// Calls `hook` once this mount continues on a primary that took over: the mount forgets
+    /// its cached layouts and reports what it wrote to the files it has open.
+    pub fn on_failover(&self, hook: impl Fn() + Send + Sync + 'static) {
+        *self.on_failover.lock().expect("failover hook lock") = Some(Box::new(hook));
+    }
+
+    /// A namespace request to the primary. If the primary stopped answering and the cluster
+    /// elects its primary (etcd), the mount waits for the one elected next
+    /// ([`Cluster::failover`]) and sends the request there once. A change that the old primary
+    /// made and answered too late may then be refused as already done (`EEXIST`, `ENOENT`).
+    pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
+        let (primary, session) = self.primary_session();
+        match primary.meta(req.clone()) {
+            Err(e) if primary_lost(&e) && self.elects_primary() => {
+                if let Err(why) = self.failover(session) {
+                    warn!(error = %why, "no primary took over: EIO");
+                    return Err(e);
+                }
+                self.primary().meta(req)
+            }
+            r => r,
+        }
+    }
+
+    /// Whether the cluster elects its primary through etcd (a standby may take over).
+    fn elects_primary(&self) -> bool {
+        self.info
+            .read()
+            .expect("cluster info lock")
+            .coordinator
+            .starts_with("etcd")
+    }
+
+    /// The primary of session `failed` stopped answering: finds the primary elected since
+    /// (asking every node this mount knows, for up to [`FAILOVER_WAIT`]) and continues there
+    /// under a new session that adopts the old one's open files, as after a fence.
+    pub fn failover(&self, failed: u64) -> Result<(), ConnectError> {
+        let _one = self.recovering.lock().expect("recovery lock");
+        if self.session() != failed {
+            return Ok(()); // another thread did it
+        }
+        let old = self.primary_id();
+        let started = std::time::Instant::now();
+        warn!(
+            primary = old,
+            "the primary does not answer: waiting for another to take over"
+        );
+        let (client, info) = loop {
+            if let Some(found) = self.find_primary(old) {
+                break found;
+            }
+            if started.elapsed() > FAILOVER_WAIT {
+                return Err(ConnectError::Unreachable {
+                    addrs: "every known node".into(),
+                    last: format!("no primary other than node {old} within {FAILOVER_WAIT:?}"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        client.set_deadline(Duration::from_millis(
+            self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        let id = session_of(&client)?;
+        if let Err(e) = client.call(&ControlRequest::Adopt { from: failed }) {
+            warn!(error = %e, "the new primary could not hand this mount its open files");
+        }
+        let new = info.primary.node_id;
+        *self.info.write().expect("cluster info lock") = info;
+        self.primary_id
+            .store(new, std::sync::atomic::Ordering::SeqCst);
+        *self.primary.write().expect("primary lock") = (Arc::new(client), id);
+        self.nodes.write().expect("nodes lock").clear();
+        *self.lock_client.lock().expect("lock client") = None;
+        *self.qos.write().expect("qos lock") = None;
+        *self.lease.write().expect("lease lock") = Arc::default();
+        let wanted = *self.qos_wanted.lock().expect("qos wanted lock");
+        let slot = match wanted {
+            Some((r, l, w)) => self.enable_qos(r, l, w).ok(),
+            None => None,
+        };
+        if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
+            hook(slot);
+        }
+        if let Some(hook) = self
+            .on_failover
+            .lock()
+            .expect("failover hook lock")
+            .as_ref()
+        {
+            hook();
+        }
+        warn!(old_primary = old, primary = new, session = id, took = ?started.elapsed(), "continuing on the primary that took over");
+        Ok(())
+    }
+
+    /// A control connection to the primary some node other than `old` names, with the
+    /// cluster as that primary sees it.
+    fn find_primary(&self, old: u32) -> Option<(ControlClient, ClusterInfo)> {
+        let nodes = self.info().nodes;
+        for n in nodes.iter().filter(|n| n.node_id != old) {
+            let Ok(addr) = control_addr(n, self.transport) else {
+                continue;
+            };
+            let Ok(c) = ControlClient::connect(&addr, &self.secret, &self.name) else {
+                continue;
+            };
+            c.set_deadline(Duration::from_secs(1));
+            let Ok(seen) = c.cluster() else { continue };
+            if seen.primary.node_id == old {
+                continue;
+            }
+            let p = if seen.primary.node_id == c.node_id() {
+                c
+            } else {
+                let Ok(addr) = control_addr(&seen.primary, self.transport) else {
+                    continue;
+                };
+                match ControlClient::connect(&addr, &self.secret, &self.name) {
+                    Ok(p) => p,
+                    Err(_) => continue,
+                }
+            };
+            // The new primary's own view: it knows the nodes that follow it.
+            match p.cluster() {
+                Ok(info) if info.primary.node_id == p.node_id() => return Some((p, info)),
+                _ => continue,
+            }
+        }
+        None
     }
 
     /// After the primary fenced this mount: starts a new session (control connection, fence
@@ -428,17 +568,18 @@ impl Cluster {
                 return Err(e.errno());
             }
         };
+        let primary_id = self.primary_id();
         let p = self
-            .node_in(self.primary_id, session)
-            .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
+            .node_in(primary_id, session)
+            .map_err(|e| self.verbs_errno(primary_id, &e))?;
         let cfg = rackfs_verbs::block_on(LockConfig::calibrated(
             &p.qp,
             rackfs_verbs::RemoteAddr::new(p.rkey, 0),
         ))
-        .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
+        .map_err(|e| self.verbs_errno(primary_id, &e))?;
         info!(slot, rtt_budget = ?cfg.rtt_budget, "range locks ready");
         self.keep_lease(session)
-            .map_err(|e| self.verbs_errno(self.primary_id, &e))?;
+            .map_err(|e| self.verbs_errno(primary_id, &e))?;
         *self.lock_client.lock().expect("lock client") = Some((slot, cfg.clone(), session));
         Ok((slot, cfg, session))
     }
@@ -657,6 +798,19 @@ impl Cluster {
                 warn!(node = id, error = %why, "lost the connection to a memory node: operations on its data return EIO; the next one reconnects");
             }
         }
+    }
+}
+
+/// How long a mount waits for a standby to take over from a primary that stopped answering.
+pub const FAILOVER_WAIT: Duration = Duration::from_secs(20);
+
+/// Whether a control call failed because the primary is gone or no longer acts as primary.
+fn primary_lost(e: &RpcError) -> bool {
+    use rackfs_proto::control::ErrorCode;
+    match e {
+        RpcError::Connection(_) | RpcError::Timeout { .. } => true,
+        RpcError::Refused { code, .. } => matches!(code, ErrorCode::NotPrimary),
+        _ => false,
     }
 }
 

@@ -65,7 +65,6 @@ struct Cached {
 pub struct FileData {
     pub ino: u64,
     record: u64,
-    primary: u32,
     unit: u64,
     layout: RwLock<Layout>,
     size_hint: AtomicU64,
@@ -75,6 +74,11 @@ pub struct FileData {
     size_ttl: Duration,
     /// Range locks for writes and truncate (`None`: the mount runs with `locks=off`).
     locks: Option<FileLocks>,
+    /// How far this mount's writes reached and the last mtime they set, since its last
+    /// truncate (or another mount's change): reported again to a primary that takes over,
+    /// which may lack the size words written one-sidedly to the old one.
+    written: AtomicU64,
+    written_mtime: AtomicU64,
 }
 
 fn word(b: &[u8], i: usize) -> u64 {
@@ -133,14 +137,22 @@ impl FileData {
         FileData {
             ino,
             record: layout.record,
-            primary: layout.node,
             unit: layout.stripe_unit,
             layout: RwLock::new(Layout::default()),
             size_hint: AtomicU64::new(0),
             size_read_at: AtomicU64::new(0),
             size_ttl,
-            locks: locking.then(|| FileLocks::new(ino, layout.record, layout.node)),
+            locks: locking.then(|| FileLocks::new(ino, layout.record)),
+            written: AtomicU64::new(0),
+            written_mtime: AtomicU64::new(0),
         }
+    }
+
+    /// What this mount wrote to the file (end, mtime), if anything since its last truncate
+    /// or another mount's change (see [`rackfs_proto::namespace::MetaRequest::Settle`]).
+    pub fn written(&self) -> Option<(u64, u64)> {
+        let end = self.written.load(Ordering::Relaxed);
+        (end > 0).then(|| (end, self.written_mtime.load(Ordering::Relaxed)))
     }
 
     fn note_size(&self, size: u64) {
@@ -158,6 +170,7 @@ impl FileData {
     /// Forgets the size last read (another mount changed the file's attributes).
     pub fn forget_size(&self) {
         self.size_read_at.store(0, Ordering::Relaxed);
+        self.written.store(0, Ordering::Relaxed);
     }
 
     /// Forgets the cached layout (after this mount truncated the file).
@@ -173,9 +186,10 @@ impl FileData {
     /// Reads the file record (and the table entries of `wanted` stripes not cached), updating
     /// the cache. Returns the current size.
     pub fn refresh(&self, cl: &Cluster, wanted: &[u64]) -> Result<u64, i32> {
+        let primary = cl.primary_id();
         let p = cl
-            .node(self.primary)
-            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            .node(primary)
+            .map_err(|e| self.verbs_err(cl, primary, e))?;
         for _ in 0..MAX_ATTEMPTS {
             let (table, cap, replicas) = {
                 let l = self.layout.read().expect("layout lock");
@@ -195,10 +209,8 @@ impl FileData {
             let sent = clock_ns();
             let done =
                 p.qp.execute(b)
-                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
-            let r = done
-                .data(rec)
-                .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                    .map_err(|e| self.verbs_err(cl, primary, e))?;
+            let r = done.data(rec).map_err(|e| self.verbs_err(cl, primary, e))?;
             let at = |w: u64| word(r, (w / 8) as usize);
             let size = at(REC_SIZE);
             let now = (
@@ -225,9 +237,7 @@ impl FileData {
             }
             let mut moving = Vec::new();
             for (k, id) in entries {
-                let e = done
-                    .data(id)
-                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                let e = done.data(id).map_err(|e| self.verbs_err(cl, primary, e))?;
                 if (0..replicas as usize).any(|j| word(e, 2 * j + 1) == TAG_MOVING) {
                     moving.push(k);
                     continue;
@@ -262,7 +272,7 @@ impl FileData {
     /// in progress is done (its entry is marked moving meanwhile).
     fn ask_stripe(&self, cl: &Cluster, k: u64) -> Result<(), i32> {
         let sent = clock_ns();
-        let replicas = match cl.primary().meta(MetaRequest::GetStripe {
+        let replicas = match cl.meta(MetaRequest::GetStripe {
             ino: self.ino,
             stripe: k,
         }) {
@@ -410,7 +420,8 @@ impl FileData {
         node: u32,
         dead: &mut Vec<u32>,
     ) -> Result<Vec<u64>, i32> {
-        if node == self.primary {
+        let primary = cl.primary_id();
+        if node == primary {
             return Err(libc::EIO); // the file record is there: nothing to fail over to
         }
         if cl.node_failed(node)? {
@@ -586,6 +597,7 @@ impl FileData {
         len: u32,
         consume: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, i32> {
+        let primary = cl.primary_id();
         // Near the end of the file, learn the size first rather than fetch bytes beyond it.
         let mut len = len as u64;
         if offset + len > self.size_hint.load(Ordering::Relaxed) {
@@ -638,11 +650,11 @@ impl FileData {
             let tags = touched.check(&mut batches);
             let size_id = if size.is_none() {
                 let pr = cl
-                    .node(self.primary)
-                    .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                    .node(primary)
+                    .map_err(|e| self.verbs_err(cl, primary, e))?;
                 Some(
                     batches
-                        .entry(self.primary)
+                        .entry(primary)
                         .or_default()
                         .read(RemoteAddr::new(pr.rkey, self.record + REC_SIZE), 8),
                 )
@@ -663,7 +675,7 @@ impl FileData {
             let sent = clock_ns();
             let out = self.run(cl, batches, None)?;
             if !out.failed.is_empty() {
-                if out.failed.iter().any(|(n, _)| *n == self.primary) && size_id.is_some() {
+                if out.failed.iter().any(|(n, _)| *n == primary) && size_id.is_some() {
                     return Err(libc::EIO);
                 }
                 for (n, _) in &out.failed {
@@ -679,7 +691,7 @@ impl FileData {
                 continue;
             }
             if let Some(id) = size_id {
-                let s = word(done[&self.primary].data(id).map_err(|_| libc::EIO)?, 0);
+                let s = word(done[&primary].data(id).map_err(|_| libc::EIO)?, 0);
                 self.note_size(s);
                 size = Some(s);
             }
@@ -767,6 +779,9 @@ impl FileData {
         let Some(locks) = &self.locks else {
             let res = truncate();
             self.invalidate();
+            if res.is_ok() {
+                self.written.store(0, Ordering::Relaxed);
+            }
             return res;
         };
         let held = locks.lock(cl, 0, u64::MAX)?;
@@ -778,6 +793,7 @@ impl FileData {
         };
         self.invalidate();
         if res.is_ok() {
+            self.written.store(0, Ordering::Relaxed);
             if let Err(e) = locks.shrink(cl, &held, size.div_ceil(lock::LOCK_UNIT)) {
                 tracing::warn!(ino = self.ino, errno = e, "lock tree not shrunk");
             }
@@ -800,6 +816,7 @@ impl FileData {
         data: &[u8],
         session: Option<u64>,
     ) -> Result<(), i32> {
+        let primary = cl.primary_id();
         let end = offset.checked_add(data.len() as u64).ok_or(libc::EFBIG)?;
         if end > MAX_FILE_SIZE {
             return Err(libc::EFBIG);
@@ -809,8 +826,8 @@ impl FileData {
         }
         let ps = pieces(offset, data.len() as u64, self.unit);
         let pr = self
-            .node(cl, self.primary, session)
-            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            .node(cl, primary, session)
+            .map_err(|e| self.verbs_err(cl, primary, e))?;
         // Nodes declared dead after failing this write.
         let mut dead: Vec<u32> = Vec::new();
         for _ in 0..MAX_ATTEMPTS {
@@ -820,7 +837,7 @@ impl FileData {
                 self.refresh(cl, &stripes)?;
                 for (k, end) in self.short(&ps) {
                     let sent = clock_ns();
-                    let s = match cl.primary().meta(MetaRequest::AllocStripe {
+                    let s = match cl.meta(MetaRequest::AllocStripe {
                         ino: self.ino,
                         stripe: k,
                         end,
@@ -881,8 +898,9 @@ impl FileData {
             // mount may have truncated the file below this mount's belief.
             let hint = self.size_hint.load(Ordering::Relaxed);
             let size_addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
-            let b = batches.entry(self.primary).or_default();
-            b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), now_ns());
+            let b = batches.entry(primary).or_default();
+            let mtime = now_ns();
+            b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), mtime);
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
             let _admitted = match self.admit(cl, &tokens) {
@@ -913,11 +931,11 @@ impl FileData {
             let stale = stale_stripes(&tags, &done);
             self.seen_live(&tags, &stale, sent);
             let seen = match cas {
-                Some(id) => match done[&self.primary].value(id).map_err(|_| libc::EIO)? {
+                Some(id) => match done[&primary].value(id).map_err(|_| libc::EIO)? {
                     old if old == hint => end, // our CAS won
                     old => old,
                 },
-                None => word(done[&self.primary].data(size_id).map_err(|_| libc::EIO)?, 0),
+                None => word(done[&primary].data(size_id).map_err(|_| libc::EIO)?, 0),
             };
             self.grow_size(cl, seen, end, session)?;
             if !stale.is_empty() {
@@ -925,6 +943,8 @@ impl FileData {
                 self.evict(&stale);
                 continue;
             }
+            self.written.fetch_max(end, Ordering::Relaxed);
+            self.written_mtime.fetch_max(mtime, Ordering::Relaxed);
             return Ok(());
         }
         Err(libc::EIO)
@@ -938,15 +958,16 @@ impl FileData {
         end: u64,
         session: Option<u64>,
     ) -> Result<(), i32> {
+        let primary = cl.primary_id();
         let pr = self
-            .node(cl, self.primary, session)
-            .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+            .node(cl, primary, session)
+            .map_err(|e| self.verbs_err(cl, primary, e))?;
         let addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
         while seen < end {
             let old = pr
                 .qp
                 .cas(addr, seen, end)
-                .map_err(|e| self.verbs_err(cl, self.primary, e))?;
+                .map_err(|e| self.verbs_err(cl, primary, e))?;
             seen = if old == seen { end } else { old };
         }
         self.note_size(seen);

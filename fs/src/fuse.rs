@@ -118,17 +118,38 @@ fn has_setid(perm: u16) -> bool {
 
 impl RackFs {
     pub fn new(cluster: Arc<Cluster>, opts: MountOptions) -> RackFs {
+        let files: crate::watch::Files = Default::default();
+        {
+            // On a primary that took over: cached layouts go, and what this mount wrote to
+            // its open files (sizes written one-sidedly to the old primary) is reported again.
+            let (weak, files) = (Arc::downgrade(&cluster), files.clone());
+            cluster.on_failover(move || {
+                let Some(cl) = weak.upgrade() else { return };
+                let open: Vec<_> = files.lock().expect("files lock").values().cloned().collect();
+                for f in open {
+                    let wrote = f.written();
+                    f.invalidate();
+                    f.forget_size();
+                    if let Some((size, mtime)) = wrote {
+                        let settle = MetaRequest::Settle { ino: f.ino, size, mtime };
+                        if let Err(e) = cl.primary().meta(settle) {
+                            tracing::warn!(ino = f.ino, error = %e, "cannot report this mount's writes to the new primary");
+                        }
+                    }
+                }
+            });
+        }
         RackFs {
             cluster,
             opts,
-            files: Default::default(),
+            files,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
         }
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
-        self.cluster.primary().meta(req).map_err(rpc)
+        self.cluster.meta(req).map_err(rpc)
     }
 
     fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {

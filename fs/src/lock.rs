@@ -41,6 +41,8 @@ const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(60);
 
 struct Tree {
     word: TreeWord,
+    /// The primary whose region holds the tree.
+    node: u32,
     tree: LockTree,
     /// The mount's session whose lock slot and connection the tree handle uses.
     session: u64,
@@ -66,7 +68,6 @@ impl Held {
 pub struct FileLocks {
     ino: u64,
     record: u64,
-    primary: u32,
     tree: RwLock<Option<Arc<Tree>>>,
 }
 
@@ -76,18 +77,17 @@ fn errno(cl: &Cluster, node: u32, e: &VerbsError) -> i32 {
 }
 
 impl FileLocks {
-    pub fn new(ino: u64, record: u64, primary: u32) -> FileLocks {
+    pub fn new(ino: u64, record: u64) -> FileLocks {
         FileLocks {
             ino,
             record,
-            primary,
             tree: RwLock::new(None),
         }
     }
 
     /// Asks the primary to publish a tree covering `units` in place of `old`.
     fn publish(&self, cl: &Cluster, old: TreeWord, units: u64) -> Result<TreeWord, i32> {
-        match cl.primary().meta(MetaRequest::LockTree {
+        match cl.meta(MetaRequest::LockTree {
             ino: self.ino,
             old: old.0,
             units,
@@ -108,12 +108,13 @@ impl FileLocks {
             }
         }
         let (slot, cfg, session) = cl.lock_client()?;
+        let primary = cl.primary_id();
         let p = cl
-            .node_in(self.primary, session)
-            .map_err(|e| errno(cl, self.primary, &e))?;
+            .node_in(primary, session)
+            .map_err(|e| errno(cl, primary, &e))?;
         let mut word = TreeWord(
             p.qp.faa(RemoteAddr::new(p.rkey, self.record + REC_LOCKS), 0)
-                .map_err(|e| errno(cl, self.primary, &e))?,
+                .map_err(|e| errno(cl, primary, &e))?,
         );
         if word.tree().is_none() {
             word = self.publish(cl, TreeWord::NONE, units)?;
@@ -121,6 +122,7 @@ impl FileLocks {
         let (geo, offset) = geometry(word).ok_or(libc::EIO)?;
         let t = Arc::new(Tree {
             word,
+            node: primary,
             tree: LockTree::new(
                 p.qp.clone(),
                 RemoteAddr::new(p.rkey, offset),
@@ -168,7 +170,7 @@ impl FileLocks {
                 }
                 Err(LockError::Verbs(e)) => {
                     self.forget(&t);
-                    return Err(errno(cl, self.primary, &e));
+                    return Err(errno(cl, t.node, &e));
                 }
                 Err(LockError::Empty(..)) => return Err(libc::EINVAL),
             }
@@ -227,7 +229,7 @@ impl FileLocks {
         if let Err(e) = block_on(held.tree.tree.release(held.guard)) {
             tracing::warn!(ino = self.ino, error = %e, "range lock release failed");
             if let LockError::Verbs(e) = e {
-                errno(cl, self.primary, &e);
+                errno(cl, held.tree.node, &e);
             }
         }
     }

@@ -6,8 +6,10 @@
 //! interface, one liveness protocol, whichever coordinator runs it.
 //!
 //! Keys a cluster keeps (relative to its prefix): `primary` (the primary's address, under its
-//! lease: the election), and `nodes/<id>` (a data node's address and epoch, under the lease
-//! whose id is that epoch: the node is a member while the key lives).
+//! lease: the election), `nodes/<id>` (a data node's address and epoch, under the lease
+//! whose id is that epoch: the node is a member while the key lives), and `standby` (the data
+//! node whose mirror of the namespace is in sync, written by the primary without a lease: it
+//! must outlive the primary; see [`crate::standby`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,10 +27,36 @@ pub fn node_key(id: u32) -> String {
     format!("nodes/{id}")
 }
 
-/// The value of the `primary` key for node `me`.
-pub fn primary_value(me: &NodeAddr) -> Vec<u8> {
-    let v = serde_json::json!({ "name": me.name, "tcp": me.tcp, "node_id": me.node_id });
+/// The value of the `primary` key for node `me`, whose mount sessions start at
+/// `sessions_from` (data connections of lower sessions belong to an earlier primary's era).
+pub fn primary_value(me: &NodeAddr, sessions_from: u64) -> Vec<u8> {
+    let v = serde_json::json!({
+        "name": me.name, "tcp": me.tcp, "node_id": me.node_id, "sessions_from": sessions_from,
+    });
     v.to_string().into_bytes()
+}
+
+/// The elected primary as its key says: node id, tcp address, first session.
+pub fn parse_primary(v: &[u8]) -> Option<(u32, String, u64)> {
+    let m: serde_json::Value = serde_json::from_slice(v).ok()?;
+    Some((
+        m["node_id"].as_u64()? as u32,
+        m["tcp"].as_str()?.to_string(),
+        m["sessions_from"].as_u64().unwrap_or(0),
+    ))
+}
+
+/// The value of the `standby` key: node `id` mirrors the namespace of primary `primary`.
+pub fn standby_value(id: u32, primary: u32) -> Vec<u8> {
+    serde_json::json!({ "node_id": id, "primary": primary })
+        .to_string()
+        .into_bytes()
+}
+
+/// The node the `standby` key names.
+pub fn parse_standby(v: &[u8]) -> Option<u32> {
+    let m: serde_json::Value = serde_json::from_slice(v).ok()?;
+    Some(m["node_id"].as_u64()? as u32)
 }
 
 /// The value of data node `me`'s `nodes/<id>` key, registered under lease `epoch` (read back

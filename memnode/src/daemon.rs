@@ -10,7 +10,7 @@
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rackfs_meta::MetaService;
@@ -58,6 +58,64 @@ pub enum StartError {
         #[source]
         err: rackfs_proto::RpcError,
     },
+}
+
+/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
+/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
+/// nodes may hold fenced.
+pub(crate) fn first_session() -> u64 {
+    (wall_ns() / 1_000_000) << 16
+}
+
+/// Makes `node` the primary, serving `meta`: the metadata service, the QoS controller, the
+/// lock-holder leases and the data nodes' epochs, with their background duties.
+pub(crate) fn start_primary(node: &Arc<Node>, meta: MetaService) {
+    let set = node.meta.set(Mutex::new(meta)).is_ok()
+        && node
+            .controller
+            .set(QosController::new(node.cfg.qos.pshift))
+            .is_ok()
+        && node.leases.set(Leases::new(node.cfg.lock_lease)).is_ok()
+        && node.epochs.set(Default::default()).is_ok();
+    assert!(set, "a node becomes primary once");
+    node.members.become_primary();
+    every(node, "qos-controller", node.cfg.qos.period, Node::place_qos);
+    let rate = node.cfg.rebuild_rate;
+    every(node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
+        crate::liveness::rebuild_round(n, rate)
+    });
+    every(node, "lock-trees", Duration::from_millis(1), |n| {
+        let meta = n.meta.get().expect("primary");
+        meta.lock().expect("metadata lock").tick(n);
+    });
+    let lease = node.leases.get().expect("primary").lease();
+    let check = (lease / 20).max(Duration::from_millis(10));
+    thread(node, "leases", move |n| {
+        let leases = n.leases.get().expect("primary");
+        let mut last = Instant::now();
+        while !n.is_stopping() {
+            std::thread::sleep(check);
+            let now = Instant::now();
+            if now - last > check + leases.lease() / 4 {
+                // This node was paused: nobody could renew meanwhile.
+                info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every mount's lease restarts");
+                leases.restart_all(now);
+            }
+            last = now;
+            for session in leases.expire(now) {
+                thread(&n, "fence", move |n| n.fence_mount(session));
+            }
+        }
+    });
+    every(node, "members", node.cfg.node_lease / 8, |n| {
+        crate::liveness::check_members(n)
+    });
+    every(
+        node,
+        "standby",
+        node.cfg.node_lease / 4,
+        crate::standby::keep,
+    );
 }
 
 /// A running memory node.
@@ -173,31 +231,32 @@ impl MemNode {
         };
         let is_primary = cfg.role == Role::Primary;
         let coord = crate::coordinator::open(&cfg)?;
+        let sessions_from = first_session();
         let primacy = match (is_primary, &cfg.etcd) {
             (true, Some(_)) => Some(crate::election::Primacy::campaign(
                 coord.clone(),
-                crate::coordinator::primary_value(&me),
+                crate::coordinator::primary_value(&me, sessions_from),
                 cfg.node_lease,
                 &cfg.cluster,
             )?),
             (true, None) => {
-                let _ = coord.create("primary", &crate::coordinator::primary_value(&me), None)?;
+                let _ = coord.create(
+                    "primary",
+                    &crate::coordinator::primary_value(&me, sessions_from),
+                    None,
+                )?;
                 None
             }
             _ => None,
         };
         let node = Arc::new(Node {
             members: Membership::new(me, is_primary),
-            meta: is_primary.then(|| {
-                let mut m = MetaService::new(cfg.quarantine, wall_ns());
-                m.namespace.set_default_replicas(cfg.replicas);
-                Mutex::new(m)
-            }),
-            controller: is_primary.then(|| QosController::new(cfg.qos.pshift)),
+            meta: OnceLock::new(),
+            controller: OnceLock::new(),
             watchers: Default::default(),
             fences: Default::default(),
-            leases: is_primary.then(|| Leases::new(cfg.lock_lease)),
-            epochs: is_primary.then(Default::default),
+            leases: OnceLock::new(),
+            epochs: OnceLock::new(),
             coord,
             serve: match (&cfg.role, &primacy) {
                 (Role::Join(_), _) => ServeLease::none(),
@@ -219,7 +278,9 @@ impl MemNode {
             welcome,
             counters: NodeCounters::default(),
             nonces: NonceLog::default(),
-            next_session: AtomicU64::new(1),
+            next_session: AtomicU64::new(sessions_from),
+            sessions_from: AtomicU64::new(0),
+            standby: Default::default(),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,
@@ -232,49 +293,10 @@ impl MemNode {
                 n.qos.as_ref().expect("QoS node").tick(n.data_region())
             });
         }
-        if node.controller.is_some() {
-            every(
-                &node,
-                "qos-controller",
-                node.cfg.qos.period,
-                Node::place_qos,
-            );
-        }
-        if node.meta.is_some() {
-            let rate = node.cfg.rebuild_rate;
-            every(&node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
-                crate::liveness::rebuild_round(n, rate)
-            });
-            every(&node, "lock-trees", Duration::from_millis(1), |n| {
-                let meta = n.meta.as_ref().expect("primary");
-                meta.lock().expect("metadata lock").tick(n);
-            });
-        }
-        if let Some(l) = &node.leases {
-            let check = (l.lease() / 20).max(Duration::from_millis(10));
-            thread(&node, "leases", move |n| {
-                let leases = n.leases.as_ref().expect("primary");
-                let mut last = Instant::now();
-                while !n.is_stopping() {
-                    std::thread::sleep(check);
-                    let now = Instant::now();
-                    if now - last > check + leases.lease() / 4 {
-                        // This node was paused: nobody could renew meanwhile.
-                        info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every mount's lease restarts");
-                        leases.restart_all(now);
-                    }
-                    last = now;
-                    let expired = leases.expire(now);
-                    for session in expired {
-                        thread(&n, "fence", move |n| n.fence_mount(session));
-                    }
-                }
-            });
-        }
-        if node.epochs.is_some() {
-            every(&node, "members", node.cfg.node_lease / 8, |n| {
-                crate::liveness::check_members(n)
-            });
+        if is_primary {
+            let mut m = MetaService::new(node.cfg.quarantine, wall_ns());
+            m.namespace.set_default_replicas(node.cfg.replicas);
+            start_primary(&node, m);
         }
         if let Some(p) = primacy {
             thread(&node, "primary-lease", move |n| p.run(&n));
@@ -301,7 +323,7 @@ impl MemNode {
         }
         if let Role::Join(addr) = &node.cfg.role {
             node.members
-                .join(addr, &node.cfg.secret)
+                .join(addr, &node.cfg.secret, None)
                 .map_err(|err| StartError::Join {
                     addr: addr.clone(),
                     err,

@@ -116,6 +116,13 @@ impl Primacy {
         }
     }
 
+    /// Gives the key up at once (a node elected but unable to serve).
+    pub fn resign(self) {
+        if let Err(e) = self.coord.revoke(self.held.lease) {
+            warn!(error = %e, "cannot revoke the primary's lease; it lapses by itself");
+        }
+    }
+
     fn serve(&self, node: &Node) {
         node.serve.extend_to(self.until_ns());
         node.lease_words.publish(node.serve.until());

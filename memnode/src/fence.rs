@@ -203,6 +203,25 @@ impl Fences {
         })
     }
 
+    /// Fences every token below `first` that has a connection here (an earlier primary's
+    /// sessions, once a new primary took over), waiting at most `wait` for each.
+    pub fn fence_below(&self, first: u64, wait: Duration) {
+        let tokens: HashSet<u64> = self
+            .state
+            .lock()
+            .expect("fences lock")
+            .conns
+            .values()
+            .map(|c| c.token)
+            .filter(|&t| t < first)
+            .collect();
+        for t in tokens {
+            if let Err(why) = self.fence(t, wait) {
+                warn!(token = t, %why, "cannot fence a session of the old primary");
+            }
+        }
+    }
+
     /// Fences `token` (see the module docs); waits at most `wait` for its connections to end.
     pub fn fence(&self, token: u64, wait: Duration) -> Result<Fenced, String> {
         let started = Instant::now();

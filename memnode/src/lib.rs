@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod node;
 pub mod qos;
 pub mod qos_controller;
+pub mod standby;
 pub mod store;
 pub mod watch;
 

@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -35,7 +35,7 @@ use rackfs_verbs::shm::set_lease;
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 
-use crate::coordinator::{members, node_key, node_value};
+use crate::coordinator::{members, node_key, node_value, parse_primary};
 use crate::node::Node;
 
 /// What enforces this node's lease beyond its own NIC threads: the counter blocks of its shm
@@ -104,6 +104,8 @@ pub struct Renewer {
     every: Duration,
     complained: bool,
     lapsed: bool,
+    /// Set while this node campaigns to take over as primary (a thread of its own).
+    taking_over: Arc<AtomicBool>,
 }
 
 impl Renewer {
@@ -116,15 +118,65 @@ impl Renewer {
             every: Duration::from_millis(100),
             complained: false,
             lapsed: false,
+            taking_over: Arc::default(),
         }
     }
 
-    /// One round: registers, asks for admission or renews, as the lease's state calls for.
-    pub fn renew(&mut self, node: &Node) {
+    /// One round: registers, asks for admission or renews, as the lease's state calls for;
+    /// with etcd, then follows the elected primary.
+    pub fn renew(&mut self, node: &Arc<Node>) {
         if let Err(why) = self.step(node) {
             self.trouble(&why);
         }
         self.check(node);
+        if let (Some(_), Some((held, true))) = (&node.cfg.etcd, self.lease) {
+            self.follow(node, held.lease);
+        }
+    }
+
+    /// Follows the primary the coordinator's `primary` key names once another was elected
+    /// (joining it with this node's memory and epoch, after fencing the old primary's mounts'
+    /// data connections), or, when the key is gone and this node is the metadata standby,
+    /// campaigns to take over (see [`crate::standby`]).
+    fn follow(&mut self, node: &Arc<Node>, epoch: LeaseId) {
+        match node.coord.get("primary") {
+            Ok(Some(v)) => {
+                let Some((id, tcp, sessions_from)) = parse_primary(&v) else {
+                    return;
+                };
+                if id == node.cfg.node_id || node.members.primary_id() == Some(id) {
+                    return;
+                }
+                info!(primary = id, %tcp, "another primary was elected: following it");
+                node.fences
+                    .fence_below(sessions_from, Duration::from_secs(3));
+                match node.members.join(&tcp, &node.cfg.secret, Some(epoch)) {
+                    Ok(()) => {
+                        self.primary = tcp;
+                        self.conn = None;
+                    }
+                    Err(e) => {
+                        warn!(primary = id, error = %e, "cannot join the new primary yet; retrying")
+                    }
+                }
+            }
+            Ok(None) if crate::standby::should_take_over(node) => {
+                if self.taking_over.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+                warn!("the primary's key is gone and this node is its metadata standby: campaigning to take over");
+                let (n, flag) = (node.clone(), self.taking_over.clone());
+                std::thread::Builder::new()
+                    .name("take-over".into())
+                    .spawn(move || {
+                        if !crate::standby::take_over(&n) {
+                            flag.store(false, Ordering::SeqCst);
+                        }
+                    })
+                    .expect("spawn the take-over thread");
+            }
+            _ => {}
+        }
     }
 
     fn step(&mut self, node: &Node) -> Result<(), String> {
@@ -211,10 +263,17 @@ impl Renewer {
         }
     }
 
-    /// Renews every quarter of the lease while the node runs (on a thread of its own).
-    pub fn run(mut self, node: &Node) {
+    /// Renews every quarter of the lease while the node runs as a data node (on a thread of
+    /// its own); a node that took over as primary gives its data node's lease up.
+    pub fn run(mut self, node: &Arc<Node>) {
         while !node.is_stopping() {
             std::thread::sleep(self.every);
+            if node.meta.get().is_some() {
+                if let Some((held, _)) = self.lease {
+                    let _ = self.coord.revoke(held.lease);
+                }
+                return;
+            }
             self.renew(node);
         }
     }
@@ -284,7 +343,9 @@ pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
 /// dropped from every stripe that has another replica. Does nothing for a node that is live
 /// (it renewed meanwhile).
 fn declare_dead(node: &Node, id: u32, why: &str) {
-    let Some(epochs) = &node.epochs else { return };
+    let Some(epochs) = node.epochs.get() else {
+        return;
+    };
     let mut discards = node.discards.0.lock().expect("discards lock");
     if epochs.is_live(id) {
         return;
@@ -302,11 +363,9 @@ fn drop_replicas(
     discards: &mut HashMap<u32, Vec<u64>>,
     empty: bool,
 ) {
-    let Some(meta) = &node.meta else { return };
-    let d = meta
-        .lock()
-        .expect("metadata lock")
-        .drop_node(id, node);
+    let Some(d) = node.with_meta(|m| m.drop_node(id, node)) else {
+        return;
+    };
     if !d.extents.is_empty() || d.lost > 0 {
         warn!(
             node = id,
@@ -335,7 +394,7 @@ pub fn discard(node: &Node, id: u32, offset: u64) {
 /// serves nothing and must be admitted again under a new epoch (which first frees what it
 /// should have freed meanwhile).
 pub fn fence(node: &Node, id: u32) {
-    let Some(epoch) = node.epochs.as_ref().and_then(|e| e.admitted(id)) else {
+    let Some(epoch) = node.epochs.get().and_then(|e| e.admitted(id)) else {
         return;
     };
     match node.coord.revoke(epoch) {
@@ -347,7 +406,9 @@ pub fn fence(node: &Node, id: u32) {
 /// Primary: node `id` joined again with empty memory: its old replicas are dropped, and it
 /// takes data only once admitted under a new epoch.
 pub fn rejoined(node: &Node, id: u32) {
-    let Some(epochs) = &node.epochs else { return };
+    let Some(epochs) = node.epochs.get() else {
+        return;
+    };
     let mut discards = node.discards.0.lock().expect("discards lock");
     epochs.forget(id);
     drop_replicas(node, id, "it joined again, empty", &mut discards, true);
@@ -359,7 +420,7 @@ pub fn rejoined(node: &Node, id: u32) {
 /// tombstoned, so a mount that cached them re-reads the layout) before it is admitted.
 /// Stripes it alone held were never dropped and serve again.
 pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> {
-    let Some(epochs) = &node.epochs else {
+    let Some(epochs) = node.epochs.get() else {
         return Err(Refusal::new(
             ErrorCode::NotPrimary,
             "data nodes are admitted by the primary",
@@ -414,7 +475,9 @@ pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> 
 
 /// Primary: one look at the coordinator's members; nodes whose lease lapsed are declared dead.
 pub fn check_members(node: &Node) {
-    let Some(epochs) = &node.epochs else { return };
+    let Some(epochs) = node.epochs.get() else {
+        return;
+    };
     match members(&*node.coord) {
         Ok(registered) => {
             for id in epochs.refresh(registered) {
@@ -431,7 +494,7 @@ pub fn check_members(node: &Node) {
 /// lapsed: it serves nothing any more, so writes may go on without it), or refuses if it keeps
 /// its lease for a whole lease (the mount's connection failed, not the node).
 pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
-    let Some(epochs) = &node.epochs else {
+    let Some(epochs) = node.epochs.get() else {
         return Err(Refusal::new(
             ErrorCode::NotPrimary,
             "data nodes' leases are watched by the primary",
@@ -475,7 +538,7 @@ pub const REBUILD_EVERY: Duration = Duration::from_millis(200);
 /// factor, at most `rate` bytes per second (so foreground I/O keeps going), one stripe per
 /// hold of the metadata lock.
 pub fn rebuild_round(node: &Node, rate: u64) {
-    let Some(meta) = &node.meta else { return };
+    let Some(meta) = node.meta.get() else { return };
     let mut budget = (rate as u128 * REBUILD_EVERY.as_millis() / 1000) as u64;
     let work = meta
         .lock()
@@ -486,10 +549,9 @@ pub fn rebuild_round(node: &Node, rate: u64) {
         if budget == 0 || node.is_stopping() {
             break;
         }
-        let copied = meta
-            .lock()
-            .expect("metadata lock")
-            .rebuild(ino, stripe, node);
+        let copied = node
+            .with_meta(|m| m.rebuild(ino, stripe, node))
+            .expect("primary");
         match copied {
             Ok(0) => {}
             Ok(n) => {

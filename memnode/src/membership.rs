@@ -2,6 +2,7 @@
 //! primary) every other data node with a control connection to it.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
@@ -24,7 +25,7 @@ pub struct Membership {
     primary: Mutex<Option<NodeAddr>>,
     /// Every other data node (primary only).
     peers: Mutex<BTreeMap<u32, Peer>>,
-    is_primary: bool,
+    is_primary: AtomicBool,
 }
 
 impl Membership {
@@ -33,8 +34,23 @@ impl Membership {
             primary: Mutex::new(is_primary.then(|| me.clone())),
             me: Mutex::new(me),
             peers: Mutex::new(BTreeMap::new()),
-            is_primary,
+            is_primary: AtomicBool::new(is_primary),
         }
+    }
+
+    /// The primary's node id, as this node knows it.
+    pub fn primary_id(&self) -> Option<u32> {
+        self.primary
+            .lock()
+            .expect("primary lock")
+            .as_ref()
+            .map(|p| p.node_id)
+    }
+
+    /// This node is the primary from now on (it took over from another).
+    pub fn become_primary(&self) {
+        *self.primary.lock().expect("primary lock") = Some(self.me());
+        self.is_primary.store(true, Ordering::SeqCst);
     }
 
     pub fn me(&self) -> NodeAddr {
@@ -159,11 +175,12 @@ impl Membership {
         })
     }
 
-    /// Offers this node to the primary at `addr`.
-    pub fn join(&self, addr: &str, secret: &Secret) -> Result<(), RpcError> {
+    /// Offers this node to the primary at `addr`: a new node (`epoch` `None`), or one that
+    /// keeps its memory and follows a primary that took over, registered under `epoch`.
+    pub fn join(&self, addr: &str, secret: &Secret, epoch: Option<i64>) -> Result<(), RpcError> {
         let me = self.me();
         let c = ControlClient::connect(addr, secret, &format!("node-{}", me.name))?;
-        match c.call(&ControlRequest::Join { node: me })? {
+        match c.call(&ControlRequest::Join { node: me, epoch })? {
             ControlResponse::Cluster(info) => {
                 info!(primary = %info.primary.name, nodes = info.nodes.len(), "joined the cluster");
                 *self.primary.lock().expect("primary lock") = Some(info.primary);
@@ -185,7 +202,7 @@ impl Membership {
         live: impl Fn(u32) -> bool,
     ) -> Result<ClusterInfo, Refusal> {
         let me = self.me();
-        if !self.is_primary {
+        if !self.is_primary.load(Ordering::SeqCst) {
             return Err(Refusal::new(
                 ErrorCode::NotPrimary,
                 format!("node {} is not the primary", me.name),

@@ -8,7 +8,7 @@
 //! local memory from the store, remote memory through peers' control connections.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_meta::{MetaService, Storage};
@@ -44,23 +44,23 @@ pub struct Node {
     pub counters: NodeCounters,
     /// Client nonces seen recently (a repeated one is a replayed handshake).
     pub nonces: rackfs_verbs::auth::NonceLog,
-    /// The metadata service (primary only).
-    pub meta: Option<Mutex<MetaService>>,
+    /// The metadata service (primary only; set when the node starts as primary or takes over).
+    pub meta: OnceLock<Mutex<MetaService>>,
     /// This node's QoS monitor (cluster members only).
     pub qos: Option<NodeQos>,
     /// The cluster's QoS controller (primary only).
-    pub controller: Option<QosController>,
+    pub controller: OnceLock<QosController>,
     /// The mounts' watchers, told of namespace changes (primary only).
     pub watchers: Watchers,
     /// Fenced mounts and the fenceable data connections of this node.
     pub fences: Fences,
     /// Lock holders' leases (primary only).
-    pub leases: Option<Leases>,
+    pub leases: OnceLock<Leases>,
     /// Where this node's lease, the cluster map and the election live (see
     /// [`crate::coordinator`]).
     pub coord: std::sync::Arc<dyn rackfs_coord::Coordinator>,
     /// The epochs data nodes were admitted under (primary only; see [`crate::liveness`]).
-    pub epochs: Option<crate::liveness::Epochs>,
+    pub epochs: OnceLock<crate::liveness::Epochs>,
     /// This node's own lease to serve data (forever on the primary and standalone nodes).
     pub serve: rackfs_verbs::lease::ServeLease,
     /// Where this node's shm clients keep their copy of its lease.
@@ -74,6 +74,11 @@ pub struct Node {
     /// The RDMA device clients may connect over (with every region registered).
     pub rdma: Option<rackfs_verbs::rdma::RdmaNic>,
     pub next_session: AtomicU64,
+    /// Sessions below this one are an earlier primary's (a primary that took over lets mounts
+    /// adopt their opens); 0 on a primary that started the cluster.
+    pub sessions_from: AtomicU64,
+    /// The metadata standby: whom the primary keeps in sync, or this data node's mirror.
+    pub standby: crate::standby::Standby,
     pub started: Instant,
     pub stopping: AtomicBool,
 }
@@ -86,6 +91,15 @@ fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
 }
 
 impl Node {
+    /// Runs `f` on the metadata service (primary only) under its lock; the journal entries it
+    /// made reach the standby before the lock is released, so before anything is answered.
+    pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
+        let mut m = self.meta.get()?.lock().expect("metadata lock");
+        let out = f(&mut m);
+        crate::standby::ship(self, &mut m);
+        Some(out)
+    }
+
     pub fn data_region(&self) -> &Region {
         self.store.region()
     }
@@ -106,7 +120,7 @@ impl Node {
 
     /// One round of the QoS controller (primary only).
     pub fn place_qos(&self) {
-        if let Some(c) = &self.controller {
+        if let Some(c) = self.controller.get() {
             c.place(&self.qos_nodes());
         }
     }
@@ -121,7 +135,7 @@ impl Node {
         };
         self.store.fill_stats(&mut s);
         self.counters.fill_stats(&mut s);
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta.get() {
             let m = m.lock().expect("metadata lock");
             s.lock_trees = m.locks.memory();
             s.lock_recoveries = m.locks.recoveries;
@@ -144,10 +158,8 @@ impl Node {
     /// baseline locks go.
     pub fn end_session(&self, session: u64) {
         self.release_session(session);
-        if let Some(m) = &self.meta {
-            m.lock().expect("metadata lock").end_session(session, self);
-        }
-        if let Some(l) = &self.leases {
+        self.with_meta(|m| m.end_session(session, self));
+        if let Some(l) = self.leases.get() {
             l.end(session);
         }
     }
@@ -157,7 +169,7 @@ impl Node {
     /// [`ControlRequest::Adopt`]).
     fn release_session(&self, session: u64) {
         self.watchers.end_session(session);
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta.get() {
             m.lock()
                 .expect("metadata lock")
                 .fence_session(session, self);
@@ -165,7 +177,7 @@ impl Node {
         if let Some(b) = &self.baseline {
             b.end_session(session);
         }
-        if let Some(c) = &self.controller {
+        if let Some(c) = self.controller.get() {
             c.end_session(&self.qos_nodes(), session);
         }
     }
@@ -176,7 +188,7 @@ impl Node {
     /// when it is seen up again. Runs on a thread of its own until every node is fenced.
     pub fn fence_mount(&self, session: u64) {
         let started = Instant::now();
-        let lease = self.leases.as_ref().map(Leases::lease);
+        let lease = self.leases.get().map(Leases::lease);
         warn!(
             session,
             ?lease,
@@ -233,7 +245,7 @@ impl Node {
     /// Answers one control request of client session `session`.
     pub fn control(&self, session: u64, req: ControlRequest) -> ControlResponse {
         self.counters.rpc(req.kind_index());
-        if let Some(l) = &self.leases {
+        if let Some(l) = self.leases.get() {
             let harmless = matches!(
                 req,
                 ControlRequest::Hello { .. }
@@ -249,7 +261,7 @@ impl Node {
             }
             if !harmless && !self.serve.valid() {
                 return refused(
-                    ErrorCode::Unavailable,
+                    ErrorCode::NotPrimary,
                     format!(
                         "primary {} lost its lease with the coordinator ({}); retry once it is elected again",
                         self.cfg.name,
@@ -295,7 +307,7 @@ impl Node {
             ControlRequest::Cluster => match self.members.cluster_info() {
                 Some(mut c) => {
                     c.coordinator = self.coord.describe();
-                    if let Some(e) = &self.epochs {
+                    if let Some(e) = self.epochs.get() {
                         c.epochs = c
                             .nodes
                             .iter()
@@ -306,9 +318,18 @@ impl Node {
                 }
                 None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
             },
-            ControlRequest::Join { node } => self
-                .accept_join(node)
+            ControlRequest::Join { node, epoch } => self
+                .accept_join(node, epoch)
                 .map_or_else(ControlResponse::from, ControlResponse::Cluster),
+            ControlRequest::Mirror {
+                primary,
+                seq,
+                last,
+                piece,
+            } => crate::standby::take_piece(self, primary, seq, last, piece)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            ControlRequest::Journal { entries } => crate::standby::take_journal(self, &entries)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::NodeAdmit { node, epoch } => crate::liveness::admit(self, node, epoch)
                 .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
                     ms: d.as_millis() as u64,
@@ -369,12 +390,12 @@ impl Node {
                 self.qos_set(session, slot, req)
                     .unwrap_or_else(ControlResponse::from)
             }
-            ControlRequest::QosStatus => match &self.controller {
+            ControlRequest::QosStatus => match self.controller.get() {
                 Some(c) => ControlResponse::QosStatus(c.status(&self.qos_nodes())),
                 None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
             },
             ControlRequest::Session => ControlResponse::Session { id: session },
-            ControlRequest::Renew { of } => match &self.leases {
+            ControlRequest::Renew { of } => match self.leases.get() {
                 Some(l) => {
                     l.renew(of)
                         .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
@@ -383,11 +404,12 @@ impl Node {
                 }
                 None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
             },
-            ControlRequest::Adopt { from } => match (&self.meta, &self.leases) {
-                (Some(meta), Some(l)) if l.check(from).is_err() => {
-                    meta.lock()
-                        .expect("metadata lock")
-                        .adopt(from, session, self);
+            ControlRequest::Adopt { from } => match (self.meta.get(), self.leases.get()) {
+                (Some(_), Some(l))
+                    if l.check(from).is_err()
+                        || from < self.sessions_from.load(Ordering::SeqCst) =>
+                {
+                    self.with_meta(|m| m.adopt(from, session, self));
                     ControlResponse::Ok
                 }
                 (Some(_), _) => refused(
@@ -407,7 +429,7 @@ impl Node {
                 poll_ms,
             } => {
                 // A fenced mount is nobody's concern any more: no change waits for it.
-                if let Some(Err(r)) = self.leases.as_ref().map(|l| l.check(of)) {
+                if let Some(Err(r)) = self.leases.get().map(|l| l.check(of)) {
                     return r.into();
                 }
                 let (seq, changes, lost) = self.watchers.watch(
@@ -419,14 +441,12 @@ impl Node {
                 );
                 ControlResponse::Changes { seq, changes, lost }
             }
-            ControlRequest::Meta(m) => match &self.meta {
-                Some(meta) => {
-                    let (resp, changes) = {
-                        let mut meta = meta.lock().expect("metadata lock");
-                        let resp = meta.handle(session, m, self);
-                        (resp, meta.take_changes())
-                    };
-                    if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, &self.leases) {
+            ControlRequest::Meta(m) => match self.meta.get() {
+                Some(_) => {
+                    let (resp, changes) = self
+                        .with_meta(|meta| (meta.handle(session, m, self), meta.take_changes()))
+                        .expect("primary");
+                    if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, self.leases.get()) {
                         l.hold(session);
                     }
                     // Outside the metadata lock: other mounts forget what changed.
@@ -444,17 +464,27 @@ impl Node {
         }
     }
 
-    /// The primary's side of a join. A joining node is empty (a new process), so replicas it
-    /// held before are dropped first; it takes data once admitted under its epoch.
-    fn accept_join(&self, node: rackfs_proto::control::NodeAddr) -> Result<ClusterInfo, Refusal> {
+    /// The primary's side of a join. A new node is empty (a new process), so replicas it held
+    /// before are dropped first; it takes data once admitted under its epoch. A node that
+    /// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
+    /// under the epoch it holds.
+    fn accept_join(
+        &self,
+        node: rackfs_proto::control::NodeAddr,
+        epoch: Option<i64>,
+    ) -> Result<ClusterInfo, Refusal> {
         let id = node.node_id;
         let known = self.members.peer(id).is_ok();
         // Only once the join is accepted: a refused one (an id already taken by a node at
         // another address) leaves the running node's replicas alone.
-        let live = |id| self.epochs.as_ref().is_some_and(|e| e.is_live(id));
+        let live = |id| self.epochs.get().is_some_and(|e| e.is_live(id));
         let info = self.members.accept_join(node, &self.cfg.secret, live)?;
-        if known {
-            crate::liveness::rejoined(self, id);
+        match epoch {
+            Some(e) => {
+                crate::liveness::admit(self, id, e)?;
+            }
+            None if known => crate::liveness::rejoined(self, id),
+            None => {}
         }
         Ok(info)
     }
@@ -466,7 +496,7 @@ impl Node {
         slot: Option<u16>,
         req: QosRequest,
     ) -> Result<ControlResponse, Refusal> {
-        let (Some(c), Some(meta)) = (&self.controller, &self.meta) else {
+        let (Some(c), Some(meta)) = (self.controller.get(), self.meta.get()) else {
             return Err(Refusal::new(
                 ErrorCode::NotPrimary,
                 "QoS is set on the primary",
@@ -533,7 +563,7 @@ impl Storage for Node {
     fn data_nodes(&self) -> Vec<u32> {
         let mut v = self.members.data_nodes();
         // A node takes new data only while it holds the lease it was admitted under.
-        if let Some(e) = &self.epochs {
+        if let Some(e) = self.epochs.get() {
             v.retain(|&id| id == self.cfg.node_id || e.is_live(id));
         }
         v
@@ -626,7 +656,7 @@ impl Storage for Node {
         Ok(self.store.meta_alloc(len)?)
     }
 
-    fn meta_free(&self, offset: u64) {
+    fn meta_free(&self, offset: u64, _: u64) {
         self.store.meta_free(offset)
     }
 

@@ -87,7 +87,10 @@ impl Store {
 
     /// Allocates `len` bytes of the metadata area.
     pub fn meta_alloc(&self, len: u64) -> Result<u64, AllocError> {
-        self.meta.lock().expect("meta allocator lock").alloc(len, 64)
+        self.meta
+            .lock()
+            .expect("meta allocator lock")
+            .alloc(len, 64)
     }
 
     /// Frees and zeroes a metadata-area extent.

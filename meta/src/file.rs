@@ -528,8 +528,8 @@ impl File {
         for r in self.stripes.values() {
             free_all(r, st);
         }
-        for (at, _) in self.meta_extents() {
-            st.meta_free(at);
+        for (at, len) in self.meta_extents() {
+            st.meta_free(at, len);
         }
     }
 

@@ -180,8 +180,8 @@ impl Storage for Recorder<'_> {
     fn meta_alloc(&self, len: u64) -> Result<u64, Refusal> {
         self.keep(self.inner.meta_alloc(len), |r| Answer::Offset(r.clone()))
     }
-    fn meta_free(&self, offset: u64) {
-        self.inner.meta_free(offset)
+    fn meta_free(&self, offset: u64, len: u64) {
+        self.inner.meta_free(offset, len)
     }
     fn load(&self, offset: u64) -> u64 {
         self.keep(self.inner.load(offset), |&w| Answer::Word(w))
@@ -324,7 +324,9 @@ impl Storage for Replay<'_> {
     fn meta_alloc(&self, _: u64) -> Result<u64, Refusal> {
         self.offset("meta_alloc")
     }
-    fn meta_free(&self, _: u64) {}
+    fn meta_free(&self, offset: u64, len: u64) {
+        let _ = self.region.discard(offset, len);
+    }
     fn load(&self, offset: u64) -> u64 {
         let take = |a| {
             if let Answer::Word(w) = a {

@@ -163,6 +163,9 @@ impl Namespace {
                 ErrorCode::Internal,
                 "lock requests are the lock-tree service's, not the namespace's",
             ),
+            MetaRequest::Settle { ino, size, mtime } => self
+                .settle(ino, size, mtime, st)
+                .map(|()| ControlResponse::Ok),
             MetaRequest::StatFs => {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
@@ -242,6 +245,11 @@ impl Namespace {
             Some(f) => Ok(f.record),
             None => err(ErrorCode::Invalid, "not a regular file"),
         }
+    }
+
+    /// The client sessions holding opens.
+    pub fn sessions(&self) -> Vec<u64> {
+        self.sessions.keys().copied().collect()
     }
 
     /// Every extent of the metadata area the namespace holds: (offset, bytes) of each file's
@@ -817,6 +825,19 @@ impl Namespace {
         }
         i.ctime = t;
         self.attr(ino, st)
+    }
+
+    /// A file's size and mtime grow to at least what a mount reports having written.
+    fn settle(&mut self, ino: u64, size: u64, mtime: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        let record = self.record(ino)?;
+        if size > st.load(record + REC_SIZE) {
+            write_word(region, record + REC_SIZE, size.min(MAX_FILE_SIZE));
+        }
+        if mtime > st.load(record + REC_MTIME) {
+            write_word(region, record + REC_MTIME, mtime);
+        }
+        Ok(())
     }
 
     fn truncate(&mut self, ino: u64, size: u64, st: &dyn Storage) -> MetaResult<()> {

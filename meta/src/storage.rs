@@ -43,8 +43,9 @@ pub trait Storage: Send + Sync {
     /// Allocates `len` bytes of this node's metadata area (file records and extent tables:
     /// the part of the region a standby mirrors at the same offsets).
     fn meta_alloc(&self, len: u64) -> Result<u64, Refusal>;
-    /// Frees what [`Storage::meta_alloc`] gave at `offset`.
-    fn meta_free(&self, offset: u64);
+    /// Frees the `len` bytes [`Storage::meta_alloc`] gave at `offset` (zeroed, as a standby
+    /// zeroes its mirror of them).
+    fn meta_free(&self, offset: u64, len: u64);
     /// A word of the local region that mounts write one-sidedly (a record's size or mtime).
     /// The service reads such words only through here, so a standby replaying its steps sees
     /// what it saw.
@@ -315,7 +316,7 @@ impl Storage for MemStorage {
         self.alloc(0, len, None)
     }
 
-    fn meta_free(&self, offset: u64) {
+    fn meta_free(&self, offset: u64, _: u64) {
         let _ = self.free(0, offset);
     }
 

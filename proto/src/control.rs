@@ -19,10 +19,10 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 25] = [
+pub const RPC_KINDS: [&str; 27] = [
     "hello",
     "ping",
     "stats",
@@ -48,6 +48,8 @@ pub const RPC_KINDS: [&str; 25] = [
     "retag",
     "pull",
     "coord",
+    "mirror",
+    "journal",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,9 +74,12 @@ pub enum ControlRequest {
     },
     /// The cluster's nodes (answered by every node; only the primary knows them all).
     Cluster,
-    /// A node offers its region to the cluster (sent to the primary).
+    /// A node offers its region to the cluster (sent to the primary). `epoch`: the node
+    /// follows a primary that took over and keeps its memory, registered under this epoch
+    /// (admitted as it is); `None`: a new, empty node.
     Join {
         node: NodeAddr,
+        epoch: Option<i64>,
     },
     /// Zero `len` bytes at `offset` of an allocated extent (truncate's partial stripe).
     Zero {
@@ -159,6 +164,20 @@ pub enum ControlRequest {
     /// A coordinator operation on the embedded coordinator (primary only; see
     /// [`crate::coord`]).
     Coord(crate::coord::CoordCall),
+    /// Sent by the primary to the data node it makes its standby: one piece of a snapshot of
+    /// the metadata service (see `rackfs_meta::journal`) standing at journal entry `seq`;
+    /// pieces come in order, the last with `last`.
+    Mirror {
+        primary: u32,
+        seq: u64,
+        last: bool,
+        piece: Vec<u8>,
+    },
+    /// Sent by the primary to its standby before it answers a change: journal entries
+    /// (`rackfs_meta::Entry`s, encoded), which the standby replays in order.
+    Journal {
+        entries: Vec<u8>,
+    },
     /// Lock units `[l, r)` of lock space `space` in the node's CPU-based range-lock table;
     /// answered when granted. The *baseline* Citron is measured against (every lock operation
     /// costs the node's CPU): a node serves it only when started with `--baseline-lock-server`
@@ -220,6 +239,8 @@ impl ControlRequest {
             ControlRequest::Retag { .. } => 22,
             ControlRequest::Pull { .. } => 23,
             ControlRequest::Coord(_) => 24,
+            ControlRequest::Mirror { .. } => 25,
+            ControlRequest::Journal { .. } => 26,
         }
     }
 }

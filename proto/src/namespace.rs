@@ -194,4 +194,12 @@ pub enum MetaRequest {
         old: u64,
         units: u64,
     },
+    /// What a mount wrote to a file it has open, reported again to a primary that took over
+    /// (the size and mtime words it wrote one-sidedly to the old one): the size grows to at
+    /// least `size`, the mtime to at least `mtime`.
+    Settle {
+        ino: u64,
+        size: u64,
+        mtime: u64,
+    },
 }

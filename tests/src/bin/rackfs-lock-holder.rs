@@ -47,7 +47,7 @@ fn main() {
         other => panic!("lookup: {other:?}"),
     };
     let layout = attr.layout.expect("a regular file");
-    let locks = FileLocks::new(attr.ino, layout.record, layout.node);
+    let locks = FileLocks::new(attr.ino, layout.record);
     let held = locks.lock(&cl, l, r).expect("lock");
     println!("held");
     std::io::stdout().flush().expect("stdout");

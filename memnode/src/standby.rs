@@ -1,0 +1,405 @@
+//! The metadata service's standby: a data node that mirrors the primary's namespace and takes
+//! over when the primary dies. Only with etcd: the embedded coordinator dies with the primary,
+//! so nobody would be left to elect another.
+//!
+//! * **Sync.** The primary picks a live data node ([`keep`]) and, under the metadata lock,
+//!   switches journaling on and sends it a snapshot ([`ControlRequest::Mirror`]): the
+//!   namespace and the bytes of every record and table, which the standby writes at the same
+//!   offsets of its own metadata area. Then it writes the coordinator's `standby` key naming
+//!   the node. The key has no lease: it must outlive the primary.
+//! * **Journal.** Every change of the namespace is journaled (`rackfs_meta::journal`) and the
+//!   entries reach the standby ([`ControlRequest::Journal`]) before the metadata lock is
+//!   released, so before the change is answered ([`ship`]). A standby that does not take them
+//!   is dropped: the `standby` key is deleted first, then the primary goes on alone.
+//!   **Invariant: while the `standby` key names a node, every change the primary answered is
+//!   in that node's mirror.**
+//! * **Take-over.** A data node with a mirror looks at the `primary` key with each renewal of
+//!   its lease (`crate::liveness::Renewer`). Once the key is gone and `standby` names it, it
+//!   campaigns; elected, it checks `standby` still names it, then serves its mirror as the
+//!   primary ([`take_over`]): lock trees start afresh, the old primary is dropped from the
+//!   replicas like a dead data node, data connections of the old primary's sessions are fenced
+//!   (every data node does so when it follows the new primary), and mounts reconnect, adopt
+//!   their old sessions' opens and report again the sizes they wrote.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rackfs_meta::{journal, Entry, MetaService, Namespace};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
+use rackfs_proto::Refusal;
+use serde::{Deserialize, Serialize};
+use tracing::{error, info, warn};
+
+use crate::coordinator::{parse_standby, primary_value, standby_value};
+use crate::election::Primacy;
+use crate::node::Node;
+
+/// Bytes of a snapshot per [`ControlRequest::Mirror`] (well inside a frame).
+const PIECE: usize = 4 << 20;
+
+/// What a snapshot carries: the namespace (encoded) and the metadata area's live extents.
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    namespace: Vec<u8>,
+    extents: Vec<(u64, Vec<u8>)>,
+}
+
+/// A standby's copy of the primary's namespace, at journal entry `seq`.
+struct Mirror {
+    ns: Namespace,
+    seq: u64,
+    primary: u32,
+}
+
+/// Both sides of the standby: on the primary, which node follows; on a data node, its mirror.
+#[derive(Default)]
+pub struct Standby {
+    /// Primary: the data node whose mirror is in sync (named by the `standby` key).
+    follower: Mutex<Option<u32>>,
+    /// Data node: the mirror, once a whole snapshot came in.
+    mirror: Mutex<Option<Mirror>>,
+    /// Data node: the snapshot pieces received so far.
+    pieces: Mutex<Vec<u8>>,
+    /// Primary: when a standby last failed to sync (retried after a pause).
+    failed_at: Mutex<Option<Instant>>,
+}
+
+impl Standby {
+    /// Whether this node holds a mirror (it may take over).
+    pub fn has_mirror(&self) -> bool {
+        self.mirror.lock().expect("mirror lock").is_some()
+    }
+
+    /// The standby the primary keeps in sync, if any.
+    pub fn follower(&self) -> Option<u32> {
+        *self.follower.lock().expect("follower lock")
+    }
+}
+
+/// Primary: makes a live data node the standby if there is none (etcd only); runs a few times
+/// per lease.
+pub fn keep(node: &Node) {
+    if node.cfg.etcd.is_none() || node.standby.follower().is_some() || !node.serve.valid() {
+        return;
+    }
+    let retry = node.cfg.node_lease;
+    if let Some(t) = *node.standby.failed_at.lock().expect("failed lock") {
+        if t.elapsed() < retry {
+            return;
+        }
+    }
+    let me = node.cfg.node_id;
+    let Some(meta) = node.meta.get() else { return };
+    let Some(id) = rackfs_meta::Storage::data_nodes(node)
+        .into_iter()
+        .find(|&id| id != me)
+    else {
+        return;
+    };
+    let mut m = meta.lock().expect("metadata lock");
+    match sync(node, &mut m, id) {
+        Ok(seq) => {
+            *node.standby.follower.lock().expect("follower lock") = Some(id);
+            info!(
+                standby = id,
+                seq, "metadata standby in sync: every change reaches it before it is answered"
+            );
+        }
+        Err(why) => {
+            m.set_journaling(false);
+            *node.standby.failed_at.lock().expect("failed lock") = Some(Instant::now());
+            warn!(standby = id, error = %why, "cannot make this node the metadata standby; retrying later");
+        }
+    }
+}
+
+/// Sends node `id` a snapshot of `m` with journaling on, then names it in the `standby` key;
+/// returns the journal position the snapshot stands at.
+fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<u64, String> {
+    let seq = m.set_journaling(true);
+    let region = node.data_region();
+    let extents = m
+        .namespace
+        .meta_extents()
+        .into_iter()
+        .map(|(at, len)| {
+            let mut b = vec![0; len as usize];
+            region
+                .read(at, &mut b)
+                .expect("metadata extent in the region");
+            (at, b)
+        })
+        .collect();
+    let snapshot = Snapshot {
+        namespace: postcard::to_allocvec(&m.namespace).map_err(|e| e.to_string())?,
+        extents,
+    };
+    let bytes = postcard::to_allocvec(&snapshot).map_err(|e| e.to_string())?;
+    let peer = node.members.peer(id).map_err(|r| r.message)?;
+    let pieces: Vec<&[u8]> = bytes.chunks(PIECE).collect();
+    for (i, piece) in pieces.iter().enumerate() {
+        let req = ControlRequest::Mirror {
+            primary: node.cfg.node_id,
+            seq,
+            last: i + 1 == pieces.len(),
+            piece: piece.to_vec(),
+        };
+        match peer.call(&req) {
+            Ok(ControlResponse::Ok) => {}
+            Ok(other) => return Err(format!("unexpected answer {other:?}")),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    node.coord
+        .put("standby", &standby_value(id, node.cfg.node_id), None)
+        .map_err(|e| format!("cannot name the standby in the coordinator: {e}"))?;
+    Ok(seq)
+}
+
+/// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
+/// the change is answered. A standby that does not take them is dropped (the `standby` key
+/// first).
+pub fn ship(node: &Node, m: &mut MetaService) {
+    let entries = m.take_journal();
+    if entries.is_empty() {
+        return;
+    }
+    let Some(id) = node.standby.follower() else {
+        return;
+    };
+    let sent = postcard::to_allocvec(&entries)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| {
+            let peer = node.members.peer(id).map_err(|r| r.message)?;
+            match peer.call(&ControlRequest::Journal { entries: bytes }) {
+                Ok(ControlResponse::Ok) => Ok(()),
+                Ok(other) => Err(format!("unexpected answer {other:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        });
+    if let Err(why) = sent {
+        drop_follower(node, m, id, &why);
+    }
+}
+
+/// Primary: the standby fell out of sync; the `standby` key goes before anything else is
+/// answered.
+fn drop_follower(node: &Node, m: &mut MetaService, id: u32, why: &str) {
+    if let Err(e) = node.coord.delete("standby") {
+        error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now");
+    }
+    m.set_journaling(false);
+    *node.standby.follower.lock().expect("follower lock") = None;
+    *node.standby.failed_at.lock().expect("failed lock") = Some(Instant::now());
+    warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
+}
+
+/// Data node: one piece of a snapshot from the primary.
+pub fn take_piece(
+    node: &Node,
+    primary: u32,
+    seq: u64,
+    last: bool,
+    piece: Vec<u8>,
+) -> Result<(), Refusal> {
+    if node.meta.get().is_some() {
+        return Err(Refusal::new(
+            ErrorCode::Invalid,
+            "the primary mirrors nobody",
+        ));
+    }
+    let mut pieces = node.standby.pieces.lock().expect("pieces lock");
+    pieces.extend_from_slice(&piece);
+    if !last {
+        return Ok(());
+    }
+    let bytes = std::mem::take(&mut *pieces);
+    let invalid = |what: &str, e: postcard::Error| {
+        Refusal::new(ErrorCode::Invalid, format!("snapshot {what}: {e}"))
+    };
+    let snap: Snapshot = postcard::from_bytes(&bytes).map_err(|e| invalid("frame", e))?;
+    let ns: Namespace =
+        postcard::from_bytes(&snap.namespace).map_err(|e| invalid("namespace", e))?;
+    let area = node.store.meta_len();
+    if let Some((at, b)) = snap
+        .extents
+        .iter()
+        .find(|(at, b)| at + b.len() as u64 > area)
+    {
+        return Err(Refusal::new(
+            ErrorCode::OutOfMemory,
+            format!(
+                "the primary's metadata extent at {at:#x} ({} bytes) lies beyond this node's metadata area of {area} bytes",
+                b.len()
+            ),
+        ));
+    }
+    let region = node.data_region();
+    region
+        .discard(0, area)
+        .expect("metadata area inside the region");
+    for (at, b) in &snap.extents {
+        region.write(*at, b).expect("checked inside the area");
+    }
+    info!(
+        primary,
+        seq,
+        files = snap.extents.len(),
+        "mirroring the primary's namespace: this node is its metadata standby"
+    );
+    *node.standby.mirror.lock().expect("mirror lock") = Some(Mirror { ns, seq, primary });
+    Ok(())
+}
+
+/// Data node: journal entries from the primary, replayed in order. Any gap or divergence drops
+/// the mirror (the primary then drops this standby).
+pub fn take_journal(node: &Node, bytes: &[u8]) -> Result<(), Refusal> {
+    let entries: Vec<Entry> = postcard::from_bytes(bytes)
+        .map_err(|e| Refusal::new(ErrorCode::Invalid, format!("journal entries: {e}")))?;
+    let mut guard = node.standby.mirror.lock().expect("mirror lock");
+    let Some(mirror) = guard.as_mut() else {
+        return Err(Refusal::new(
+            ErrorCode::Invalid,
+            "this node has no mirror to apply journal entries to",
+        ));
+    };
+    for e in entries {
+        let result = if e.seq != mirror.seq + 1 {
+            Err(format!(
+                "journal entry {} after {}: entries missing",
+                e.seq, mirror.seq
+            ))
+        } else {
+            mirror.seq = e.seq;
+            journal::replay(&mut mirror.ns, node.data_region(), e)
+        };
+        if let Err(why) = result {
+            *guard = None;
+            error!(error = %why, "the mirror of the namespace diverged from the primary's: dropped");
+            return Err(Refusal::new(ErrorCode::Internal, why));
+        }
+    }
+    Ok(())
+}
+
+/// Data node: whether to campaign for primary now: it has a mirror, the `primary` key is gone
+/// and `standby` names this node.
+pub fn should_take_over(node: &Node) -> bool {
+    node.standby.has_mirror() && matches!(node.coord.get("primary"), Ok(None)) && named(node)
+}
+
+fn named(node: &Node) -> bool {
+    matches!(node.coord.get("standby"), Ok(Some(v)) if parse_standby(&v) == Some(node.cfg.node_id))
+}
+
+/// Data node with a mirror: campaigns for primary and, elected, becomes it over the mirror.
+/// Returns whether it did.
+pub fn take_over(node: &Arc<Node>) -> bool {
+    let started = Instant::now();
+    let sessions_from = crate::daemon::first_session();
+    let me = node.members.me();
+    let primacy = match Primacy::campaign(
+        node.coord.clone(),
+        primary_value(&me, sessions_from),
+        node.cfg.node_lease,
+        &node.cfg.cluster,
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(error = %e, "the standby was not elected primary");
+            return false;
+        }
+    };
+    let Some(mirror) = node.standby.mirror.lock().expect("mirror lock").take() else {
+        return give_up(node, primacy, "the mirror was dropped meanwhile");
+    };
+    if !named(node) {
+        return give_up(
+            node,
+            primacy,
+            "the primary dropped this standby before it died",
+        );
+    }
+    if let Err(e) = node.coord.delete("standby") {
+        warn!(error = %e, "cannot clear the standby key; the next standby overwrites it");
+    }
+    let old = mirror.primary;
+    let old_sessions = mirror.ns.sessions();
+    let first = old_sessions
+        .iter()
+        .max()
+        .map_or(sessions_from, |&s| sessions_from.max(s + 1));
+    node.next_session
+        .store(first, std::sync::atomic::Ordering::SeqCst);
+    if let Err(e) = node
+        .store
+        .meta_adopt(&node.cfg.name, &mirror.ns.meta_extents())
+    {
+        error!(error = %e, "the mirror's records do not fit this node's metadata area");
+        return give_up(node, primacy, "its metadata area does not hold the mirror");
+    }
+    // Data connections of the old primary's sessions end here, as on every data node that
+    // follows the new primary: writes under the old lock trees cannot outlive it.
+    node.fences.fence_below(first, Duration::from_secs(3));
+    let meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
+    node.serve.extend_to(primacy.until_ns());
+    crate::daemon::start_primary(node, meta);
+    node.sessions_from
+        .store(first, std::sync::atomic::Ordering::SeqCst);
+    node.with_meta(|m| {
+        let d = m.drop_node(old, &**node);
+        warn!(
+            node = old,
+            dropped = d.extents.len(),
+            unavailable = d.lost,
+            "the old primary is out: its replicas are dropped where another copy lives"
+        );
+    });
+    {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name("primary-lease".into())
+            .spawn(move || primacy.run(&n))
+            .expect("spawn the primary's lease thread");
+    }
+    end_orphans(node, old_sessions);
+    info!(old_primary = old, seq = mirror.seq, took = ?started.elapsed(), "took over as primary: serving the namespace mirrored from the old primary");
+    true
+}
+
+/// Elected without a usable mirror: steps down (the lease is revoked so another may run).
+fn give_up(node: &Node, primacy: Primacy, why: &str) -> bool {
+    error!(
+        reason = why,
+        "elected primary but cannot serve the namespace: stepping down"
+    );
+    primacy.resign();
+    node.serve.extend_to(0);
+    false
+}
+
+/// The old primary's sessions that no mount adopted within a few leases end then (their mount
+/// died with the primary): their opens are released.
+fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
+    let wait = 2 * node.cfg.lock_lease + 2 * node.cfg.node_lease;
+    let n = node.clone();
+    let _ = std::thread::Builder::new()
+        .name("orphans".into())
+        .spawn(move || {
+            std::thread::sleep(wait);
+            n.with_meta(|m| {
+                let left: Vec<u64> = m
+                    .namespace
+                    .sessions()
+                    .into_iter()
+                    .filter(|s| sessions.contains(s))
+                    .collect();
+                for &s in &left {
+                    m.end_session(s, &*n);
+                }
+                if !left.is_empty() {
+                    info!(sessions = left.len(), "sessions of the old primary no mount took over are ended: their open files are released");
+                }
+            });
+        });
+}

@@ -1,0 +1,106 @@
+//! The metadata service survives its primary (etcd only): a data node mirrors the namespace
+//! by the primary's journal and, once the primary's lease lapses, is elected and serves it;
+//! mounts find it, keep their open files and report what they wrote.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use rackfs_coord::{Coordinator, Etcd};
+use rackfs_tests::{wait_for, Mount, TestCluster};
+
+fn etcd(c: &TestCluster) -> Etcd {
+    Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2)).unwrap()
+}
+
+/// The node id the coordinator names under `key` (`primary` or `standby`).
+fn named(c: &TestCluster, key: &str) -> Option<u64> {
+    let v = etcd(c).get(key).ok()??;
+    serde_json::from_slice::<serde_json::Value>(&v).ok()?["node_id"].as_u64()
+}
+
+fn log(c: &TestCluster, i: usize) -> String {
+    c.nodes[i].as_ref().map(|n| n.stderr()).unwrap_or_default()
+}
+
+/// kill -9 of the primary: the standby takes over with every name, attribute and byte; an
+/// open file keeps working (its writes since the last close included), and new files can be
+/// made.
+#[test]
+fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
+    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
+        "no standby named:\n{}",
+        log(&c, 0)
+    );
+    let standby = named(&c, "standby").unwrap() as usize;
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    fs::create_dir(m.path("d")).unwrap();
+    for i in 0..20 {
+        fs::write(m.path(&format!("d/f{i}")), vec![i as u8; 100_000 + i * 7]).unwrap();
+    }
+    fs::rename(m.path("d/f0"), m.path("d/renamed")).unwrap();
+    fs::remove_file(m.path("d/f1")).unwrap();
+    std::os::unix::fs::symlink("f2", m.path("d/link")).unwrap();
+    // Open across the failover, written both before and after it.
+    let mut open = fs::OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(m.path("open"))
+        .unwrap();
+    open.write_all(&vec![b'a'; 300_000]).unwrap();
+
+    c.kill(0);
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(15), || named(&c, "primary")
+            == Some(standby as u64)),
+        "the standby was not elected:\n{}",
+        log(&c, standby)
+    );
+    // The first namespace operation waits for the new primary.
+    let names: Vec<String> = fs::read_dir(m.path("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    eprintln!(
+        "namespace served again {:?} after kill -9 of the primary",
+        t0.elapsed()
+    );
+    assert_eq!(names.len(), 20, "{names:?}");
+    assert!(names.contains(&"renamed".to_string()) && !names.contains(&"f1".to_string()));
+    assert_eq!(
+        fs::read_link(m.path("d/link")).unwrap().to_str(),
+        Some("f2")
+    );
+    assert_eq!(fs::read(m.path("d/renamed")).unwrap(), vec![0u8; 100_000]);
+    for i in 2..20 {
+        let got = fs::read(m.path(&format!("d/f{i}")))
+            .unwrap_or_else(|e| panic!("d/f{i}: {e}\n{}", log(&c, standby)));
+        assert_eq!(got, vec![i as u8; 100_000 + i * 7], "d/f{i}");
+    }
+    // The open file: its size written one-sidedly to the dead primary was reported again.
+    assert_eq!(fs::metadata(m.path("open")).unwrap().len(), 300_000);
+    open.write_all_at(&vec![b'b'; 100_000], 300_000).unwrap();
+    drop(open);
+    let mut want = vec![b'a'; 300_000];
+    want.extend(vec![b'b'; 100_000]);
+    assert_eq!(fs::read(m.path("open")).unwrap(), want);
+    // New names, new data.
+    fs::write(m.path("after"), b"written after the failover").unwrap();
+    assert_eq!(
+        fs::read(m.path("after")).unwrap(),
+        b"written after the failover"
+    );
+    let other = 3 - standby; // the third node follows the new primary
+    assert!(
+        wait_for(Duration::from_secs(10), || log(&c, other)
+            .contains("another primary was elected: following it")),
+        "{}",
+        log(&c, other)
+    );
+}
