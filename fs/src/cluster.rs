@@ -281,6 +281,30 @@ impl Cluster {
         }
     }
 
+    /// After an operation failed with EIO: whether the primary is gone (or no longer acts)
+    /// and another took over, this mount now continuing there; the operation may then run
+    /// again. `false` when the primary still answers (the failure was something else).
+    pub fn primary_replaced(&self) -> bool {
+        if !self.elects_primary() {
+            return false;
+        }
+        let (primary, session) = self.primary.read().expect("primary lock").clone();
+        let probe = primary.meta(MetaRequest::GetAttr {
+            ino: rackfs_proto::namespace::ROOT_INO,
+        });
+        match probe {
+            Err(e) if primary_lost(&e) => match self.failover(session) {
+                Ok(()) => true,
+                Err(why) => {
+                    warn!(error = %why, "no primary took over: EIO");
+                    false
+                }
+            },
+            // Another thread moved on to a new primary meanwhile.
+            _ => self.session() != session,
+        }
+    }
+
     /// Whether the cluster elects its primary through etcd (a standby may take over).
     fn elects_primary(&self) -> bool {
         self.info
@@ -324,7 +348,18 @@ impl Cluster {
             warn!(error = %e, "the new primary could not hand this mount its open files");
         }
         let new = info.primary.node_id;
-        *self.info.write().expect("cluster info lock") = info;
+        {
+            // Data nodes join the new primary within a quarter of their lease; until then it
+            // does not list them, but their stripes are read and written as before.
+            let mut known = self.info.write().expect("cluster info lock");
+            let mut info = info;
+            for n in std::mem::take(&mut known.nodes) {
+                if !info.nodes.iter().any(|m| m.node_id == n.node_id) {
+                    info.nodes.push(n);
+                }
+            }
+            *known = info;
+        }
         self.primary_id
             .store(new, std::sync::atomic::Ordering::SeqCst);
         *self.primary.write().expect("primary lock") = (Arc::new(client), id);

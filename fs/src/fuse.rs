@@ -19,7 +19,7 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
     WriteFlags,
 };
-use rackfs_proto::control::ControlResponse;
+use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE,
 };
@@ -132,8 +132,9 @@ impl RackFs {
                     f.forget_size();
                     if let Some((size, mtime)) = wrote {
                         let settle = MetaRequest::Settle { ino: f.ino, size, mtime };
-                        if let Err(e) = cl.primary().meta(settle) {
-                            tracing::warn!(ino = f.ino, error = %e, "cannot report this mount's writes to the new primary");
+                        match cl.primary().meta(settle) {
+                            Ok(_) | Err(RpcError::Refused { code: ErrorCode::NotFound, .. }) => {}
+                            Err(e) => tracing::warn!(ino = f.ino, error = %e, "cannot report this mount's writes to the new primary"),
                         }
                     }
                 }
@@ -145,6 +146,15 @@ impl RackFs {
             files,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
+        }
+    }
+
+    /// Runs a data operation, and once more if it failed with EIO because the primary died
+    /// and another took over meanwhile.
+    fn across_failover<T>(&self, mut op: impl FnMut() -> Result<T, i32>) -> Result<T, i32> {
+        match op() {
+            Err(libc::EIO) if self.cluster.primary_replaced() => op(),
+            r => r,
         }
     }
 
@@ -601,10 +611,12 @@ impl Filesystem for RackFs {
             return reply.error(Errno::EBADF);
         };
         let mut reply = Some(reply);
-        let result = f.read_with(&self.cluster, offset, size, |d| {
-            if let Some(r) = reply.take() {
-                r.data(d)
-            }
+        let result = self.across_failover(|| {
+            f.read_with(&self.cluster, offset, size, |d| {
+                if let Some(r) = reply.take() {
+                    r.data(d)
+                }
+            })
         });
         if let (Err(e), Some(r)) = (result, reply.take()) {
             r.error(errno(e));
@@ -653,11 +665,15 @@ impl Filesystem for RackFs {
             }
         }
         // O_APPEND: the end of the file as the cluster knows it, not the kernel's cached size.
-        let res = if append {
-            f.append(&self.cluster, data).map(|_| ())
-        } else {
-            f.write_locked(&self.cluster, offset, data)
-        };
+        // Written again in full after a failover: the same bytes at the same place. (An
+        // O_APPEND write whose first attempt landed before the primary died lands twice.)
+        let res = self.across_failover(|| {
+            if append {
+                f.append(&self.cluster, data).map(|_| ())
+            } else {
+                f.write_locked(&self.cluster, offset, data)
+            }
+        });
         match res {
             Ok(()) => reply.written(data.len() as u32),
             Err(e) => reply.error(errno(e)),
@@ -675,15 +691,29 @@ impl Filesystem for RackFs {
         reply.ok(); // writes are in remote memory when write() returns
     }
 
+    /// The data is in remote memory when `write` returns; fsync also makes the size and mtime
+    /// this mount wrote one-sidedly part of the metadata the standby mirrors, so they survive
+    /// the primary even if this mount dies with it.
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        let wrote = self.cached_file(ino.0).and_then(|f| f.written());
+        let Some((size, mtime)) = wrote else {
+            return reply.ok();
+        };
+        match self.meta(MetaRequest::Settle {
+            ino: ino.0,
+            size,
+            mtime,
+        }) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn release(

@@ -506,7 +506,12 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
             format!("memory node {id} is the primary and answers"),
         ));
     }
-    node.members.peer(id)?;
+    if node.members.peer(id).is_err() {
+        // Not a member (an old primary after a take-over): nothing of it is live; stripes
+        // still listing it lose it.
+        node.with_meta(|m| m.drop_node(id, node));
+        return Ok(());
+    }
     let until = std::time::Instant::now() + node.cfg.node_lease + Duration::from_millis(1500);
     loop {
         if !epochs.is_live(id) {

@@ -341,20 +341,19 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     // Data connections of the old primary's sessions end here, as on every data node that
     // follows the new primary: writes under the old lock trees cannot outlive it.
     node.fences.fence_below(first, Duration::from_secs(3));
-    let meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
-    node.serve.extend_to(primacy.until_ns());
-    crate::daemon::start_primary(node, meta);
+    let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
+    // Before anyone is served: no layout handed out lists the old primary's replicas.
+    let d = meta.drop_node(old, &**node);
+    warn!(
+        node = old,
+        dropped = d.extents.len(),
+        unavailable = d.lost,
+        "the old primary is out: its replicas are dropped where another copy lives"
+    );
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
-    node.with_meta(|m| {
-        let d = m.drop_node(old, &**node);
-        warn!(
-            node = old,
-            dropped = d.extents.len(),
-            unavailable = d.lost,
-            "the old primary is out: its replicas are dropped where another copy lives"
-        );
-    });
+    node.serve.extend_to(primacy.until_ns());
+    crate::daemon::start_primary(node, meta);
     {
         let n = node.clone();
         std::thread::Builder::new()

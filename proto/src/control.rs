@@ -585,7 +585,7 @@ mod tests {
         }
 
         #[test]
-        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 49), name in ".{0,30}") {
+        fn stats_round_trip(id: u64, words in proptest::collection::vec(any::<u64>(), 64), name in ".{0,30}") {
             let s = NodeStats {
                 node_id: words[0] as u32, name, uptime_ms: words[1], capacity: words[2], used: words[3],
                 free: words[4], largest_free: words[5], extents: words[6], quarantined: words[7],

@@ -123,15 +123,21 @@ impl FioRun {
 
     /// Waits for fio and parses its report; panics with fio's own message if it failed.
     pub fn wait(self) -> FioReport {
+        self.finish().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Waits for fio and parses its report; fio's own message if it failed.
+    pub fn finish(self) -> Result<FioReport, String> {
         let out = self.child.wait_with_output().expect("wait for fio");
-        assert!(
-            out.status.success(),
-            "fio {} failed: {}{}",
-            self.args,
-            String::from_utf8_lossy(&out.stderr),
-            String::from_utf8_lossy(&out.stdout)
-        );
-        FioReport::parse(&out.stdout).unwrap_or_else(|e| panic!("fio {}: {e}", self.args))
+        if !out.status.success() {
+            return Err(format!(
+                "fio {} failed: {}{}",
+                self.args,
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&out.stdout)
+            ));
+        }
+        FioReport::parse(&out.stdout).map_err(|e| format!("fio {}: {e}", self.args))
     }
 }
 

@@ -79,8 +79,14 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
     );
     assert_eq!(fs::read(m.path("d/renamed")).unwrap(), vec![0u8; 100_000]);
     for i in 2..20 {
-        let got = fs::read(m.path(&format!("d/f{i}")))
-            .unwrap_or_else(|e| panic!("d/f{i}: {e}\n{}", log(&c, standby)));
+        let got = fs::read(m.path(&format!("d/f{i}"))).unwrap_or_else(|e| {
+            panic!(
+                "d/f{i}: {e}\nmount:\n{}\nstandby:\n{}\nthird:\n{}",
+                m.log_text(),
+                log(&c, standby),
+                log(&c, 3 - standby)
+            )
+        });
         assert_eq!(got, vec![i as u8; 100_000 + i * 7], "d/f{i}");
     }
     // The open file: its size written one-sidedly to the dead primary was reported again.
@@ -103,4 +109,79 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
         "{}",
         log(&c, other)
     );
+}
+
+/// kill -9 of the primary while two mounts (shm and tcp) run fio with crc32c verification:
+/// both runs finish without an error or a mismatch (their operations wait for the standby to
+/// take over), and everything reads back, crc-checked, through a fresh mount.
+#[test]
+fn a_killed_primary_loses_no_byte_under_fio_verify_from_two_mounts() {
+    let mut c = TestCluster::on_etcd(3, "96M", &["--node-lease-ms", "2000"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
+        "no standby named:\n{}",
+        log(&c, 0)
+    );
+    let standby = named(&c, "standby").unwrap() as usize;
+    let a = Mount::new(&c, "stripe_unit=64K");
+    let b = Mount::new(&c, "stripe_unit=64K,transport=tcp");
+    fs::create_dir(a.path("a")).unwrap();
+    fs::create_dir(a.path("b")).unwrap();
+    let job = |m: &Mount, dir: &str| {
+        rackfs_tests::Fio::verify(dir, &m.dir.join(dir), "randwrite", "6M")
+            .opt("loops", 8)
+            .opt("verify_backlog", 256)
+    };
+    let t0 = Instant::now();
+    let mut runs = [job(&a, "a").spawn(), job(&b, "b").spawn()];
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(runs.iter_mut().all(|r| r.running()), "fio ended too soon");
+    c.kill(0);
+    let killed_at = t0.elapsed();
+    let [ra, rb] = runs;
+    for (name, m, run) in [("shm", &a, ra), ("tcp", &b, rb)] {
+        let report = run.finish().unwrap_or_else(|e| {
+            let fio: String = e.lines().take(3).collect::<Vec<_>>().join("\n");
+            panic!(
+                "{name} mount: {fio}\nmount log:\n{}\nstandby log:\n{}",
+                m.log_text(),
+                log(&c, standby)
+            )
+        });
+        let j = report.first();
+        assert_eq!(
+            j.error,
+            0,
+            "{name} mount: fio error {j:?}\nmount log:\n{}\nstandby log:\n{}",
+            if name == "shm" {
+                a.log_text()
+            } else {
+                b.log_text()
+            },
+            log(&c, standby)
+        );
+        assert!(j.read.io_bytes >= 6 << 20, "{name}: verified what it wrote");
+    }
+    assert!(t0.elapsed() > killed_at, "the runs went on after the kill");
+    assert_eq!(named(&c, "primary"), Some(standby as u64));
+    for m in [&a, &b] {
+        assert!(
+            m.log_text()
+                .contains("continuing on the primary that took over"),
+            "the mount went through the failover: {}",
+            m.log_text()
+        );
+    }
+    let source = c.nodes[standby].as_ref().unwrap().tcp.clone();
+    let fresh = Mount::try_new(&source, &c.secret_file, "stripe_unit=64K,transport=tcp").unwrap();
+    for dir in ["a", "b"] {
+        let report = rackfs_tests::Fio::verify(dir, &fresh.dir.join(dir), "randwrite", "6M")
+            .opt("verify_only", 1)
+            .run();
+        assert_eq!(
+            report.first().error,
+            0,
+            "{dir}: verify-only pass {report:?}"
+        );
+    }
 }
