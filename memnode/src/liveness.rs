@@ -201,7 +201,8 @@ impl Renewer {
                 Err(CoordError::Expired(_)) => {
                     warn!(epoch = held.lease, "this node's lease lapsed: it is fenced, and registers under a new epoch to be admitted again");
                     self.lease = None;
-                    return Ok(());
+                    // At once, not a renewal period later.
+                    return self.step(node);
                 }
                 Err(e) => return Err(e.to_string()),
             },
