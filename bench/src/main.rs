@@ -1,5 +1,6 @@
 //! `rackfs-bench`: RackFS benchmarks, each run side by side with its baseline.
 
+mod failover;
 mod fio;
 mod locks;
 mod mounts;
@@ -91,6 +92,15 @@ enum Cmd {
         /// Seconds per fio run, after 1 s of ramp (quick: 2).
         #[arg(long, default_value_t = 5)]
         runtime: u32,
+    },
+    /// The metadata standby: what its journal costs small-file creation, and how long a
+    /// mount waits after kill -9 of the primary (needs root and etcd-server).
+    Failover {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Files created per run (quick: 200).
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
     },
     /// Haechi's experiments 2A, 2B, 2C and 4 on the simulator with a modelled NIC.
     Qos {
@@ -252,6 +262,19 @@ fn main() {
                 fio::ratios(&rows),
                 run.out,
             );
+        }
+        Cmd::Failover { run, files } => {
+            let cfg = failover::Config {
+                runs: run.runs(),
+                files: if run.quick { 200 } else { files.max(10) },
+            };
+            match failover::run(&cfg) {
+                Ok(md) => report(&md, run.out),
+                Err(e) => {
+                    eprintln!("rackfs-bench failover: {e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Cmd::Replicas { run, runtime } => {
             let cfg = replicas::Config {

@@ -36,6 +36,8 @@ pub struct NodeConfig {
     pub etcd: Option<String>,
     /// The cluster's name: its keys' prefix in etcd.
     pub cluster: String,
+    /// Whether the primary keeps a metadata standby (with etcd only; see `crate::standby`).
+    pub standby: bool,
     /// Copies of every stripe of a new file whose creator does not ask (primary only; never
     /// more than the cluster's nodes).
     pub replicas: u32,

@@ -65,6 +65,10 @@ struct Args {
     /// The cluster's name: its keys live under /rackfs/NAME/ in etcd.
     #[arg(long, default_value = "rackfs", value_name = "NAME")]
     cluster: String,
+    /// With --etcd, keep no metadata standby (primary only): changes skip the journal's round
+    /// trip, and the primary's death loses the namespace.
+    #[arg(long, requires = "etcd")]
+    no_standby: bool,
     /// Copies of every stripe of a new file, on different nodes, unless the mount asks
     /// otherwise (`-o replicas=N`); never more than the nodes at the file's creation (primary
     /// only).
@@ -174,6 +178,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         metrics: args.metrics_listen,
         rdma_device: args.rdma_device,
         baseline_lock_server: args.baseline_lock_server,
+        standby: !args.no_standby,
     })
     .map_err(|e| e.to_string())?;
     if let Some(secs) = profile {

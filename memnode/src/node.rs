@@ -446,6 +446,17 @@ impl Node {
                     let (resp, changes) = self
                         .with_meta(|meta| (meta.handle(session, m, self), meta.take_changes()))
                         .expect("primary");
+                    // A change is answered only while the primary still holds its lease: a
+                    // standby elected meanwhile may lack it (its journal may not have arrived).
+                    if !self.serve.valid() {
+                        return refused(
+                            ErrorCode::NotPrimary,
+                            format!(
+                                "primary {} lost its lease while making this change: it may or may not have taken effect",
+                                self.cfg.name
+                            ),
+                        );
+                    }
                     if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, self.leases.get()) {
                         l.hold(session);
                     }

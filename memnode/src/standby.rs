@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
-use rackfs_proto::Refusal;
+use rackfs_proto::{ControlClient, Refusal};
 use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
 
@@ -54,8 +54,10 @@ struct Mirror {
 /// Both sides of the standby: on the primary, which node follows; on a data node, its mirror.
 #[derive(Default)]
 pub struct Standby {
-    /// Primary: the data node whose mirror is in sync (named by the `standby` key).
-    follower: Mutex<Option<u32>>,
+    /// Primary: the data node whose mirror is in sync (named by the `standby` key), and the
+    /// connection its journal goes over (its deadline is half a node lease: a standby that
+    /// stalls the metadata service longer is dropped).
+    follower: Mutex<Option<(u32, Arc<ControlClient>)>>,
     /// Data node: the mirror, once a whole snapshot came in.
     mirror: Mutex<Option<Mirror>>,
     /// Data node: the snapshot pieces received so far.
@@ -72,14 +74,22 @@ impl Standby {
 
     /// The standby the primary keeps in sync, if any.
     pub fn follower(&self) -> Option<u32> {
-        *self.follower.lock().expect("follower lock")
+        self.follower
+            .lock()
+            .expect("follower lock")
+            .as_ref()
+            .map(|f| f.0)
     }
 }
 
 /// Primary: makes a live data node the standby if there is none (etcd only); runs a few times
 /// per lease.
 pub fn keep(node: &Node) {
-    if node.cfg.etcd.is_none() || node.standby.follower().is_some() || !node.serve.valid() {
+    if node.cfg.etcd.is_none()
+        || !node.cfg.standby
+        || node.standby.follower().is_some()
+        || !node.serve.valid()
+    {
         return;
     }
     let retry = node.cfg.node_lease;
@@ -98,8 +108,8 @@ pub fn keep(node: &Node) {
     };
     let mut m = meta.lock().expect("metadata lock");
     match sync(node, &mut m, id) {
-        Ok(seq) => {
-            *node.standby.follower.lock().expect("follower lock") = Some(id);
+        Ok((seq, conn)) => {
+            *node.standby.follower.lock().expect("follower lock") = Some((id, Arc::new(conn)));
             info!(
                 standby = id,
                 seq, "metadata standby in sync: every change reaches it before it is answered"
@@ -114,8 +124,8 @@ pub fn keep(node: &Node) {
 }
 
 /// Sends node `id` a snapshot of `m` with journaling on, then names it in the `standby` key;
-/// returns the journal position the snapshot stands at.
-fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<u64, String> {
+/// returns the journal position the snapshot stands at and the connection for the journal.
+fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient), String> {
     let seq = m.set_journaling(true);
     let region = node.data_region();
     let extents = m
@@ -135,7 +145,18 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<u64, String> {
         extents,
     };
     let bytes = postcard::to_allocvec(&snapshot).map_err(|e| e.to_string())?;
-    let peer = node.members.peer(id).map_err(|r| r.message)?;
+    let addr = node
+        .members
+        .addr_of(id)
+        .and_then(|a| a.tcp.or(a.shm.map(|p| format!("unix:{p}"))))
+        .ok_or_else(|| format!("node {id} has no address"))?;
+    let peer = ControlClient::connect(
+        &addr,
+        &node.cfg.secret,
+        &format!("journal-{}", node.cfg.name),
+    )
+    .map_err(|e| e.to_string())?;
+    peer.set_deadline((node.cfg.node_lease / 2).max(Duration::from_millis(200)));
     let pieces: Vec<&[u8]> = bytes.chunks(PIECE).collect();
     for (i, piece) in pieces.iter().enumerate() {
         let req = ControlRequest::Mirror {
@@ -153,7 +174,7 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<u64, String> {
     node.coord
         .put("standby", &standby_value(id, node.cfg.node_id), None)
         .map_err(|e| format!("cannot name the standby in the coordinator: {e}"))?;
-    Ok(seq)
+    Ok((seq, peer))
 }
 
 /// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
@@ -164,19 +185,22 @@ pub fn ship(node: &Node, m: &mut MetaService) {
     if entries.is_empty() {
         return;
     }
-    let Some(id) = node.standby.follower() else {
+    let Some((id, peer)) = node.standby.follower.lock().expect("follower lock").clone() else {
         return;
     };
-    let sent = postcard::to_allocvec(&entries)
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| {
-            let peer = node.members.peer(id).map_err(|r| r.message)?;
-            match peer.call(&ControlRequest::Journal { entries: bytes }) {
-                Ok(ControlResponse::Ok) => Ok(()),
-                Ok(other) => Err(format!("unexpected answer {other:?}")),
-                Err(e) => Err(e.to_string()),
-            }
-        });
+    let sent = if node.members.is_down(id) {
+        Err("it is down".to_string())
+    } else {
+        postcard::to_allocvec(&entries)
+            .map_err(|e| e.to_string())
+            .and_then(
+                |bytes| match peer.call(&ControlRequest::Journal { entries: bytes }) {
+                    Ok(ControlResponse::Ok) => Ok(()),
+                    Ok(other) => Err(format!("unexpected answer {other:?}")),
+                    Err(e) => Err(e.to_string()),
+                },
+            )
+    };
     if let Err(why) = sent {
         drop_follower(node, m, id, &why);
     }
