@@ -141,6 +141,13 @@ impl MemStorage {
         self.now.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);
     }
 
+    /// Allocates nothing on `node` below `end` from now on (a standby taking over keeps the
+    /// records and tables it mirrored there).
+    pub fn reserve_below(&self, node: u32, end: u64) {
+        let mut n = self.nodes[node as usize].lock().expect("node lock");
+        n.next = n.next.max(end);
+    }
+
     /// Bytes allocated on `node` (freed extents no longer count).
     pub fn used(&self, node: u32) -> u64 {
         self.nodes[node as usize].lock().expect("node lock").used
