@@ -240,6 +240,23 @@ fn status(
         let info = c.cluster().map_err(|e| e.to_string())?;
         println!("cluster {addr} (primary {}):", info.primary.name);
         println!("  coordinator: {}", info.coordinator);
+        if info.coordinator.starts_with("etcd") {
+            let name = |id: u32| {
+                info.nodes
+                    .iter()
+                    .find(|n| n.node_id == id)
+                    .map_or_else(|| format!("node {id}"), |n| n.name.clone())
+            };
+            match info.standby {
+                Some(id) => println!(
+                    "  metadata standby: {} (in sync; takes over if the primary dies)",
+                    name(id)
+                ),
+                None => println!(
+                    "  metadata standby: NONE (the primary's death would lose the namespace)"
+                ),
+            }
+        }
         if !info.down.is_empty() {
             println!(
                 "  DEGRADED: {} of {} memory nodes down (stripes with a replica elsewhere carry \

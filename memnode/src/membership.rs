@@ -172,6 +172,7 @@ impl Membership {
             down,
             coordinator: String::new(),
             epochs: Vec::new(),
+            standby: None,
         })
     }
 

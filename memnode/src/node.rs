@@ -307,6 +307,7 @@ impl Node {
             ControlRequest::Cluster => match self.members.cluster_info() {
                 Some(mut c) => {
                     c.coordinator = self.coord.describe();
+                    c.standby = self.standby.follower();
                     if let Some(e) = self.epochs.get() {
                         c.epochs = c
                             .nodes

@@ -60,8 +60,9 @@ pub struct Standby {
     follower: Mutex<Option<(u32, Arc<ControlClient>)>>,
     /// Data node: the mirror, once a whole snapshot came in.
     mirror: Mutex<Option<Mirror>>,
-    /// Data node: the snapshot pieces received so far.
-    pieces: Mutex<Vec<u8>>,
+    /// Data node: the snapshot pieces received so far, and the journal position they are of
+    /// (pieces of another position start afresh: an earlier sync failed half-way).
+    pieces: Mutex<(u64, Vec<u8>)>,
     /// Primary: when a standby last failed to sync (retried after a pause).
     failed_at: Mutex<Option<Instant>>,
 }
@@ -233,11 +234,14 @@ pub fn take_piece(
         ));
     }
     let mut pieces = node.standby.pieces.lock().expect("pieces lock");
-    pieces.extend_from_slice(&piece);
+    if pieces.0 != seq {
+        *pieces = (seq, Vec::new());
+    }
+    pieces.1.extend_from_slice(&piece);
     if !last {
         return Ok(());
     }
-    let bytes = std::mem::take(&mut *pieces);
+    let bytes = std::mem::take(&mut pieces.1);
     let invalid = |what: &str, e: postcard::Error| {
         Refusal::new(ErrorCode::Invalid, format!("snapshot {what}: {e}"))
     };
@@ -287,7 +291,20 @@ pub fn take_journal(node: &Node, bytes: &[u8]) -> Result<(), Refusal> {
             "this node has no mirror to apply journal entries to",
         ));
     };
+    if let Some(e) = entries.iter().find(|e| e.primary != mirror.primary) {
+        // An earlier primary's, late: refused, and this mirror kept.
+        return Err(Refusal::new(
+            ErrorCode::NotPrimary,
+            format!(
+                "journal entry {} of node {}, but this node mirrors primary {}",
+                e.seq, e.primary, mirror.primary
+            ),
+        ));
+    }
     for e in entries {
+        if e.seq <= mirror.seq {
+            continue; // in the snapshot already (sent before it, on an earlier connection)
+        }
         let result = if e.seq != mirror.seq + 1 {
             Err(format!(
                 "journal entry {} after {}: entries missing",

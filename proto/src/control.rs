@@ -280,6 +280,9 @@ pub struct ClusterInfo {
     pub coordinator: String,
     /// The epoch each data node was admitted under (its lease with the coordinator), by id.
     pub epochs: Vec<(u32, i64)>,
+    /// The data node whose mirror of the metadata is in sync (etcd only; `None`: the primary's
+    /// death would lose the namespace).
+    pub standby: Option<u32>,
 }
 
 /// Error classes a node reports; each error response also carries a full message.

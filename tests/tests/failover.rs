@@ -38,6 +38,19 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
     );
     let standby = named(&c, "standby").unwrap() as usize;
     let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    let status = || {
+        let out = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
+            .arg("status")
+            .arg(&m.dir)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let st = status();
+    assert!(
+        st.contains(&format!("metadata standby: mn{standby} (in sync")),
+        "{st}"
+    );
     fs::create_dir(m.path("d")).unwrap();
     for i in 0..20 {
         fs::write(m.path(&format!("d/f{i}")), vec![i as u8; 100_000 + i * 7]).unwrap();
@@ -102,7 +115,14 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
         fs::read(m.path("after")).unwrap(),
         b"written after the failover"
     );
-    let other = 3 - standby; // the third node follows the new primary
+    // The new primary makes the third node its standby once it follows.
+    let other = 3 - standby;
+    assert!(
+        wait_for(Duration::from_secs(15), || status()
+            .contains(&format!("metadata standby: mn{other} (in sync"))),
+        "{}",
+        status()
+    );
     assert!(
         wait_for(Duration::from_secs(10), || log(&c, other)
             .contains("another primary was elected: following it")),
@@ -184,4 +204,40 @@ fn a_killed_primary_loses_no_byte_under_fio_verify_from_two_mounts() {
             "{dir}: verify-only pass {report:?}"
         );
     }
+}
+
+/// A primary stopped (SIGSTOP) past its lease is replaced by its standby; resumed, it serves
+/// nothing and exits, naming the new primary; the mount carries on with the new one.
+#[test]
+fn a_stopped_primary_is_replaced_and_exits_when_it_resumes() {
+    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
+        "no standby named:\n{}",
+        log(&c, 0)
+    );
+    let standby = named(&c, "standby").unwrap() as usize;
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    fs::write(m.path("f"), vec![1u8; 200_000]).unwrap();
+    let pid = c.nodes[0].as_ref().unwrap().child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    assert!(
+        wait_for(Duration::from_secs(15), || named(&c, "primary")
+            == Some(standby as u64)),
+        "the standby was not elected:\n{}",
+        log(&c, standby)
+    );
+    fs::write(m.path("g"), b"while the old primary is stopped").unwrap();
+    // SAFETY: SIGCONT to the memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let exited = wait_for(Duration::from_secs(10), || {
+        c.nodes[0]
+            .as_mut()
+            .is_some_and(|n| !matches!(n.child.try_wait(), Ok(None)))
+    });
+    assert!(exited, "the old primary still runs:\n{}", log(&c, 0));
+    assert!(log(&c, 0).contains("another node is primary now"), "{}", log(&c, 0));
+    assert_eq!(fs::read(m.path("f")).unwrap(), vec![1u8; 200_000]);
+    assert_eq!(fs::read(m.path("g")).unwrap(), b"while the old primary is stopped");
+    c.kill(0);
 }
