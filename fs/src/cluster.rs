@@ -265,8 +265,8 @@ impl Cluster {
 
     /// A namespace request to the primary. If the primary stopped answering and the cluster
     /// elects its primary (etcd), the mount waits for the one elected next
-    /// ([`Cluster::failover`]) and sends the request there once. A change that the old primary
-    /// made and answered too late may then be refused as already done (`EEXIST`, `ENOENT`).
+    /// ([`Cluster::failover`]) and sends the request there once, as a retry: a change the old
+    /// primary made (and the standby mirrored) is answered as it was, not made twice.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
         let (primary, session) = self.primary_session();
         match primary.meta(req.clone()) {
@@ -275,7 +275,13 @@ impl Cluster {
                     warn!(error = %why, "no primary took over: EIO");
                     return Err(e);
                 }
-                self.primary().meta(req)
+                // If the old primary made the change before it died, the new one answers
+                // what it answered instead of making it twice.
+                let retry = MetaRequest::Retry {
+                    from: session,
+                    req: Box::new(req),
+                };
+                self.primary().meta(retry)
             }
             r => r,
         }

@@ -44,11 +44,13 @@ struct Snapshot {
     extents: Vec<(u64, Vec<u8>)>,
 }
 
-/// A standby's copy of the primary's namespace, at journal entry `seq`.
+/// A standby's copy of the primary's namespace, at journal entry `seq`, with the last answer
+/// per session (a mount's retry after a take-over is answered from it).
 struct Mirror {
     ns: Namespace,
     seq: u64,
     primary: u32,
+    answered: journal::Answered,
 }
 
 /// Both sides of the standby: on the primary, which node follows; on a data node, its mirror.
@@ -275,7 +277,12 @@ pub fn take_piece(
         files = snap.extents.len(),
         "mirroring the primary's namespace: this node is its metadata standby"
     );
-    *node.standby.mirror.lock().expect("mirror lock") = Some(Mirror { ns, seq, primary });
+    *node.standby.mirror.lock().expect("mirror lock") = Some(Mirror {
+        ns,
+        seq,
+        primary,
+        answered: Default::default(),
+    });
     Ok(())
 }
 
@@ -312,7 +319,9 @@ pub fn take_journal(node: &Node, bytes: &[u8]) -> Result<(), Refusal> {
             ))
         } else {
             mirror.seq = e.seq;
+            let step = e.step.clone();
             journal::replay(&mut mirror.ns, node.data_region(), e)
+                .map(|out| mirror.answered.note(&step, &out))
         };
         if let Err(why) = result {
             *guard = None;
@@ -383,6 +392,7 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     // follows the new primary: writes under the old lock trees cannot outlive it.
     node.fences.fence_below(first, Duration::from_secs(3));
     let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
+    meta.set_answered(mirror.answered);
     // Before anyone is served: no layout handed out lists the old primary's replicas.
     let d = meta.drop_node(old, &**node);
     warn!(

@@ -14,7 +14,7 @@
 //! session ends. A size written since then by a mount that still has the file open is
 //! reported again by that mount to the primary that takes over.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -64,6 +64,7 @@ impl Step {
                 | MetaRequest::StatFs
                 | MetaRequest::LockSlot
                 | MetaRequest::LockTree { .. }
+                | MetaRequest::Retry { .. }
         )
     }
 
@@ -372,14 +373,52 @@ impl Storage for Replay<'_> {
     }
 }
 
-/// Applies one journal entry to a standby's namespace over its own region; an error says how
-/// the replay diverged from the primary's run (the standby is then out of sync).
-pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<(), String> {
+/// Applies one journal entry to a standby's namespace over its own region, returning what
+/// the step answered; an error says how the replay diverged from the primary's run (the
+/// standby is then out of sync).
+pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<Outcome, String> {
     let r = Replay::new(entry.primary, region, entry.answers);
-    entry.step.run(ns, &r);
+    let out = entry.step.run(ns, &r);
     ns.take_deleted();
     match r.divergence() {
-        None => Ok(()),
+        None => Ok(out),
         Some(why) => Err(format!("journal entry {}: {why}", entry.seq)),
+    }
+}
+
+/// The last changes each client session made (up to [`Answered::KEPT`]), with their answers,
+/// as a standby replayed them: a primary that takes over answers a mount's retry of one
+/// ([`MetaRequest::Retry`]) from here. Several threads of a mount may have had a change in
+/// flight when the primary died.
+#[derive(Default)]
+pub struct Answered(BTreeMap<u64, VecDeque<(MetaRequest, ControlResponse)>>);
+
+impl Answered {
+    /// Changes kept per session.
+    pub const KEPT: usize = 64;
+
+    /// Notes what a replayed step answered.
+    pub fn note(&mut self, step: &Step, out: &Outcome) {
+        match (step, out) {
+            (Step::Handle { session, req }, Outcome::Response(resp)) => {
+                let kept = self.0.entry(*session).or_default();
+                if kept.len() == Self::KEPT {
+                    kept.pop_front();
+                }
+                kept.push_back((req.clone(), resp.clone()));
+            }
+            (Step::EndSession { session }, _) => {
+                self.0.remove(session);
+            }
+            _ => {}
+        }
+    }
+
+    /// The answer to `req` if session `from` made it lately (the newest such; taken: answered
+    /// once).
+    pub fn take(&mut self, from: u64, req: &MetaRequest) -> Option<ControlResponse> {
+        let kept = self.0.get_mut(&from)?;
+        let at = kept.iter().rposition(|(r, _)| r == req)?;
+        kept.remove(at).map(|(_, resp)| resp)
     }
 }

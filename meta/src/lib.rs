@@ -42,6 +42,9 @@ pub struct MetaService {
     seq: u64,
     /// Entries made since [`MetaService::take_journal`] last ran.
     journal: Vec<Entry>,
+    /// The old primary's last answer per session (a primary that took over; see
+    /// [`MetaRequest::Retry`]).
+    answered: journal::Answered,
 }
 
 impl MetaService {
@@ -62,7 +65,14 @@ impl MetaService {
             journaling: false,
             seq,
             journal: Vec::new(),
+            answered: Default::default(),
         }
+    }
+
+    /// What the old primary answered last per session, as the standby replayed it: retries
+    /// of those changes are answered from it.
+    pub fn set_answered(&mut self, answered: journal::Answered) {
+        self.answered = answered;
     }
 
     /// Starts or stops journaling namespace changes (a standby is or is no longer following);
@@ -111,6 +121,10 @@ impl MetaService {
             MetaRequest::LockTree { ino, old, units } => self
                 .publish_tree(ino, old, units, st)
                 .map_or_else(ControlResponse::from, |w| ControlResponse::LockTree(w.0)),
+            MetaRequest::Retry { from, req } => match self.answered.take(from, &req) {
+                Some(resp) => resp,
+                None => return self.handle(session, *req, st),
+            },
             other if !Step::changes(&other) => self.namespace.handle(session, other, st),
             other => {
                 let changes = self.namespace.changes_of(&other);

@@ -159,10 +159,12 @@ impl Namespace {
                     None => err(ErrorCode::Invalid, "not a regular file"),
                 })
             }
-            MetaRequest::LockSlot | MetaRequest::LockTree { .. } => err(
-                ErrorCode::Internal,
-                "lock requests are the lock-tree service's, not the namespace's",
-            ),
+            MetaRequest::LockSlot | MetaRequest::LockTree { .. } | MetaRequest::Retry { .. } => {
+                err(
+                    ErrorCode::Internal,
+                    "lock and retry requests are the service's, not the namespace's",
+                )
+            }
             MetaRequest::Settle { ino, size, mtime } => self
                 .settle(ino, size, mtime, st)
                 .map(|()| ControlResponse::Ok),

@@ -202,4 +202,12 @@ pub enum MetaRequest {
         size: u64,
         mtime: u64,
     },
+    /// `req` again, sent by a mount to a primary that took over, on behalf of its session
+    /// `from` of the old primary (whose answer was lost): if the old primary made that change
+    /// (it is the last the standby replayed for `from`), its answer is returned, not made
+    /// twice.
+    Retry {
+        from: u64,
+        req: Box<MetaRequest>,
+    },
 }

@@ -236,8 +236,66 @@ fn a_stopped_primary_is_replaced_and_exits_when_it_resumes() {
             .is_some_and(|n| !matches!(n.child.try_wait(), Ok(None)))
     });
     assert!(exited, "the old primary still runs:\n{}", log(&c, 0));
-    assert!(log(&c, 0).contains("another node is primary now"), "{}", log(&c, 0));
+    assert!(
+        log(&c, 0).contains("another node is primary now"),
+        "{}",
+        log(&c, 0)
+    );
     assert_eq!(fs::read(m.path("f")).unwrap(), vec![1u8; 200_000]);
-    assert_eq!(fs::read(m.path("g")).unwrap(), b"while the old primary is stopped");
+    assert_eq!(
+        fs::read(m.path("g")).unwrap(),
+        b"while the old primary is stopped"
+    );
     c.kill(0);
+}
+
+/// Two primaries die one after the other: once the first standby took over, made the third
+/// node its standby and copied the dead primary's replicas back, killing it too leaves the
+/// third node serving every file.
+#[test]
+fn a_second_failover_after_the_first_loses_nothing() {
+    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
+        "no standby named:\n{}",
+        log(&c, 0)
+    );
+    let first = named(&c, "standby").unwrap() as usize;
+    let last = 3 - first;
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    let status = || {
+        let out = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
+            .arg("status")
+            .arg(&m.dir)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    for i in 0..10 {
+        fs::write(m.path(&format!("f{i}")), vec![i as u8; 300_000]).unwrap();
+    }
+    c.kill(0);
+    assert_eq!(fs::read(m.path("f0")).unwrap(), vec![0u8; 300_000]);
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let st = status();
+            st.contains(&format!("metadata standby: mn{last} (in sync"))
+                && st.contains("data: healthy")
+        }),
+        "{}\n{}",
+        status(),
+        log(&c, first)
+    );
+    fs::write(m.path("between"), b"written between the failovers").unwrap();
+    c.kill(first);
+    for i in 0..10 {
+        let got = fs::read(m.path(&format!("f{i}")))
+            .unwrap_or_else(|e| panic!("f{i}: {e}\n{}\n{}", m.log_text(), log(&c, last)));
+        assert_eq!(got, vec![i as u8; 300_000], "f{i}");
+    }
+    assert_eq!(
+        fs::read(m.path("between")).unwrap(),
+        b"written between the failovers"
+    );
+    assert_eq!(named(&c, "primary"), Some(last as u64));
 }
