@@ -72,13 +72,16 @@ pub struct Cluster {
     on_session: Mutex<Option<SessionHook>>,
     /// Run once this mount continues on a primary that took over (see [`Cluster::failover`]).
     on_failover: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+    /// How many times this mount moved to a primary that took over.
+    failovers: std::sync::atomic::AtomicU64,
     /// Held while a new session is set up.
     recovering: Mutex<()>,
     /// What this mount observes of each node, for choosing which replica a read goes to.
     pub loads: NodeLoads,
 }
 
-type SessionHook = Box<dyn Fn(Option<u16>) + Send + Sync>;
+/// Told each new session's QoS slot and the primary's address (it changes on a failover).
+type SessionHook = Box<dyn Fn(Option<u16>, Option<&str>) + Send + Sync>;
 
 /// This mount's lease as a lock holder, renewed by a thread of its own while the mount lives
 /// (see `rackfs_memnode::lease`); once the primary fenced the mount, why.
@@ -202,6 +205,7 @@ impl Cluster {
                 qos_wanted: Mutex::new(None),
                 on_session: Mutex::new(None),
                 on_failover: Mutex::new(None),
+                failovers: 0.into(),
                 recovering: Mutex::new(()),
                 loads: NodeLoads::new(ReadPolicy::Adaptive),
             });
@@ -252,8 +256,9 @@ impl Cluster {
             .is_some()
     }
 
-    /// Calls `hook` with the QoS slot of every new session this mount starts.
-    pub fn on_new_session(&self, hook: impl Fn(Option<u16>) + Send + Sync + 'static) {
+    /// Calls `hook` with the QoS slot of every new session this mount starts and the
+    /// primary's tcp address.
+    pub fn on_new_session(&self, hook: impl Fn(Option<u16>, Option<&str>) + Send + Sync + 'static) {
         *self.on_session.lock().expect("session hook lock") = Some(Box::new(hook));
     }
 
@@ -287,12 +292,22 @@ impl Cluster {
         }
     }
 
-    /// After an operation failed with EIO: whether the primary is gone (or no longer acts)
-    /// and another took over, this mount now continuing there; the operation may then run
-    /// again. `false` when the primary still answers (the failure was something else).
-    pub fn primary_replaced(&self) -> bool {
+    /// How many times this mount moved to a primary that took over (see
+    /// [`Cluster::primary_replaced`]).
+    pub fn failovers(&self) -> u64 {
+        self.failovers.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// After an operation that started when [`Cluster::failovers`] was `before` failed with
+    /// EIO: whether the primary is gone (or no longer acts) and another took over, this mount
+    /// now continuing there; the operation may then run again. `false` when the primary still
+    /// answers (the failure was something else).
+    pub fn primary_replaced(&self, before: u64) -> bool {
         if !self.elects_primary() {
             return false;
+        }
+        if self.failovers() != before {
+            return true; // another thread moved on meanwhile
         }
         let (primary, session) = self.primary.read().expect("primary lock").clone();
         let probe = primary.meta(MetaRequest::GetAttr {
@@ -306,8 +321,7 @@ impl Cluster {
                     false
                 }
             },
-            // Another thread moved on to a new primary meanwhile.
-            _ => self.session() != session,
+            _ => self.failovers() != before,
         }
     }
 
@@ -378,9 +392,12 @@ impl Cluster {
             Some((r, l, w)) => self.enable_qos(r, l, w).ok(),
             None => None,
         };
+        let primary = self.info().primary.tcp;
         if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
-            hook(slot);
+            hook(slot, primary.as_deref());
         }
+        self.failovers
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if let Some(hook) = self
             .on_failover
             .lock()
@@ -459,8 +476,9 @@ impl Cluster {
             Some((r, l, w)) => Some(self.enable_qos(r, l, w)?),
             None => None,
         };
+        let primary = self.info().primary.tcp;
         if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
-            hook(slot);
+            hook(slot, primary.as_deref());
         }
         warn!(old, new = id, fenced = %why, "this mount continues under a new session (its operations in flight when it was fenced failed with EIO)");
         Ok(())

@@ -152,8 +152,9 @@ impl RackFs {
     /// Runs a data operation, and once more if it failed with EIO because the primary died
     /// and another took over meanwhile.
     fn across_failover<T>(&self, mut op: impl FnMut() -> Result<T, i32>) -> Result<T, i32> {
+        let before = self.cluster.failovers();
         match op() {
-            Err(libc::EIO) if self.cluster.primary_replaced() => op(),
+            Err(libc::EIO) if self.cluster.primary_replaced(before) => op(),
             r => r,
         }
     }

@@ -226,12 +226,13 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
     }
     .keep(&dir);
     {
-        // A mount fenced by the primary continues in a new session, with a new QoS slot.
+        // A mount fenced by the primary continues in a new session, with a new QoS slot; one
+        // whose primary died, on the primary that took over (`rackfs status DIR` asks it).
         let (source, secret_file, dir) =
             (source.to_string(), opts.secret_file.clone(), dir.clone());
-        cluster.on_new_session(move |qos_slot| {
+        cluster.on_new_session(move |qos_slot, primary| {
             let record = MountRecord {
-                source: source.clone(),
+                source: primary.unwrap_or(&source).to_string(),
                 secret_file: secret_file.clone(),
                 qos_slot,
             };

@@ -44,7 +44,11 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
             .arg(&m.dir)
             .output()
             .unwrap();
-        String::from_utf8_lossy(&out.stdout).to_string()
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
     };
     let st = status();
     assert!(
@@ -269,7 +273,11 @@ fn a_second_failover_after_the_first_loses_nothing() {
             .arg(&m.dir)
             .output()
             .unwrap();
-        String::from_utf8_lossy(&out.stdout).to_string()
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
     };
     for i in 0..10 {
         fs::write(m.path(&format!("f{i}")), vec![i as u8; 300_000]).unwrap();
