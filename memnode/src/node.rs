@@ -97,6 +97,12 @@ impl Node {
         let mut m = self.meta.get()?.lock().expect("metadata lock");
         let out = f(&mut m);
         crate::standby::ship(self, &mut m);
+        // Only now that the standby has the change may the extents it released go.
+        for (node, offset) in self.standby.take_deferred() {
+            if let Err(e) = self.free_now(node, offset) {
+                warn!(node, offset, error = %e, "a released extent stays allocated");
+            }
+        }
         Some(out)
     }
 
@@ -526,6 +532,26 @@ impl Node {
 }
 
 impl Node {
+    /// Frees the extent at `offset` on `node` now (a down node's when it is admitted again).
+    fn free_now(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+        if node == self.cfg.node_id {
+            return self
+                .store
+                .free(offset)
+                .map(|_| ())
+                .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()));
+        }
+        match self.with_peer(node, |c| c.free(offset)) {
+            Ok(_) => Ok(()),
+            Err(r) if r.code == ErrorCode::Unavailable => {
+                // Freed when the node is admitted again, before it serves anyone.
+                crate::liveness::discard(self, node, offset);
+                Ok(())
+            }
+            Err(r) => Err(r),
+        }
+    }
+
     /// Has peer `node` carry out `req` (answered `Ok` or refused).
     fn on_peer(&self, node: u32, req: &ControlRequest) -> Result<(), Refusal> {
         self.with_peer(node, |c| c.call(req).map(|_| ()))
@@ -594,24 +620,11 @@ impl Storage for Node {
     }
 
     fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
-        if node == self.cfg.node_id {
-            return self
-                .store
-                .free(offset)
-                .map(|_| ())
-                .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()));
+        if self.standby.defer_free(node, offset) {
+            return Ok(());
         }
-        match self.with_peer(node, |c| c.free(offset)) {
-            Ok(_) => Ok(()),
-            Err(r) if r.code == ErrorCode::Unavailable => {
-                // Freed when the node is admitted again, before it serves anyone.
-                crate::liveness::discard(self, node, offset);
-                Ok(())
-            }
-            Err(r) => Err(r),
-        }
+        self.free_now(node, offset)
     }
-
     fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
         if node == self.cfg.node_id {
             return Ok(self.store.resize(offset, len, tag)?);

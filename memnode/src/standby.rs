@@ -67,12 +67,35 @@ pub struct Standby {
     pieces: Mutex<(u64, Vec<u8>)>,
     /// Primary: when a standby last failed to sync (retried after a pause).
     failed_at: Mutex<Option<Instant>>,
+    /// Primary: extents a change released, freed once the standby has the change (see
+    /// [`Standby::defer_free`]).
+    deferred: Mutex<Vec<(u32, u64)>>,
 }
 
 impl Standby {
     /// Whether this node holds a mirror (it may take over).
     pub fn has_mirror(&self) -> bool {
         self.mirror.lock().expect("mirror lock").is_some()
+    }
+
+    /// Primary: while a standby follows, an extent a change releases is freed only after the
+    /// change reached the standby (`Node::with_meta`): if the primary dies first, the standby's
+    /// layout, which lacks the change, still finds the stripe whole. Returns whether it was
+    /// held back.
+    pub fn defer_free(&self, node: u32, offset: u64) -> bool {
+        if self.follower().is_none() {
+            return false;
+        }
+        self.deferred
+            .lock()
+            .expect("deferred lock")
+            .push((node, offset));
+        true
+    }
+
+    /// The extents held back by [`Standby::defer_free`], to free now.
+    pub fn take_deferred(&self) -> Vec<(u32, u64)> {
+        std::mem::take(&mut *self.deferred.lock().expect("deferred lock"))
     }
 
     /// The standby the primary keeps in sync, if any.

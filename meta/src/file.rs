@@ -441,7 +441,52 @@ impl File {
         if need + r.cap() / 8 >= r.cap() {
             return Ok(());
         }
-        self.resize(k, need, serial, st).map(|_| ())
+        self.shrink(k, need, serial, st)
+    }
+
+    /// Copies stripe `stripe` into smaller extents of `cap` bytes on the same nodes, publishes
+    /// them, then frees the old ones. Unlike [`File::resize`] the old extents stay whole and
+    /// live until the new entry is published (no writer can race: the file has no opens), so
+    /// a standby that never learns of the shrink (its primary died in it) still finds the
+    /// stripe where its layout says; the frees come last, and the daemon holds them back until
+    /// the standby has the change. If any copy fails, nothing changes.
+    fn shrink(&mut self, stripe: u64, cap: u64, serial: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        let old = self.stripes[&stripe].clone();
+        let tag = stripe_tag(serial, cap);
+        let mut new = old.clone();
+        let mut made = Vec::new();
+        let mut failure = None;
+        for s in new.0.iter_mut() {
+            let Some(e) = *s else { continue };
+            let copied = st.alloc(e.node, cap, Some(tag)).and_then(|base| {
+                made.push((e.node, base));
+                st.copy(e.node, e.offset, e.node, base + TAG_SPACE, cap)?;
+                Ok(base)
+            });
+            match copied {
+                Ok(base) => {
+                    *s = Some(StripeExtent {
+                        node: e.node,
+                        offset: base + TAG_SPACE,
+                        tag,
+                    })
+                }
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            for (node, base) in made {
+                let _ = st.free(node, base);
+            }
+            return Err(err);
+        }
+        self.publish(region, stripe, new);
+        free_all(&old, st);
+        Ok(())
     }
 
     /// After the size became `size` (from `old`): zeroes the cut-off tail of the last kept
