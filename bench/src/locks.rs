@@ -258,7 +258,7 @@ fn measure(
         all.extend(lat);
     }
     if mem_len > 0 {
-        control.free(offset).expect("free lock memory");
+        control.free(offset, None).expect("free lock memory");
     }
     all.sort_unstable();
     Sample {

@@ -453,7 +453,7 @@ pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> 
     let peer = node.members.peer(id)?;
     let pending = discards.remove(&id).unwrap_or_default();
     for (i, &offset) in pending.iter().enumerate() {
-        match peer.free(offset) {
+        match peer.free(offset, None) {
             Ok(_) | Err(RpcError::Refused { .. }) => {}
             Err(e) => {
                 discards.insert(id, pending[i..].to_vec());

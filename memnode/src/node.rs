@@ -98,8 +98,8 @@ impl Node {
         let out = f(&mut m);
         crate::standby::ship(self, &mut m);
         // Only now that the standby has the change may the extents it released go.
-        for (node, offset) in self.standby.take_deferred() {
-            if let Err(e) = self.free_now(node, offset) {
+        for (node, offset, tag) in self.standby.take_deferred() {
+            if let Err(e) = self.free_now(node, offset, tag) {
                 warn!(node, offset, error = %e, "a released extent stays allocated");
             }
         }
@@ -291,24 +291,27 @@ impl Node {
                 },
                 Err(e) => Refusal::from(e).into(),
             },
-            ControlRequest::Free { offset } => match self.store.free(offset) {
+            ControlRequest::Free { offset, tag } => match self.store.free(offset, tag) {
                 Ok(len) => ControlResponse::Freed { len },
-                Err(e) => Refusal::from(e).into(),
+                Err(e) => e.into(),
             },
-            ControlRequest::Resize { offset, len, tag } => {
-                match self.store.resize(offset, len, tag) {
-                    Ok(offset) => ControlResponse::Allocated {
-                        rkey: self.welcome.regions[0].rkey,
-                        region_len: self.welcome.regions[0].len,
-                        offset,
-                        len: (len + TAG_SPACE).next_multiple_of(GRANULE),
-                    },
-                    Err(e) => Refusal::from(e).into(),
-                }
-            }
-            ControlRequest::Zero { offset, len } => self
+            ControlRequest::Resize {
+                offset,
+                len,
+                tag,
+                expect,
+            } => match self.store.resize(offset, len, tag, expect) {
+                Ok(offset) => ControlResponse::Allocated {
+                    rkey: self.welcome.regions[0].rkey,
+                    region_len: self.welcome.regions[0].len,
+                    offset,
+                    len: (len + TAG_SPACE).next_multiple_of(GRANULE),
+                },
+                Err(e) => e.into(),
+            },
+            ControlRequest::Zero { offset, len, tag } => self
                 .store
-                .zero(offset, len)
+                .zero(offset, len, tag)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::Cluster => match self.members.cluster_info() {
                 Some(mut c) => {
@@ -351,18 +354,23 @@ impl Node {
             ),
             ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::Retag { offset, tag } => self
+            ControlRequest::Retag {
+                offset,
+                expect,
+                tag,
+            } => self
                 .store
-                .retag(offset, tag)
+                .retag(offset, expect, tag)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::Pull {
                 source,
                 from,
                 to,
                 len,
+                expect,
             } => self
                 .store
-                .pull(&source, &self.cfg.secret, (from, to, len))
+                .pull(&source, &self.cfg.secret, (from, to, len), expect)
                 .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
                 Some(b) => b
@@ -532,16 +540,13 @@ impl Node {
 }
 
 impl Node {
-    /// Frees the extent at `offset` on `node` now (a down node's when it is admitted again).
-    fn free_now(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+    /// Frees the extent at `offset` on `node` now (with `tag`: only the stripe extent tagged
+    /// so; a down node's when it is admitted again).
+    fn free_now(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         if node == self.cfg.node_id {
-            return self
-                .store
-                .free(offset)
-                .map(|_| ())
-                .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()));
+            return self.store.free(offset, tag).map(|_| ());
         }
-        match self.with_peer(node, |c| c.free(offset)) {
+        match self.with_peer(node, |c| c.free(offset, tag)) {
             Ok(_) => Ok(()),
             Err(r) if r.code == ErrorCode::Unavailable => {
                 // Freed when the node is admitted again, before it serves anyone.
@@ -619,34 +624,56 @@ impl Storage for Node {
             .map(|(_, off)| off)
     }
 
-    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
-        if self.standby.defer_free(node, offset) {
+    fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
+        if self.standby.defer_free(node, offset, tag) {
             return Ok(());
         }
-        self.free_now(node, offset)
-    }
-    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
-        if node == self.cfg.node_id {
-            return Ok(self.store.resize(offset, len, tag)?);
-        }
-        self.with_peer(node, |c| c.resize(offset, len, tag))
+        self.free_now(node, offset, tag)
     }
 
-    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+    fn resize(
+        &self,
+        node: u32,
+        offset: u64,
+        len: u64,
+        tag: u64,
+        expect: u64,
+    ) -> Result<u64, Refusal> {
         if node == self.cfg.node_id {
-            return self.store.zero(offset, len);
+            return self.store.resize(offset, len, tag, expect);
         }
-        self.on_peer(node, &ControlRequest::Zero { offset, len })
+        self.with_peer(node, |c| c.resize(offset, len, tag, expect))
     }
 
-    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+    fn zero(&self, node: u32, offset: u64, len: u64, expect: u64) -> Result<(), Refusal> {
+        let tag = Some(expect);
         if node == self.cfg.node_id {
-            return self.store.retag(offset, tag);
+            return self.store.zero(offset, len, tag);
         }
-        self.on_peer(node, &ControlRequest::Retag { offset, tag })
+        self.on_peer(node, &ControlRequest::Zero { offset, len, tag })
     }
 
-    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+    fn retag(&self, node: u32, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal> {
+        if node == self.cfg.node_id {
+            return self.store.retag(offset, expect, tag);
+        }
+        let req = ControlRequest::Retag {
+            offset,
+            expect,
+            tag,
+        };
+        self.on_peer(node, &req)
+    }
+
+    fn copy(
+        &self,
+        src: u32,
+        from: u64,
+        expect: u64,
+        dst: u32,
+        to: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
         let source = self
             .members
             .addr_of(src)
@@ -658,13 +685,16 @@ impl Storage for Node {
                 )
             })?;
         if dst == self.cfg.node_id {
-            return self.store.pull(&source, &self.cfg.secret, (from, to, len));
+            return self
+                .store
+                .pull(&source, &self.cfg.secret, (from, to, len), expect);
         }
         let pull = ControlRequest::Pull {
             source,
             from,
             to,
             len,
+            expect,
         };
         self.on_peer(dst, &pull)
     }

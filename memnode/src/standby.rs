@@ -69,7 +69,7 @@ pub struct Standby {
     failed_at: Mutex<Option<Instant>>,
     /// Primary: extents a change released, freed once the standby has the change (see
     /// [`Standby::defer_free`]).
-    deferred: Mutex<Vec<(u32, u64)>>,
+    deferred: Mutex<Vec<(u32, u64, Option<u64>)>>,
 }
 
 impl Standby {
@@ -82,19 +82,19 @@ impl Standby {
     /// change reached the standby (`Node::with_meta`): if the primary dies first, the standby's
     /// layout, which lacks the change, still finds the stripe whole. Returns whether it was
     /// held back.
-    pub fn defer_free(&self, node: u32, offset: u64) -> bool {
+    pub fn defer_free(&self, node: u32, offset: u64, tag: Option<u64>) -> bool {
         if self.follower().is_none() {
             return false;
         }
         self.deferred
             .lock()
             .expect("deferred lock")
-            .push((node, offset));
+            .push((node, offset, tag));
         true
     }
 
     /// The extents held back by [`Standby::defer_free`], to free now.
-    pub fn take_deferred(&self) -> Vec<(u32, u64)> {
+    pub fn take_deferred(&self) -> Vec<(u32, u64, Option<u64>)> {
         std::mem::take(&mut *self.deferred.lock().expect("deferred lock"))
     }
 

@@ -162,15 +162,10 @@ impl Store {
     /// tagged `tag`: tombstones the old tag, copies what fits, and quarantines the old extent
     /// (see `rackfs_proto::record` for why this order loses no client write). Returns the new
     /// extent's offset.
-    pub fn resize(&self, offset: u64, len: u64, tag: u64) -> Result<u64, AllocError> {
-        let old_len = match self
-            .allocator
-            .lock()
-            .expect("allocator lock")
-            .extent(offset)
-        {
-            Some((l, true)) => l,
-            _ => return Err(AllocError::NotAllocated { offset }),
+    pub fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, Refusal> {
+        let old_len = {
+            let a = self.allocator.lock().expect("allocator lock");
+            self.owned(&a, offset, expect)?
         };
         let new = self.alloc(len, 1, Some(tag))?;
         self.region.store(offset, 0).expect("tag inside the region");
@@ -199,10 +194,34 @@ impl Store {
         ));
     }
 
-    /// Frees an extent: plain extents are zeroed and reusable at once; tagged ones are
-    /// tombstoned and quarantined first. Returns the extent's length.
-    pub fn free(&self, offset: u64) -> Result<u64, AllocError> {
+    /// Refuses unless the extent at `base` is a live stripe extent tagged `tag` (the service
+    /// names the tag it expects on every change to a stripe: see
+    /// `rackfs_proto::control::ControlRequest::Retag`); returns its length.
+    fn owned(&self, a: &ExtentAllocator, base: u64, tag: u64) -> Result<u64, Refusal> {
+        let found = match a.extent(base) {
+            Some((len, true)) => (len, self.region.load(base).expect("tag inside the region")),
+            _ => (0, 0),
+        };
+        if found.1 != tag || found.0 == 0 {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!(
+                    "no stripe extent tagged {tag:#x} at {base:#x} (found tag {:#x})",
+                    found.1
+                ),
+            ));
+        }
+        Ok(found.0)
+    }
+
+    /// Frees an extent (with `tag`, only the stripe extent tagged so): plain extents are
+    /// zeroed and reusable at once; tagged ones are tombstoned and quarantined first. Returns
+    /// the extent's length.
+    pub fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         let mut a = self.allocator.lock().expect("allocator lock");
+        if let Some(t) = tag {
+            self.owned(&a, offset, t)?;
+        }
         let (len, tagged) = a
             .extent(offset)
             .ok_or(AllocError::NotAllocated { offset })?;
@@ -215,27 +234,21 @@ impl Store {
             self.region
                 .discard(offset, len)
                 .expect("extent inside the region");
-            a.free(offset)
+            Ok(a.free(offset)?)
         }
     }
 
-    /// Gives the live stripe extent at `offset` the tag `tag`, in place (re-replication).
-    pub fn retag(&self, offset: u64, tag: u64) -> Result<(), Refusal> {
+    /// Gives the live stripe extent at `offset`, tagged `expect`, the tag `tag`, in place
+    /// (re-replication).
+    pub fn retag(&self, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal> {
         let a = self.allocator.lock().expect("allocator lock");
-        match a.extent(offset) {
-            Some((_, true)) => {
-                self.region
-                    .store(offset, tag)
-                    .expect("tag inside the region");
-                // A client's write that found the old tag was ordered before this point.
-                fence(Ordering::SeqCst);
-                Ok(())
-            }
-            _ => Err(Refusal::new(
-                ErrorCode::NotFound,
-                format!("no live stripe extent at {offset:#x}"),
-            )),
-        }
+        self.owned(&a, offset, expect)?;
+        self.region
+            .store(offset, tag)
+            .expect("tag inside the region");
+        // A client's write that found the old tag was ordered before this point.
+        fence(Ordering::SeqCst);
+        Ok(())
     }
 
     /// Copies `len` bytes at `from` of node `source`'s region (read one-sidedly over tcp, in
@@ -245,6 +258,7 @@ impl Store {
         source: &str,
         secret: &rackfs_verbs::Secret,
         (from, to, len): (u64, u64, u64),
+        expect: u64,
     ) -> Result<(), Refusal> {
         const PIECE: u64 = 1 << 20;
         let unavailable = |e: rackfs_verbs::VerbsError| {
@@ -269,6 +283,24 @@ impl Store {
         let rkey = qp.regions().first().map(|r| r.rkey).ok_or_else(|| {
             Refusal::new(ErrorCode::Unavailable, format!("{source} has no region"))
         })?;
+        // The source stripe must carry `expect` before and after: memory the source node
+        // reused meanwhile is never copied as this stripe.
+        let tagged = || -> Result<(), Refusal> {
+            let t = qp
+                .read(rackfs_verbs::RemoteAddr::new(rkey, from - TAG_SPACE), 8)
+                .map_err(unavailable)?;
+            let t = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
+            if t != expect {
+                return Err(Refusal::new(
+                    ErrorCode::NotFound,
+                    format!(
+                        "the stripe at {from:#x} on {source} is tagged {t:#x}, not {expect:#x}"
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        tagged()?;
         let mut at = 0;
         while at < len {
             let n = PIECE.min(len - at);
@@ -280,22 +312,23 @@ impl Store {
                 .expect("extent inside the region");
             at += n;
         }
-        Ok(())
+        tagged()
     }
 
-    /// Zeroes `len` bytes at `offset`, which must lie inside one allocated extent.
-    pub fn zero(&self, offset: u64, len: u64) -> Result<(), Refusal> {
-        let inside = self
-            .allocator
-            .lock()
-            .expect("allocator lock")
-            .containing(offset, len)
-            .is_some();
-        if !inside {
-            return Err(Refusal::new(
-                ErrorCode::Invalid,
-                format!("{len} bytes at {offset:#x} are not inside one allocated extent"),
-            ));
+    /// Zeroes `len` bytes at `offset`, which must lie inside one allocated extent (with `tag`:
+    /// a stripe extent tagged so).
+    pub fn zero(&self, offset: u64, len: u64, tag: Option<u64>) -> Result<(), Refusal> {
+        {
+            let a = self.allocator.lock().expect("allocator lock");
+            let Some(base) = a.containing(offset, len) else {
+                return Err(Refusal::new(
+                    ErrorCode::Invalid,
+                    format!("{len} bytes at {offset:#x} are not inside one allocated extent"),
+                ));
+            };
+            if let Some(t) = tag {
+                self.owned(&a, base, t)?;
+            }
         }
         self.region
             .discard(offset, len)
@@ -348,5 +381,35 @@ impl Store {
     pub fn capacity_free(&self) -> (u64, u64) {
         let a = self.allocator.lock().expect("allocator lock").stats();
         (a.capacity, a.free)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfs_verbs::Access;
+
+    fn store() -> Store {
+        let region = Region::create_memfd("store-test", 1 << 20, 1, Access::ALL).unwrap();
+        Store::new("test", Arc::new(region), Duration::ZERO, 64 << 10)
+    }
+
+    /// Memory freed and handed out again under another tag is never changed by a caller that
+    /// still names the old tag (a primary that took over with a layout lacking a change).
+    #[test]
+    fn a_stripe_extent_is_changed_only_under_the_tag_the_caller_expects() {
+        let s = store();
+        let a = s.alloc(4096, 64, Some(7)).unwrap();
+        s.free(a, Some(7)).unwrap();
+        s.reap();
+        let b = s.alloc(4096, 64, Some(9)).unwrap();
+        assert_eq!(a, b, "the freed memory is reused");
+        assert!(s.retag(b, 7, 11).is_err());
+        assert!(s.resize(b, 1024, 11, 7).is_err());
+        assert!(s.zero(b + TAG_SPACE, 16, Some(7)).is_err());
+        assert!(s.free(b, Some(7)).is_err());
+        assert_eq!(s.region().load(b).unwrap(), 9, "the new owner's tag is untouched");
+        s.retag(b, 9, 11).unwrap();
+        assert!(s.free(b, Some(11)).is_ok());
     }
 }

@@ -225,7 +225,7 @@ impl File {
         let mut next = old.clone();
         for s in next.0.iter_mut() {
             let Some(e) = *s else { continue };
-            match st.retag(e.node, e.offset - TAG_SPACE, tag) {
+            match st.retag(e.node, e.offset - TAG_SPACE, e.tag, tag) {
                 Ok(()) => *s = Some(StripeExtent { tag, ..e }),
                 Err(err) => {
                     tracing::warn!(node = e.node, stripe, error = %err, "a replica could not be retagged for re-replication: dropped");
@@ -234,7 +234,7 @@ impl File {
             }
         }
         let copied = match next.0.iter().flatten().find(|e| e.node == src.node) {
-            Some(src) => st.copy(src.node, src.offset, node, base + TAG_SPACE, cap),
+            Some(src) => st.copy(src.node, src.offset, tag, node, base + TAG_SPACE, cap),
             None => Err(rackfs_proto::Refusal::new(
                 ErrorCode::Unavailable,
                 format!("node {} went away", src.node),
@@ -256,7 +256,7 @@ impl File {
             }
             Err(err) => {
                 tracing::warn!(src = src.node, dst = node, stripe, error = %err, "copying a stripe for re-replication failed; retrying later");
-                let _ = st.free(node, base);
+                let _ = st.free(node, base, Some(tag));
                 0
             }
         };
@@ -334,7 +334,7 @@ impl File {
                     }
                     Err(e) => {
                         for p in placed.iter().flatten() {
-                            let _ = st.free(p.node, p.offset - TAG_SPACE);
+                            let _ = st.free(p.node, p.offset - TAG_SPACE, Some(p.tag));
                         }
                         return Err(e);
                     }
@@ -399,7 +399,7 @@ impl File {
         let mut failure = None;
         for s in moved.0.iter_mut() {
             let Some(e) = *s else { continue };
-            match st.resize(e.node, e.offset - TAG_SPACE, cap, tag) {
+            match st.resize(e.node, e.offset - TAG_SPACE, cap, tag, e.tag) {
                 Ok(base) => {
                     *s = Some(StripeExtent {
                         node: e.node,
@@ -461,7 +461,7 @@ impl File {
             let Some(e) = *s else { continue };
             let copied = st.alloc(e.node, cap, Some(tag)).and_then(|base| {
                 made.push((e.node, base));
-                st.copy(e.node, e.offset, e.node, base + TAG_SPACE, cap)?;
+                st.copy(e.node, e.offset, e.tag, e.node, base + TAG_SPACE, cap)?;
                 Ok(base)
             });
             match copied {
@@ -480,7 +480,7 @@ impl File {
         }
         if let Some(err) = failure {
             for (node, base) in made {
-                let _ = st.free(node, base);
+                let _ = st.free(node, base, Some(tag));
             }
             return Err(err);
         }
@@ -506,7 +506,7 @@ impl File {
                     let mut failure = None;
                     for (j, s) in r.0.iter().enumerate() {
                         let Some(e) = s else { continue };
-                        if let Err(err) = st.zero(e.node, e.offset + at, r.cap() - at) {
+                        if let Err(err) = st.zero(e.node, e.offset + at, r.cap() - at, e.tag) {
                             failure = Some(err);
                             zeroed.0[j] = None;
                         }
@@ -603,7 +603,7 @@ fn domain(st: &dyn Storage, node: u32) -> String {
 /// extent, logged.
 fn free_all(r: &Replicas, st: &dyn Storage) {
     for e in r.0.iter().flatten() {
-        if let Err(err) = st.free(e.node, e.offset - TAG_SPACE) {
+        if let Err(err) = st.free(e.node, e.offset - TAG_SPACE, Some(e.tag)) {
             tracing::warn!(node = e.node, error = %err, "a freed stripe's extent stays allocated on its node");
         }
     }

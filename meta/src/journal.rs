@@ -149,26 +149,43 @@ impl Storage for Recorder<'_> {
             Answer::Offset(r.clone())
         })
     }
-    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
-        self.keep(self.inner.free(node, offset), |r| Answer::Done(r.clone()))
+    fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
+        self.keep(self.inner.free(node, offset, tag), |r| {
+            Answer::Done(r.clone())
+        })
     }
-    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
-        self.keep(self.inner.resize(node, offset, len, tag), |r| {
+    fn resize(
+        &self,
+        node: u32,
+        offset: u64,
+        len: u64,
+        tag: u64,
+        expect: u64,
+    ) -> Result<u64, Refusal> {
+        self.keep(self.inner.resize(node, offset, len, tag, expect), |r| {
             Answer::Offset(r.clone())
         })
     }
-    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
-        self.keep(self.inner.zero(node, offset, len), |r| {
+    fn zero(&self, node: u32, offset: u64, len: u64, expect: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.zero(node, offset, len, expect), |r| {
             Answer::Done(r.clone())
         })
     }
-    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
-        self.keep(self.inner.retag(node, offset, tag), |r| {
+    fn retag(&self, node: u32, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal> {
+        self.keep(self.inner.retag(node, offset, expect, tag), |r| {
             Answer::Done(r.clone())
         })
     }
-    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
-        self.keep(self.inner.copy(src, from, dst, to, len), |r| {
+    fn copy(
+        &self,
+        src: u32,
+        from: u64,
+        expect: u64,
+        dst: u32,
+        to: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
+        self.keep(self.inner.copy(src, from, expect, dst, to, len), |r| {
             Answer::Done(r.clone())
         })
     }
@@ -294,19 +311,19 @@ impl Storage for Replay<'_> {
     fn alloc(&self, _: u32, _: u64, _: Option<u64>) -> Result<u64, Refusal> {
         self.offset("alloc")
     }
-    fn free(&self, _: u32, _: u64) -> Result<(), Refusal> {
+    fn free(&self, _: u32, _: u64, _: Option<u64>) -> Result<(), Refusal> {
         self.done("free")
     }
-    fn resize(&self, _: u32, _: u64, _: u64, _: u64) -> Result<u64, Refusal> {
+    fn resize(&self, _: u32, _: u64, _: u64, _: u64, _: u64) -> Result<u64, Refusal> {
         self.offset("resize")
     }
-    fn zero(&self, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+    fn zero(&self, _: u32, _: u64, _: u64, _: u64) -> Result<(), Refusal> {
         self.done("zero")
     }
-    fn retag(&self, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+    fn retag(&self, _: u32, _: u64, _: u64, _: u64) -> Result<(), Refusal> {
         self.done("retag")
     }
-    fn copy(&self, _: u32, _: u64, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
+    fn copy(&self, _: u32, _: u64, _: u64, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
         self.done("copy")
     }
     fn domain(&self, _: u32) -> Option<String> {

@@ -142,7 +142,7 @@ impl LockTrees {
 
     fn free_tree(st: &dyn Storage, word: TreeWord) {
         let (_, base) = geometry(word);
-        if let Err(e) = st.free(st.local().0, base) {
+        if let Err(e) = st.free(st.local().0, base, None) {
             warn!(offset = base, error = %e, "cannot free a retired lock tree");
         }
     }

@@ -25,17 +25,38 @@ pub trait Storage: Send + Sync {
     /// its first 8 bytes and its data starts [`TAG_SPACE`] after the returned offset.
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
     /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined).
-    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal>;
-    /// Moves the stripe extent at `offset` on `node` into a new one of `len` data bytes tagged
-    /// `tag` on the same node, copying its data (`ControlRequest::Resize`); returns the new
-    /// extent's offset.
-    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal>;
-    /// Zeroes `len` bytes at `offset` of an allocated extent on `node`.
-    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal>;
-    /// Gives the stripe extent at `offset` on `node` the tag `tag`, in place.
-    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal>;
-    /// Copies `len` bytes from `from` on node `src` to `to` on node `dst`.
-    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal>;
+    ///
+    /// Every call on a stripe extent names the owner tag the service expects there (`tag`
+    /// here, `expect` below) and is refused if the extent no longer carries it: a primary that
+    /// took over from a standby whose layout lacks a change its predecessor died in must never
+    /// touch memory a data node reused since.
+    fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal>;
+    /// Moves the stripe extent at `offset` on `node`, tagged `expect`, into a new one of `len`
+    /// data bytes tagged `tag` on the same node, copying its data (`ControlRequest::Resize`);
+    /// returns the new extent's offset.
+    fn resize(
+        &self,
+        node: u32,
+        offset: u64,
+        len: u64,
+        tag: u64,
+        expect: u64,
+    ) -> Result<u64, Refusal>;
+    /// Zeroes `len` bytes at `offset` of the stripe extent tagged `expect` on `node`.
+    fn zero(&self, node: u32, offset: u64, len: u64, expect: u64) -> Result<(), Refusal>;
+    /// Gives the stripe extent at `offset` on `node`, tagged `expect`, the tag `tag`, in place.
+    fn retag(&self, node: u32, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal>;
+    /// Copies `len` bytes from `from` (data of a stripe extent tagged `expect`) on node `src`
+    /// to `to` on node `dst`.
+    fn copy(
+        &self,
+        src: u32,
+        from: u64,
+        expect: u64,
+        dst: u32,
+        to: u64,
+        len: u64,
+    ) -> Result<(), Refusal>;
     /// Node `node`'s failure domain (`None`: a domain of its own).
     fn domain(&self, node: u32) -> Option<String>;
     /// This node's id and data region (where records, tables and lock trees live).
@@ -153,18 +174,36 @@ impl MemStorage {
         self.nodes[node as usize].lock().expect("node lock").used
     }
 
-    /// Refuses `[at, at + len)` on `node` unless it lies inside one live extent.
-    fn inside(&self, node: u32, at: u64, len: u64) -> Result<(), Refusal> {
+    /// Refuses `[at, at + len)` on `node` unless it lies inside one live extent; returns the
+    /// extent's start.
+    fn inside(&self, node: u32, at: u64, len: u64) -> Result<u64, Refusal> {
         let n = self.node(node)?.lock().expect("node lock");
-        let inside = n
-            .live
-            .range(..=at)
-            .next_back()
-            .is_some_and(|(&o, &l)| at + len <= o + l);
-        if !inside {
-            return Err(Refusal::new(
+        match n.live.range(..=at).next_back() {
+            Some((&o, &l)) if at + len <= o + l => Ok(o),
+            _ => Err(Refusal::new(
                 ErrorCode::Invalid,
                 format!("{len} bytes at {at:#x} are not inside one extent on node {node}"),
+            )),
+        }
+    }
+
+    /// Refuses unless the extent at `base` on `node` is live and tagged `tag`.
+    fn owned(&self, node: u32, base: u64, tag: u64) -> Result<(), Refusal> {
+        let live = self
+            .node(node)?
+            .lock()
+            .expect("node lock")
+            .live
+            .contains_key(&base);
+        let found = if live {
+            self.region(node).load(base).expect("tag inside the region")
+        } else {
+            0
+        };
+        if found != tag {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("the extent at {base:#x} on node {node} is not stripe {tag:#x} (tag {found:#x})"),
             ));
         }
         Ok(())
@@ -220,8 +259,11 @@ impl Storage for MemStorage {
         Ok(offset)
     }
 
-    fn free(&self, node: u32, offset: u64) -> Result<(), Refusal> {
+    fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         self.call_hook();
+        if let Some(t) = tag {
+            self.owned(node, offset, t)?;
+        }
         let mut n = self.node(node)?.lock().expect("node lock");
         let len = n.live.remove(&offset).ok_or_else(|| {
             Refusal::new(
@@ -236,8 +278,16 @@ impl Storage for MemStorage {
         Ok(())
     }
 
-    fn resize(&self, node: u32, offset: u64, len: u64, tag: u64) -> Result<u64, Refusal> {
+    fn resize(
+        &self,
+        node: u32,
+        offset: u64,
+        len: u64,
+        tag: u64,
+        expect: u64,
+    ) -> Result<u64, Refusal> {
         self.call_hook();
+        self.owned(node, offset, expect)?;
         let old = self
             .node(node)?
             .lock()
@@ -260,41 +310,40 @@ impl Storage for MemStorage {
             (old - TAG_SPACE).min(len),
         )
         .expect("extents in region");
-        self.free(node, offset)?;
+        self.free(node, offset, None)?;
         Ok(new)
     }
 
-    fn zero(&self, node: u32, offset: u64, len: u64) -> Result<(), Refusal> {
+    fn zero(&self, node: u32, offset: u64, len: u64, expect: u64) -> Result<(), Refusal> {
         self.call_hook();
-        self.inside(node, offset, len)?;
+        let base = self.inside(node, offset, len)?;
+        self.owned(node, base, expect)?;
         self.region(node)
             .discard(offset, len)
             .expect("extent in region");
         Ok(())
     }
 
-    fn retag(&self, node: u32, offset: u64, tag: u64) -> Result<(), Refusal> {
+    fn retag(&self, node: u32, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal> {
         self.call_hook();
-        if !self
-            .node(node)?
-            .lock()
-            .expect("node lock")
-            .live
-            .contains_key(&offset)
-        {
-            return Err(Refusal::new(
-                ErrorCode::NotFound,
-                format!("no extent at {offset:#x} on node {node}"),
-            ));
-        }
+        self.owned(node, offset, expect)?;
         self.region(node)
             .store(offset, tag)
             .expect("tag inside the region");
         Ok(())
     }
 
-    fn copy(&self, src: u32, from: u64, dst: u32, to: u64, len: u64) -> Result<(), Refusal> {
+    fn copy(
+        &self,
+        src: u32,
+        from: u64,
+        expect: u64,
+        dst: u32,
+        to: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
         self.call_hook();
+        self.owned(src, from - TAG_SPACE, expect)?;
         self.inside(src, from, len)?;
         self.inside(dst, to, len)?;
         let mut bytes = vec![0u8; len as usize];
@@ -324,7 +373,7 @@ impl Storage for MemStorage {
     }
 
     fn meta_free(&self, offset: u64, _: u64) {
-        let _ = self.free(0, offset);
+        let _ = self.free(0, offset, None);
     }
 
     fn load(&self, offset: u64) -> u64 {

@@ -350,16 +350,23 @@ impl ControlClient {
 
     /// Moves the file stripe extent at `offset` into a new one (see [`ControlRequest::Resize`]);
     /// returns the new extent's offset.
-    pub fn resize(&self, offset: u64, len: u64, tag: u64) -> Result<u64, RpcError> {
-        match self.call(&ControlRequest::Resize { offset, len, tag })? {
+    pub fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, RpcError> {
+        let req = ControlRequest::Resize {
+            offset,
+            len,
+            tag,
+            expect,
+        };
+        match self.call(&req)? {
             ControlResponse::Allocated { offset, .. } => Ok(offset),
             other => Err(self.mismatch(other)),
         }
     }
 
-    /// Frees the extent at `offset`; returns how many bytes come back.
-    pub fn free(&self, offset: u64) -> Result<u64, RpcError> {
-        match self.call(&ControlRequest::Free { offset })? {
+    /// Frees the extent at `offset` (with `tag`: only the stripe extent with that owner tag);
+    /// returns how many bytes come back.
+    pub fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
+        match self.call(&ControlRequest::Free { offset, tag })? {
             ControlResponse::Freed { len } => Ok(len),
             other => Err(self.mismatch(other)),
         }

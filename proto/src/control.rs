@@ -68,9 +68,11 @@ pub enum ControlRequest {
         align: u64,
         tag: Option<u64>,
     },
-    /// Free the extent that starts at `offset`.
+    /// Free the extent that starts at `offset`. With `tag`, only if it is a live stripe
+    /// extent with that owner tag (see [`ControlRequest::Retag`] for why).
     Free {
         offset: u64,
+        tag: Option<u64>,
     },
     /// The cluster's nodes (answered by every node; only the primary knows them all).
     Cluster,
@@ -81,18 +83,22 @@ pub enum ControlRequest {
         node: NodeAddr,
         epoch: Option<i64>,
     },
-    /// Zero `len` bytes at `offset` of an allocated extent (truncate's partial stripe).
+    /// Zero `len` bytes at `offset` of an allocated extent (truncate's partial stripe); with
+    /// `tag`, only if that extent is a live stripe with that owner tag.
     Zero {
         offset: u64,
         len: u64,
+        tag: Option<u64>,
     },
     /// Move the file stripe extent at `offset` into a new one of `len` data bytes tagged `tag`
     /// on the same node: the old tag is tombstoned before its data is copied, and the old
-    /// extent quarantined (see `crate::record`). Answered with the new extent.
+    /// extent quarantined (see `crate::record`); only if the old extent is a live stripe
+    /// tagged `expect`. Answered with the new extent.
     Resize {
         offset: u64,
         len: u64,
         tag: u64,
+        expect: u64,
     },
     /// A namespace operation (primary only).
     Meta(MetaRequest),
@@ -147,19 +153,25 @@ pub enum ControlRequest {
     },
     /// The primary to a data node: give the stripe extent at `offset` the owner tag `tag`, in
     /// place (re-replication: a mount's write that found the old tag landed before this, and
-    /// one that finds the new tag is redone on the new layout).
+    /// one that finds the new tag is redone on the new layout); only if its tag is `expect`.
+    /// Every change the primary makes to a stripe extent names the tag it expects there: a
+    /// primary that took over from a standby whose layout lacks a change its predecessor made
+    /// (it died in it) must never touch memory the data node reused since.
     Retag {
         offset: u64,
+        expect: u64,
         tag: u64,
     },
     /// The primary to a data node: copy `len` bytes from offset `from` of node `source`'s
     /// region (read one-sidedly over tcp from `source`'s address) to offset `to` of this one
-    /// (re-replication of a stripe onto this node).
+    /// (re-replication of a stripe onto this node), only while the source extent's owner tag,
+    /// at `from` less [`crate::record::TAG_SPACE`], reads `expect` before and after.
     Pull {
         source: String,
         from: u64,
         to: u64,
         len: u64,
+        expect: u64,
     },
     /// A coordinator operation on the embedded coordinator (primary only; see
     /// [`crate::coord`]).
@@ -580,7 +592,7 @@ mod tests {
                 0 => ControlRequest::Ping,
                 1 => ControlRequest::Stats,
                 2 => ControlRequest::Alloc { len, align, tag },
-                3 => ControlRequest::Free { offset: len },
+                3 => ControlRequest::Free { offset: len, tag },
                 4 => ControlRequest::Hello { version: len as u32 },
                 _ => ControlRequest::Meta(MetaRequest::Lookup { parent: len, name: align.to_le_bytes().to_vec() }),
             };

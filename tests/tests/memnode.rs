@@ -172,10 +172,10 @@ fn allocation_reuses_space_and_reports_full_nodes() {
         }
         other => panic!("expected out of memory, got {other:?}"),
     }
-    assert_eq!(ctl.free(a).unwrap(), 1 << 20);
+    assert_eq!(ctl.free(a, None).unwrap(), 1 << 20);
     assert!(
         matches!(
-            ctl.free(a),
+            ctl.free(a, None),
             Err(RpcError::Refused {
                 code: ErrorCode::NotFound,
                 ..
