@@ -408,7 +408,11 @@ mod tests {
         assert!(s.resize(b, 1024, 11, 7).is_err());
         assert!(s.zero(b + TAG_SPACE, 16, Some(7)).is_err());
         assert!(s.free(b, Some(7)).is_err());
-        assert_eq!(s.region().load(b).unwrap(), 9, "the new owner's tag is untouched");
+        assert_eq!(
+            s.region().load(b).unwrap(),
+            9,
+            "the new owner's tag is untouched"
+        );
         s.retag(b, 9, 11).unwrap();
         assert!(s.free(b, Some(11)).is_ok());
     }

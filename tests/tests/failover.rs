@@ -25,31 +25,40 @@ fn log(c: &TestCluster, i: usize) -> String {
     c.nodes[i].as_ref().map(|n| n.stderr()).unwrap_or_default()
 }
 
-/// kill -9 of the primary: the standby takes over with every name, attribute and byte; an
-/// open file keeps working (its writes since the last close included), and new files can be
-/// made.
-#[test]
-fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
-    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
+/// Three nodes on etcd (2 s leases) once the primary named its standby.
+fn with_standby(region: &str) -> TestCluster {
+    let c = TestCluster::on_etcd(3, region, &["--node-lease-ms", "2000"]);
     assert!(
         wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
         "no standby named:\n{}",
         log(&c, 0)
     );
+    c
+}
+
+/// `rackfs status` of mount `m` (stdout and stderr).
+fn status(m: &Mount) -> String {
+    let out = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
+        .arg("status")
+        .arg(&m.dir)
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// kill -9 of the primary: the standby takes over with every name, attribute and byte; an
+/// open file keeps working (its writes since the last close included), and new files can be
+/// made.
+#[test]
+fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
+    let mut c = with_standby("64M");
     let standby = named(&c, "standby").unwrap() as usize;
     let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
-    let status = || {
-        let out = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
-            .arg("status")
-            .arg(&m.dir)
-            .output()
-            .unwrap();
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    };
+    let status = || status(&m);
     let st = status();
     assert!(
         st.contains(&format!("metadata standby: mn{standby} (in sync")),
@@ -140,12 +149,7 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
 /// take over), and everything reads back, crc-checked, through a fresh mount.
 #[test]
 fn a_killed_primary_loses_no_byte_under_fio_verify_from_two_mounts() {
-    let mut c = TestCluster::on_etcd(3, "96M", &["--node-lease-ms", "2000"]);
-    assert!(
-        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
-        "no standby named:\n{}",
-        log(&c, 0)
-    );
+    let mut c = with_standby("96M");
     let standby = named(&c, "standby").unwrap() as usize;
     let a = Mount::new(&c, "stripe_unit=64K");
     let b = Mount::new(&c, "stripe_unit=64K,transport=tcp");
@@ -214,12 +218,7 @@ fn a_killed_primary_loses_no_byte_under_fio_verify_from_two_mounts() {
 /// nothing and exits, naming the new primary; the mount carries on with the new one.
 #[test]
 fn a_stopped_primary_is_replaced_and_exits_when_it_resumes() {
-    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
-    assert!(
-        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
-        "no standby named:\n{}",
-        log(&c, 0)
-    );
+    let mut c = with_standby("64M");
     let standby = named(&c, "standby").unwrap() as usize;
     let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
     fs::write(m.path("f"), vec![1u8; 200_000]).unwrap();
@@ -258,27 +257,11 @@ fn a_stopped_primary_is_replaced_and_exits_when_it_resumes() {
 /// third node serving every file.
 #[test]
 fn a_second_failover_after_the_first_loses_nothing() {
-    let mut c = TestCluster::on_etcd(3, "64M", &["--node-lease-ms", "2000"]);
-    assert!(
-        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
-        "no standby named:\n{}",
-        log(&c, 0)
-    );
+    let mut c = with_standby("64M");
     let first = named(&c, "standby").unwrap() as usize;
     let last = 3 - first;
     let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
-    let status = || {
-        let out = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
-            .arg("status")
-            .arg(&m.dir)
-            .output()
-            .unwrap();
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    };
+    let status = || status(&m);
     for i in 0..10 {
         fs::write(m.path(&format!("f{i}")), vec![i as u8; 300_000]).unwrap();
     }
