@@ -13,11 +13,13 @@ fn semantics_doc_names_existing_tests() {
             continue;
         }
         // Integration tests live in tests/tests; tests of one crate in that crate's tests/
-        // (the metadata service's unit tests of file layouts in meta/src).
+        // (unit tests: the metadata service's file layouts in meta/src, the store's in
+        // memnode/src).
         let src = [
             "tests/tests",
             "meta/tests",
             "meta/src",
+            "memnode/src",
             "locks/tests",
             "qos/tests",
             "verbs/tests",
