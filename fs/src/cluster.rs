@@ -360,13 +360,6 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(200));
         };
-        client.set_deadline(Duration::from_millis(
-            self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
-        ));
-        let id = session_of(&client)?;
-        if let Err(e) = client.call(&ControlRequest::Adopt { from: failed }) {
-            warn!(error = %e, "the new primary could not hand this mount its open files");
-        }
         let new = info.primary.node_id;
         {
             // Data nodes join the new primary within a quarter of their lease; until then it
@@ -382,20 +375,10 @@ impl Cluster {
         }
         self.primary_id
             .store(new, std::sync::atomic::Ordering::SeqCst);
-        *self.primary.write().expect("primary lock") = (Arc::new(client), id);
-        self.nodes.write().expect("nodes lock").clear();
-        *self.lock_client.lock().expect("lock client") = None;
-        *self.qos.write().expect("qos lock") = None;
-        *self.lease.write().expect("lease lock") = Arc::default();
-        let wanted = *self.qos_wanted.lock().expect("qos wanted lock");
-        let slot = match wanted {
-            Some((r, l, w)) => self.enable_qos(r, l, w).ok(),
-            None => None,
-        };
-        let primary = self.info().primary.tcp;
-        if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
-            hook(slot, primary.as_deref());
-        }
+        let id = self.take_over_session(client, failed)?;
+        // Without its QoS the mount still serves (the new primary may not admit it).
+        let slot = self.renew_qos().ok().flatten();
+        self.tell_session(slot);
         self.failovers
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if let Some(hook) = self
@@ -455,15 +438,24 @@ impl Cluster {
         let Some(why) = self.fenced() else {
             return Ok(()); // another thread did it
         };
-        let client = self.connect_primary()?;
+        let old = self.session();
+        let id = self.take_over_session(self.connect_primary()?, old)?;
+        let slot = self.renew_qos()?;
+        self.tell_session(slot);
+        warn!(old, new = id, fenced = %why, "this mount continues under a new session (its operations in flight when it was fenced failed with EIO)");
+        Ok(())
+    }
+
+    /// Starts a new session on `client` (a connection to the primary) that takes over the open
+    /// files of this mount's session `from` (before the old connection closes, which would
+    /// release them); per-session state (data connections, lock client, QoS, lease) starts
+    /// afresh. Returns the new session's id.
+    fn take_over_session(&self, client: ControlClient, from: u64) -> Result<u64, ConnectError> {
         client.set_deadline(Duration::from_millis(
             self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
         ));
         let id = session_of(&client)?;
-        let old = self.session();
-        // The fenced session kept this mount's open files: this one takes them over (before the
-        // old connection closes, which would release them).
-        if let Err(e) = client.call(&ControlRequest::Adopt { from: old }) {
+        if let Err(e) = client.call(&ControlRequest::Adopt { from }) {
             warn!(error = %e, "the new session could not take over the open files");
         }
         *self.primary.write().expect("primary lock") = (Arc::new(client), id);
@@ -471,17 +463,22 @@ impl Cluster {
         *self.lock_client.lock().expect("lock client") = None;
         *self.qos.write().expect("qos lock") = None;
         *self.lease.write().expect("lease lock") = Arc::default();
+        Ok(id)
+    }
+
+    /// Asks the primary again for the QoS this mount asked for; its slot (`None`: no QoS).
+    fn renew_qos(&self) -> Result<Option<u16>, RpcError> {
         let wanted = *self.qos_wanted.lock().expect("qos wanted lock");
-        let slot = match wanted {
-            Some((r, l, w)) => Some(self.enable_qos(r, l, w)?),
-            None => None,
-        };
+        wanted.map(|(r, l, w)| self.enable_qos(r, l, w)).transpose()
+    }
+
+    /// Tells the session hook (the mount's state record) the new session's QoS slot and the
+    /// primary's address.
+    fn tell_session(&self, slot: Option<u16>) {
         let primary = self.info().primary.tcp;
         if let Some(hook) = self.on_session.lock().expect("session hook lock").as_ref() {
             hook(slot, primary.as_deref());
         }
-        warn!(old, new = id, fenced = %why, "this mount continues under a new session (its operations in flight when it was fenced failed with EIO)");
-        Ok(())
     }
 
     /// The queue pair to node `id` in session `session` (EIO-worthy `Fenced` if the mount has
