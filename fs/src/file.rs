@@ -20,7 +20,7 @@
 //! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::Duration;
 
@@ -79,6 +79,9 @@ pub struct FileData {
     /// which may lack the size words written one-sidedly to the old one.
     written: AtomicU64,
     written_mtime: AtomicU64,
+    /// This mount saw the file without a `security.capability` attribute, which the kernel
+    /// asks for before every buffered write; forgotten with the size on any change.
+    no_capability: AtomicBool,
 }
 
 fn word(b: &[u8], i: usize) -> u64 {
@@ -145,6 +148,7 @@ impl FileData {
             locks: locking.then(|| FileLocks::new(ino, layout.record)),
             written: AtomicU64::new(0),
             written_mtime: AtomicU64::new(0),
+            no_capability: AtomicBool::new(false),
         }
     }
 
@@ -167,10 +171,22 @@ impl FileData {
             .then(|| self.size_hint.load(Ordering::Relaxed))
     }
 
-    /// Forgets the size last read (another mount changed the file's attributes).
+    /// Forgets the size last read and whether it lacks a capability attribute (another
+    /// mount changed the file's attributes).
     pub fn forget_size(&self) {
         self.size_read_at.store(0, Ordering::Relaxed);
         self.written.store(0, Ordering::Relaxed);
+        self.no_capability.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether this mount knows the file has no `security.capability` attribute.
+    pub fn lacks_capability(&self) -> bool {
+        self.no_capability.load(Ordering::Relaxed)
+    }
+
+    /// Records whether the file lacks a `security.capability` attribute.
+    pub fn set_lacks_capability(&self, lacks: bool) {
+        self.no_capability.store(lacks, Ordering::Relaxed);
     }
 
     /// Forgets the cached layout (after this mount truncated the file).

@@ -16,8 +16,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
-    WriteFlags,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, TimeOrNow, WriteFlags,
 };
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
@@ -52,6 +52,18 @@ fn rpc(e: RpcError) -> Errno {
         _ => tracing::debug!(error = %e, "metadata request failed"),
     }
     errno(e.errno())
+}
+
+/// Answers a `getxattr` or `listxattr`: the length when the caller asks with size 0, ERANGE
+/// when its buffer is too small.
+fn reply_xattr(answer: Result<ControlResponse, Errno>, size: u32, reply: ReplyXattr) {
+    match answer {
+        Ok(ControlResponse::Xattr(v)) if size == 0 => reply.size(v.len() as u32),
+        Ok(ControlResponse::Xattr(v)) if v.len() > size as usize => reply.error(Errno::ERANGE),
+        Ok(ControlResponse::Xattr(v)) => reply.data(&v),
+        Ok(_) => reply.error(Errno::EIO),
+        Err(e) => reply.error(e),
+    }
 }
 
 fn to_time(ns: u64) -> SystemTime {
@@ -382,6 +394,80 @@ impl Filesystem for RackFs {
         };
         match res {
             Ok(a) => reply.attr(&self.ttl(), &file_attr(&a)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        position: u32,
+        reply: ReplyEmpty,
+    ) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        if position != 0 {
+            return reply.error(Errno::EINVAL); // macOS resource forks only
+        }
+        match self.meta(MetaRequest::SetXattr {
+            ino: ino.0,
+            name: name.as_bytes().to_vec(),
+            value: value.to_vec(),
+            flags: flags as u32,
+        }) {
+            Ok(_) => {
+                if let Some(f) = self.cached_file(ino.0) {
+                    f.set_lacks_capability(false);
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// The kernel asks for `security.capability` before every buffered write: for a file open
+    /// here, an answer of "none" is kept until the watcher reports a change to the file (so
+    /// only while the watcher runs, `attr_timeout` > 0).
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let capability = name.as_bytes() == b"security.capability";
+        let open = capability && !self.ttl().is_zero();
+        let open = open.then(|| self.cached_file(ino.0)).flatten();
+        if open.as_ref().is_some_and(|f| f.lacks_capability()) {
+            return reply.error(Errno::ENODATA);
+        }
+        let req = MetaRequest::GetXattr {
+            ino: ino.0,
+            name: name.as_bytes().to_vec(),
+        };
+        let answer = self.meta(req);
+        if let Some(f) = open {
+            f.set_lacks_capability(answer == Err(Errno::ENODATA));
+        }
+        reply_xattr(answer, size, reply);
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        reply_xattr(
+            self.meta(MetaRequest::ListXattr { ino: ino.0 }),
+            size,
+            reply,
+        );
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        match self.meta(MetaRequest::RemoveXattr {
+            ino: ino.0,
+            name: name.as_bytes().to_vec(),
+        }) {
+            Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
         }
     }

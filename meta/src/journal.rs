@@ -61,6 +61,8 @@ impl Step {
                 | MetaRequest::ReadDir { .. }
                 | MetaRequest::ReadLink { .. }
                 | MetaRequest::GetStripe { .. }
+                | MetaRequest::GetXattr { .. }
+                | MetaRequest::ListXattr { .. }
                 | MetaRequest::StatFs
                 | MetaRequest::LockSlot
                 | MetaRequest::LockTree { .. }

@@ -14,6 +14,7 @@ pub mod locktree;
 pub mod namespace;
 pub mod placement;
 pub mod storage;
+pub mod xattr;
 
 use std::time::Duration;
 

@@ -23,6 +23,7 @@ use rackfs_proto::Refusal;
 
 use crate::file::{read_word, write_word, Dropped, File};
 use crate::storage::Storage;
+use crate::xattr::Xattrs;
 
 type MetaResult<T> = Result<T, Refusal>;
 
@@ -53,6 +54,7 @@ struct Inode {
     dir: Option<DirState>,
     file: Option<File>,
     opens: u32,
+    xattrs: Xattrs,
 }
 
 /// The namespace and file layouts (see the module docs).
@@ -91,6 +93,7 @@ impl Namespace {
             }),
             file: None,
             opens: 0,
+            xattrs: Xattrs::default(),
         };
         Namespace {
             inodes: BTreeMap::from([(ROOT_INO, root)]),
@@ -165,6 +168,22 @@ impl Namespace {
                     "lock and retry requests are the service's, not the namespace's",
                 )
             }
+            MetaRequest::SetXattr {
+                ino,
+                name,
+                value,
+                flags,
+            } => self.change_xattrs(ino, st, |x| x.set(&name, &value, flags)),
+            MetaRequest::RemoveXattr { ino, name } => {
+                self.change_xattrs(ino, st, |x| x.remove(&name))
+            }
+            MetaRequest::GetXattr { ino, name } => self
+                .get(ino)
+                .and_then(|i| i.xattrs.get(&name))
+                .map(|v| ControlResponse::Xattr(v.to_vec())),
+            MetaRequest::ListXattr { ino } => self
+                .get(ino)
+                .map(|i| ControlResponse::Xattr(i.xattrs.list())),
             MetaRequest::Settle { ino, size, mtime } => self
                 .settle(ino, size, mtime, st)
                 .map(|()| ControlResponse::Ok),
@@ -191,7 +210,10 @@ impl Namespace {
                 .map(|ino| Change::Inode { ino })
         };
         match req {
-            MetaRequest::SetAttr { ino, .. } | MetaRequest::Link { ino, .. } => {
+            MetaRequest::SetAttr { ino, .. }
+            | MetaRequest::Link { ino, .. }
+            | MetaRequest::SetXattr { ino, .. }
+            | MetaRequest::RemoveXattr { ino, .. } => {
                 vec![Change::Inode { ino: *ino }]
             }
             MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
@@ -272,6 +294,20 @@ impl Namespace {
     /// How many inodes exist.
     pub fn inodes(&self) -> u64 {
         self.inodes.len() as u64
+    }
+
+    /// Applies `change` to an inode's extended attributes; a change moves its ctime.
+    fn change_xattrs(
+        &mut self,
+        ino: u64,
+        st: &dyn Storage,
+        change: impl FnOnce(&mut Xattrs) -> MetaResult<()>,
+    ) -> MetaResult<ControlResponse> {
+        let t = st.wall_ns();
+        let i = self.get_mut(ino)?;
+        change(&mut i.xattrs)?;
+        i.ctime = t;
+        Ok(ControlResponse::Ok)
     }
 
     fn get(&self, ino: u64) -> MetaResult<&Inode> {
@@ -394,6 +430,7 @@ impl Namespace {
             dir: None,
             file: None,
             opens: 0,
+            xattrs: Xattrs::default(),
         };
         match kind {
             NewKind::File {

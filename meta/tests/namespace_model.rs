@@ -1,6 +1,6 @@
 //! The namespace against a reference model: random sequences of create, mkdir, symlink, link,
 //! unlink, rmdir, rename (with and without RENAME_NOREPLACE / RENAME_EXCHANGE), truncate,
-//! setattr and stripe allocation run on both; every result (attributes or errno) must agree,
+//! setattr, stripe allocation and extended attributes run on both; every result (attributes or errno) must agree,
 //! and after every step the whole tree, every inode's attributes and the memory in use must too.
 //!
 //! The model is a plain tree of names in the spirit of mountpoint-s3's reftests: link counts
@@ -14,7 +14,7 @@ use rackfs_meta::{MemStorage, MetaService, Namespace, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Kind, MetaRequest, NewKind, SetAttr, MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE,
-    ROOT_INO,
+    ROOT_INO, XATTR_CREATE, XATTR_REPLACE,
 };
 use rackfs_proto::record::{EXTENT_GRANULE, TAG_SPACE};
 
@@ -39,6 +39,7 @@ struct MInode {
     kind: MKind,
     perm: u16,
     uid: u32,
+    xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
 }
 
 /// The reference: inodes by number, directories as name maps.
@@ -57,6 +58,7 @@ impl Model {
             },
             perm: 0o755,
             uid: 0,
+            xattrs: BTreeMap::new(),
         };
         Model {
             inodes: BTreeMap::from([(ROOT_INO, root)]),
@@ -170,7 +172,15 @@ impl Model {
         } else {
             0o644
         };
-        self.inodes.insert(ino, MInode { kind, perm, uid: 0 });
+        self.inodes.insert(
+            ino,
+            MInode {
+                kind,
+                perm,
+                uid: 0,
+                xattrs: BTreeMap::new(),
+            },
+        );
         self.entries_mut(parent).insert(name.to_vec(), ino);
         Ok(ino)
     }
@@ -254,6 +264,28 @@ impl Model {
         self.entries_mut(np).insert(nname.to_vec(), src);
         self.collect();
         Ok(())
+    }
+
+    /// `setxattr` (`value` some) or `removexattr` (none), with Linux's flags.
+    fn xattr(&mut self, ino: u64, name: &[u8], value: Option<&[u8]>, flags: u32) -> MResult<()> {
+        let i = self.inodes.get_mut(&ino).ok_or(ErrorCode::NotFound)?;
+        if !name.starts_with(b"user.") {
+            return Err(ErrorCode::NotSupported);
+        }
+        let exists = i.xattrs.contains_key(name);
+        match value {
+            None if !exists => Err(ErrorCode::NoData),
+            None => {
+                i.xattrs.remove(name);
+                Ok(())
+            }
+            Some(_) if exists && flags == XATTR_CREATE => Err(ErrorCode::Exists),
+            Some(_) if !exists && flags == XATTR_REPLACE => Err(ErrorCode::NoData),
+            Some(v) => {
+                i.xattrs.insert(name.to_vec(), v.to_vec());
+                Ok(())
+            }
+        }
     }
 
     fn setattr(
@@ -347,6 +379,13 @@ enum Op {
         stripe: u64,
         end: u64,
     },
+    /// `setxattr` when `value` is some, else `removexattr`.
+    Xattr {
+        ino: usize,
+        name: Vec<u8>,
+        value: Option<Vec<u8>>,
+        flags: u32,
+    },
 }
 
 fn name() -> impl Strategy<Value = Vec<u8>> {
@@ -370,6 +409,10 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (idx.clone(), prop::option::of(prop_oneof![0u64..40_000, Just(MAX_FILE_SIZE + 1)]), prop::option::of(0u16..0o10000), prop::option::of(0u32..3))
             .prop_map(|(ino, size, perm, uid)| Op::SetAttr { ino, size, perm, uid }),
         2 => (idx, 0u64..12, prop_oneof![0u64..=UNIT, Just(UNIT + 1)]).prop_map(|(ino, stripe, end)| Op::AllocStripe { ino, stripe, end }),
+        // Few inodes and names, so that flags meet existing and missing attributes alike.
+        4 => (0usize..3, prop::sample::select(vec![b"user.a".to_vec(), b"user.a".to_vec(), b"user.b".to_vec(), b"os2.a".to_vec()]),
+              prop::option::of(prop::collection::vec(any::<u8>(), 0..4)), 0u32..3)
+            .prop_map(|(ino, name, value, flags)| Op::Xattr { ino, name, value, flags }),
     ]
 }
 
@@ -404,6 +447,27 @@ fn compare(svc: &mut MetaService, st: &MemStorage, m: &Model) -> Result<(), Test
             "inode {}",
             ino
         );
+        let mut names = Vec::new();
+        for (name, value) in &i.xattrs {
+            names.extend_from_slice(name);
+            names.push(0);
+            let got = call(
+                svc,
+                st,
+                MetaRequest::GetXattr {
+                    ino,
+                    name: name.clone(),
+                },
+            );
+            prop_assert_eq!(
+                got,
+                Ok(ControlResponse::Xattr(value.clone())),
+                "inode {}",
+                ino
+            );
+        }
+        let listed = call(svc, st, MetaRequest::ListXattr { ino });
+        prop_assert_eq!(listed, Ok(ControlResponse::Xattr(names)), "inode {}", ino);
         if let MKind::Dir { entries } = &i.kind {
             let got = match call(
                 svc,
@@ -604,6 +668,25 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     m.alloc_stripe(ino, stripe, end).map(|_| None),
                     got.map(|_| None),
                 )
+            }
+            Op::Xattr {
+                ino,
+                name,
+                value,
+                flags,
+            } => {
+                let ino = pick(&known, ino);
+                let want = m.xattr(ino, &name, value.as_deref(), flags).map(|_| None);
+                let req = match value {
+                    Some(value) => MetaRequest::SetXattr {
+                        ino,
+                        name,
+                        value,
+                        flags,
+                    },
+                    None => MetaRequest::RemoveXattr { ino, name },
+                };
+                (want, call(&mut svc, &st, req).map(|_| None))
             }
         };
         prop_assert_eq!(&got, &want, "{:?}", op);

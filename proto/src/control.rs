@@ -19,7 +19,7 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
 pub const RPC_KINDS: [&str; 27] = [
@@ -319,6 +319,14 @@ pub enum ErrorCode {
     Version,
     /// The mount's lease expired and it was fenced: it must be mounted again.
     Fenced,
+    /// No such extended attribute.
+    NoData,
+    /// A name too long, or an answer larger than the caller's buffer.
+    Range,
+    /// An extended attribute value too large.
+    ValueTooBig,
+    /// An operation or attribute namespace RackFS does not support.
+    NotSupported,
 }
 
 impl ErrorCode {
@@ -337,6 +345,10 @@ impl ErrorCode {
             ErrorCode::Permission => libc::EPERM,
             ErrorCode::Refused => libc::EDQUOT,
             ErrorCode::Version => libc::EPROTO,
+            ErrorCode::NoData => libc::ENODATA,
+            ErrorCode::Range => libc::ERANGE,
+            ErrorCode::ValueTooBig => libc::E2BIG,
+            ErrorCode::NotSupported => libc::EOPNOTSUPP,
             ErrorCode::NotPrimary
             | ErrorCode::Unavailable
             | ErrorCode::Internal
@@ -500,6 +512,8 @@ pub enum ControlResponse {
     FsStat(FsStat),
     LockSlot(u16),
     LockTree(u64),
+    /// An extended attribute's value, or a list of names.
+    Xattr(Vec<u8>),
     QosNode(QosNodeStatus),
     /// The mount's slot and its admitted QoS.
     QosGranted {

@@ -111,6 +111,18 @@ impl StripeExtent {
     }
 }
 
+/// Longest extended attribute name (Linux `XATTR_NAME_MAX`): ERANGE beyond.
+pub const XATTR_NAME_MAX: usize = 255;
+/// Largest extended attribute value (Linux `XATTR_SIZE_MAX`): E2BIG beyond.
+pub const XATTR_SIZE_MAX: usize = 65536;
+/// Most bytes of names (each with its NUL) one inode's attributes may have, so a list always
+/// fits Linux's `XATTR_LIST_MAX`; and most bytes of names and values together. ENOSPC beyond.
+pub const XATTR_LIST_MAX: usize = 65536;
+pub const XATTR_TOTAL_MAX: usize = 256 << 10;
+/// `setxattr` flags: fail if the attribute exists / does not exist.
+pub const XATTR_CREATE: u32 = 1;
+pub const XATTR_REPLACE: u32 = 2;
+
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
 
@@ -201,6 +213,28 @@ pub enum MetaRequest {
         ino: u64,
         size: u64,
         mtime: u64,
+    },
+    /// Set extended attribute `name` (with its namespace prefix, e.g. `user.`) to `value`;
+    /// `flags` are [`XATTR_CREATE`] or [`XATTR_REPLACE`].
+    SetXattr {
+        ino: u64,
+        name: Vec<u8>,
+        value: Vec<u8>,
+        flags: u32,
+    },
+    /// An extended attribute's value (answered with `ControlResponse::Xattr`).
+    GetXattr {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    /// The inode's extended attribute names, each followed by a NUL, as `listxattr(2)` gives
+    /// them (answered with `ControlResponse::Xattr`).
+    ListXattr {
+        ino: u64,
+    },
+    RemoveXattr {
+        ino: u64,
+        name: Vec<u8>,
     },
     /// `req` again, sent by a mount to a primary that took over, on behalf of its session
     /// `from` of the old primary (whose answer was lost): if the old primary made that change
