@@ -42,6 +42,10 @@ use rackfs_qos::engine::InFlight;
 /// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
 const MAX_ATTEMPTS: usize = 16;
 
+/// Most stripes one `fallocate` request to the service covers (each may take a round trip to
+/// every replica's node).
+pub const FALLOCATE_STRIPES: u64 = 64;
+
 #[derive(Default)]
 struct Layout {
     table: u64,
@@ -792,27 +796,68 @@ impl FileData {
         size: u64,
         truncate: impl FnOnce() -> Result<T, i32>,
     ) -> Result<T, i32> {
-        let Some(locks) = &self.locks else {
-            let res = truncate();
-            self.invalidate();
-            if res.is_ok() {
-                self.written.store(0, Ordering::Relaxed);
+        let res = self.exclusively(cl, truncate, |locks, held| {
+            if let Err(e) = locks.shrink(cl, held, size.div_ceil(lock::LOCK_UNIT)) {
+                tracing::warn!(ino = self.ino, errno = e, "lock tree not shrunk");
             }
+        });
+        if res.is_ok() {
+            self.written.store(0, Ordering::Relaxed);
+        }
+        res
+    }
+
+    /// `fallocate(2)` of bytes `[offset, offset + len)` under the whole-file lock: `send`
+    /// asks the service for a piece of the range, at most [`FALLOCATE_STRIPES`] stripes at a
+    /// time so each request finishes well within its deadline.
+    pub fn fallocate(
+        &self,
+        cl: &Cluster,
+        offset: u64,
+        len: u64,
+        send: impl Fn(u64, u64) -> Result<(), i32>,
+    ) -> Result<(), i32> {
+        let end = offset.checked_add(len).ok_or(libc::EFBIG)?;
+        let res = self.exclusively(
+            cl,
+            || {
+                let mut at = offset;
+                while at < end {
+                    let to = (at - at % self.unit + FALLOCATE_STRIPES * self.unit).min(end);
+                    send(at, to - at)?;
+                    at = to;
+                }
+                Ok(())
+            },
+            |_, _| {},
+        );
+        self.size_read_at.store(0, Ordering::Relaxed);
+        res
+    }
+
+    /// Runs `op` holding the file's whole-file range lock (no write of any mount overlaps it),
+    /// then forgets the cached layout; `done` runs, still under the lock, if `op` succeeded.
+    fn exclusively<T>(
+        &self,
+        cl: &Cluster,
+        op: impl FnOnce() -> Result<T, i32>,
+        done: impl FnOnce(&FileLocks, &lock::Held),
+    ) -> Result<T, i32> {
+        let Some(locks) = &self.locks else {
+            let res = op();
+            self.invalidate();
             return res;
         };
         let held = locks.lock(cl, 0, u64::MAX)?;
         // Not on behalf of a session fenced since the lock was taken.
         let res = if cl.session() == held.session() {
-            truncate()
+            op()
         } else {
             Err(libc::EIO)
         };
         self.invalidate();
         if res.is_ok() {
-            self.written.store(0, Ordering::Relaxed);
-            if let Err(e) = locks.shrink(cl, &held, size.div_ceil(lock::LOCK_UNIT)) {
-                tracing::warn!(ino = self.ino, errno = e, "lock tree not shrunk");
-            }
+            done(locks, &held);
         }
         locks.unlock(cl, held);
         res

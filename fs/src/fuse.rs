@@ -398,6 +398,40 @@ impl Filesystem for RackFs {
         }
     }
 
+    /// `fallocate(2)`: reserve (mode 0, `KEEP_SIZE`), punch a hole (`PUNCH_HOLE|KEEP_SIZE`)
+    /// or zero a range (`ZERO_RANGE`), under the whole-file lock; other modes `EOPNOTSUPP`.
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        if let Err(e) = self.writable() {
+            return reply.error(e);
+        }
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let send = |offset, len| {
+            let req = MetaRequest::Fallocate {
+                ino: ino.0,
+                offset,
+                len,
+                mode: mode as u32,
+            };
+            self.meta(req).map(|_| ()).map_err(i32::from)
+        };
+        let res = self.across_failover(|| f.fallocate(&self.cluster, offset, length, send));
+        match res {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn setxattr(
         &self,
         _req: &Request,

@@ -70,6 +70,9 @@ pub struct File {
     stripes: BTreeMap<u64, Replicas>,
     /// Earlier tables (offset, bytes), kept because clients may still read them.
     retired_tables: Vec<(u64, u64)>,
+    /// How far `fallocate` with `FALLOC_FL_KEEP_SIZE` reserved memory: trimming at close
+    /// keeps it, a truncate below it gives it up.
+    reserved: u64,
 }
 
 /// What dropping a dead node's replicas did.
@@ -94,6 +97,7 @@ impl File {
             table_cap: 0,
             stripes: BTreeMap::new(),
             retired_tables: Vec::new(),
+            reserved: 0,
         }
     }
 
@@ -430,7 +434,7 @@ impl File {
     /// Shrinks the last stripe's extents to what the file's size needs, when that saves more
     /// than an eighth of them (a file that grew by doubling, or was truncated).
     pub fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
-        let size = st.load(self.record + REC_SIZE);
+        let size = st.load(self.record + REC_SIZE).max(self.reserved);
         let Some((&k, r)) = self.stripes.iter().next_back() else {
             return Ok(());
         };
@@ -497,33 +501,9 @@ impl File {
     pub fn cut(&mut self, size: u64, old: u64, st: &dyn Storage) -> MetaResult<()> {
         let (_, region) = st.local();
         let unit = self.stripe_unit;
+        self.reserved = self.reserved.min(size);
         if size < old && !size.is_multiple_of(unit) {
-            let k = size / unit;
-            if let Some(r) = self.stripes.get(&k).cloned() {
-                let at = size % unit;
-                if at < r.cap() {
-                    let mut zeroed = r.clone();
-                    let mut failure = None;
-                    for (j, s) in r.0.iter().enumerate() {
-                        let Some(e) = s else { continue };
-                        if let Err(err) = st.zero(e.node, e.offset + at, r.cap() - at, e.tag) {
-                            failure = Some(err);
-                            zeroed.0[j] = None;
-                        }
-                    }
-                    if let Some(e) = failure {
-                        if zeroed.live().is_empty() {
-                            return Err(e);
-                        }
-                        for j in 0..r.0.len() {
-                            if zeroed.0[j].is_none() && r.0[j].is_some() {
-                                self.clear_slot(region, k, j);
-                            }
-                        }
-                        self.stripes.insert(k, zeroed);
-                    }
-                }
-            }
+            self.zero_in(size / unit, size % unit, unit, st)?;
         }
         let gone: Vec<u64> = self
             .stripes
@@ -534,6 +514,98 @@ impl File {
             let r = self.stripes.remove(&k).expect("present");
             self.clear(region, k);
             free_all(&r, st);
+        }
+        Ok(())
+    }
+
+    /// Zeroes bytes `[from, to)` of stripe `stripe` where its extents hold them (beyond an
+    /// extent's capacity the stripe reads zeros already). A replica that cannot be zeroed is
+    /// dropped while another is; its node's memory is freed when it can be.
+    fn zero_in(&mut self, stripe: u64, from: u64, to: u64, st: &dyn Storage) -> MetaResult<()> {
+        let Some(r) = self.stripes.get(&stripe).cloned() else {
+            return Ok(());
+        };
+        let to = to.min(r.cap());
+        if from >= to {
+            return Ok(());
+        }
+        let mut zeroed = r.clone();
+        let mut failure = None;
+        for (j, s) in r.0.iter().enumerate() {
+            let Some(e) = s else { continue };
+            if let Err(err) = st.zero(e.node, e.offset + from, to - from, e.tag) {
+                failure = Some(err);
+                zeroed.0[j] = None;
+            }
+        }
+        let Some(e) = failure else { return Ok(()) };
+        if zeroed.live().is_empty() {
+            return Err(e);
+        }
+        let (_, region) = st.local();
+        for j in 0..r.0.len() {
+            if zeroed.0[j].is_none() && r.0[j].is_some() {
+                self.clear_slot(region, stripe, j);
+            }
+        }
+        self.stripes.insert(stripe, zeroed);
+        Ok(())
+    }
+
+    /// The stripes bytes `[from, to)` touch: (stripe, first byte in it, end in it).
+    fn span(&self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+        let unit = self.stripe_unit;
+        (from / unit..to.div_ceil(unit)).map(move |k| {
+            let base = k * unit;
+            (k, from.max(base) - base, to.min(base + unit) - base)
+        })
+    }
+
+    /// Allocates every stripe bytes `[from, to)` touch, as writes there would (`fallocate`
+    /// mode 0); `serial` numbers each new allocation. `keep_size`: the memory stays reserved
+    /// past the end of file (trimming at close keeps it).
+    pub fn reserve(
+        &mut self,
+        ino: u64,
+        from: u64,
+        to: u64,
+        keep_size: bool,
+        serial: &mut u64,
+        st: &dyn Storage,
+    ) -> MetaResult<()> {
+        for (k, _, end) in self.span(from, to).collect::<Vec<_>>() {
+            let this = *serial;
+            *serial += 1;
+            self.alloc_stripe(ino, k, end, this, st)?;
+            if keep_size {
+                self.reserved = self.reserved.max(k * self.stripe_unit + end);
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the stripes wholly inside bytes `[from, to)` (their memory goes back to the
+    /// nodes) and zeroes the rest of the range (`FALLOC_FL_PUNCH_HOLE`).
+    pub fn punch(&mut self, from: u64, to: u64, st: &dyn Storage) -> MetaResult<()> {
+        let (_, region) = st.local();
+        for (k, a, b) in self.span(from, to).collect::<Vec<_>>() {
+            if a == 0 && b == self.stripe_unit {
+                if let Some(r) = self.stripes.remove(&k) {
+                    self.clear(region, k);
+                    free_all(&r, st);
+                }
+            } else {
+                self.zero_in(k, a, b, st)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes bytes `[from, to)` where they are allocated (`FALLOC_FL_ZERO_RANGE`, after
+    /// [`File::reserve`]).
+    pub fn zero(&mut self, from: u64, to: u64, st: &dyn Storage) -> MetaResult<()> {
+        for (k, a, b) in self.span(from, to).collect::<Vec<_>>() {
+            self.zero_in(k, a, b, st)?;
         }
         Ok(())
     }

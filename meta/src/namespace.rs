@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode};
 use rackfs_proto::namespace::{
     Attr, Change, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
-    MAX_FILE_SIZE, MAX_NAME, MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
+    FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, MAX_FILE_SIZE, MAX_NAME,
+    MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
 use rackfs_proto::record::{MAX_REPLICAS, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE};
 use rackfs_proto::Refusal;
@@ -184,6 +185,14 @@ impl Namespace {
             MetaRequest::ListXattr { ino } => self
                 .get(ino)
                 .map(|i| ControlResponse::Xattr(i.xattrs.list())),
+            MetaRequest::Fallocate {
+                ino,
+                offset,
+                len,
+                mode,
+            } => self
+                .fallocate(ino, offset, len, mode, st)
+                .map(|()| ControlResponse::Ok),
             MetaRequest::Settle { ino, size, mtime } => self
                 .settle(ino, size, mtime, st)
                 .map(|()| ControlResponse::Ok),
@@ -213,6 +222,7 @@ impl Namespace {
             MetaRequest::SetAttr { ino, .. }
             | MetaRequest::Link { ino, .. }
             | MetaRequest::SetXattr { ino, .. }
+            | MetaRequest::Fallocate { ino, .. }
             | MetaRequest::RemoveXattr { ino, .. } => {
                 vec![Change::Inode { ino: *ino }]
             }
@@ -904,6 +914,74 @@ impl Namespace {
         write_word(region, f.record + REC_MTIME, t);
         i.mtime = t;
         f.cut(size, old, st)
+    }
+
+    /// `fallocate(2)` (see [`MetaRequest::Fallocate`]); the caller holds the whole-file lock.
+    fn fallocate(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        len: u64,
+        mode: u32,
+        st: &dyn Storage,
+    ) -> MetaResult<()> {
+        let keep = mode & FALLOC_KEEP_SIZE != 0;
+        let known = FALLOC_KEEP_SIZE | FALLOC_PUNCH_HOLE | FALLOC_ZERO_RANGE;
+        if mode & !known != 0 || (mode & FALLOC_PUNCH_HOLE != 0 && !keep) {
+            return err(
+                ErrorCode::NotSupported,
+                format!("fallocate mode {mode:#x} (supported: 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE)"),
+            );
+        }
+        if mode & FALLOC_PUNCH_HOLE != 0 && mode & FALLOC_ZERO_RANGE != 0 || len == 0 {
+            return err(
+                ErrorCode::Invalid,
+                format!("fallocate mode {mode:#x} of {len} bytes"),
+            );
+        }
+        let end = match offset.checked_add(len) {
+            Some(end) if end <= MAX_FILE_SIZE => end,
+            _ => return err(
+                ErrorCode::TooBig,
+                format!(
+                    "fallocate to {offset} + {len} exceeds the maximum file size {MAX_FILE_SIZE}"
+                ),
+            ),
+        };
+        let (_, region) = st.local();
+        let t = st.wall_ns();
+        let mut serial = self.next_tag;
+        let i = self.get_mut(ino)?;
+        let Some(f) = i.file.as_mut() else {
+            return err(
+                if i.kind == Kind::Dir {
+                    ErrorCode::IsDir
+                } else {
+                    ErrorCode::Invalid
+                },
+                "fallocate needs a regular file",
+            );
+        };
+        let done = if mode & FALLOC_PUNCH_HOLE != 0 {
+            f.punch(offset, end, st)
+        } else {
+            f.reserve(ino, offset, end, keep, &mut serial, st)
+                .and_then(|()| match mode & FALLOC_ZERO_RANGE {
+                    0 => Ok(()),
+                    _ => f.zero(offset, end, st),
+                })
+        };
+        let grows = !keep && end > st.load(f.record + REC_SIZE);
+        if done.is_ok() && grows {
+            write_word(region, f.record + REC_SIZE, end);
+        }
+        if done.is_ok() && (grows || mode & (FALLOC_PUNCH_HOLE | FALLOC_ZERO_RANGE) != 0) {
+            write_word(region, f.record + REC_MTIME, t);
+            i.mtime = t;
+            i.ctime = t;
+        }
+        self.next_tag = serial;
+        done
     }
 
     fn alloc_stripe(

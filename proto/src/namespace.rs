@@ -123,6 +123,12 @@ pub const XATTR_TOTAL_MAX: usize = 256 << 10;
 pub const XATTR_CREATE: u32 = 1;
 pub const XATTR_REPLACE: u32 = 2;
 
+/// `fallocate` modes RackFS supports (Linux's values): keep the size, punch a hole (with
+/// [`FALLOC_KEEP_SIZE`]), zero a range.
+pub const FALLOC_KEEP_SIZE: u32 = 0x01;
+pub const FALLOC_PUNCH_HOLE: u32 = 0x02;
+pub const FALLOC_ZERO_RANGE: u32 = 0x10;
+
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
 
@@ -235,6 +241,17 @@ pub enum MetaRequest {
     RemoveXattr {
         ino: u64,
         name: Vec<u8>,
+    },
+    /// `fallocate(2)` on bytes `[offset, offset + len)` of a file, which the caller holds the
+    /// whole-file range lock of. `mode` 0 allocates every stripe of the range (ENOSPC now
+    /// rather than at a later write) and grows the size to its end; [`FALLOC_KEEP_SIZE`]
+    /// keeps the size; [`FALLOC_PUNCH_HOLE`] frees the stripes wholly inside the range and
+    /// zeroes the rest of it; [`FALLOC_ZERO_RANGE`] allocates and zeroes it.
+    Fallocate {
+        ino: u64,
+        offset: u64,
+        len: u64,
+        mode: u32,
     },
     /// `req` again, sent by a mount to a primary that took over, on behalf of its session
     /// `from` of the old primary (whose answer was lost): if the old primary made that change

@@ -1,9 +1,12 @@
 //! fsx-style random operations on real mounts, checked against an in-memory model after every
 //! operation. A failure prints its seed; `RACKFS_FSX_SEED=N` replays just that seed. On one
-//! mount, reads and writes through shared mappings join in (xfstests fsx's mapread/mapwrite).
+//! mount, reads and writes through shared mappings join in (xfstests fsx's mapread/mapwrite);
+//! `fallocate` reserves, punches holes and zeroes ranges (fsx's fallocate, punch_hole and
+//! zero_range).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use rackfs_tests::{mapped, Mount, Rng, TestCluster};
@@ -155,6 +158,38 @@ fn run(seed: u64, mounts: &[&Mount], maps: bool, halfway: &mut dyn FnMut()) {
                 (&h.append).write_all(&data).unwrap();
                 model.extend_from_slice(&data);
                 format!("append {len}")
+            }
+            92..=95 => {
+                // fallocate: reserve (growing the size or not), punch a hole, zero a range.
+                let off = rng.below(size + (256 << 10)).min(MAX_SIZE);
+                let len = 1 + rng.below(MAX_LEN);
+                let (mode, name) = [
+                    (0, "fallocate"),
+                    (libc::FALLOC_FL_KEEP_SIZE, "fallocate keep_size"),
+                    (
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        "punch hole",
+                    ),
+                    (libc::FALLOC_FL_ZERO_RANGE, "zero range"),
+                    (
+                        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                        "zero range keep_size",
+                    ),
+                ][rng.below(5) as usize];
+                // SAFETY: a plain syscall on an open descriptor.
+                let r = unsafe { libc::fallocate(h.rw.as_raw_fd(), mode, off as i64, len as i64) };
+                assert_eq!(r, 0, "{name}: {}", std::io::Error::last_os_error());
+                let end = (off + len) as usize;
+                if mode & libc::FALLOC_FL_KEEP_SIZE == 0 && model.len() < end {
+                    model.resize(end, 0);
+                }
+                if mode & (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE) != 0 {
+                    let to = end.min(model.len());
+                    if (off as usize) < to {
+                        model[off as usize..to].fill(0);
+                    }
+                }
+                format!("{name} {len} at {off}")
             }
             _ => {
                 // A hole: a small write well past the end.

@@ -479,3 +479,114 @@ fn a_write_by_another_user_clears_setuid_and_setgid() {
         .unwrap();
     assert_eq!(fs::metadata(&p).unwrap().mode() & 0o7777, 0o6777);
 }
+
+fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> Result<(), i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain syscall on an open descriptor.
+    match unsafe { libc::fallocate(f.as_raw_fd(), mode, offset as i64, len as i64) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)),
+    }
+}
+
+/// fallocate reserves memory now (ENOSPC at the fallocate, not at a later write), keeps or
+/// grows the size as asked, punches holes that give memory back, zeroes ranges, and refuses
+/// what it does not support.
+#[test]
+fn fallocate_reserves_early_punches_holes_and_zeroes_ranges() {
+    let c = TestCluster::start(2, "16M");
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    let used =
+        |c: &TestCluster| c.control(0).stats().unwrap().used + c.control(1).stats().unwrap().used;
+    let open = |name: &str| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(m.path(name))
+            .unwrap()
+    };
+    let base = used(&c);
+    let r = open("reserved");
+    fallocate(&r, 0, 0, 4 << 20).unwrap();
+    assert_eq!(
+        r.metadata().unwrap().len(),
+        4 << 20,
+        "mode 0 grows the size"
+    );
+    assert!(
+        used(&c) >= base + (8 << 20),
+        "4 MiB on two replicas reserved at once"
+    );
+    // KEEP_SIZE reserves past the end without growing the size, and the reservation outlives
+    // a close (the trim at close keeps it).
+    let k = open("keep");
+    k.write_all_at(b"small", 0).unwrap();
+    fallocate(&k, libc::FALLOC_FL_KEEP_SIZE, 0, 48 << 10).unwrap();
+    assert_eq!(k.metadata().unwrap().len(), 5);
+    drop(k);
+    let blocks = fs::metadata(m.path("keep")).unwrap().blocks();
+    assert!(
+        blocks * 512 >= 2 * (48 << 10),
+        "{blocks} blocks after close"
+    );
+
+    // Fill the cluster: the reserved file still takes its 4 MiB, a new reservation is ENOSPC.
+    let mut fill = File::create(m.path("fill")).unwrap();
+    let chunk = vec![3u8; 256 << 10];
+    while fill.write_all(&chunk).is_ok() {}
+    r.write_all_at(&vec![7u8; 4 << 20], 0)
+        .expect("writes into reserved memory succeed on a full cluster");
+    assert_eq!(fallocate(&open("late"), 0, 0, 4 << 20), Err(libc::ENOSPC));
+    assert_eq!(fs::read(m.path("reserved")).unwrap(), vec![7u8; 4 << 20]);
+
+    // Punch 1 MiB (whole stripes) plus a partial stripe: those bytes read zeros, the size
+    // stays, and the whole stripes' memory goes back.
+    let before = r.metadata().unwrap().blocks();
+    let on_nodes = used(&c);
+    let (off, len) = (100_000u64, (1 << 20) + 30_000);
+    fallocate(
+        &r,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        off,
+        len,
+    )
+    .unwrap();
+    let after = r.metadata().unwrap().blocks();
+    assert!(
+        (before - after) * 512 >= 2 * (15 << 16),
+        "punching 15 whole stripes frees them on both replicas: {before} -> {after} blocks"
+    );
+    assert!(
+        rackfs_tests::wait_for(Duration::from_secs(5), || used(&c) + 2 * (15 << 16)
+            <= on_nodes),
+        "the nodes get the punched stripes back once out of quarantine"
+    );
+    let mut want = vec![7u8; 4 << 20];
+    want[off as usize..(off + len) as usize].fill(0);
+    assert_eq!(fs::read(m.path("reserved")).unwrap(), want);
+    assert_eq!(r.metadata().unwrap().len(), 4 << 20);
+    // Zero a range across the end: zeros inside, the size grows to its end.
+    fallocate(&r, libc::FALLOC_FL_ZERO_RANGE, (4 << 20) - 10, 110).unwrap();
+    want[(4 << 20) - 10..].fill(0);
+    want.resize((4 << 20) + 100, 0);
+    assert_eq!(fs::read(m.path("reserved")).unwrap(), want);
+
+    // What RackFS does not support, and bad ranges, get their errors and change nothing.
+    assert_eq!(
+        fallocate(&r, libc::FALLOC_FL_COLLAPSE_RANGE, 0, 64 << 10),
+        Err(libc::EOPNOTSUPP)
+    );
+    assert_eq!(
+        fallocate(&r, libc::FALLOC_FL_INSERT_RANGE, 0, 64 << 10),
+        Err(libc::EOPNOTSUPP)
+    );
+    assert_eq!(
+        fallocate(&r, libc::FALLOC_FL_PUNCH_HOLE, 0, 10),
+        Err(libc::EOPNOTSUPP)
+    );
+    assert_eq!(fallocate(&r, 0, 0, 0), Err(libc::EINVAL));
+    assert_eq!(fallocate(&r, 0, 1 << 46, 1), Err(libc::EFBIG));
+    assert_eq!(fs::read(m.path("reserved")).unwrap(), want);
+}
