@@ -44,6 +44,7 @@
 //! retired tree fail with [`LockError::Retired`] so the caller retries on the new one.
 
 pub mod geometry;
+pub mod record;
 pub mod split;
 pub mod tree;
 
