@@ -83,6 +83,8 @@ pub struct FileData {
     /// which may lack the size words written one-sidedly to the old one.
     written: AtomicU64,
     written_mtime: AtomicU64,
+    /// `fcntl` and `flock` locks of this mount's processes on the file.
+    pub record_locks: crate::reclock::FileRecordLocks,
     /// This mount saw the file without a `security.capability` attribute, which the kernel
     /// asks for before every buffered write; forgotten with the size on any change.
     no_capability: AtomicBool,
@@ -153,6 +155,7 @@ impl FileData {
             written: AtomicU64::new(0),
             written_mtime: AtomicU64::new(0),
             no_capability: AtomicBool::new(false),
+            record_locks: crate::reclock::FileRecordLocks::new(ino),
         }
     }
 

@@ -16,8 +16,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{
@@ -28,6 +28,7 @@ use rackfs_proto::RpcError;
 use crate::cluster::Cluster;
 use crate::file::FileData;
 use crate::options::{CacheMode, MountOptions};
+use crate::reclock;
 
 /// A mounted RackFS.
 pub struct RackFs {
@@ -303,6 +304,14 @@ impl RackFs {
         }
     }
 
+    /// Drops `owner`'s record locks on a file this mount has open.
+    fn drop_locks(&self, ino: u64, owner: Option<LockOwner>) -> Result<(), i32> {
+        match (owner, self.cached_file(ino)) {
+            (Some(o), Some(f)) => f.record_locks.drop_owner(&self.cluster, o.0),
+            _ => Ok(()),
+        }
+    }
+
     fn writable(&self) -> Result<(), Errno> {
         if self.opts.read_only {
             Err(Errno::EROFS)
@@ -317,6 +326,12 @@ impl Filesystem for RackFs {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::InitFlags::FUSE_PARALLEL_DIROPS);
+        // fcntl and flock locks go to the filesystem (held across mounts), not the kernel.
+        if let Err(missing) = config.add_capabilities(
+            fuser::InitFlags::FUSE_POSIX_LOCKS | fuser::InitFlags::FUSE_FLOCK_LOCKS,
+        ) {
+            tracing::warn!(?missing, "the kernel keeps file locks local to this mount");
+        }
         // Files are opened for direct I/O; this lets them be mapped too (MAP_SHARED included):
         // a mapping goes through the page cache, written back on msync, munmap or close.
         if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP) {
@@ -801,15 +816,96 @@ impl Filesystem for RackFs {
         }
     }
 
+    /// Writes are in remote memory when `write()` returns; a close drops the closing
+    /// process's `fcntl` locks on the file (POSIX: any close of the file does).
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
-        _lock_owner: LockOwner,
+        lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        reply.ok(); // writes are in remote memory when write() returns
+        match self.drop_locks(ino.0, Some(lock_owner)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// `F_GETLK`: the first lock of another owner, on any mount, that conflicts.
+    fn getlk(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        reply: ReplyLock,
+    ) {
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let r = reclock::Request {
+            owner: lock_owner.0,
+            pid,
+            start,
+            end,
+            typ,
+        };
+        match f.record_locks.test(&self.cluster, &r) {
+            Ok(Some((start, end, typ, pid))) => reply.locked(start, end, typ, pid),
+            Ok(None) => reply.locked(0, 0, libc::F_UNLCK, 0),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// `F_SETLK`, `F_SETLKW` and `flock`, held across every mount. A request that must wait
+    /// does so on a thread of its own (the FUSE workers stay free for the holders' unlocks).
+    fn setlk(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let r = reclock::Request {
+            owner: lock_owner.0,
+            pid,
+            start,
+            end,
+            typ,
+        };
+        match f.record_locks.try_set(&self.cluster, &r) {
+            Ok(true) => return reply.ok(),
+            Ok(false) if !sleep => return reply.error(Errno::EAGAIN),
+            Ok(false) => {}
+            Err(e) => return reply.error(errno(e)),
+        }
+        let (cluster, tid) = (self.cluster.clone(), req.pid());
+        let waiter = std::thread::Builder::new()
+            .name("rackfs-lockwait".into())
+            .spawn(move || {
+                let interrupted = || reclock::signal_pending(pid, tid);
+                match f.record_locks.set_waiting(&cluster, &r, interrupted) {
+                    Ok(()) => reply.ok(),
+                    Err(e) => reply.error(errno(e)),
+                }
+            });
+        if let Err(e) = waiter {
+            tracing::warn!(error = %e, "no thread to wait for a lock on");
+        }
     }
 
     /// The data is in remote memory when `write` returns; fsync also makes the size and mtime
@@ -843,10 +939,18 @@ impl Filesystem for RackFs {
         ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        // The last close of a file that was flock()ed drops that lock.
+        if let Err(e) = self.drop_locks(ino.0, lock_owner) {
+            tracing::warn!(
+                ino = ino.0,
+                errno = e,
+                "the flock of a closed file was not dropped"
+            );
+        }
         self.handles.lock().expect("handles lock").remove(&fh.0);
         match self.meta(MetaRequest::Release { ino: ino.0 }) {
             Ok(_) => reply.ok(),

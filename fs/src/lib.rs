@@ -18,6 +18,7 @@ pub mod layout;
 pub mod lock;
 pub mod mount;
 pub mod options;
+pub mod reclock;
 pub mod replica;
 pub mod up;
 pub mod watch;

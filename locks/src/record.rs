@@ -7,10 +7,10 @@
 //! ([`MUTEX`]) and `version` ([`VERSION`]) — then [`ENTRIES`] entries of [`ENTRY_LEN`] bytes,
 //! `start, end, owner, info` (`end` exclusive, `u64::MAX` for "to the end of file and beyond";
 //! `info` is [`Entry::info`], 0 for a free entry). Who writes which word:
-//! * `mutex`: a client takes it by compare-and-swap from 0 to its holder value (client slot +
-//!   1) and gives it back by writing 0, in the batch that writes its changes; the metadata
-//!   service takes it as [`SERVICE`] and, for a client whose session ended, force-frees it
-//!   once that client's queued verbs can no longer land;
+//! * `mutex`: a client takes it by compare-and-swap from 0 to its holder value (its client
+//!   slot plus one) and gives it back by writing 0, in the batch that writes its changes;
+//!   the metadata service frees it, for a client whose session ended, once that client's
+//!   queued verbs can no longer land;
 //! * entries: a client changes, under the mutex, only entries that are free or are its own
 //!   (its client slot), and never moves another client's entry; the service frees the
 //!   entries of clients whose sessions ended (without the mutex: no live client writes them);
@@ -42,8 +42,6 @@ pub const ENTRY_LEN: u64 = 32;
 pub const ENTRIES: usize = 126;
 /// Bytes of a table.
 pub const TABLE_LEN: u64 = HEADER + ENTRIES as u64 * ENTRY_LEN;
-/// The mutex value of the metadata service.
-pub const SERVICE: u64 = u64::MAX;
 
 const USED: u64 = 1 << 63;
 const EXCLUSIVE: u64 = 1 << 62;
@@ -86,7 +84,10 @@ impl Entry {
 
     fn encode(&self) -> [u8; ENTRY_LEN as usize] {
         let mut b = [0u8; ENTRY_LEN as usize];
-        for (i, w) in [self.start, self.end, self.owner, self.info()].iter().enumerate() {
+        for (i, w) in [self.start, self.end, self.owner, self.info()]
+            .iter()
+            .enumerate()
+        {
             b[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
         }
         b
@@ -148,17 +149,22 @@ pub enum Refused {
     Full,
 }
 
-/// The first lock of another owner that conflicts with `w` (`F_GETLK`), if any.
+/// The lowest-starting lock of another owner that conflicts with `w` (`F_GETLK`), if any.
 pub fn first_conflict(slots: &[Option<Entry>], w: &Want) -> Option<Entry> {
     if w.mode == Mode::Unlock {
         return None;
     }
-    slots.iter().flatten().copied().find(|e| {
-        !e.same_owner(w)
-            && e.start < w.end
-            && w.start < e.end
-            && (e.exclusive || w.mode == Mode::Exclusive)
-    })
+    slots
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|e| {
+            !e.same_owner(w)
+                && e.start < w.end
+                && w.start < e.end
+                && (e.exclusive || w.mode == Mode::Exclusive)
+        })
+        .min_by_key(|e| (e.start, e.end))
 }
 
 /// The entry writes that apply `w` to a table holding `slots`: `(index, new content)`, in
@@ -170,39 +176,44 @@ pub fn plan(slots: &[Option<Entry>], w: &Want) -> Result<Vec<(usize, Option<Entr
     let mine: Vec<usize> = (0..slots.len())
         .filter(|&i| slots[i].is_some_and(|e| e.same_owner(w)))
         .collect();
-    // The owner's ranges outside [start, end), then the new one, merged.
-    let mut ranges: Vec<(u64, u64, bool)> = Vec::new();
+    // The owner's locks cut to outside [start, end) (keeping their pids: an unlock names
+    // none), then the new one, merged.
+    let mut pieces: Vec<Entry> = Vec::new();
     for e in mine.iter().map(|&i| slots[i].expect("own entry")) {
         if e.start < w.start {
-            ranges.push((e.start, e.end.min(w.start), e.exclusive));
+            pieces.push(Entry {
+                end: e.end.min(w.start),
+                ..e
+            });
         }
         if e.end > w.end {
-            ranges.push((e.start.max(w.end), e.end, e.exclusive));
+            pieces.push(Entry {
+                start: e.start.max(w.end),
+                ..e
+            });
         }
     }
     if w.mode != Mode::Unlock {
-        ranges.push((w.start, w.end, w.mode == Mode::Exclusive));
-    }
-    ranges.sort();
-    let mut merged: Vec<(u64, u64, bool)> = Vec::new();
-    for r in ranges {
-        match merged.last_mut() {
-            Some(last) if last.2 == r.2 && r.0 <= last.1 => last.1 = last.1.max(r.1),
-            _ => merged.push(r),
-        }
-    }
-    let want: Vec<Entry> = merged
-        .into_iter()
-        .map(|(start, end, exclusive)| Entry {
-            start,
-            end,
+        pieces.push(Entry {
+            start: w.start,
+            end: w.end,
             owner: w.owner,
-            exclusive,
+            exclusive: w.mode == Mode::Exclusive,
             pid: w.pid,
             host: w.host,
             client: w.client,
-        })
-        .collect();
+        });
+    }
+    pieces.sort_by_key(|e| (e.start, e.end));
+    let mut want: Vec<Entry> = Vec::new();
+    for e in pieces {
+        match want.last_mut() {
+            Some(last) if last.exclusive == e.exclusive && e.start <= last.end => {
+                last.end = last.end.max(e.end);
+            }
+            _ => want.push(e),
+        }
+    }
     // Keep the entries that stay as they are; reuse the owner's other entries, then free ones.
     let mut todo: Vec<Entry> = want
         .iter()
@@ -265,6 +276,11 @@ impl RecordLockTable {
         }
     }
 
+    /// The client slot this handle locks as.
+    pub fn client(&self) -> u16 {
+        self.client
+    }
+
     /// Takes the mutex and reads the entries (one round trip when the mutex is free).
     async fn hold(&self) -> Result<Vec<Option<Entry>>, RecordLockError> {
         let started = self.clock.now();
@@ -272,10 +288,7 @@ impl RecordLockTable {
         loop {
             let mut b = Batch::new();
             let cas = b.cas(self.base.add(MUTEX), 0, holder(self.client));
-            let read = b.read(
-                self.base.add(entry_offset(0)),
-                (TABLE_LEN - HEADER) as u32,
-            );
+            let read = b.read(self.base.add(entry_offset(0)), (TABLE_LEN - HEADER) as u32);
             let done = self.qp.post(b).await?;
             let was = done.value(cas)?;
             if was == 0 {
@@ -283,7 +296,10 @@ impl RecordLockTable {
             }
             let waited = self.clock.now().saturating_sub(started);
             if waited > self.patience {
-                return Err(RecordLockError::Busy { holder: was, waited });
+                return Err(RecordLockError::Busy {
+                    holder: was,
+                    waited,
+                });
             }
             self.clock.sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(1));
@@ -355,7 +371,7 @@ mod tests {
         }
     }
 
-    fn run(slots: &mut Vec<Option<Entry>>, w: Want) -> Result<(), Refused> {
+    fn run(slots: &mut [Option<Entry>], w: Want) -> Result<(), Refused> {
         for (i, e) in plan(slots, &w)? {
             slots[i] = e;
         }
@@ -421,7 +437,10 @@ mod tests {
             run(&mut s, want(1, k * 10, k * 10 + 5, Mode::Exclusive)).unwrap();
         }
         let before = s.clone();
-        assert_eq!(run(&mut s, want(1, 100, 105, Mode::Exclusive)), Err(Refused::Full));
+        assert_eq!(
+            run(&mut s, want(1, 100, 105, Mode::Exclusive)),
+            Err(Refused::Full)
+        );
         assert_eq!(s, before);
         // Merging two into one frees an entry.
         run(&mut s, want(1, 0, 15, Mode::Exclusive)).unwrap();

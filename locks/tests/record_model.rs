@@ -52,7 +52,11 @@ fn want() -> impl Strategy<Value = Want> {
         0u64..3,
         0u64..BYTES,
         prop_oneof![1u64..12, Just(INF)],
-        prop_oneof![Just(Mode::Shared), Just(Mode::Exclusive), Just(Mode::Unlock)],
+        prop_oneof![
+            Just(Mode::Shared),
+            Just(Mode::Exclusive),
+            Just(Mode::Unlock)
+        ],
     )
         .prop_map(|(client, owner, start, len, mode)| Want {
             client,
@@ -60,7 +64,11 @@ fn want() -> impl Strategy<Value = Want> {
             owner,
             pid: owner as u32,
             start,
-            end: if len == INF { INF } else { (start + len).min(BYTES) },
+            end: if len == INF {
+                INF
+            } else {
+                (start + len).min(BYTES)
+            },
             mode,
         })
 }

@@ -416,6 +416,7 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     node.fences.fence_below(first, Duration::from_secs(3));
     let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
     meta.set_answered(mirror.answered);
+    meta.clear_record_locks(&**node);
     // Before anyone is served: no layout handed out lists the old primary's replicas.
     let d = meta.drop_node(old, &**node);
     warn!(

@@ -73,6 +73,8 @@ pub struct File {
     /// How far `fallocate` with `FALLOC_FL_KEEP_SIZE` reserved memory: trimming at close
     /// keeps it, a truncate below it gives it up.
     reserved: u64,
+    /// The record-lock table's offset in the primary's region (0: none yet).
+    pub record_locks: u64,
 }
 
 /// What dropping a dead node's replicas did.
@@ -98,6 +100,7 @@ impl File {
             stripes: BTreeMap::new(),
             retired_tables: Vec::new(),
             reserved: 0,
+            record_locks: 0,
         }
     }
 
@@ -657,6 +660,9 @@ impl File {
         v.extend(&self.retired_tables);
         if self.table != 0 {
             v.push((self.table, self.table_bytes(self.table_cap)));
+        }
+        if self.record_locks != 0 {
+            v.push((self.record_locks, rackfs_locks::record::TABLE_LEN));
         }
         v
     }

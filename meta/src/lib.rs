@@ -13,6 +13,7 @@ pub mod journal;
 pub mod locktree;
 pub mod namespace;
 pub mod placement;
+pub mod recordlocks;
 pub mod storage;
 pub mod xattr;
 
@@ -35,6 +36,8 @@ pub use storage::{MemStorage, Storage};
 pub struct MetaService {
     pub namespace: Namespace,
     pub locks: LockTrees,
+    /// Freeing the record locks of mounts whose sessions ended.
+    record_locks: recordlocks::RecordLockSweeps,
     /// Changes other mounts must forget, since [`MetaService::take_changes`] last ran.
     changes: Vec<Change>,
     /// Whether namespace changes are journaled (a standby follows this service).
@@ -62,6 +65,7 @@ impl MetaService {
         MetaService {
             namespace,
             locks: LockTrees::new(lock_grace, lock_grace),
+            record_locks: Default::default(),
             changes: Vec::new(),
             journaling: false,
             seq,
@@ -147,9 +151,30 @@ impl MetaService {
     }
 
     /// A client session was fenced: its lock slot is watched as dead (its range locks are
-    /// recovered); its opens stay until it ends or a new session adopts them.
+    /// recovered, its record locks freed); its opens stay until it ends or a new session
+    /// adopts them.
     pub fn fence_session(&mut self, session: u64, st: &dyn Storage) {
-        self.locks.end_session(session, st);
+        self.end_lock_client(session, st);
+    }
+
+    fn end_lock_client(&mut self, session: u64, st: &dyn Storage) {
+        if let Some(client) = self.locks.end_session(session, st) {
+            let tables = self.namespace.record_lock_tables();
+            let tables = tables.into_iter().map(|(_, at)| at).collect();
+            let window = self.locks.dead_for();
+            self.record_locks
+                .start(client, tables, st.elapsed(), window);
+        }
+    }
+
+    /// A primary that took over: the old sessions' record locks went with them.
+    pub fn clear_record_locks(&self, st: &dyn Storage) {
+        recordlocks::clear(st.local().1, &self.namespace.record_lock_tables());
+    }
+
+    /// Record locks freed because their mount's session ended.
+    pub fn record_locks_freed(&self) -> u64 {
+        self.record_locks.freed
     }
 
     /// Session `to` takes over the opens of fenced session `from`.
@@ -160,7 +185,7 @@ impl MetaService {
     /// A client session ended (its mount went away): its opens are released and its lock slot
     /// is watched as dead.
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
-        self.locks.end_session(session, st);
+        self.end_lock_client(session, st);
         self.step(Step::EndSession { session }, st);
         self.retire_deleted(st);
     }
@@ -186,6 +211,7 @@ impl MetaService {
     /// Lock-tree recovery and reaping; call every millisecond or so.
     pub fn tick(&mut self, st: &dyn Storage) {
         self.locks.tick(st);
+        self.record_locks.tick(st);
     }
 
     fn publish_tree(

@@ -103,14 +103,18 @@ impl LockTrees {
         }
     }
 
-    /// A session ended: its slot is dead (see the module docs).
-    pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
+    /// A session ended: its slot is dead (see the module docs). Returns the slot, if the
+    /// session had one live.
+    pub fn end_session(&mut self, session: u64, st: &dyn Storage) -> Option<u16> {
         let until = st.elapsed() + self.dead_for;
-        for s in &mut self.slots {
-            if *s == Slot::Live(session) {
-                *s = Slot::Dead(until);
-            }
-        }
+        let i = self.slots.iter().position(|s| *s == Slot::Live(session))?;
+        self.slots[i] = Slot::Dead(until);
+        Some(i as u16)
+    }
+
+    /// How long a dead slot is watched before it is reused.
+    pub fn dead_for(&self) -> Duration {
+        self.dead_for
     }
 
     fn live_slots(&self) -> Vec<u16> {

@@ -185,6 +185,9 @@ impl Namespace {
             MetaRequest::ListXattr { ino } => self
                 .get(ino)
                 .map(|i| ControlResponse::Xattr(i.xattrs.list())),
+            MetaRequest::RecordLocks { ino } => {
+                self.record_locks(ino, st).map(ControlResponse::RecordLocks)
+            }
             MetaRequest::Fallocate {
                 ino,
                 offset,
@@ -916,6 +919,33 @@ impl Namespace {
         f.cut(size, old, st)
     }
 
+    /// The offset of a file's record-lock table, made (zeroed) on first use.
+    fn record_locks(&mut self, ino: u64, st: &dyn Storage) -> MetaResult<u64> {
+        let i = self.get_mut(ino)?;
+        let Some(f) = i.file.as_mut() else {
+            return err(ErrorCode::Invalid, "record locks need a regular file");
+        };
+        if f.record_locks == 0 {
+            let len = rackfs_locks::record::TABLE_LEN;
+            let at = st.meta_alloc(len)?;
+            let (_, region) = st.local();
+            region
+                .write(at, &vec![0u8; len as usize])
+                .map_err(|e| Refusal::new(ErrorCode::Internal, e.to_string()))?;
+            f.record_locks = at;
+        }
+        Ok(f.record_locks)
+    }
+
+    /// Every record-lock table: (inode, offset).
+    pub fn record_lock_tables(&self) -> Vec<(u64, u64)> {
+        self.inodes
+            .iter()
+            .filter_map(|(&ino, i)| i.file.as_ref().map(|f| (ino, f.record_locks)))
+            .filter(|&(_, at)| at != 0)
+            .collect()
+    }
+
     /// `fallocate(2)` (see [`MetaRequest::Fallocate`]); the caller holds the whole-file lock.
     fn fallocate(
         &mut self,
@@ -941,12 +971,14 @@ impl Namespace {
         }
         let end = match offset.checked_add(len) {
             Some(end) if end <= MAX_FILE_SIZE => end,
-            _ => return err(
-                ErrorCode::TooBig,
-                format!(
+            _ => {
+                return err(
+                    ErrorCode::TooBig,
+                    format!(
                     "fallocate to {offset} + {len} exceeds the maximum file size {MAX_FILE_SIZE}"
                 ),
-            ),
+                )
+            }
         };
         let (_, region) = st.local();
         let t = st.wall_ns();

@@ -514,6 +514,8 @@ pub enum ControlResponse {
     LockTree(u64),
     /// An extended attribute's value, or a list of names.
     Xattr(Vec<u8>),
+    /// A file's record-lock table: its offset in the primary's region.
+    RecordLocks(u64),
     QosNode(QosNodeStatus),
     /// The mount's slot and its admitted QoS.
     QosGranted {

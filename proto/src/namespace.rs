@@ -253,6 +253,11 @@ pub enum MetaRequest {
         len: u64,
         mode: u32,
     },
+    /// The file's record-lock table (`rackfs_locks::record`), made on first use: answered
+    /// with `ControlResponse::RecordLocks` (its offset in the primary's region).
+    RecordLocks {
+        ino: u64,
+    },
     /// `req` again, sent by a mount to a primary that took over, on behalf of its session
     /// `from` of the old primary (whose answer was lost): if the old primary made that change
     /// (it is the last the standby replayed for `from`), its answer is returned, not made

@@ -1,0 +1,258 @@
+//! `fcntl` record locks and `flock` of one file on one mount, kept in the file's record-lock
+//! table on the primary (`rackfs_locks::record`), so they hold across every mount.
+//!
+//! The kernel hands a lock request over with its owner (a process's file table for `fcntl`,
+//! an open file for `flock`), the caller's pid and an inclusive range. A request that must
+//! wait (`F_SETLKW`, `flock` without `LOCK_NB`) is retried whenever the table's version
+//! changes, on a thread of its own so that the FUSE workers stay free for the holders' unlocks;
+//! the wait ends with `EINTR` as soon as the waiting thread has a signal to take.
+//!
+//! Locks belong to the mount's session: a mount that is fenced (lease expired) or whose
+//! primary fails over loses them (the service frees them; this module logs it).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use rackfs_locks::record::{Entry, Mode, RecordLockError, RecordLockTable, Refused, Want};
+use rackfs_proto::control::ControlResponse;
+use rackfs_proto::namespace::MetaRequest;
+use rackfs_verbs::{block_on, RemoteAddr};
+
+use crate::cluster::Cluster;
+
+/// How long a lock operation waits for the table's mutex (held by a mount that stopped or
+/// died inside a change until the service frees it) before failing with `ENOLCK`.
+const MUTEX_PATIENCE: Duration = Duration::from_secs(20);
+/// Longest pause between two looks of a waiting request at the table.
+const MAX_POLL: Duration = Duration::from_millis(10);
+
+/// The kernel's `OFFSET_MAX`: "to the end of file and beyond" in an inclusive range.
+const OFFSET_MAX: u64 = i64::MAX as u64;
+
+/// This host, as record-lock entries name it (14 bits of the boot id), so `F_GETLK` reports
+/// the pid of a holder on this host only.
+fn host() -> u16 {
+    static HOST: OnceLock<u16> = OnceLock::new();
+    *HOST.get_or_init(|| {
+        let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let h = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        (h & 0x3fff) as u16
+    })
+}
+
+/// A lock request as the kernel states it.
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    pub owner: u64,
+    pub pid: u32,
+    pub start: u64,
+    /// Inclusive; `i64::MAX` (the kernel's `OFFSET_MAX`) for "to the end of file and beyond".
+    pub end: u64,
+    /// `F_RDLCK`, `F_WRLCK` or `F_UNLCK`.
+    pub typ: i32,
+}
+
+/// A conflicting lock as `F_GETLK` reports it: inclusive range, type, pid (0 for a holder on
+/// another host).
+pub type Conflict = (u64, u64, i32, u32);
+
+/// The record locks of one file on this mount.
+pub struct FileRecordLocks {
+    ino: u64,
+    /// The table handle, for the session it was made in.
+    table: Mutex<Option<(u64, Arc<RecordLockTable>)>>,
+    /// Owners that may hold locks here: only their closes cost a round trip.
+    owners: Mutex<HashSet<u64>>,
+}
+
+fn errno(e: RecordLockError) -> i32 {
+    match e {
+        RecordLockError::Busy { .. } => {
+            tracing::warn!(error = %e, "record lock operation gave up");
+            libc::ENOLCK
+        }
+        RecordLockError::Verbs(v) => {
+            tracing::warn!(error = %v, "record lock operation failed");
+            libc::EIO
+        }
+    }
+}
+
+impl FileRecordLocks {
+    pub fn new(ino: u64) -> FileRecordLocks {
+        FileRecordLocks {
+            ino,
+            table: Mutex::new(None),
+            owners: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// The table, asked of the primary on first use and again in a new session.
+    fn table(&self, cl: &Cluster) -> Result<Arc<RecordLockTable>, i32> {
+        let mut cur = self.table.lock().expect("record lock table");
+        let session = cl.session();
+        if let Some((s, t)) = cur.as_ref() {
+            if *s == session {
+                return Ok(t.clone());
+            }
+            tracing::warn!(
+                ino = self.ino,
+                "this mount's session changed (fenced, or the primary failed over): the record \
+                 locks its processes held on the file are gone"
+            );
+            self.owners.lock().expect("owners").clear();
+        }
+        let at = match cl.meta(MetaRequest::RecordLocks { ino: self.ino }) {
+            Ok(ControlResponse::RecordLocks(at)) => at,
+            Ok(_) => return Err(libc::EIO),
+            Err(e) => return Err(e.errno()),
+        };
+        let (slot, _, session) = cl.lock_client()?;
+        let primary = cl.primary_id();
+        let p = cl
+            .node_in(primary, session)
+            .map_err(|e| cl.verbs_errno(primary, &e))?;
+        let t = Arc::new(RecordLockTable::new(
+            p.qp.clone(),
+            RemoteAddr::new(p.rkey, at),
+            slot,
+            MUTEX_PATIENCE,
+        ));
+        *cur = Some((session, t.clone()));
+        Ok(t)
+    }
+
+    fn want(&self, client: u16, r: &Request, mode: Mode) -> Want {
+        Want {
+            client,
+            host: host(),
+            owner: r.owner,
+            pid: r.pid,
+            start: r.start,
+            end: if r.end >= OFFSET_MAX {
+                u64::MAX
+            } else {
+                r.end + 1
+            },
+            mode,
+        }
+    }
+
+    fn mode(typ: i32) -> Result<Mode, i32> {
+        match typ {
+            libc::F_RDLCK => Ok(Mode::Shared),
+            libc::F_WRLCK => Ok(Mode::Exclusive),
+            libc::F_UNLCK => Ok(Mode::Unlock),
+            _ => Err(libc::EINVAL),
+        }
+    }
+
+    /// `F_GETLK`: the first lock of another owner that conflicts with `r`.
+    pub fn test(&self, cl: &Cluster, r: &Request) -> Result<Option<Conflict>, i32> {
+        let mode = Self::mode(r.typ)?;
+        let t = self.table(cl)?;
+        let found = block_on(t.test(&self.want(t.client(), r, mode))).map_err(errno)?;
+        Ok(found.map(|e: Entry| {
+            let end = if e.end == u64::MAX {
+                OFFSET_MAX
+            } else {
+                e.end - 1
+            };
+            let typ = if e.exclusive {
+                libc::F_WRLCK
+            } else {
+                libc::F_RDLCK
+            };
+            (e.start, end, typ, if e.host == host() { e.pid } else { 0 })
+        }))
+    }
+
+    /// Sets or clears `r` once: `Ok(false)` if another owner's lock conflicts.
+    pub fn try_set(&self, cl: &Cluster, r: &Request) -> Result<bool, i32> {
+        let mode = Self::mode(r.typ)?;
+        let t = self.table(cl)?;
+        let res = block_on(t.apply(&self.want(t.client(), r, mode))).map_err(errno)?;
+        match res {
+            Ok(()) => {
+                if mode != Mode::Unlock {
+                    self.owners.lock().expect("owners").insert(r.owner);
+                }
+                Ok(true)
+            }
+            Err(Refused::Conflict(_)) => Ok(false),
+            Err(Refused::Full) => {
+                tracing::warn!(
+                    ino = self.ino,
+                    "the file's record-lock table is full: ENOLCK"
+                );
+                Err(libc::ENOLCK)
+            }
+        }
+    }
+
+    /// `F_SETLKW`: sets `r`, waiting while another owner's lock conflicts; `EINTR` once
+    /// `interrupted` says so.
+    pub fn set_waiting(
+        &self,
+        cl: &Cluster,
+        r: &Request,
+        interrupted: impl Fn() -> bool,
+    ) -> Result<(), i32> {
+        let t = self.table(cl)?;
+        loop {
+            let seen = block_on(t.version()).map_err(errno)?;
+            if self.try_set(cl, r)? {
+                return Ok(());
+            }
+            let mut pause = Duration::from_micros(50);
+            loop {
+                if interrupted() {
+                    return Err(libc::EINTR);
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(MAX_POLL);
+                if block_on(t.version()).map_err(errno)? != seen {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Drops every lock of `owner` on the file (a close by a process holding `fcntl` locks,
+    /// or the last close of a file it `flock`ed).
+    pub fn drop_owner(&self, cl: &Cluster, owner: u64) -> Result<(), i32> {
+        if !self.owners.lock().expect("owners").remove(&owner) {
+            return Ok(());
+        }
+        let r = Request {
+            owner,
+            pid: 0,
+            start: 0,
+            end: OFFSET_MAX,
+            typ: libc::F_UNLCK,
+        };
+        self.try_set(cl, &r).map(|_| ())
+    }
+}
+
+/// Whether thread `tid` of process `pid` has a signal to take (or is gone): a waiting lock
+/// request then ends with `EINTR`.
+pub fn signal_pending(pid: u32, tid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .or_else(|_| std::fs::read_to_string(format!("/proc/{tid}/status")));
+    let Ok(status) = status else {
+        return true;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .unwrap_or(0)
+    };
+    let pending = field("SigPnd:") | field("ShdPnd:");
+    pending & !field("SigBlk:") & !field("SigIgn:") != 0
+}

@@ -1,0 +1,103 @@
+//! The service's part in record locks (`rackfs_locks::record`): freeing what a mount whose
+//! session ended left in the files' tables.
+//!
+//! When a session ends, its lock client slot stays dead for the lock trees' `dead_for` before
+//! it is reused (see [`crate::locktree`]). For that long the service frees every entry of that
+//! client in the tables that existed when it died (the only ones it could reach), each time it
+//! ticks, so entries its queued verbs still land are freed too. A table mutex the client holds
+//! is freed once half of that time has passed, when its queued verbs have landed; until then
+//! lock operations on that file wait. Each table changed gets its version bumped, so waiters
+//! look again.
+
+use std::time::Duration;
+
+use rackfs_locks::record::{entry_offset, holder, ENTRIES, MUTEX, VERSION};
+use rackfs_verbs::Region;
+
+use crate::storage::Storage;
+
+struct Sweep {
+    client: u16,
+    tables: Vec<u64>,
+    died: Duration,
+    until: Duration,
+}
+
+/// Sweeps of dead clients' record locks in progress.
+#[derive(Default)]
+pub struct RecordLockSweeps {
+    sweeps: Vec<Sweep>,
+    /// Entries freed so far (locks of mounts that died or were fenced).
+    pub freed: u64,
+}
+
+impl RecordLockSweeps {
+    /// Client `client` died at `now`; its locks in `tables` are freed until `now + window`.
+    pub fn start(&mut self, client: u16, tables: Vec<u64>, now: Duration, window: Duration) {
+        self.sweeps.push(Sweep {
+            client,
+            tables,
+            died: now,
+            until: now + window,
+        });
+    }
+
+    pub fn tick(&mut self, st: &dyn Storage) {
+        if self.sweeps.is_empty() {
+            return;
+        }
+        let now = st.elapsed();
+        let region = st.local().1;
+        for s in &self.sweeps {
+            let free_mutex = now >= s.died + (s.until - s.died) / 2;
+            for &at in &s.tables {
+                self.freed += sweep(region, at, s.client, free_mutex);
+            }
+        }
+        self.sweeps.retain(|s| now < s.until);
+    }
+}
+
+/// Frees `client`'s entries in the table at `at` (and its hold on the mutex if `free_mutex`);
+/// returns the entries freed.
+fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
+    let mut freed = 0;
+    for i in 0..ENTRIES {
+        let info_at = at + entry_offset(i) + 24;
+        let info = region.load(info_at).expect("table in region");
+        if info >> 63 == 1 && (info >> 32) as u16 == client {
+            region.store(info_at, 0).expect("table in region");
+            freed += 1;
+        }
+    }
+    let mut changed = freed > 0;
+    if free_mutex {
+        let h = holder(client);
+        changed |= region
+            .compare_swap(at + MUTEX, h, 0)
+            .expect("table in region")
+            == h;
+    }
+    if changed {
+        let mut v = region.load(at + VERSION).expect("table in region");
+        loop {
+            match region
+                .compare_swap(at + VERSION, v, v + 1)
+                .expect("table in region")
+            {
+                was if was == v => break,
+                was => v = was,
+            }
+        }
+    }
+    freed
+}
+
+/// Zeroes every table (a primary that took over: every lock of the old primary's sessions
+/// went with them).
+pub fn clear(region: &Region, tables: &[(u64, u64)]) {
+    let zeros = vec![0u8; rackfs_locks::record::TABLE_LEN as usize];
+    for &(_, at) in tables {
+        region.write(at, &zeros).expect("table in region");
+    }
+}

@@ -1,0 +1,267 @@
+//! `fcntl` record locks and `flock` across mounts: one table of scenarios is run by real
+//! processes (`rackfs-locker`) first on tmpfs, all in one directory, then on RackFS with the
+//! processes spread over two mounts (shm and tcp); the transcripts must be the same. Pids in
+//! `F_GETLK` answers are named after the process they belong to.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::Duration;
+
+use rackfs_tests::{bin_path, Mount, TempDir, TestCluster};
+
+/// One `rackfs-locker` process.
+struct Locker {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    pid: u32,
+}
+
+impl Locker {
+    fn spawn() -> Locker {
+        let mut child = Command::new(bin_path("rackfs-locker"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn rackfs-locker");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let pid = child.id();
+        Locker {
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            pid,
+        }
+    }
+
+    fn send(&mut self, cmd: &str) {
+        let stdin = self.stdin.as_mut().expect("locker running");
+        writeln!(stdin, "{cmd}").expect("locker stdin");
+        stdin.flush().expect("locker stdin");
+    }
+
+    fn answer(&self, within: Duration) -> Option<String> {
+        match self.lines.recv_timeout(within) {
+            Ok(l) => Some(l),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some("(exited)".into()),
+        }
+    }
+
+    /// Ends the process (its descriptors close, as at any exit).
+    fn exit(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Locker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `steps` with three processes whose file is `files[i]` (the same file, maybe through
+/// different mounts); returns the transcript. A step is `P cmd` (answer awaited), `P cmd &`
+/// (sent; its answer awaited later by `P wait`), `P blocked` (P has not answered within
+/// 300 ms) or `P exit`.
+fn run(files: [&Path; 3], steps: &[&str]) -> Vec<String> {
+    let mut procs: Vec<Locker> = (0..3).map(|_| Locker::spawn()).collect();
+    let names = ["A", "B", "C"];
+    let mut transcript = Vec::new();
+    for (i, p) in procs.iter_mut().enumerate() {
+        p.send(&format!("open {}", files[i].display()));
+        assert_eq!(p.answer(Duration::from_secs(10)).as_deref(), Some("ok"));
+    }
+    for step in steps {
+        let (who, cmd) = step.split_once(' ').expect("step");
+        let i = names.iter().position(|n| *n == who).expect("process");
+        let p = &mut procs[i];
+        let answer = match cmd {
+            "blocked" => match p.answer(Duration::from_millis(300)) {
+                None => "blocked".to_string(),
+                Some(a) => format!("not blocked: {a}"),
+            },
+            "wait" => p
+                .answer(Duration::from_secs(10))
+                .unwrap_or_else(|| "no answer in 10 s".into()),
+            "exit" => {
+                p.exit();
+                "exited".into()
+            }
+            c if c.ends_with(" &") => {
+                p.send(c.trim_end_matches(" &"));
+                "sent".into()
+            }
+            c => {
+                p.send(c);
+                p.answer(Duration::from_secs(10))
+                    .unwrap_or_else(|| "no answer in 10 s".into())
+            }
+        };
+        // Pids are named after their process.
+        let mut words: Vec<String> = answer.split(' ').map(String::from).collect();
+        if cmd.starts_with("getlk") && words.len() == 4 {
+            let pid: u32 = words[3].parse().unwrap_or(0);
+            words[3] = match procs.iter().position(|p| p.pid == pid) {
+                Some(j) => format!("pid:{}", names[j]),
+                None => format!("pid:other({})", pid != 0),
+            };
+        }
+        let step = step.replace(&files[0].display().to_string(), "PATH");
+        transcript.push(format!("{step} -> {}", words.join(" ")));
+    }
+    transcript
+}
+
+/// Each scenario: its name and steps. Processes A and C share the first mount, B the second.
+const SCENARIOS: &[(&str, &[&str])] = &[
+    (
+        "conflicts and F_GETLK",
+        &[
+            "A setlk W 0 100",
+            "B setlk W 50 10",
+            "B setlk R 0 10",
+            "B getlk W 0 1000",
+            "B getlk R 100 5",
+            "B setlk W 100 10",
+            "C getlk R 0 0",
+            "A setlk U 0 100",
+            "B setlk W 0 100",
+            "A getlk W 0 0",
+        ],
+    ),
+    (
+        "shared locks and to-EOF ranges",
+        &[
+            "A setlk R 10 0",
+            "B setlk R 0 20",
+            "C setlk R 1000000 1",
+            "B setlk W 5 10",
+            "B setlk W 0 10",
+            "C getlk W 0 5",
+            "C getlk R 12 3",
+            "A setlk U 10 0",
+            "C getlk W 0 0",
+        ],
+    ),
+    (
+        "split, merge, upgrade and downgrade",
+        &[
+            "A setlk W 0 100",
+            "A setlk U 40 20",
+            "B setlk W 45 10",
+            "B getlk W 0 100",
+            "A setlk W 100 50",
+            "B getlk R 60 200",
+            "A setlk R 0 40",
+            "A setlk R 40 5",
+            "B getlk W 0 50",
+            "B setlk R 0 10",
+            "A setlk W 0 10",
+            "B setlk U 0 100",
+            "A setlk W 0 10",
+            "B getlk R 0 1",
+        ],
+    ),
+    (
+        "a close of any descriptor drops the process's locks",
+        &[
+            "A setlk W 0 10",
+            "A open PATH",
+            "A close",
+            "B setlk W 0 10",
+            "C setlk W 20 10",
+            "C exit",
+            "B setlk W 20 10",
+        ],
+    ),
+    (
+        "blocking, wake-up order and EINTR",
+        &[
+            "A setlk W 0 100",
+            "B setlkw W 0 10 &",
+            "C setlkw W 50 10 &",
+            "B blocked",
+            "C blocked",
+            "A setlk U 0 20",
+            "B wait",
+            "C blocked",
+            "A setlk U 0 100",
+            "C wait",
+            "A alarm 300",
+            "A setlkw W 0 10",
+            "A setlkw R 70 10",
+        ],
+    ),
+    (
+        "flock",
+        &[
+            "A flock ex",
+            "B flock ex nb",
+            "B flock sh nb",
+            "A flock sh",
+            "B flock sh nb",
+            "C flock ex nb",
+            "A flock un",
+            "C flock ex nb",
+            "B close",
+            "C flock ex nb",
+            "C flock ex",
+            "A flock sh nb",
+        ],
+    ),
+    (
+        "a forked child is another owner",
+        &["A setlk W 0 10", "A fork-hold W 0 10", "B setlk R 0 1"],
+    ),
+];
+
+fn scenarios(dirs: [&Path; 3]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (k, (name, steps)) in SCENARIOS.iter().enumerate() {
+        let file = format!("lock{k}");
+        let files: Vec<PathBuf> = dirs.iter().map(|d| d.join(&file)).collect();
+        let steps: Vec<String> = steps
+            .iter()
+            .map(|s| s.replace("PATH", &files[0].display().to_string()))
+            .collect();
+        let steps: Vec<&str> = steps.iter().map(String::as_str).collect();
+        out.push(format!("== {name}"));
+        out.extend(run([&files[0], &files[1], &files[2]], &steps));
+    }
+    out
+}
+
+#[test]
+fn lock_scenarios_on_two_mounts_match_tmpfs() {
+    let local = TempDir::in_memory("locks");
+    let want = scenarios([local.path(), local.path(), local.path()]);
+    let c = TestCluster::start(2, "32M");
+    let a = Mount::new(&c, "attr_timeout=0");
+    let b = Mount::new(&c, "attr_timeout=0,transport=tcp");
+    let got = scenarios([&a.dir, &b.dir, &a.dir]);
+    let text = |v: &[String]| v.join("\n");
+    assert_eq!(
+        text(&got),
+        text(&want),
+        "RackFS (left) and tmpfs (right) differ"
+    );
+    // The scenarios do exercise conflicts, waits and interrupts.
+    let all = text(&want);
+    for seen in ["EAGAIN", "blocked", "EINTR", "W 0 100 pid:A"] {
+        assert!(all.contains(seen), "no {seen} in the scenarios:\n{all}");
+    }
+}
