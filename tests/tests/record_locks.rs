@@ -265,3 +265,60 @@ fn lock_scenarios_on_two_mounts_match_tmpfs() {
         assert!(all.contains(seen), "no {seen} in the scenarios:\n{all}");
     }
 }
+
+/// Takes `typ` on `[0, 10)` of `path` in a new locker process; panics unless granted.
+fn holder(path: &Path, typ: &str) -> Locker {
+    let mut p = Locker::spawn();
+    for cmd in [format!("open {}", path.display()), format!("setlk {typ} 0 10")] {
+        p.send(&cmd);
+        assert_eq!(p.answer(Duration::from_secs(10)).as_deref(), Some("ok"), "{cmd}");
+    }
+    p
+}
+
+/// How long a `F_SETLKW` of `[0, 10)` on `path` waits (it must be granted within `within`).
+fn wait_for_lock(path: &Path, within: Duration) -> Duration {
+    let mut p = Locker::spawn();
+    p.send(&format!("open {}", path.display()));
+    assert_eq!(p.answer(Duration::from_secs(10)).as_deref(), Some("ok"));
+    let t0 = std::time::Instant::now();
+    p.send("setlkw W 0 10");
+    let got = p.answer(within);
+    assert_eq!(got.as_deref(), Some("ok"), "not granted within {within:?}");
+    t0.elapsed()
+}
+
+/// A mount killed holding a lock gives it up when its session ends; one stopped past its
+/// lock lease is fenced and gives it up then (and its processes' locks are gone after).
+#[test]
+fn locks_of_a_killed_or_stopped_mount_are_released() {
+    let lease = Duration::from_millis(2000);
+    let c = TestCluster::start_with(2, "32M", &["--lock-lease-ms", "2000"]);
+    let other = Mount::new(&c, "attr_timeout=0");
+
+    // kill -9 of the mount holding a write lock.
+    let mut victim = Mount::new(&c, "attr_timeout=0,transport=tcp");
+    std::fs::write(other.path("k"), b"x").unwrap();
+    let _held = holder(&victim.path("k"), "W");
+    let waiter = {
+        let path = other.path("k");
+        std::thread::spawn(move || wait_for_lock(&path, Duration::from_secs(10)))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    victim.child.kill().unwrap();
+    let took = waiter.join().unwrap();
+    eprintln!("a killed mount's lock was granted elsewhere {took:?} after the F_SETLKW");
+    assert!(took >= Duration::from_millis(250), "the waiter did not wait: {took:?}");
+
+    // SIGSTOP of the mount holding a read lock, past its lease.
+    let stopped = Mount::new(&c, "attr_timeout=0");
+    std::fs::write(other.path("s"), b"x").unwrap();
+    let _held = holder(&stopped.path("s"), "R");
+    let pid = stopped.child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    let took = wait_for_lock(&other.path("s"), lease + Duration::from_secs(5));
+    // SAFETY: signalling the mount process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    eprintln!("a stopped mount's lock was granted elsewhere after {took:?} (lease {lease:?})");
+    assert!(took >= lease / 2, "the stopped holder held no lock: {took:?}");
+}
