@@ -60,7 +60,7 @@ impl RecordLockSweeps {
 
 /// Frees `client`'s entries in the table at `at` (and its hold on the mutex if `free_mutex`);
 /// returns the entries freed.
-fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
+pub fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
     let mut freed = 0;
     for i in 0..ENTRIES {
         let info_at = at + entry_offset(i) + 24;

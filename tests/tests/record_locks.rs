@@ -269,9 +269,16 @@ fn lock_scenarios_on_two_mounts_match_tmpfs() {
 /// Takes `typ` on `[0, 10)` of `path` in a new locker process; panics unless granted.
 fn holder(path: &Path, typ: &str) -> Locker {
     let mut p = Locker::spawn();
-    for cmd in [format!("open {}", path.display()), format!("setlk {typ} 0 10")] {
+    for cmd in [
+        format!("open {}", path.display()),
+        format!("setlk {typ} 0 10"),
+    ] {
         p.send(&cmd);
-        assert_eq!(p.answer(Duration::from_secs(10)).as_deref(), Some("ok"), "{cmd}");
+        assert_eq!(
+            p.answer(Duration::from_secs(10)).as_deref(),
+            Some("ok"),
+            "{cmd}"
+        );
     }
     p
 }
@@ -308,7 +315,10 @@ fn locks_of_a_killed_or_stopped_mount_are_released() {
     victim.child.kill().unwrap();
     let took = waiter.join().unwrap();
     eprintln!("a killed mount's lock was granted elsewhere {took:?} after the F_SETLKW");
-    assert!(took >= Duration::from_millis(250), "the waiter did not wait: {took:?}");
+    assert!(
+        took >= Duration::from_millis(250),
+        "the waiter did not wait: {took:?}"
+    );
 
     // SIGSTOP of the mount holding a read lock, past its lease.
     let stopped = Mount::new(&c, "attr_timeout=0");
@@ -320,7 +330,10 @@ fn locks_of_a_killed_or_stopped_mount_are_released() {
     // SAFETY: signalling the mount process this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     eprintln!("a stopped mount's lock was granted elsewhere after {took:?} (lease {lease:?})");
-    assert!(took >= lease / 2, "the stopped holder held no lock: {took:?}");
+    assert!(
+        took >= lease / 2,
+        "the stopped holder held no lock: {took:?}"
+    );
 }
 
 /// Runs `sqlite3` on `db` with `sql` on stdin; returns its stdout.
@@ -351,7 +364,11 @@ fn sqlite_from_two_mounts_never_corrupts() {
     )
     .wait_with_output()
     .unwrap();
-    assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
+    assert!(
+        setup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&setup.stderr)
+    );
     const ROWS: usize = 300;
     let script = |who: &str| {
         let mut s = String::from(".timeout 30000\n");
