@@ -304,14 +304,6 @@ impl RackFs {
         }
     }
 
-    /// Drops `owner`'s record locks on a file this mount has open.
-    fn drop_locks(&self, ino: u64, owner: Option<LockOwner>) -> Result<(), i32> {
-        match (owner, self.cached_file(ino)) {
-            (Some(o), Some(f)) => f.record_locks.drop_owner(&self.cluster, o.0),
-            _ => Ok(()),
-        }
-    }
-
     fn writable(&self) -> Result<(), Errno> {
         if self.opts.read_only {
             Err(Errno::EROFS)
@@ -826,7 +818,10 @@ impl Filesystem for RackFs {
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        match self.drop_locks(ino.0, Some(lock_owner)) {
+        let Some(f) = self.cached_file(ino.0) else {
+            return reply.ok();
+        };
+        match f.record_locks.closed_by(&self.cluster, lock_owner.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -868,7 +863,7 @@ impl Filesystem for RackFs {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         lock_owner: LockOwner,
         start: u64,
         end: u64,
@@ -887,7 +882,7 @@ impl Filesystem for RackFs {
             end,
             typ,
         };
-        match f.record_locks.try_set(&self.cluster, &r) {
+        match f.record_locks.try_set(&self.cluster, fh.0, &r) {
             Ok(true) => return reply.ok(),
             Ok(false) if !sleep => return reply.error(Errno::EAGAIN),
             Ok(false) => {}
@@ -898,7 +893,7 @@ impl Filesystem for RackFs {
             .name("rackfs-lockwait".into())
             .spawn(move || {
                 let interrupted = || reclock::signal_pending(pid, tid);
-                match f.record_locks.set_waiting(&cluster, &r, interrupted) {
+                match f.record_locks.set_waiting(&cluster, fh.0, &r, interrupted) {
                     Ok(()) => reply.ok(),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -939,17 +934,19 @@ impl Filesystem for RackFs {
         ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
-        lock_owner: Option<LockOwner>,
+        _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        // The last close of a file that was flock()ed drops that lock.
-        if let Err(e) = self.drop_locks(ino.0, lock_owner) {
-            tracing::warn!(
-                ino = ino.0,
-                errno = e,
-                "the flock of a closed file was not dropped"
-            );
+        // The last close of an open file drops its flock and OFD locks.
+        if let Some(f) = self.cached_file(ino.0) {
+            if let Err(e) = f.record_locks.released(&self.cluster, fh.0) {
+                tracing::warn!(
+                    ino = ino.0,
+                    errno = e,
+                    "the locks of a closed file were not dropped"
+                );
+            }
         }
         self.handles.lock().expect("handles lock").remove(&fh.0);
         match self.meta(MetaRequest::Release { ino: ino.0 }) {

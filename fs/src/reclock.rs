@@ -10,7 +10,7 @@
 //! Locks belong to the mount's session: a mount that is fenced (lease expired) or whose
 //! primary fails over loses them (the service frees them; this module logs it).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -64,8 +64,11 @@ pub struct FileRecordLocks {
     ino: u64,
     /// The table handle, for the session it was made in.
     table: Mutex<Option<(u64, Arc<RecordLockTable>)>>,
-    /// Owners that may hold locks here: only their closes cost a round trip.
-    owners: Mutex<HashSet<u64>>,
+    /// Owners that may hold locks here, by the open file (FUSE handle) they locked through:
+    /// only their closes cost a round trip. A close (flush) drops a process's locks; the last
+    /// close of an open file (release) drops the locks still recorded against it, which can
+    /// only be those owned by the open file itself (`flock`, OFD locks).
+    owners: Mutex<HashMap<u64, HashSet<u64>>>,
 }
 
 fn errno(e: RecordLockError) -> i32 {
@@ -86,7 +89,7 @@ impl FileRecordLocks {
         FileRecordLocks {
             ino,
             table: Mutex::new(None),
-            owners: Mutex::new(HashSet::new()),
+            owners: Mutex::new(HashMap::new()),
         }
     }
 
@@ -170,15 +173,17 @@ impl FileRecordLocks {
         }))
     }
 
-    /// Sets or clears `r` once: `Ok(false)` if another owner's lock conflicts.
-    pub fn try_set(&self, cl: &Cluster, r: &Request) -> Result<bool, i32> {
+    /// Sets or clears `r`, asked through open file `fh`, once: `Ok(false)` if another
+    /// owner's lock conflicts.
+    pub fn try_set(&self, cl: &Cluster, fh: u64, r: &Request) -> Result<bool, i32> {
         let mode = Self::mode(r.typ)?;
         let t = self.table(cl)?;
         let res = block_on(t.apply(&self.want(t.client(), r, mode))).map_err(errno)?;
         match res {
             Ok(()) => {
                 if mode != Mode::Unlock {
-                    self.owners.lock().expect("owners").insert(r.owner);
+                    let mut owners = self.owners.lock().expect("owners");
+                    owners.entry(fh).or_default().insert(r.owner);
                 }
                 Ok(true)
             }
@@ -198,13 +203,14 @@ impl FileRecordLocks {
     pub fn set_waiting(
         &self,
         cl: &Cluster,
+        fh: u64,
         r: &Request,
         interrupted: impl Fn() -> bool,
     ) -> Result<(), i32> {
         let t = self.table(cl)?;
         loop {
             let seen = block_on(t.version()).map_err(errno)?;
-            if self.try_set(cl, r)? {
+            if self.try_set(cl, fh, r)? {
                 return Ok(());
             }
             let mut pause = Duration::from_micros(50);
@@ -221,12 +227,32 @@ impl FileRecordLocks {
         }
     }
 
-    /// Drops every lock of `owner` on the file (a close by a process holding `fcntl` locks,
-    /// or the last close of a file it `flock`ed).
-    pub fn drop_owner(&self, cl: &Cluster, owner: u64) -> Result<(), i32> {
-        if !self.owners.lock().expect("owners").remove(&owner) {
-            return Ok(());
+    /// A close by a process (`flush`): drops every lock of `owner` on the file (POSIX drops a
+    /// process's locks on a file at any close of it).
+    pub fn closed_by(&self, cl: &Cluster, owner: u64) -> Result<(), i32> {
+        let held = {
+            let mut owners = self.owners.lock().expect("owners");
+            owners
+                .values_mut()
+                .fold(false, |held, set| set.remove(&owner) | held)
+        };
+        if held {
+            self.drop_owner(cl, owner)?;
         }
+        Ok(())
+    }
+
+    /// The last close of open file `fh` (`release`): drops the locks still recorded against
+    /// it (a `flock`, OFD locks).
+    pub fn released(&self, cl: &Cluster, fh: u64) -> Result<(), i32> {
+        let owners = self.owners.lock().expect("owners").remove(&fh);
+        for owner in owners.into_iter().flatten() {
+            self.drop_owner(cl, owner)?;
+        }
+        Ok(())
+    }
+
+    fn drop_owner(&self, cl: &Cluster, owner: u64) -> Result<(), i32> {
         let r = Request {
             owner,
             pid: 0,
@@ -234,7 +260,7 @@ impl FileRecordLocks {
             end: OFFSET_MAX,
             typ: libc::F_UNLCK,
         };
-        self.try_set(cl, &r).map(|_| ())
+        self.try_set(cl, 0, &r).map(|_| ())
     }
 }
 

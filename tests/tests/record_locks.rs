@@ -224,6 +224,22 @@ const SCENARIOS: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "open file description (OFD) locks",
+        &[
+            "A ofd-setlk W 0 10",
+            "A open PATH",
+            "A ofd-setlk W 5 10",
+            "B ofd-setlkw W 0 5 &",
+            "B blocked",
+            "A use 0",
+            "A close",
+            "B wait",
+            "A use 1",
+            "A ofd-setlk W 5 10",
+            "B ofd-setlk R 5 1",
+        ],
+    ),
+    (
         "a forked child is another owner",
         &["A setlk W 0 10", "A fork-hold W 0 10", "B setlk R 0 1"],
     ),
@@ -263,6 +279,12 @@ fn lock_scenarios_on_two_mounts_match_tmpfs() {
     let all = text(&want);
     for seen in ["EAGAIN", "blocked", "EINTR", "W 0 100 pid:A"] {
         assert!(all.contains(seen), "no {seen} in the scenarios:\n{all}");
+    }
+    for unseen in ["no answer", "not blocked", "errno"] {
+        assert!(
+            !all.contains(unseen),
+            "a scenario went wrong on tmpfs:\n{all}"
+        );
     }
 }
 

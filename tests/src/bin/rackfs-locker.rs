@@ -7,6 +7,7 @@
 //! * `close` — closes the descriptor in use
 //! * `setlk R|W|U START LEN`, `setlkw R|W|U START LEN` — `F_SETLK` / `F_SETLKW`
 //! * `getlk R|W START LEN` — `F_GETLK`: `unlocked` or `R|W START LEN PID`
+//! * `ofd-setlk R|W|U START LEN`, `ofd-setlkw ...` — open file description locks
 //! * `flock sh|ex|un [nb]`
 //! * `alarm MS` — a `SIGALRM` (handler without `SA_RESTART`) after MS ms
 //! * `fork-hold R|W START LEN` — a child takes the lock and holds it until stdin closes
@@ -93,6 +94,8 @@ fn main() {
             }
             ["setlk", t, s, l] => fcntl_lock(cur, libc::F_SETLK, &mut flock_of(t, s, l)),
             ["setlkw", t, s, l] => fcntl_lock(cur, libc::F_SETLKW, &mut flock_of(t, s, l)),
+            ["ofd-setlk", t, s, l] => fcntl_lock(cur, libc::F_OFD_SETLK, &mut flock_of(t, s, l)),
+            ["ofd-setlkw", t, s, l] => fcntl_lock(cur, libc::F_OFD_SETLKW, &mut flock_of(t, s, l)),
             ["getlk", t, s, l] => {
                 let mut fl = flock_of(t, s, l);
                 match fcntl_lock(cur, libc::F_GETLK, &mut fl).as_str() {
