@@ -43,10 +43,9 @@ impl Oracle {
     fn before(&mut self, who: usize, w: &Want) -> Vec<(usize, u64)> {
         let mut gave = Vec::new();
         for b in bytes(w) {
-            if w.mode == Mode::Unlock || self.held.get(&(who, b)) == Some(&true) {
-                if self.held.remove(&(who, b)).is_some() {
-                    gave.push((who, b));
-                }
+            let gives = w.mode == Mode::Unlock || self.held.get(&(who, b)) == Some(&true);
+            if gives && self.held.remove(&(who, b)).is_some() {
+                gave.push((who, b));
             }
         }
         gave
@@ -210,7 +209,7 @@ fn run(seed: u64) -> Result<String, String> {
             h.clock_sleep(Duration::from_micros(5)).await;
         }
     });
-    assert!(TABLE_LEN < 1 << 16);
+    const { assert!(TABLE_LEN < 1 << 16) };
     sim.run(Duration::from_secs(2));
     let o = oracle.borrow();
     if let Some(v) = o.violations.first() {
