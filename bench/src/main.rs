@@ -9,6 +9,7 @@ mod qos;
 mod qos_engine;
 mod qos_mounts;
 mod qos_pshift;
+mod reclocks;
 mod replicas;
 mod shared;
 mod stats;
@@ -174,6 +175,27 @@ enum Cmd {
         /// Seconds the mount reads on each node (quick: 4).
         #[arg(long, default_value_t = 8)]
         phase: u32,
+    },
+    /// fcntl lock + unlock pairs per second on tmpfs and across two RackFS mounts,
+    /// uncontended and contended (needs root).
+    RecordLocks {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Measuring time per point and run, in milliseconds (quick: 200).
+        #[arg(long, default_value_t = 2000)]
+        duration_ms: u64,
+    },
+    /// One process of the record-lock benchmark: locks and unlocks one byte of FILE for
+    /// `--ms` and prints pairs per second.
+    #[command(hide = true)]
+    LockLoop {
+        file: PathBuf,
+        byte: i64,
+        #[arg(long)]
+        ms: u64,
+        /// F_SETLKW instead of F_SETLK.
+        #[arg(long)]
+        wait: bool,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -461,6 +483,31 @@ fn main() {
             let md = qos_pshift::run(if run.quick { 4 } else { phase.max(3) }, plots.as_deref());
             report(&md, run.out);
         }
+        Cmd::RecordLocks { run, duration_ms } => {
+            let cfg = reclocks::Config {
+                runs: run.runs(),
+                duration: Duration::from_millis(if run.quick { 200 } else { duration_ms }),
+            };
+            match reclocks::run(&cfg) {
+                Ok(md) => report(&md, run.out),
+                Err(e) => {
+                    eprintln!("rackfs-bench record-locks: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        Cmd::LockLoop {
+            file,
+            byte,
+            ms,
+            wait,
+        } => match reclocks::lock_loop(&file, byte, wait, Duration::from_millis(ms)) {
+            Ok(r) => println!("{r}"),
+            Err(e) => {
+                eprintln!("lock-loop: {e}");
+                std::process::exit(1);
+            }
+        },
         Cmd::Shared { run, runtime } => {
             let cfg = shared::Config {
                 runs: run.runs(),
