@@ -82,8 +82,10 @@ fn together(loops: &[(PathBuf, i64)], wait: bool, duration: Duration) -> Result<
     Ok(total)
 }
 
-/// The measured points: (name, [file of process 1, file of process 2]).
-fn points(tmp: &Path, a: &Path, b: &Path) -> Vec<(String, Vec<(PathBuf, i64)>, bool)> {
+/// One measured point: its name, each process's (file, byte), and whether they wait.
+type Point = (String, Vec<(PathBuf, i64)>, bool);
+
+fn points(tmp: &Path, a: &Path, b: &Path) -> Vec<Point> {
     let mut v = Vec::new();
     for (sys, one, two) in [("tmpfs", tmp, tmp), ("RackFS (shm + tcp mounts)", a, b)] {
         v.push((format!("{sys}: 1 process"), vec![(one.join("f"), 0)], false));
