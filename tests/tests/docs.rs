@@ -14,13 +14,14 @@ fn semantics_doc_names_existing_tests() {
         }
         // Integration tests live in tests/tests; tests of one crate in that crate's tests/
         // (unit tests: the metadata service's file layouts in meta/src, the store's in
-        // memnode/src).
+        // memnode/src, the record-lock rules in locks/src).
         let src = [
             "tests/tests",
             "meta/tests",
             "meta/src",
             "memnode/src",
             "locks/tests",
+            "locks/src",
             "qos/tests",
             "verbs/tests",
         ]
