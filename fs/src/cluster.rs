@@ -327,11 +327,7 @@ impl Cluster {
 
     /// Whether the cluster elects its primary through etcd (a standby may take over).
     fn elects_primary(&self) -> bool {
-        self.info
-            .read()
-            .expect("cluster info lock")
-            .coordinator
-            .starts_with("etcd")
+        self.info.read().expect("cluster info lock").elects
     }
 
     /// The primary of session `failed` stopped answering: finds the primary elected since

@@ -240,7 +240,12 @@ fn status(
         let info = c.cluster().map_err(|e| e.to_string())?;
         println!("cluster {addr} (primary {}):", info.primary.name);
         println!("  coordinator: {}", info.coordinator);
-        if info.coordinator.starts_with("etcd") {
+        println!(
+            "  mounts holding a lock lease: {} {:?}",
+            info.mounts.len(),
+            info.mounts
+        );
+        if info.elects {
             let name = |id: u32| {
                 info.nodes
                     .iter()

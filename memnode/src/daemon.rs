@@ -19,7 +19,7 @@ use rackfs_verbs::auth::NonceLog;
 use rackfs_verbs::lease::ServeLease;
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Access, Region, RegionTable};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::baseline::BaselineLocks;
 use crate::config::{NodeConfig, Role};
@@ -75,7 +75,10 @@ pub(crate) fn start_primary(node: &Arc<Node>, meta: MetaService) {
             .controller
             .set(QosController::new(node.cfg.qos.pshift))
             .is_ok()
-        && node.leases.set(Leases::new(node.cfg.lock_lease)).is_ok()
+        && node
+            .leases
+            .set(Leases::on(node.cfg.lock_lease, node.coord.clone()))
+            .is_ok()
         && node.epochs.set(Default::default()).is_ok();
     assert!(set, "a node becomes primary once");
     node.members.become_primary();
@@ -103,6 +106,22 @@ pub(crate) fn start_primary(node: &Arc<Node>, meta: MetaService) {
             }
             last = now;
             for session in leases.expire(now) {
+                thread(&n, "fence", move |n| n.fence_mount(session));
+            }
+        }
+    });
+    // Mounts whose lease the coordinator let lapse (on a thread of its own: a slow etcd does
+    // not hold up the checks above).
+    thread(node, "mount-leases", move |n| {
+        let leases = n.leases.get().expect("primary");
+        while !n.is_stopping() {
+            std::thread::sleep(lease / 8);
+            for session in leases.lapsed_in_coordinator() {
+                warn!(
+                    session,
+                    coordinator = n.coord.describe(),
+                    "a mount's lease with the coordinator lapsed: fencing it"
+                );
                 thread(&n, "fence", move |n| n.fence_mount(session));
             }
         }

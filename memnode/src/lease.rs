@@ -8,10 +8,23 @@
 //! its requests and renewals are refused with [`ErrorCode::Fenced`] until its connection closes.
 //! Leases are timed on the primary's clock; when the primary itself was paused for a while, every
 //! lease restarts ([`Leases::restart_all`]) instead of expiring mounts that could not renew.
+//!
+//! **On the coordinator.** Each held lease is also a lease of the cluster's coordinator (etcd,
+//! or the embedded one) with the key `mounts/<session>` under it: granted when the session
+//! takes its lock slot, kept alive with each of the mount's renewals, revoked when the session
+//! ends or is fenced. So the cluster's live mounts are listed where its nodes are, and a mount
+//! is out as soon as the coordinator says its lease lapsed ([`Leases::lapsed_in_coordinator`],
+//! checked every eighth of a lease; a renewal that finds it gone is refused as fenced) — or the
+//! primary's own timer above runs out, whichever comes first. Renewals go through the primary
+//! on purpose: the locks a lease protects are in the primary's memory, so a mount the primary
+//! cannot hear from must lose them even if it could still reach etcd.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use rackfs_coord::{CoordError, Coordinator, LeaseId};
+use tracing::warn;
 
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::Refusal;
@@ -24,19 +37,37 @@ struct State {
     /// Sessions holding a lease, with when it was last renewed.
     held: HashMap<u64, Instant>,
     fenced: HashSet<u64>,
+    /// The coordinator's lease of each held session.
+    in_coordinator: HashMap<u64, LeaseId>,
 }
 
 /// The leases of the lock holders (see the module docs).
 pub struct Leases {
     lease: Duration,
     state: Mutex<State>,
+    coord: Option<Arc<dyn Coordinator>>,
+}
+
+/// The coordinator key of mount session `session`.
+pub fn mount_key(session: u64) -> String {
+    format!("mounts/{session}")
 }
 
 impl Leases {
+    /// Leases timed by the primary alone (unit tests).
     pub fn new(lease: Duration) -> Leases {
         Leases {
             lease,
             state: Mutex::default(),
+            coord: None,
+        }
+    }
+
+    /// Leases kept on `coord` too (see the module docs).
+    pub fn on(lease: Duration, coord: Arc<dyn Coordinator>) -> Leases {
+        Leases {
+            coord: Some(coord),
+            ..Leases::new(lease)
         }
     }
 
@@ -44,22 +75,124 @@ impl Leases {
         self.lease
     }
 
-    /// `session` took a lock slot: its lease starts now (if it has none yet).
+    /// `session` took a lock slot: its lease starts now (if it has none yet), on the
+    /// coordinator too.
     pub fn hold(&self, session: u64) {
-        let mut st = self.state.lock().expect("leases lock");
-        if !st.fenced.contains(&session) {
-            st.held.entry(session).or_insert_with(Instant::now);
+        {
+            let mut st = self.state.lock().expect("leases lock");
+            if st.fenced.contains(&session) || st.held.contains_key(&session) {
+                return;
+            }
+            st.held.insert(session, Instant::now());
+        }
+        let Some(c) = &self.coord else { return };
+        let granted = c.grant(self.lease).and_then(|(id, _)| {
+            let value = format!("{{\"session\":{session}}}");
+            c.put(&mount_key(session), value.as_bytes(), Some(id))?;
+            Ok(id)
+        });
+        match granted {
+            Ok(id) => {
+                let mut st = self.state.lock().expect("leases lock");
+                if st.held.contains_key(&session) {
+                    st.in_coordinator.insert(session, id);
+                    return;
+                }
+                drop(st);
+                let _ = c.revoke(id); // ended meanwhile
+            }
+            Err(e) => warn!(
+                session,
+                coordinator = c.describe(),
+                error = %e,
+                "no lease with the coordinator for this mount; the primary alone times it"
+            ),
         }
     }
 
-    /// Renews `session`'s lease (a session without one has nothing to renew).
-    pub fn renew(&self, session: u64) -> Result<Duration, Refusal> {
-        let mut st = self.state.lock().expect("leases lock");
-        if st.fenced.contains(&session) {
-            return Err(fenced(session, self.lease));
+    /// The sessions holding a lease.
+    pub fn sessions(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .state
+            .lock()
+            .expect("leases lock")
+            .held
+            .keys()
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Ends `session`'s lease with the coordinator (its key goes).
+    fn revoke(&self, session: u64) {
+        let id = self
+            .state
+            .lock()
+            .expect("leases lock")
+            .in_coordinator
+            .remove(&session);
+        if let (Some(c), Some(id)) = (&self.coord, id) {
+            if let Err(e) = c.revoke(id) {
+                warn!(session, error = %e, "the mount's lease with the coordinator was not revoked; it lapses by itself");
+            }
         }
-        if let Some(t) = st.held.get_mut(&session) {
-            *t = Instant::now();
+    }
+
+    /// Held sessions whose lease the coordinator no longer has (their key is gone): from now
+    /// on they are fenced. Lists the coordinator's mount keys once.
+    pub fn lapsed_in_coordinator(&self) -> Vec<u64> {
+        let Some(c) = &self.coord else {
+            return Vec::new();
+        };
+        let keys = match c.list("mounts/") {
+            Ok(keys) => keys,
+            Err(e) => {
+                warn!(coordinator = c.describe(), error = %e, "cannot list the mounts' leases");
+                return Vec::new();
+            }
+        };
+        let live: HashSet<u64> = keys
+            .iter()
+            .filter_map(|(k, _)| k.rsplit('/').next()?.parse().ok())
+            .collect();
+        let mut st = self.state.lock().expect("leases lock");
+        let gone: Vec<u64> = st
+            .in_coordinator
+            .keys()
+            .filter(|s| !live.contains(s))
+            .copied()
+            .collect();
+        for s in &gone {
+            st.in_coordinator.remove(s);
+            st.held.remove(s);
+            st.fenced.insert(*s);
+        }
+        gone
+    }
+
+    /// Renews `session`'s lease (a session without one has nothing to renew), with the
+    /// coordinator too; one the coordinator let lapse is fenced.
+    pub fn renew(&self, session: u64) -> Result<Duration, Refusal> {
+        let id = {
+            let mut st = self.state.lock().expect("leases lock");
+            if st.fenced.contains(&session) {
+                return Err(fenced(session, self.lease));
+            }
+            if let Some(t) = st.held.get_mut(&session) {
+                *t = Instant::now();
+            }
+            st.in_coordinator.get(&session).copied()
+        };
+        if let (Some(c), Some(id)) = (&self.coord, id) {
+            match c.keep_alive(id) {
+                Ok(_) => {}
+                // The lease checks see its key gone and fence it.
+                Err(CoordError::Expired(_)) => return Err(fenced(session, self.lease)),
+                Err(e) => {
+                    warn!(session, error = %e, "cannot renew a mount's lease with the coordinator")
+                }
+            }
         }
         Ok(self.lease)
     }
@@ -80,6 +213,7 @@ impl Leases {
 
     /// The session ended (its connection closed): it needs no lease any more.
     pub fn end(&self, session: u64) {
+        self.revoke(session);
         let mut st = self.state.lock().expect("leases lock");
         st.held.remove(&session);
         st.fenced.remove(&session);
@@ -105,6 +239,10 @@ impl Leases {
         for s in &out {
             st.held.remove(s);
             st.fenced.insert(*s);
+        }
+        drop(st);
+        for &s in &out {
+            self.revoke(s);
         }
         out
     }
@@ -161,6 +299,27 @@ mod tests {
         l.restart_all(resumed);
         assert!(l.expire(resumed + Duration::from_millis(99)).is_empty());
         assert_eq!(l.expire(resumed + Duration::from_millis(100)), vec![1]);
+    }
+
+    #[test]
+    fn a_lease_the_coordinator_let_lapse_fences_its_session() {
+        let coord: Arc<dyn Coordinator> =
+            Arc::new(rackfs_coord::Local::new(Duration::from_secs(60)));
+        let l = Leases::on(Duration::from_secs(5), coord.clone());
+        l.hold(1);
+        l.hold(2);
+        let keys = |c: &Arc<dyn Coordinator>| c.list("mounts/").unwrap().len();
+        assert_eq!(keys(&coord), 2, "both mounts are listed on the coordinator");
+        assert!(l.lapsed_in_coordinator().is_empty());
+        l.renew(1).unwrap();
+        // Mount 2's lease goes from the coordinator (lapsed, or revoked by an operator).
+        coord.delete(&mount_key(2)).unwrap();
+        assert_eq!(l.lapsed_in_coordinator(), vec![2]);
+        assert_eq!(l.renew(2).unwrap_err().code, ErrorCode::Fenced);
+        assert!(l.renew(1).is_ok());
+        // Ending a session revokes its lease: its key goes.
+        l.end(1);
+        assert_eq!(keys(&coord), 0);
     }
 
     #[test]

@@ -171,6 +171,8 @@ impl Membership {
             nodes,
             down,
             coordinator: String::new(),
+            elects: false,
+            mounts: Vec::new(),
             epochs: Vec::new(),
             standby: None,
         })

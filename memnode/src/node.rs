@@ -316,6 +316,8 @@ impl Node {
             ControlRequest::Cluster => match self.members.cluster_info() {
                 Some(mut c) => {
                     c.coordinator = self.coord.describe();
+                    c.elects = self.cfg.etcd.is_some();
+                    c.mounts = self.leases.get().map(Leases::sessions).unwrap_or_default();
                     c.standby = self.standby.follower();
                     if let Some(e) = self.epochs.get() {
                         c.epochs = c
@@ -324,13 +326,15 @@ impl Node {
                             .filter_map(|n| Some((n.node_id, e.admitted(n.node_id)?)))
                             .collect();
                     }
-                    ControlResponse::Cluster(c)
+                    ControlResponse::Cluster(Box::new(c))
                 }
                 None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
             },
             ControlRequest::Join { node, epoch } => self
                 .accept_join(node, epoch)
-                .map_or_else(ControlResponse::from, ControlResponse::Cluster),
+                .map_or_else(ControlResponse::from, |c| {
+                    ControlResponse::Cluster(Box::new(c))
+                }),
             ControlRequest::Mirror {
                 primary,
                 seq,

@@ -374,7 +374,7 @@ impl ControlClient {
 
     pub fn cluster(&self) -> Result<ClusterInfo, RpcError> {
         match self.call(&ControlRequest::Cluster)? {
-            ControlResponse::Cluster(c) => Ok(c),
+            ControlResponse::Cluster(c) => Ok(*c),
             other => Err(self.mismatch(other)),
         }
     }

@@ -290,6 +290,11 @@ pub struct ClusterInfo {
     pub down: Vec<(u32, String)>,
     /// Where membership, leases and the election live (etcd, or embedded in the primary).
     pub coordinator: String,
+    /// Whether another node can be elected primary when this one dies (the coordinator is
+    /// etcd): mounts then wait for a new primary instead of failing.
+    pub elects: bool,
+    /// Mount sessions holding a lock lease (on the coordinator: `mounts/<session>`).
+    pub mounts: Vec<u64>,
     /// The epoch each data node was admitted under (its lease with the coordinator), by id.
     pub epochs: Vec<(u32, i64)>,
     /// The data node whose mirror of the metadata is in sync (etcd only; `None`: the primary's
@@ -503,7 +508,7 @@ pub enum ControlResponse {
     Freed {
         len: u64,
     },
-    Cluster(ClusterInfo),
+    Cluster(Box<ClusterInfo>),
     Attr(Attr),
     Entries(Vec<DirEntry>),
     Target(Vec<u8>),

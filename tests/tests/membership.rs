@@ -323,3 +323,67 @@ fn on_a_three_member_etcd_the_death_of_a_member_changes_nothing() {
     assert!(!log.contains("memory node out of the cluster"), "{log}");
     assert!(!log.contains("lease lapsed"), "{log}");
 }
+
+/// The sessions whose mount lock lease etcd holds.
+fn mount_leases(c: &TestCluster) -> Vec<u64> {
+    etcd(c)
+        .list("mounts/")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k.rsplit('/').next().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// A mount's lock lease lives in etcd (`mounts/<session>`): the mount is out, and fenced, as
+/// soon as etcd no longer has it (here deleted, as if it lapsed there); the mount then carries
+/// on under a new session with a new lease, and a stopped mount's lease lapses in etcd.
+#[test]
+fn on_etcd_a_mounts_lock_lease_lives_in_etcd_and_its_loss_fences_the_mount() {
+    let c = TestCluster::on_etcd(2, "32M", &["--lock-lease-ms", "2000"]);
+    let m = Mount::new(&c, "transport=tcp");
+    fs::write(m.path("a"), b"first").unwrap(); // takes a lock slot, so a lease
+    let held = mount_leases(&c);
+    assert_eq!(held.len(), 1, "one mount, one lease in etcd: {held:?}");
+    let status = std::process::Command::new(rackfs_tests::bin_path("rackfs"))
+        .args(["status", "--cluster", &c.addr(), "--secret-file"])
+        .arg(&c.secret_file)
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.contains(&format!("mounts holding a lock lease: 1 [{}]", held[0])),
+        "{status}"
+    );
+
+    // etcd loses the lease: the primary fences the mount within an eighth of a lease or so.
+    etcd(&c).delete(&format!("mounts/{}", held[0])).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || m.log_text().contains("fenced")),
+        "the mount was not fenced: {}",
+        m.log_text()
+    );
+    // It carries on under a new session, with a new lease in etcd.
+    let again = wait_for(Duration::from_secs(10), || {
+        fs::write(m.path("b"), b"second").is_ok()
+    });
+    assert!(again, "the mount did not recover: {}", m.log_text());
+    assert_eq!(fs::read(m.path("a")).unwrap(), b"first");
+    let now = mount_leases(&c);
+    assert!(
+        now.len() == 1 && now[0] != held[0],
+        "a new session's lease: {now:?}"
+    );
+
+    // A stopped mount renews nothing: its lease lapses in etcd.
+    let pid = m.child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    let t0 = Instant::now();
+    let lapsed = wait_for(Duration::from_secs(10), || mount_leases(&c).is_empty());
+    // SAFETY: signalling the mount process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(lapsed, "a stopped mount's lease outlived it in etcd");
+    eprintln!(
+        "a stopped mount's lease left etcd {:?} after the stop",
+        t0.elapsed()
+    );
+}
