@@ -20,8 +20,8 @@ use std::collections::BTreeMap;
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::namespace::StripeExtent;
 use rackfs_proto::record::{
-    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, RECORD_LEN, REC_REPLICAS,
-    REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
+    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, MAX_REPLICAS, RECORD_LEN,
+    REC_REPLICAS, REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
@@ -102,6 +102,26 @@ impl File {
             reserved: 0,
             record_locks: 0,
         }
+    }
+
+    /// Sets the replica count of a file that has no stripe yet (its extent table's layout
+    /// depends on it).
+    pub fn set_replicas(&mut self, replicas: u32, region: &Region) -> Result<(), Refusal> {
+        if !(1..=MAX_REPLICAS).contains(&replicas) {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!("a file has 1 to {MAX_REPLICAS} replicas, not {replicas}"),
+            ));
+        }
+        if self.table != 0 {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                "a file's replica count is set before its first write (it has stripes)",
+            ));
+        }
+        write_word(region, self.record + REC_REPLICAS, replicas as u64);
+        self.replicas = replicas;
+        Ok(())
     }
 
     /// Node memory the file's replicas hold.

@@ -26,6 +26,9 @@ use crate::file::{read_word, write_word, Dropped, File};
 use crate::storage::Storage;
 use crate::xattr::Xattrs;
 
+/// The virtual extended attribute that reads and sets a file's replica count (not listed).
+const REPLICAS_XATTR: &[u8] = b"rackfs.replicas";
+
 type MetaResult<T> = Result<T, Refusal>;
 
 fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
@@ -170,6 +173,17 @@ impl Namespace {
                 )
             }
             MetaRequest::SetXattr {
+                ino, name, value, ..
+            } if name == REPLICAS_XATTR => self
+                .set_replicas(ino, &value, st)
+                .map(|()| ControlResponse::Ok),
+            MetaRequest::GetXattr { ino, name } if name == REPLICAS_XATTR => {
+                self.get(ino).and_then(|i| match &i.file {
+                    Some(f) => Ok(ControlResponse::Xattr(f.replicas.to_string().into_bytes())),
+                    None => err(ErrorCode::NoData, "only regular files have a replica count"),
+                })
+            }
+            MetaRequest::SetXattr {
                 ino,
                 name,
                 value,
@@ -307,6 +321,31 @@ impl Namespace {
     /// How many inodes exist.
     pub fn inodes(&self) -> u64 {
         self.inodes.len() as u64
+    }
+
+    /// `setfattr -n rackfs.replicas -v N FILE`: the replica count of a file without stripes.
+    fn set_replicas(&mut self, ino: u64, value: &[u8], st: &dyn Storage) -> MetaResult<()> {
+        let n = std::str::from_utf8(value)
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .ok_or_else(|| {
+                Refusal::new(
+                    ErrorCode::Invalid,
+                    format!("{} is not a replica count", String::from_utf8_lossy(value)),
+                )
+            })?;
+        let (_, region) = st.local();
+        let t = st.wall_ns();
+        let i = self.get_mut(ino)?;
+        let Some(f) = i.file.as_mut() else {
+            return err(
+                ErrorCode::Invalid,
+                "only regular files have a replica count",
+            );
+        };
+        f.set_replicas(n, region)?;
+        i.ctime = t;
+        Ok(())
     }
 
     /// Applies `change` to an inode's extended attributes; a change moves its ctime.

@@ -247,3 +247,36 @@ fn cp_a_and_rsync_x_keep_attributes() {
         .arg(back.path()));
     assert_eq!(all_attrs(back.path()), want);
 }
+
+/// `rackfs.replicas` reads a file's replica count and sets it before the first write (a
+/// virtual attribute, not listed): the file's stripes then get that many copies.
+#[test]
+fn rackfs_replicas_sets_a_files_replica_count_before_its_first_write() {
+    use std::os::unix::fs::MetadataExt;
+    let c = TestCluster::start(3, "32M");
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K");
+    let (three, one) = (m.path("three"), m.path("one"));
+    fs::write(&three, b"").unwrap();
+    fs::write(&one, b"").unwrap();
+    assert_eq!(
+        get(&three, "rackfs.replicas").unwrap(),
+        b"2",
+        "the cluster's default"
+    );
+    set(&three, "rackfs.replicas", b"3", 0).unwrap();
+    set(&one, "rackfs.replicas", b"1", 0).unwrap();
+    assert_eq!(list(&three), Ok(vec![]), "virtual: not listed");
+    for bad in [&b"0"[..], b"9", b"two"] {
+        assert_eq!(set(&three, "rackfs.replicas", bad, 0), Err(libc::EINVAL));
+    }
+    let data = vec![5u8; 1 << 20];
+    fs::write(&three, &data).unwrap();
+    fs::write(&one, &data).unwrap();
+    let bytes = |p: &Path| fs::metadata(p).unwrap().blocks() * 512;
+    assert_eq!(bytes(&three), 3 << 20, "three copies of 1 MiB");
+    assert_eq!(bytes(&one), 1 << 20, "one copy of 1 MiB");
+    assert_eq!(get(&three, "rackfs.replicas").unwrap(), b"3");
+    // Once written, the count stays.
+    assert_eq!(set(&three, "rackfs.replicas", b"2", 0), Err(libc::EINVAL));
+    assert_eq!(fs::read(&three).unwrap(), data);
+}
