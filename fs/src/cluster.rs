@@ -325,8 +325,8 @@ impl Cluster {
         }
     }
 
-    /// Whether the cluster elects its primary through etcd (a standby may take over).
-    fn elects_primary(&self) -> bool {
+    /// Whether another node is elected primary when this one dies (etcd).
+    pub fn elects_primary(&self) -> bool {
         self.info.read().expect("cluster info lock").elects
     }
 

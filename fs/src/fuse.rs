@@ -139,6 +139,15 @@ impl RackFs {
             cluster.on_failover(move || {
                 let Some(cl) = weak.upgrade() else { return };
                 let open: Vec<_> = files.lock().expect("files lock").values().cloned().collect();
+                // Record locks are reclaimed on a thread of their own: a reclaim that met a
+                // failed primary would start another failover, which waits for this one.
+                let (held, cluster) = (open.clone(), cl.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("rackfs-reclaim".into())
+                    .spawn(move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster)));
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "no thread to reclaim record locks on: they are lost");
+                }
                 for f in open {
                     let wrote = f.written();
                     f.invalidate();

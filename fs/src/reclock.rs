@@ -7,8 +7,9 @@
 //! changes, on a thread of its own so that the FUSE workers stay free for the holders' unlocks;
 //! the wait ends with `EINTR` as soon as the waiting thread has a signal to take.
 //!
-//! Locks belong to the mount's session: a mount that is fenced (lease expired) or whose
-//! primary fails over loses them (the service frees them; this module logs it).
+//! Locks belong to the mount's session: a mount that is fenced (lease expired) loses them (the
+//! service frees them; this module logs it). When the primary fails over, the mount reclaims
+//! what its processes hold from the new one, in its grace period ([`FileRecordLocks::reclaim`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -16,7 +17,7 @@ use std::time::Duration;
 
 use rackfs_locks::record::{Entry, Mode, RecordLockError, RecordLockTable, Refused, Want};
 use rackfs_proto::control::ControlResponse;
-use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::namespace::{MetaRequest, ReclaimedLock};
 use rackfs_verbs::{block_on, RemoteAddr};
 
 use crate::cluster::Cluster;
@@ -59,29 +60,27 @@ pub struct Request {
 /// another host).
 pub type Conflict = (u64, u64, i32, u32);
 
+/// A table handle and the session, failover count and primary it was made under.
+struct Handle {
+    session: u64,
+    failovers: u64,
+    node: u32,
+    table: Arc<RecordLockTable>,
+}
+
 /// The record locks of one file on this mount.
 pub struct FileRecordLocks {
     ino: u64,
     /// The table handle, for the session it was made in.
-    table: Mutex<Option<(u64, Arc<RecordLockTable>)>>,
+    table: Mutex<Option<Handle>>,
     /// Owners that may hold locks here, by the open file (FUSE handle) they locked through:
     /// only their closes cost a round trip. A close (flush) drops a process's locks; the last
     /// close of an open file (release) drops the locks still recorded against it, which can
     /// only be those owned by the open file itself (`flock`, OFD locks).
     owners: Mutex<HashMap<u64, HashSet<u64>>>,
-}
-
-fn errno(e: RecordLockError) -> i32 {
-    match e {
-        RecordLockError::Busy { .. } => {
-            tracing::warn!(error = %e, "record lock operation gave up");
-            libc::ENOLCK
-        }
-        RecordLockError::Verbs(v) => {
-            tracing::warn!(error = %v, "record lock operation failed");
-            libc::EIO
-        }
-    }
+    /// What each owner holds, as the table said after its last change: reclaimed from a
+    /// primary that takes over.
+    held: Mutex<HashMap<u64, Vec<Entry>>>,
 }
 
 impl FileRecordLocks {
@@ -90,42 +89,86 @@ impl FileRecordLocks {
             ino,
             table: Mutex::new(None),
             owners: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
         }
     }
 
     /// The table, asked of the primary on first use and again in a new session.
-    fn table(&self, cl: &Cluster) -> Result<Arc<RecordLockTable>, i32> {
+    fn table(&self, cl: &Cluster) -> Result<(Arc<RecordLockTable>, u32), i32> {
         let mut cur = self.table.lock().expect("record lock table");
         let session = cl.session();
-        if let Some((s, t)) = cur.as_ref() {
-            if *s == session {
-                return Ok(t.clone());
+        if let Some(h) = cur.as_ref() {
+            if h.session == session {
+                return Ok((h.table.clone(), h.node));
             }
-            tracing::warn!(
-                ino = self.ino,
-                "this mount's session changed (fenced, or the primary failed over): the record \
-                 locks its processes held on the file are gone"
-            );
-            self.owners.lock().expect("owners").clear();
+            // Fenced (not a failover, whose locks are reclaimed): the locks are gone.
+            if h.failovers == cl.failovers() {
+                if !std::mem::take(&mut *self.held.lock().expect("held")).is_empty() {
+                    tracing::warn!(
+                        ino = self.ino,
+                        "this mount's session was fenced: the record locks its processes held \
+                         on the file are gone"
+                    );
+                }
+                self.owners.lock().expect("owners").clear();
+            }
         }
+        let failovers = cl.failovers();
         let at = match cl.meta(MetaRequest::RecordLocks { ino: self.ino }) {
             Ok(ControlResponse::RecordLocks(at)) => at,
             Ok(_) => return Err(libc::EIO),
             Err(e) => return Err(e.errno()),
         };
         let (slot, _, session) = cl.lock_client()?;
-        let primary = cl.primary_id();
+        let node = cl.primary_id();
         let p = cl
-            .node_in(primary, session)
-            .map_err(|e| cl.verbs_errno(primary, &e))?;
-        let t = Arc::new(RecordLockTable::new(
+            .node_in(node, session)
+            .map_err(|e| cl.verbs_errno(node, &e))?;
+        let table = Arc::new(RecordLockTable::new(
             p.qp.clone(),
             RemoteAddr::new(p.rkey, at),
             slot,
             MUTEX_PATIENCE,
         ));
-        *cur = Some((session, t.clone()));
-        Ok(t)
+        *cur = Some(Handle {
+            session,
+            failovers,
+            node,
+            table: table.clone(),
+        });
+        Ok((table, node))
+    }
+
+    /// Runs `op` on the table; once more if it failed because the primary died and another
+    /// took over meanwhile (whose table this mount's locks were reclaimed into).
+    fn on_table<T>(
+        &self,
+        cl: &Cluster,
+        op: impl Fn(&RecordLockTable) -> Result<T, RecordLockError>,
+    ) -> Result<T, i32> {
+        let before = cl.failovers();
+        let (t, node) = self.table(cl)?;
+        match op(&t) {
+            Ok(v) => Ok(v),
+            Err(RecordLockError::Verbs(e)) => {
+                let errno = cl.verbs_errno(node, &e);
+                if !cl.primary_replaced(before) {
+                    tracing::warn!(ino = self.ino, node, error = %e, "record lock operation failed");
+                    return Err(errno);
+                }
+                let (t, _) = self.table(cl)?;
+                op(&t).map_err(|e| self.failed(e))
+            }
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+
+    fn failed(&self, e: RecordLockError) -> i32 {
+        tracing::warn!(ino = self.ino, error = %e, "record lock operation failed");
+        match e {
+            RecordLockError::Busy { .. } => libc::ENOLCK,
+            RecordLockError::Verbs(_) => libc::EIO,
+        }
     }
 
     fn want(&self, client: u16, r: &Request, mode: Mode) -> Want {
@@ -156,8 +199,7 @@ impl FileRecordLocks {
     /// `F_GETLK`: the first lock of another owner that conflicts with `r`.
     pub fn test(&self, cl: &Cluster, r: &Request) -> Result<Option<Conflict>, i32> {
         let mode = Self::mode(r.typ)?;
-        let t = self.table(cl)?;
-        let found = block_on(t.test(&self.want(t.client(), r, mode))).map_err(errno)?;
+        let found = self.on_table(cl, |t| block_on(t.test(&self.want(t.client(), r, mode))))?;
         Ok(found.map(|e: Entry| {
             let end = if e.end == u64::MAX {
                 OFFSET_MAX
@@ -177,13 +219,18 @@ impl FileRecordLocks {
     /// owner's lock conflicts.
     pub fn try_set(&self, cl: &Cluster, fh: u64, r: &Request) -> Result<bool, i32> {
         let mode = Self::mode(r.typ)?;
-        let t = self.table(cl)?;
-        let res = block_on(t.apply(&self.want(t.client(), r, mode))).map_err(errno)?;
+        let res = self.on_table(cl, |t| block_on(t.apply(&self.want(t.client(), r, mode))))?;
         match res {
-            Ok(()) => {
+            Ok(holding) => {
                 if mode != Mode::Unlock {
                     let mut owners = self.owners.lock().expect("owners");
                     owners.entry(fh).or_default().insert(r.owner);
+                }
+                let mut held = self.held.lock().expect("held");
+                if holding.is_empty() {
+                    held.remove(&r.owner);
+                } else {
+                    held.insert(r.owner, holding);
                 }
                 Ok(true)
             }
@@ -207,9 +254,9 @@ impl FileRecordLocks {
         r: &Request,
         interrupted: impl Fn() -> bool,
     ) -> Result<(), i32> {
-        let t = self.table(cl)?;
+        let version = || self.on_table(cl, |t| block_on(t.version()));
         loop {
-            let seen = block_on(t.version()).map_err(errno)?;
+            let seen = version()?;
             if self.try_set(cl, fh, r)? {
                 return Ok(());
             }
@@ -220,9 +267,60 @@ impl FileRecordLocks {
                 }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(MAX_POLL);
-                if block_on(t.version()).map_err(errno)? != seen {
+                if version()? != seen {
                     break;
                 }
+            }
+        }
+    }
+
+    /// This mount continues on a primary that took over (which starts with no locks): asserts
+    /// the locks its processes hold on the file there again, within its grace period.
+    pub fn reclaim(&self, cl: &Cluster) {
+        let locks: Vec<ReclaimedLock> = self
+            .held
+            .lock()
+            .expect("held")
+            .values()
+            .flatten()
+            .map(|e| ReclaimedLock {
+                owner: e.owner,
+                pid: e.pid,
+                host: e.host,
+                start: e.start,
+                end: e.end,
+                exclusive: e.exclusive,
+            })
+            .collect();
+        // The next lock operation makes a handle for the new session.
+        *self.table.lock().expect("record lock table") = None;
+        if locks.is_empty() {
+            return;
+        }
+        // A lock slot, so a lease: the reclaimed locks are the new session's.
+        let res = cl
+            .lock_client()
+            .map_err(|e| format!("no lock slot: errno {e}"))
+            .and_then(|_| {
+                let req = MetaRequest::ReclaimLocks {
+                    ino: self.ino,
+                    locks: locks.clone(),
+                };
+                cl.primary()
+                    .meta(req)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+        match res {
+            Ok(()) => tracing::info!(
+                ino = self.ino,
+                locks = locks.len(),
+                "record locks reclaimed from the primary that took over"
+            ),
+            Err(why) => {
+                tracing::warn!(ino = self.ino, %why, "record locks of this mount's processes on the file were lost in the failover");
+                self.held.lock().expect("held").clear();
+                self.owners.lock().expect("owners").clear();
             }
         }
     }

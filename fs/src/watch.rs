@@ -50,7 +50,16 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
                         warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting")
                     }
                 },
-                Err(e) => warn!(error = %e, "the watcher cannot reach the primary; retrying"),
+                Err(e) => {
+                    warn!(error = %e, "the watcher cannot reach the primary; retrying");
+                    // An idle mount follows a primary that took over from here (its record
+                    // locks must be reclaimed within the new primary's grace period).
+                    if cluster.elects_primary() {
+                        if let Err(e) = cluster.failover(of) {
+                            warn!(error = %e, "no primary took over yet");
+                        }
+                    }
+                }
             }
             std::thread::sleep(Duration::from_secs(1));
         });

@@ -82,7 +82,8 @@ impl Entry {
             | self.pid as u64
     }
 
-    fn encode(&self) -> [u8; ENTRY_LEN as usize] {
+    /// The entry's bytes in a table.
+    pub fn encode(&self) -> [u8; ENTRY_LEN as usize] {
         let mut b = [0u8; ENTRY_LEN as usize];
         for (i, w) in [self.start, self.end, self.owner, self.info()]
             .iter()
@@ -167,9 +168,17 @@ pub fn first_conflict(slots: &[Option<Entry>], w: &Want) -> Option<Entry> {
         .min_by_key(|e| (e.start, e.end))
 }
 
-/// The entry writes that apply `w` to a table holding `slots`: `(index, new content)`, in
-/// index order. Only the owner's entries and free ones change.
-pub fn plan(slots: &[Option<Entry>], w: &Want) -> Result<Vec<(usize, Option<Entry>)>, Refused> {
+/// Entry writes: `(index, new content)`.
+pub type Writes = Vec<(usize, Option<Entry>)>;
+
+/// The entry writes that apply `w` to a table holding `slots`, in index order. Only the
+/// owner's entries and free ones change.
+pub fn plan(slots: &[Option<Entry>], w: &Want) -> Result<Writes, Refused> {
+    plan_holding(slots, w).map(|(writes, _)| writes)
+}
+
+/// [`plan`], and the locks the owner holds once the writes are made.
+pub fn plan_holding(slots: &[Option<Entry>], w: &Want) -> Result<(Writes, Vec<Entry>), Refused> {
     if let Some(e) = first_conflict(slots, w) {
         return Err(Refused::Conflict(e));
     }
@@ -240,7 +249,7 @@ pub fn plan(slots: &[Option<Entry>], w: &Want) -> Result<Vec<(usize, Option<Entr
         return Err(Refused::Full);
     }
     writes.sort_by_key(|&(i, _)| i);
-    Ok(writes)
+    Ok((writes, want))
 }
 
 /// Errors of the one-sided protocol.
@@ -321,13 +330,14 @@ impl RecordLockTable {
         Ok(())
     }
 
-    /// Applies `w` (set or clear a range) if nothing conflicts; `Ok(Err(..))` says why not.
-    pub async fn apply(&self, w: &Want) -> Result<Result<(), Refused>, RecordLockError> {
+    /// Applies `w` (set or clear a range) if nothing conflicts, returning what the owner then
+    /// holds; `Ok(Err(..))` says why not.
+    pub async fn apply(&self, w: &Want) -> Result<Result<Vec<Entry>, Refused>, RecordLockError> {
         let slots = self.hold().await?;
-        match plan(&slots, w) {
-            Ok(writes) => {
+        match plan_holding(&slots, w) {
+            Ok((writes, holding)) => {
                 self.release(&writes).await?;
-                Ok(Ok(()))
+                Ok(Ok(holding))
             }
             Err(r) => {
                 self.release(&[]).await?;

@@ -416,7 +416,9 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     node.fences.fence_below(first, Duration::from_secs(3));
     let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
     meta.set_answered(mirror.answered);
-    meta.clear_record_locks(&**node);
+    // Mounts follow within a lock lease or so (their watchers notice), then reclaim their
+    // processes' record locks; new locks wait for the grace period.
+    meta.take_over_record_locks(&**node, 2 * node.cfg.lock_lease);
     // Before anyone is served: no layout handed out lists the old primary's replicas.
     let d = meta.drop_node(old, &**node);
     warn!(

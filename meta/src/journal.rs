@@ -66,6 +66,7 @@ impl Step {
                 | MetaRequest::StatFs
                 | MetaRequest::LockSlot
                 | MetaRequest::LockTree { .. }
+                | MetaRequest::ReclaimLocks { .. }
                 | MetaRequest::Retry { .. }
         )
     }

@@ -19,7 +19,7 @@ pub mod xattr;
 
 use std::time::Duration;
 
-use rackfs_proto::control::ControlResponse;
+use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::locktree::TreeWord;
 use rackfs_proto::namespace::{Change, MetaRequest};
 use rackfs_proto::record::REC_LOCKS;
@@ -38,6 +38,8 @@ pub struct MetaService {
     pub locks: LockTrees,
     /// Freeing the record locks of mounts whose sessions ended.
     record_locks: recordlocks::RecordLockSweeps,
+    /// Until when mounts may reclaim record locks (a primary that took over).
+    record_grace: Option<Duration>,
     /// Changes other mounts must forget, since [`MetaService::take_changes`] last ran.
     changes: Vec<Change>,
     /// Whether namespace changes are journaled (a standby follows this service).
@@ -66,6 +68,7 @@ impl MetaService {
             namespace,
             locks: LockTrees::new(lock_grace, lock_grace),
             record_locks: Default::default(),
+            record_grace: None,
             changes: Vec::new(),
             journaling: false,
             seq,
@@ -123,6 +126,9 @@ impl MetaService {
                 .locks
                 .attach(session)
                 .map_or_else(ControlResponse::from, ControlResponse::LockSlot),
+            MetaRequest::ReclaimLocks { ino, locks } => self
+                .reclaim_locks(session, ino, &locks, st)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
             MetaRequest::LockTree { ino, old, units } => self
                 .publish_tree(ino, old, units, st)
                 .map_or_else(ControlResponse::from, |w| ControlResponse::LockTree(w.0)),
@@ -167,9 +173,52 @@ impl MetaService {
         }
     }
 
-    /// A primary that took over: the old sessions' record locks went with them.
-    pub fn clear_record_locks(&self, st: &dyn Storage) {
-        recordlocks::clear(st.local().1, &self.namespace.record_lock_tables());
+    /// A primary that took over: the old sessions' record locks went with them; for `grace`
+    /// only the mounts that held them may enter them again ([`MetaRequest::ReclaimLocks`]).
+    pub fn take_over_record_locks(&mut self, st: &dyn Storage, grace: Duration) {
+        let tables = self.namespace.record_lock_tables();
+        recordlocks::clear(st.local().1, &tables);
+        recordlocks::begin_grace(st.local().1, &tables);
+        self.record_grace = Some(st.elapsed() + grace);
+    }
+
+    fn reclaim_locks(
+        &mut self,
+        session: u64,
+        ino: u64,
+        locks: &[rackfs_proto::namespace::ReclaimedLock],
+        st: &dyn Storage,
+    ) -> Result<(), Refusal> {
+        if self.record_grace.is_none() {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                "no grace period for reclaiming locks (this primary did not just take over, or                  its grace period is over)",
+            ));
+        }
+        let client = self.locks.attach(session)?;
+        let Some(&(_, at)) = self
+            .namespace
+            .record_lock_tables()
+            .iter()
+            .find(|(i, _)| *i == ino)
+        else {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("inode {ino} has no record-lock table to reclaim locks in"),
+            ));
+        };
+        let lost = recordlocks::reclaim(st.local().1, at, client, locks);
+        if lost.is_empty() {
+            return Ok(());
+        }
+        Err(Refusal::new(
+            ErrorCode::Invalid,
+            format!(
+                "{} of {} locks on inode {ino} conflict with others reclaimed: {lost:?}",
+                lost.len(),
+                locks.len()
+            ),
+        ))
     }
 
     /// Record locks freed because their mount's session ended.
@@ -212,6 +261,10 @@ impl MetaService {
     pub fn tick(&mut self, st: &dyn Storage) {
         self.locks.tick(st);
         self.record_locks.tick(st);
+        if self.record_grace.is_some_and(|until| st.elapsed() >= until) {
+            self.record_grace = None;
+            recordlocks::end_grace(st.local().1, &self.namespace.record_lock_tables());
+        }
     }
 
     fn publish_tree(

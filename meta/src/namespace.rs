@@ -166,12 +166,13 @@ impl Namespace {
                     None => err(ErrorCode::Invalid, "not a regular file"),
                 })
             }
-            MetaRequest::LockSlot | MetaRequest::LockTree { .. } | MetaRequest::Retry { .. } => {
-                err(
-                    ErrorCode::Internal,
-                    "lock and retry requests are the service's, not the namespace's",
-                )
-            }
+            MetaRequest::LockSlot
+            | MetaRequest::LockTree { .. }
+            | MetaRequest::ReclaimLocks { .. }
+            | MetaRequest::Retry { .. } => err(
+                ErrorCode::Internal,
+                "lock and retry requests are the service's, not the namespace's",
+            ),
             MetaRequest::SetXattr {
                 ino, name, value, ..
             } if name == REPLICAS_XATTR => self

@@ -8,6 +8,12 @@
 //! is freed once half of that time has passed, when its queued verbs have landed; until then
 //! lock operations on that file wait. Each table changed gets its version bumped, so waiters
 //! look again.
+//!
+//! **After a take-over** the new primary starts with every table empty (the old sessions and
+//! their locks are gone) and holds every table's mutex ([`GRACE`]) for a grace period, in
+//! which mounts that followed it reclaim the locks their processes hold ([`reclaim`]); only
+//! then may anyone take a new lock ([`end_grace`]). A reclaim the table contradicts (it
+//! conflicts with another one) is refused and that lock lost, which the mount logs.
 
 use std::time::Duration;
 
@@ -79,16 +85,7 @@ pub fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
             == h;
     }
     if changed {
-        let mut v = region.load(at + VERSION).expect("table in region");
-        loop {
-            match region
-                .compare_swap(at + VERSION, v, v + 1)
-                .expect("table in region")
-            {
-                was if was == v => break,
-                was => v = was,
-            }
-        }
+        bump(region, at);
     }
     freed
 }
@@ -99,5 +96,88 @@ pub fn clear(region: &Region, tables: &[(u64, u64)]) {
     let zeros = vec![0u8; rackfs_locks::record::TABLE_LEN as usize];
     for &(_, at) in tables {
         region.write(at, &zeros).expect("table in region");
+    }
+}
+
+/// The mutex value of a table whose locks are being reclaimed (a primary that took over, in
+/// its grace period): no mount can take the mutex until the service gives it back.
+pub const GRACE: u64 = u64::MAX;
+
+/// Holds every table for the grace period.
+pub fn begin_grace(region: &Region, tables: &[(u64, u64)]) {
+    for &(_, at) in tables {
+        region.store(at + MUTEX, GRACE).expect("table in region");
+    }
+}
+
+/// Gives every table back to the mounts after the grace period.
+pub fn end_grace(region: &Region, tables: &[(u64, u64)]) {
+    for &(_, at) in tables {
+        if region
+            .compare_swap(at + MUTEX, GRACE, 0)
+            .expect("table in region")
+            == GRACE
+        {
+            bump(region, at);
+        }
+    }
+}
+
+/// Enters the locks `client` reclaims into the table at `at` (held for the grace period);
+/// returns those another reclaim already contradicts, which are not entered.
+pub fn reclaim(
+    region: &Region,
+    at: u64,
+    client: u16,
+    locks: &[rackfs_proto::namespace::ReclaimedLock],
+) -> Vec<rackfs_proto::namespace::ReclaimedLock> {
+    use rackfs_locks::record::{decode, plan, Mode, Want, TABLE_LEN};
+    let mut bytes = vec![0u8; (TABLE_LEN - entry_offset(0)) as usize];
+    region
+        .read(at + entry_offset(0), &mut bytes)
+        .expect("table in region");
+    let mut slots = decode(&bytes);
+    let mut refused = Vec::new();
+    for l in locks {
+        let w = Want {
+            client,
+            host: l.host,
+            owner: l.owner,
+            pid: l.pid,
+            start: l.start,
+            end: l.end,
+            mode: if l.exclusive {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            },
+        };
+        match plan(&slots, &w) {
+            Ok(writes) => {
+                for (i, e) in writes {
+                    let b = e.map_or([0u8; 32], |e| e.encode());
+                    region
+                        .write(at + entry_offset(i), &b)
+                        .expect("table in region");
+                    slots[i] = e;
+                }
+            }
+            Err(_) => refused.push(*l),
+        }
+    }
+    bump(region, at);
+    refused
+}
+
+fn bump(region: &Region, at: u64) {
+    let mut v = region.load(at + VERSION).expect("table in region");
+    loop {
+        match region
+            .compare_swap(at + VERSION, v, v + 1)
+            .expect("table in region")
+        {
+            was if was == v => break,
+            was => v = was,
+        }
     }
 }

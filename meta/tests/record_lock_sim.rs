@@ -129,7 +129,7 @@ fn run(seed: u64) -> Result<String, String> {
                     loop {
                         let seen = t.version().await.expect("version");
                         match t.apply(&w).await.expect("apply") {
-                            Ok(()) => break,
+                            Ok(_) => break,
                             Err(Refused::Full) => panic!("table full"),
                             Err(Refused::Conflict(_)) => o.borrow_mut().waits += 1,
                         }
@@ -150,7 +150,7 @@ fn run(seed: u64) -> Result<String, String> {
                         let w2 = pick(&h, c as u16, owner, mode);
                         let gave = o.borrow_mut().before(who, &w2);
                         match t.apply(&w2).await.expect("apply") {
-                            Ok(()) => o.borrow_mut().granted(who, &w2, h.now()),
+                            Ok(_) => o.borrow_mut().granted(who, &w2, h.now()),
                             // Refused: the table is unchanged, so is what the owner holds.
                             Err(_) => o
                                 .borrow_mut()

@@ -132,6 +132,18 @@ pub const FALLOC_ZERO_RANGE: u32 = 0x10;
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
 
+/// A record lock (`fcntl`, OFD or `flock`) as a mount reclaims it after a failover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimedLock {
+    pub owner: u64,
+    pub pid: u32,
+    pub host: u16,
+    pub start: u64,
+    /// Exclusive; `u64::MAX`: to the end of file and beyond.
+    pub end: u64,
+    pub exclusive: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaRequest {
     Lookup {
@@ -257,6 +269,13 @@ pub enum MetaRequest {
     /// with `ControlResponse::RecordLocks` (its offset in the primary's region).
     RecordLocks {
         ino: u64,
+    },
+    /// Locks this mount's processes held on a file under the primary that died, asserted
+    /// again to the one that took over, during its grace period (when no other lock may be
+    /// taken); refused once the grace period is over.
+    ReclaimLocks {
+        ino: u64,
+        locks: Vec<ReclaimedLock>,
     },
     /// `req` again, sent by a mount to a primary that took over, on behalf of its session
     /// `from` of the old primary (whose answer was lost): if the old primary made that change

@@ -5,6 +5,7 @@
 
 pub mod env;
 pub mod fio;
+pub mod locker;
 pub mod map;
 pub mod mount;
 pub mod node;
@@ -13,6 +14,7 @@ pub mod rng;
 
 pub use env::{connect, Env, NodeEnv, SimEnv, Via};
 pub use fio::{Fio, FioJob, FioReport, FioSide};
+pub use locker::Locker;
 pub use map::mapped;
 pub use mount::{pin, Mount};
 pub use node::{MemNodeProcess, TestCluster};

@@ -290,3 +290,57 @@ fn a_second_failover_after_the_first_loses_nothing() {
     );
     assert_eq!(named(&c, "primary"), Some(last as u64));
 }
+
+/// Record locks survive the primary: a lock held through one mount still excludes a process
+/// on another mount after kill -9 of the primary (the mounts reclaim their processes' locks
+/// from the new primary in its grace period, before anyone may take a new one), and goes when
+/// its holder unlocks.
+#[test]
+fn record_locks_are_reclaimed_from_the_primary_that_takes_over() {
+    let mut c = with_standby("32M");
+    let a = Mount::new(&c, "transport=tcp");
+    let b = Mount::new(&c, "transport=tcp");
+    fs::write(a.path("db"), b"x").unwrap();
+    let mut holder = rackfs_tests::Locker::spawn();
+    let mut other = rackfs_tests::Locker::spawn();
+    assert_eq!(
+        holder.ask(&format!("open {}", a.path("db").display())),
+        "ok"
+    );
+    assert_eq!(other.ask(&format!("open {}", b.path("db").display())), "ok");
+    assert_eq!(holder.ask("setlk W 0 10"), "ok");
+    assert_eq!(holder.ask("setlk R 100 0"), "ok");
+    assert_eq!(other.ask("setlk W 5 1"), "EAGAIN");
+
+    c.kill(0);
+    // After the take-over the holder's locks still exclude (the first answer waits out the
+    // failover and, if need be, the grace period).
+    let t0 = Instant::now();
+    other.send("setlk W 5 1");
+    let first = other.answer(Duration::from_secs(30));
+    assert_eq!(first.as_deref(), Some("EAGAIN"), "{}", a.log_text());
+    assert_eq!(other.ask("setlk W 200 1"), "EAGAIN");
+    assert_eq!(other.ask("setlk R 200 1"), "ok");
+    eprintln!(
+        "lock operations answered again {:?} after the kill",
+        t0.elapsed()
+    );
+    assert!(
+        a.log_text().contains("record locks reclaimed"),
+        "{}",
+        a.log_text()
+    );
+    // The holder still holds, and gives them up.
+    other.send("setlkw W 0 10");
+    assert_eq!(
+        other.answer(Duration::from_millis(500)),
+        None,
+        "granted while held"
+    );
+    assert_eq!(holder.ask("setlk U 0 0"), "ok");
+    assert_eq!(
+        other.answer(Duration::from_secs(10)).as_deref(),
+        Some("ok"),
+        "the waiter was not granted once the holder unlocked"
+    );
+}

@@ -3,75 +3,12 @@
 //! processes spread over two mounts (shm and tcp); the transcripts must be the same. Pids in
 //! `F_GETLK` answers are named after the process they belong to.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use rackfs_tests::{bin_path, Mount, TempDir, TestCluster};
-
-/// One `rackfs-locker` process.
-struct Locker {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Receiver<String>,
-    pid: u32,
-}
-
-impl Locker {
-    fn spawn() -> Locker {
-        let mut child = Command::new(bin_path("rackfs-locker"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn rackfs-locker");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let pid = child.id();
-        Locker {
-            stdin: child.stdin.take(),
-            child,
-            lines,
-            pid,
-        }
-    }
-
-    fn send(&mut self, cmd: &str) {
-        let stdin = self.stdin.as_mut().expect("locker running");
-        writeln!(stdin, "{cmd}").expect("locker stdin");
-        stdin.flush().expect("locker stdin");
-    }
-
-    fn answer(&self, within: Duration) -> Option<String> {
-        match self.lines.recv_timeout(within) {
-            Ok(l) => Some(l),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some("(exited)".into()),
-        }
-    }
-
-    /// Ends the process (its descriptors close, as at any exit).
-    fn exit(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Locker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use rackfs_tests::{Locker, Mount, TempDir, TestCluster};
 
 /// Runs `steps` with three processes whose file is `files[i]` (the same file, maybe through
 /// different mounts); returns the transcript. A step is `P cmd` (answer awaited), `P cmd &`
