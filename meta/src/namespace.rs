@@ -35,6 +35,15 @@ fn err<T>(code: ErrorCode, msg: impl Into<String>) -> MetaResult<T> {
     Err(Refusal::new(code, msg))
 }
 
+/// The refusal of an operation on regular files asked of an inode of `kind`.
+fn not_a_file<T>(kind: Kind, msg: &str) -> MetaResult<T> {
+    let code = match kind {
+        Kind::Dir => ErrorCode::IsDir,
+        _ => ErrorCode::Invalid,
+    };
+    err(code, msg)
+}
+
 #[derive(Default, Serialize, Deserialize)]
 struct DirState {
     parent: u64,
@@ -943,14 +952,7 @@ impl Namespace {
         let t = st.wall_ns();
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
-            return err(
-                if i.kind == Kind::Dir {
-                    ErrorCode::IsDir
-                } else {
-                    ErrorCode::Invalid
-                },
-                "not a regular file",
-            );
+            return not_a_file(i.kind, "not a regular file");
         };
         let old = st.load(f.record + REC_SIZE);
         write_word(region, f.record + REC_SIZE, size);
@@ -1025,14 +1027,7 @@ impl Namespace {
         let mut serial = self.next_tag;
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
-            return err(
-                if i.kind == Kind::Dir {
-                    ErrorCode::IsDir
-                } else {
-                    ErrorCode::Invalid
-                },
-                "fallocate needs a regular file",
-            );
+            return not_a_file(i.kind, "fallocate needs a regular file");
         };
         let done = if mode & FALLOC_PUNCH_HOLE != 0 {
             f.punch(offset, end, st)
