@@ -852,13 +852,7 @@ impl Filesystem for RackFs {
         let Some(f) = self.cached_file(ino.0) else {
             return reply.error(Errno::EBADF);
         };
-        let r = reclock::Request {
-            owner: lock_owner.0,
-            pid,
-            start,
-            end,
-            typ,
-        };
+        let r = reclock::Request::new(lock_owner.0, pid, start, end, typ);
         match f.record_locks.test(&self.cluster, &r) {
             Ok(Some((start, end, typ, pid))) => reply.locked(start, end, typ, pid),
             Ok(None) => reply.locked(0, 0, libc::F_UNLCK, 0),
@@ -884,13 +878,7 @@ impl Filesystem for RackFs {
         let Some(f) = self.cached_file(ino.0) else {
             return reply.error(Errno::EBADF);
         };
-        let r = reclock::Request {
-            owner: lock_owner.0,
-            pid,
-            start,
-            end,
-            typ,
-        };
+        let r = reclock::Request::new(lock_owner.0, pid, start, end, typ);
         match f.record_locks.try_set(&self.cluster, fh.0, &r) {
             Ok(true) => return reply.ok(),
             Ok(false) if !sleep => return reply.error(Errno::EAGAIN),

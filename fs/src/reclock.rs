@@ -56,6 +56,18 @@ pub struct Request {
     pub typ: i32,
 }
 
+impl Request {
+    pub fn new(owner: u64, pid: u32, start: u64, end: u64, typ: i32) -> Request {
+        Request {
+            owner,
+            pid,
+            start,
+            end,
+            typ,
+        }
+    }
+}
+
 /// A conflicting lock as `F_GETLK` reports it: inclusive range, type, pid (0 for a holder on
 /// another host).
 pub type Conflict = (u64, u64, i32, u32);
@@ -351,13 +363,7 @@ impl FileRecordLocks {
     }
 
     fn drop_owner(&self, cl: &Cluster, owner: u64) -> Result<(), i32> {
-        let r = Request {
-            owner,
-            pid: 0,
-            start: 0,
-            end: OFFSET_MAX,
-            typ: libc::F_UNLCK,
-        };
+        let r = Request::new(owner, 0, 0, OFFSET_MAX, libc::F_UNLCK);
         self.try_set(cl, 0, &r).map(|_| ())
     }
 }

@@ -221,11 +221,6 @@ impl MetaService {
         ))
     }
 
-    /// Record locks freed because their mount's session ended.
-    pub fn record_locks_freed(&self) -> u64 {
-        self.record_locks.freed
-    }
-
     /// Session `to` takes over the opens of fenced session `from`.
     pub fn adopt(&mut self, from: u64, to: u64, st: &dyn Storage) {
         self.step(Step::Adopt { from, to }, st);

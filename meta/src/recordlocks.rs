@@ -33,8 +33,6 @@ struct Sweep {
 #[derive(Default)]
 pub struct RecordLockSweeps {
     sweeps: Vec<Sweep>,
-    /// Entries freed so far (locks of mounts that died or were fenced).
-    pub freed: u64,
 }
 
 impl RecordLockSweeps {
@@ -57,7 +55,7 @@ impl RecordLockSweeps {
         for s in &self.sweeps {
             let free_mutex = now >= s.died + (s.until - s.died) / 2;
             for &at in &s.tables {
-                self.freed += sweep(region, at, s.client, free_mutex);
+                sweep(region, at, s.client, free_mutex);
             }
         }
         self.sweeps.retain(|s| now < s.until);
