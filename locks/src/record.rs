@@ -51,6 +51,19 @@ pub fn entry_offset(i: usize) -> u64 {
     HEADER + i as u64 * ENTRY_LEN
 }
 
+/// Offset of the `info` word within an entry: zero means the entry is free.
+pub const INFO: u64 = 24;
+
+/// The bytes of an entry slot: the entry's, or zeros for a free one.
+pub fn encode_slot(e: Option<Entry>) -> [u8; ENTRY_LEN as usize] {
+    e.map_or([0u8; ENTRY_LEN as usize], |e| e.encode())
+}
+
+/// The client slot whose entry an `info` word belongs to (`None`: a free entry).
+pub fn client_of(info: u64) -> Option<u16> {
+    (info & USED != 0).then_some((info >> 32) as u16)
+}
+
 /// The mutex value of client `client`.
 pub fn holder(client: u16) -> u64 {
     client as u64 + 1
@@ -82,8 +95,7 @@ impl Entry {
             | self.pid as u64
     }
 
-    /// The entry's bytes in a table.
-    pub fn encode(&self) -> [u8; ENTRY_LEN as usize] {
+    fn encode(&self) -> [u8; ENTRY_LEN as usize] {
         let mut b = [0u8; ENTRY_LEN as usize];
         for (i, w) in [self.start, self.end, self.owner, self.info()]
             .iter()
@@ -97,13 +109,13 @@ impl Entry {
     fn decode(b: &[u8]) -> Option<Entry> {
         let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let info = w(3);
-        (info & USED != 0).then(|| Entry {
+        client_of(info).map(|client| Entry {
             start: w(0),
             end: w(1),
             owner: w(2),
             exclusive: info & EXCLUSIVE != 0,
             host: (info >> 48 & 0x3fff) as u16,
-            client: (info >> 32) as u16,
+            client,
             pid: info as u32,
         })
     }
@@ -319,7 +331,7 @@ impl RecordLockTable {
     async fn release(&self, writes: &[(usize, Option<Entry>)]) -> Result<(), RecordLockError> {
         let mut b = Batch::new();
         for (i, e) in writes {
-            let bytes = e.map_or([0u8; ENTRY_LEN as usize], |e| e.encode());
+            let bytes = encode_slot(*e);
             b.write_owned(self.base.add(entry_offset(*i)), bytes.to_vec());
         }
         if !writes.is_empty() {

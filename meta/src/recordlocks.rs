@@ -17,7 +17,9 @@
 
 use std::time::Duration;
 
-use rackfs_locks::record::{entry_offset, holder, ENTRIES, MUTEX, VERSION};
+use rackfs_locks::record::{
+    client_of, encode_slot, entry_offset, holder, ENTRIES, INFO, MUTEX, VERSION,
+};
 use rackfs_verbs::Region;
 
 use crate::storage::Storage;
@@ -67,9 +69,9 @@ impl RecordLockSweeps {
 pub fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
     let mut freed = 0;
     for i in 0..ENTRIES {
-        let info_at = at + entry_offset(i) + 24;
+        let info_at = at + entry_offset(i) + INFO;
         let info = region.load(info_at).expect("table in region");
-        if info >> 63 == 1 && (info >> 32) as u16 == client {
+        if client_of(info) == Some(client) {
             region.store(info_at, 0).expect("table in region");
             freed += 1;
         }
@@ -153,9 +155,8 @@ pub fn reclaim(
         match plan(&slots, &w) {
             Ok(writes) => {
                 for (i, e) in writes {
-                    let b = e.map_or([0u8; 32], |e| e.encode());
                     region
-                        .write(at + entry_offset(i), &b)
+                        .write(at + entry_offset(i), &encode_slot(e))
                         .expect("table in region");
                     slots[i] = e;
                 }
