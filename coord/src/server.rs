@@ -50,7 +50,29 @@ impl EtcdServer {
     }
 
     /// A cluster of `n` members (data and logs in `dir`); returns once it answers.
+    /// A port picked free can be taken by another process before etcd binds it: a start
+    /// whose member exits at once is tried again on new ports (in a directory of its own).
     pub fn start_members(dir: &Path, n: usize) -> Result<EtcdServer, EtcdStartError> {
+        let mut tries = 0;
+        loop {
+            let at = if tries == 0 {
+                dir.to_path_buf()
+            } else {
+                dir.join(format!("retry{tries}"))
+            };
+            std::fs::create_dir_all(&at).map_err(EtcdStartError::Port)?;
+            match Self::start_once(&at, n) {
+                Err(EtcdStartError::NotReady { log, .. })
+                    if tries < 3 && log.contains("address already in use") =>
+                {
+                    tries += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn start_once(dir: &Path, n: usize) -> Result<EtcdServer, EtcdStartError> {
         let ports: Vec<(u16, u16)> = (0..n)
             .map(|_| Ok((free_port()?, free_port()?)))
             .collect::<Result<_, EtcdStartError>>()?;
