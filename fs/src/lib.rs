@@ -1,14 +1,17 @@
 //! The RackFS client: a FUSE filesystem whose file data lives on memory nodes and is read and
 //! written with one-sided verbs.
 //!
+//! * [`client`]: the client core, one method per filesystem operation, and every policy of a
+//!   mount (failover retries, set-user-ID clearing, O_APPEND, open handles, record locks).
 //! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
-//! * [`fuse`]: kernel requests mapped onto the metadata service and the data path.
+//! * [`fuse`]: the FUSE adapter, kernel requests translated into [`client`] calls and back.
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod client;
 pub mod clock;
 pub mod cluster;
 pub mod error;

@@ -1,0 +1,890 @@
+//! The client core: one mount's filesystem operations, one method per operation, in plain
+//! Rust values (inode numbers, names, offsets, flags as integers, the caller's ids), answering
+//! with domain types or an [`Errno`]. The FUSE adapter ([`crate::fuse`]) only translates
+//! kernel requests into these calls and their answers into replies; nothing here knows fuser.
+//!
+//! Namespace operations are control RPCs to the primary ([`Cluster::meta`]); reads and writes
+//! go through [`FileData`] with one-sided verbs. What a mount decides is decided here:
+//!
+//! * **Failover.** A namespace request whose primary died is sent once more, to the primary
+//!   elected next, by [`Cluster::meta`]. A data operation (read, write, fallocate) that failed
+//!   with EIO because the primary died and another took over meanwhile runs once more
+//!   (`Client::across_failover`). When this mount moves to a primary that took over, cached
+//!   layouts are dropped, what it wrote one-sidedly to its open files is reported again
+//!   (`Settle`), and its record locks are reclaimed on a thread of their own.
+//! * **Set-user-ID.** A write by a process without `CAP_FSETID` (the kernel says so per write)
+//!   clears set-user-ID and set-group-ID with one RPC, and only for a handle whose file had
+//!   those bits when opened ([`has_setid`]); a truncate arrives with the cleared mode already.
+//! * **O_APPEND.** A handle opened with O_APPEND writes at the end of file as the cluster
+//!   knows it, not at the kernel's offset ([`Placement`]).
+//! * **Caching.** Files open with direct I/O and parallel direct writes, so every mount sees a
+//!   write as soon as `write()` returns, unless `cache=writeback` ([`Caching`]).
+//! * **Read-only mounts** refuse every change with EROFS; permission checks are the kernel's
+//!   (`default_permissions`), none are made here.
+//! * **Record locks** (`fcntl`, `flock`) go to [`crate::reclock`]; a request that must wait
+//!   does so on a thread of its own, so the caller's worker stays free for the holders'
+//!   unlocks.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rackfs_proto::control::{ControlResponse, ErrorCode};
+use rackfs_proto::namespace::{
+    Attr, DirEntry, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE,
+};
+use rackfs_proto::RpcError;
+
+use crate::cluster::Cluster;
+use crate::file::FileData;
+use crate::options::{CacheMode, MountOptions};
+use crate::reclock;
+
+/// Why an operation failed: the errno its caller gets. Always positive (anything else is
+/// EIO), so two errors compare equal exactly when the caller would see the same errno.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", describe(.0))]
+pub struct Errno(i32);
+
+fn describe(code: &i32) -> std::io::Error {
+    std::io::Error::from_raw_os_error(*code)
+}
+
+impl Errno {
+    /// `code` as an errno; a code that is not positive is EIO.
+    pub const fn new(code: i32) -> Errno {
+        if code > 0 {
+            Errno(code)
+        } else {
+            Errno(libc::EIO)
+        }
+    }
+
+    /// The errno's number (`libc::E*`).
+    pub const fn code(self) -> i32 {
+        self.0
+    }
+}
+
+/// A failed control RPC as the caller's errno; a node gone or not answering is logged where
+/// it shows (as a warning, with the node's name).
+fn rpc(e: RpcError) -> Errno {
+    match e {
+        RpcError::Timeout { .. } | RpcError::Connection(_) => {
+            tracing::warn!(error = %e, "metadata request failed")
+        }
+        _ => tracing::debug!(error = %e, "metadata request failed"),
+    }
+    Errno::new(e.errno())
+}
+
+/// How the kernel may cache an open file's data (the mount's `cache=` option).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caching {
+    /// Direct I/O with parallel direct writes: every mount sees a write when `write()`
+    /// returns.
+    Direct,
+    /// The kernel keeps cached data across opens and buffers writes (writeback cache), so
+    /// other mounts see a write only after the kernel flushes it (doc/SEMANTICS.md).
+    Writeback,
+}
+
+/// An open file handle as the caller gets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Opened {
+    pub fh: u64,
+    pub caching: Caching,
+}
+
+/// The time an attribute is set to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetTime {
+    /// This mount's clock when the change is made.
+    Now,
+    At(SystemTime),
+}
+
+/// A `setattr` as asked: `None` leaves the attribute as it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttrChange {
+    /// The mode; only its permission bits (`0o7777`) are used.
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<SetTime>,
+    pub mtime: Option<SetTime>,
+}
+
+/// Who asks for an operation: its owner and group become a new inode's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The answer to `getxattr` or `listxattr` for a caller buffer of a given size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XattrReply {
+    /// The caller asked with size 0: how long the value is.
+    Size(u32),
+    /// The value, which fits the caller's buffer.
+    Data(Vec<u8>),
+}
+
+/// `statfs` in 4 KiB blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// Where a write goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// At the offset the caller gave.
+    At(u64),
+    /// At the end of file as the cluster knows it (O_APPEND), not the kernel's cached size.
+    End,
+}
+
+/// What a mount remembers of one open file handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Handle {
+    /// Opened with O_APPEND.
+    append: bool,
+    /// The file had set-user-ID (or set-group-ID with group execute) when opened: a write by
+    /// an unprivileged process clears them.
+    setid: bool,
+}
+
+impl Handle {
+    /// A handle opened with open flags `flags` on a file whose mode was `perm`.
+    fn opened(flags: i32, perm: u16) -> Handle {
+        Handle {
+            append: flags & libc::O_APPEND != 0,
+            setid: has_setid(perm),
+        }
+    }
+
+    /// Where a write at `offset` through this handle goes.
+    fn place(self, offset: u64) -> Placement {
+        if self.append {
+            Placement::End
+        } else {
+            Placement::At(offset)
+        }
+    }
+}
+
+/// Whether `perm` has bits an unprivileged write must clear (as Linux's `should_remove_suid`).
+pub fn has_setid(perm: u16) -> bool {
+    let perm = u32::from(perm);
+    perm & libc::S_ISUID != 0
+        || perm & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
+}
+
+/// Whether a write through `handle` (`None`: one this mount does not know) must clear
+/// set-user-ID and set-group-ID first: the kernel asked (`kill_suidgid`, the writer lacks
+/// `CAP_FSETID`) and the file had them when opened.
+fn clears_setid(handle: Option<Handle>, kill_suidgid: bool) -> bool {
+    handle.is_some_and(|h| h.setid) && kill_suidgid
+}
+
+/// Answers a `getxattr` or `listxattr`: the length when the caller asks with size 0, ERANGE
+/// when its buffer is too small.
+fn xattr_reply(answer: Result<ControlResponse, Errno>, size: u32) -> Result<XattrReply, Errno> {
+    match answer? {
+        ControlResponse::Xattr(v) if size == 0 => Ok(XattrReply::Size(v.len() as u32)),
+        ControlResponse::Xattr(v) if v.len() > size as usize => Err(Errno(libc::ERANGE)),
+        ControlResponse::Xattr(v) => Ok(XattrReply::Data(v)),
+        _ => Err(Errno(libc::EIO)),
+    }
+}
+
+/// `rename(2)` flags (`libc::RENAME_*`) as the metadata service's; EINVAL for any other than
+/// RENAME_NOREPLACE and RENAME_EXCHANGE (RENAME_WHITEOUT included).
+fn rename_flags(flags: u32) -> Result<u32, Errno> {
+    let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+    if flags & !known != 0 {
+        return Err(Errno(libc::EINVAL));
+    }
+    let mut f = 0;
+    if flags & libc::RENAME_NOREPLACE != 0 {
+        f |= RENAME_NOREPLACE;
+    }
+    if flags & libc::RENAME_EXCHANGE != 0 {
+        f |= RENAME_EXCHANGE;
+    }
+    Ok(f)
+}
+
+/// The permission bits a new inode gets from `mode` and the caller's `umask`.
+fn new_perm(mode: u32, umask: u32) -> u16 {
+    (mode & !umask & 0o7777) as u16
+}
+
+fn nanos(t: SetTime) -> u64 {
+    let t = match t {
+        SetTime::At(t) => t,
+        SetTime::Now => SystemTime::now(),
+    };
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// One mount's filesystem: its cluster, its open files and handles.
+pub struct Client {
+    cluster: Arc<Cluster>,
+    opts: MountOptions,
+    files: crate::watch::Files,
+    /// Open handles.
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+}
+
+impl Client {
+    /// The filesystem of a mount on `cluster` with options `opts`; registers what the mount
+    /// does when it continues on a primary that took over.
+    pub fn new(cluster: Arc<Cluster>, opts: MountOptions) -> Client {
+        let files: crate::watch::Files = Default::default();
+        {
+            // On a primary that took over: cached layouts go, and what this mount wrote to
+            // its open files (sizes written one-sidedly to the old primary) is reported again.
+            let (weak, files) = (Arc::downgrade(&cluster), files.clone());
+            cluster.on_failover(move || {
+                let Some(cl) = weak.upgrade() else { return };
+                let open: Vec<_> = files.lock().expect("files lock").values().cloned().collect();
+                // Record locks are reclaimed on a thread of their own: a reclaim that met a
+                // failed primary would start another failover, which waits for this one.
+                let (held, cluster) = (open.clone(), cl.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("rackfs-reclaim".into())
+                    .spawn(move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster)));
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "no thread to reclaim record locks on: they are lost");
+                }
+                for f in open {
+                    let wrote = f.written();
+                    f.invalidate();
+                    f.forget_size();
+                    if let Some((size, mtime)) = wrote {
+                        let settle = MetaRequest::Settle { ino: f.ino, size, mtime };
+                        match cl.primary().meta(settle) {
+                            Ok(_) | Err(RpcError::Refused { code: ErrorCode::NotFound, .. }) => {}
+                            Err(e) => tracing::warn!(ino = f.ino, error = %e, "cannot report this mount's writes to the new primary"),
+                        }
+                    }
+                }
+            });
+        }
+        Client {
+            cluster,
+            opts,
+            files,
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    /// This mount's open files (the watcher forgets their sizes on change).
+    pub fn files(&self) -> crate::watch::Files {
+        self.files.clone()
+    }
+
+    /// The cluster this filesystem serves.
+    pub fn cluster(&self) -> Arc<Cluster> {
+        self.cluster.clone()
+    }
+
+    /// How long the kernel may cache attributes and names (`attr_timeout`).
+    pub fn ttl(&self) -> Duration {
+        self.opts.attr_timeout
+    }
+
+    /// How the kernel may cache file data on this mount.
+    pub fn caching(&self) -> Caching {
+        match self.opts.cache {
+            CacheMode::None => Caching::Direct,
+            CacheMode::Writeback => Caching::Writeback,
+        }
+    }
+
+    /// Runs a data operation, and once more if it failed with EIO because the primary died
+    /// and another took over meanwhile.
+    fn across_failover<T>(&self, mut op: impl FnMut() -> Result<T, i32>) -> Result<T, Errno> {
+        let before = self.cluster.failovers();
+        match op() {
+            Err(libc::EIO) if self.cluster.primary_replaced(before) => op(),
+            r => r,
+        }
+        .map_err(Errno::new)
+    }
+
+    fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+        self.cluster.meta(req).map_err(rpc)
+    }
+
+    fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {
+        match self.meta(req)? {
+            ControlResponse::Attr(a) => Ok(a),
+            _ => Err(Errno(libc::EIO)),
+        }
+    }
+
+    fn writable(&self) -> Result<(), Errno> {
+        if self.opts.read_only {
+            Err(Errno(libc::EROFS))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The data path of regular file `a`, made on its first open.
+    fn file(&self, a: &Attr) -> Result<Arc<FileData>, Errno> {
+        let layout = a.layout.ok_or(Errno(libc::EISDIR))?;
+        Ok(self
+            .files
+            .lock()
+            .expect("files lock")
+            .entry(a.ino)
+            .or_insert_with(|| {
+                Arc::new(FileData::new(
+                    a.ino,
+                    layout,
+                    self.opts.attr_timeout,
+                    self.opts.locks,
+                ))
+            })
+            .clone())
+    }
+
+    fn cached_file(&self, ino: u64) -> Option<Arc<FileData>> {
+        self.files.lock().expect("files lock").get(&ino).cloned()
+    }
+
+    /// The data path of open file `ino`; EBADF if this mount has not opened it.
+    fn open_file(&self, ino: u64) -> Result<Arc<FileData>, Errno> {
+        self.cached_file(ino).ok_or(Errno(libc::EBADF))
+    }
+
+    /// Registers an open with the metadata service and returns a new handle.
+    fn open_handle(&self, a: &Attr, flags: i32) -> Result<Opened, Errno> {
+        if a.kind == Kind::File {
+            self.file(a)?;
+        }
+        self.meta(MetaRequest::Open { ino: a.ino })?;
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles
+            .lock()
+            .expect("handles lock")
+            .insert(fh, Handle::opened(flags, a.perm));
+        Ok(Opened {
+            fh,
+            caching: self.caching(),
+        })
+    }
+
+    fn create_node(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        kind: NewKind,
+        perm: u16,
+        caller: Caller,
+    ) -> Result<Attr, Errno> {
+        self.writable()?;
+        self.attr_of(MetaRequest::Create {
+            parent,
+            name: name.as_bytes().to_vec(),
+            kind,
+            perm,
+            uid: caller.uid,
+            gid: caller.gid,
+        })
+    }
+
+    /// The kind of a regular file this mount creates (its stripe unit and replicas).
+    fn new_file(&self) -> NewKind {
+        NewKind::File {
+            stripe_unit: self.opts.stripe_unit,
+            replicas: self.opts.replicas,
+        }
+    }
+
+    /// A setattr that changes the size: for a regular file it runs under the file's
+    /// whole-file lock and shrinks its lock tree.
+    fn set_size(&self, ino: u64, set: SetAttr) -> Result<Attr, Errno> {
+        let size = set.size;
+        let setattr = || {
+            self.attr_of(MetaRequest::SetAttr {
+                ino,
+                set: set.clone(),
+            })
+        };
+        match self.attr_of(MetaRequest::GetAttr { ino })? {
+            a if a.kind == Kind::File => {
+                let size = size.unwrap_or(a.size);
+                self.file(&a)?
+                    .truncate(&self.cluster, size, || setattr().map_err(Errno::code))
+                    .map_err(Errno::new)
+            }
+            _ => setattr(),
+        }
+    }
+
+    /// Looks `name` up in directory `parent`.
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, Errno> {
+        self.attr_of(MetaRequest::Lookup {
+            parent,
+            name: name.as_bytes().to_vec(),
+        })
+    }
+
+    pub fn getattr(&self, ino: u64) -> Result<Attr, Errno> {
+        self.attr_of(MetaRequest::GetAttr { ino })
+    }
+
+    /// Changes attributes; a size change of a regular file is a truncate under its whole-file
+    /// lock.
+    pub fn setattr(&self, ino: u64, change: AttrChange) -> Result<Attr, Errno> {
+        self.writable()?;
+        let set = SetAttr {
+            perm: change.mode.map(|m| (m & 0o7777) as u16),
+            uid: change.uid,
+            gid: change.gid,
+            size: change.size,
+            atime_ns: change.atime.map(nanos),
+            mtime_ns: change.mtime.map(nanos),
+            // A truncate by an unprivileged process arrives with the cleared mode already
+            // (the kernel turns ATTR_KILL_SUID into a mode change).
+            kill_suidgid: false,
+        };
+        match change.size {
+            Some(_) => self.set_size(ino, set),
+            None => self.attr_of(MetaRequest::SetAttr { ino, set }),
+        }
+    }
+
+    /// `fallocate(2)`: reserve (mode 0, `KEEP_SIZE`), punch a hole (`PUNCH_HOLE|KEEP_SIZE`)
+    /// or zero a range (`ZERO_RANGE`), under the whole-file lock; the service refuses other
+    /// modes (`EOPNOTSUPP`).
+    pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<(), Errno> {
+        self.writable()?;
+        let f = self.open_file(ino)?;
+        let send = |offset, len| {
+            let req = MetaRequest::Fallocate {
+                ino,
+                offset,
+                len,
+                mode: mode as u32,
+            };
+            self.meta(req).map(|_| ()).map_err(Errno::code)
+        };
+        self.across_failover(|| f.fallocate(&self.cluster, offset, length, send))
+    }
+
+    /// Sets extended attribute `name`; `position` is for macOS resource forks only (EINVAL).
+    pub fn setxattr(
+        &self,
+        ino: u64,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        position: u32,
+    ) -> Result<(), Errno> {
+        self.writable()?;
+        if position != 0 {
+            return Err(Errno(libc::EINVAL));
+        }
+        self.meta(MetaRequest::SetXattr {
+            ino,
+            name: name.as_bytes().to_vec(),
+            value: value.to_vec(),
+            flags: flags as u32,
+        })?;
+        if let Some(f) = self.cached_file(ino) {
+            f.set_lacks_capability(false);
+        }
+        Ok(())
+    }
+
+    /// The kernel asks for `security.capability` before every buffered write: for a file open
+    /// here, an answer of "none" is kept until the watcher reports a change to the file (so
+    /// only while the watcher runs, `attr_timeout` > 0).
+    pub fn getxattr(&self, ino: u64, name: &OsStr, size: u32) -> Result<XattrReply, Errno> {
+        let capability = name.as_bytes() == b"security.capability";
+        let open = capability && !self.ttl().is_zero();
+        let open = open.then(|| self.cached_file(ino)).flatten();
+        if open.as_ref().is_some_and(|f| f.lacks_capability()) {
+            return Err(Errno(libc::ENODATA));
+        }
+        let req = MetaRequest::GetXattr {
+            ino,
+            name: name.as_bytes().to_vec(),
+        };
+        let answer = self.meta(req);
+        if let Some(f) = open {
+            f.set_lacks_capability(answer == Err(Errno(libc::ENODATA)));
+        }
+        xattr_reply(answer, size)
+    }
+
+    pub fn listxattr(&self, ino: u64, size: u32) -> Result<XattrReply, Errno> {
+        xattr_reply(self.meta(MetaRequest::ListXattr { ino }), size)
+    }
+
+    pub fn removexattr(&self, ino: u64, name: &OsStr) -> Result<(), Errno> {
+        self.writable()?;
+        self.meta(MetaRequest::RemoveXattr {
+            ino,
+            name: name.as_bytes().to_vec(),
+        })
+        .map(|_| ())
+    }
+
+    /// A symbolic link's target.
+    pub fn readlink(&self, ino: u64) -> Result<Vec<u8>, Errno> {
+        match self.meta(MetaRequest::ReadLink { ino })? {
+            ControlResponse::Target(t) => Ok(t),
+            _ => Err(Errno(libc::EIO)),
+        }
+    }
+
+    /// Creates a regular file, FIFO, socket or device node (its kind in `mode`'s `S_IFMT`;
+    /// EINVAL for any other).
+    pub fn mknod(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        caller: Caller,
+    ) -> Result<Attr, Errno> {
+        let special = |kind| NewKind::Special { kind, rdev };
+        let kind = match mode & libc::S_IFMT {
+            libc::S_IFREG | 0 => self.new_file(),
+            libc::S_IFIFO => special(Kind::Fifo),
+            libc::S_IFSOCK => special(Kind::Socket),
+            libc::S_IFCHR => special(Kind::CharDev),
+            libc::S_IFBLK => special(Kind::BlockDev),
+            _ => return Err(Errno(libc::EINVAL)),
+        };
+        self.create_node(parent, name, kind, new_perm(mode, umask), caller)
+    }
+
+    pub fn mkdir(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        caller: Caller,
+    ) -> Result<Attr, Errno> {
+        self.create_node(parent, name, NewKind::Dir, new_perm(mode, umask), caller)
+    }
+
+    pub fn unlink(&self, parent: u64, name: &OsStr) -> Result<(), Errno> {
+        self.remove(parent, name, false)
+    }
+
+    pub fn rmdir(&self, parent: u64, name: &OsStr) -> Result<(), Errno> {
+        self.remove(parent, name, true)
+    }
+
+    /// unlink (`dir` false) or rmdir (`dir` true).
+    fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<(), Errno> {
+        self.writable()?;
+        let name = name.as_bytes().to_vec();
+        let req = if dir {
+            MetaRequest::Rmdir { parent, name }
+        } else {
+            MetaRequest::Unlink { parent, name }
+        };
+        self.meta(req).map(|_| ())
+    }
+
+    pub fn symlink(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        target: &Path,
+        caller: Caller,
+    ) -> Result<Attr, Errno> {
+        let kind = NewKind::Symlink(target.as_os_str().as_bytes().to_vec());
+        self.create_node(parent, name, kind, 0o777, caller)
+    }
+
+    /// `rename(2)` with its flags (`libc::RENAME_*`).
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        new_parent: u64,
+        new_name: &OsStr,
+        flags: u32,
+    ) -> Result<(), Errno> {
+        self.writable()?;
+        let flags = rename_flags(flags)?;
+        self.meta(MetaRequest::Rename {
+            parent,
+            name: name.as_bytes().to_vec(),
+            new_parent,
+            new_name: new_name.as_bytes().to_vec(),
+            flags,
+        })
+        .map(|_| ())
+    }
+
+    pub fn link(&self, ino: u64, new_parent: u64, new_name: &OsStr) -> Result<Attr, Errno> {
+        self.writable()?;
+        self.attr_of(MetaRequest::Link {
+            ino,
+            parent: new_parent,
+            name: new_name.as_bytes().to_vec(),
+        })
+    }
+
+    /// Opens `ino` with open flags `flags` (`libc::O_*`).
+    pub fn open(&self, ino: u64, flags: i32) -> Result<Opened, Errno> {
+        if self.opts.read_only && flags & libc::O_ACCMODE != libc::O_RDONLY {
+            return Err(Errno(libc::EROFS));
+        }
+        let a = match self.getattr(ino) {
+            Ok(a) => a,
+            // The kernel's cached name points at a file another mount removed: ESTALE makes
+            // the kernel look the name up again and retry the open (it then creates the file
+            // for O_CREAT, or returns ENOENT), as NFS clients do.
+            Err(Errno(libc::ENOENT)) => return Err(Errno(libc::ESTALE)),
+            Err(e) => return Err(e),
+        };
+        self.open_handle(&a, flags)
+    }
+
+    /// Creates regular file `name` in `parent` and opens it with open flags `flags`.
+    pub fn create(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        caller: Caller,
+    ) -> Result<(Attr, Opened), Errno> {
+        let kind = self.new_file();
+        let a = match self.create_node(parent, name, kind, new_perm(mode, umask), caller) {
+            Ok(a) => a,
+            // Another mount created the name since the kernel looked it up: without O_EXCL
+            // the open succeeds on that file, as on a local filesystem, and O_TRUNC empties it
+            // (as when two local opens race: the later one truncates).
+            Err(Errno(libc::EEXIST)) if flags & libc::O_EXCL == 0 => {
+                match self.lookup(parent, name)? {
+                    a if flags & libc::O_TRUNC != 0 && a.kind == Kind::File => self.set_size(
+                        a.ino,
+                        SetAttr {
+                            size: Some(0),
+                            ..SetAttr::default()
+                        },
+                    )?,
+                    a => a,
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let opened = self.open_handle(&a, flags)?;
+        Ok((a, opened))
+    }
+
+    /// Reads up to `size` bytes at `offset` of open file `ino`, handing them to `deliver`
+    /// (straight from the completion when it can). Run again if the primary was replaced
+    /// meanwhile, so `deliver` may be called twice if the first attempt delivered and then
+    /// failed; the caller keeps the first.
+    pub fn read(
+        &self,
+        ino: u64,
+        offset: u64,
+        size: u32,
+        mut deliver: impl FnMut(&[u8]),
+    ) -> Result<(), Errno> {
+        let f = self.open_file(ino)?;
+        self.across_failover(|| f.read_with(&self.cluster, offset, size, &mut deliver))
+    }
+
+    /// Writes `data` through handle `fh` at `offset` (at the end of file for O_APPEND);
+    /// `kill_suidgid`: the writer lacks `CAP_FSETID`. Returns how many bytes were written.
+    pub fn write(
+        &self,
+        ino: u64,
+        fh: u64,
+        offset: u64,
+        data: &[u8],
+        kill_suidgid: bool,
+    ) -> Result<u32, Errno> {
+        self.writable()?;
+        let f = self.open_file(ino)?;
+        let handle = self.handles.lock().expect("handles lock").get(&fh).copied();
+        // One RPC, and only for files that had those bits when opened.
+        if clears_setid(handle, kill_suidgid) {
+            let set = SetAttr {
+                kill_suidgid: true,
+                ..SetAttr::default()
+            };
+            self.attr_of(MetaRequest::SetAttr { ino, set })?;
+            if let Some(h) = self.handles.lock().expect("handles lock").get_mut(&fh) {
+                h.setid = false;
+            }
+        }
+        let place = handle.map_or(Placement::At(offset), |h| h.place(offset));
+        // Written again in full after a failover: the same bytes at the same place. (An
+        // O_APPEND write whose first attempt landed before the primary died lands twice.)
+        self.across_failover(|| match place {
+            Placement::End => f.append(&self.cluster, data).map(|_| ()),
+            Placement::At(offset) => f.write_locked(&self.cluster, offset, data),
+        })?;
+        Ok(data.len() as u32)
+    }
+
+    /// A close of open file `ino` by lock owner `lock_owner`: drops the closing process's
+    /// `fcntl` locks on the file (POSIX: any close of the file does). Writes are in remote
+    /// memory already.
+    pub fn flush(&self, ino: u64, lock_owner: u64) -> Result<(), Errno> {
+        let Some(f) = self.cached_file(ino) else {
+            return Ok(());
+        };
+        f.record_locks
+            .closed_by(&self.cluster, lock_owner)
+            .map_err(Errno::new)
+    }
+
+    /// `F_GETLK`: the first lock of another owner, on any mount, that conflicts with `r`.
+    pub fn getlk(
+        &self,
+        ino: u64,
+        r: &reclock::Request,
+    ) -> Result<Option<reclock::Conflict>, Errno> {
+        let f = self.open_file(ino)?;
+        f.record_locks.test(&self.cluster, r).map_err(Errno::new)
+    }
+
+    /// `F_SETLK`, `F_SETLKW` (`sleep`) and `flock`, through handle `fh`, held across every
+    /// mount. `done` gets the answer: at once, or, when the request must wait, from a thread
+    /// of its own that ends the wait with EINTR once thread `tid` of the lock's process has a
+    /// signal to take. (If no thread can be made, `done` is dropped unanswered.)
+    pub fn setlk(
+        &self,
+        ino: u64,
+        fh: u64,
+        r: reclock::Request,
+        tid: u32,
+        sleep: bool,
+        done: impl FnOnce(Result<(), Errno>) + Send + 'static,
+    ) {
+        let f = match self.open_file(ino) {
+            Ok(f) => f,
+            Err(e) => return done(Err(e)),
+        };
+        match f.record_locks.try_set(&self.cluster, fh, &r) {
+            Ok(true) => return done(Ok(())),
+            Ok(false) if !sleep => return done(Err(Errno(libc::EAGAIN))),
+            Ok(false) => {}
+            Err(e) => return done(Err(Errno::new(e))),
+        }
+        let cluster = self.cluster.clone();
+        let waiter = std::thread::Builder::new()
+            .name("rackfs-lockwait".into())
+            .spawn(move || {
+                let interrupted = || reclock::signal_pending(r.pid, tid);
+                let res = f.record_locks.set_waiting(&cluster, fh, &r, interrupted);
+                done(res.map_err(Errno::new))
+            });
+        if let Err(e) = waiter {
+            tracing::warn!(error = %e, "no thread to wait for a lock on");
+        }
+    }
+
+    /// The data is in remote memory when `write` returns; fsync also makes the size and mtime
+    /// this mount wrote one-sidedly part of the metadata the standby mirrors, so they survive
+    /// the primary even if this mount dies with it.
+    pub fn fsync(&self, ino: u64) -> Result<(), Errno> {
+        let wrote = self.cached_file(ino).and_then(|f| f.written());
+        let Some((size, mtime)) = wrote else {
+            return Ok(());
+        };
+        self.meta(MetaRequest::Settle { ino, size, mtime })
+            .map(|_| ())
+    }
+
+    /// The last close of handle `fh` of `ino`: drops its flock and OFD locks, forgets the
+    /// handle and tells the metadata service.
+    pub fn release(&self, ino: u64, fh: u64) -> Result<(), Errno> {
+        if let Some(f) = self.cached_file(ino) {
+            if let Err(e) = f.record_locks.released(&self.cluster, fh) {
+                tracing::warn!(
+                    ino,
+                    errno = e,
+                    "the locks of a closed file were not dropped"
+                );
+            }
+        }
+        self.handles.lock().expect("handles lock").remove(&fh);
+        self.meta(MetaRequest::Release { ino }).map(|_| ())
+    }
+
+    /// Lists directory `ino` from after cookie `offset`, handing each entry to `add` until it
+    /// says the caller's buffer is full (`true`) or the directory ends.
+    pub fn readdir(
+        &self,
+        ino: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry) -> bool,
+    ) -> Result<(), Errno> {
+        let mut after = offset;
+        loop {
+            let entries = match self.meta(MetaRequest::ReadDir {
+                ino,
+                after,
+                max: 256,
+            })? {
+                ControlResponse::Entries(e) => e,
+                _ => return Err(Errno(libc::EIO)),
+            };
+            if entries.is_empty() {
+                return Ok(());
+            }
+            for e in entries {
+                if add(&e) {
+                    return Ok(());
+                }
+                after = e.cookie;
+            }
+        }
+    }
+
+    /// The filesystem's capacity and free space, in 4 KiB blocks.
+    pub fn statfs(&self) -> Result<StatFs, Errno> {
+        match self.meta(MetaRequest::StatFs)? {
+            ControlResponse::FsStat(s) => Ok(StatFs {
+                blocks: s.capacity / 4096,
+                bfree: s.free / 4096,
+                bavail: s.free / 4096,
+                files: s.files,
+                ffree: u32::MAX as u64,
+                bsize: 4096,
+                namelen: 255,
+                frsize: 4096,
+            }),
+            _ => Err(Errno(libc::EIO)),
+        }
+    }
+}
