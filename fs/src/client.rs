@@ -888,3 +888,112 @@ impl Client {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unprivileged_write_clears_setuid_and_executable_setgid_only() {
+        // As Linux's should_remove_suid (pjdfstest chmod/12).
+        for (perm, clears) in [
+            (0o4777, true),  // set-user-ID
+            (0o4000, true),  // set-user-ID alone
+            (0o2777, true),  // set-group-ID with group execute
+            (0o2010, true),  // the same, nothing else
+            (0o6777, true),  // both
+            (0o2767, false), // set-group-ID without group execute: mandatory locking, kept
+            (0o2000, false),
+            (0o1777, false), // sticky is no set-ID bit
+            (0o777, false),
+        ] {
+            assert_eq!(has_setid(perm), clears, "mode {perm:o}");
+        }
+    }
+
+    #[test]
+    fn setid_is_cleared_only_when_the_kernel_asks_and_the_file_had_it_at_open() {
+        let setid = Handle::opened(libc::O_WRONLY, 0o4755);
+        let plain = Handle::opened(libc::O_WRONLY, 0o755);
+        assert!(clears_setid(Some(setid), true));
+        assert!(
+            !clears_setid(Some(setid), false),
+            "a writer with CAP_FSETID"
+        );
+        assert!(!clears_setid(Some(plain), true), "nothing to clear: no RPC");
+        assert!(
+            !clears_setid(None, true),
+            "a handle this mount does not know"
+        );
+    }
+
+    #[test]
+    fn an_o_append_handle_writes_at_the_end_of_file_whatever_the_offset() {
+        let append = Handle::opened(libc::O_WRONLY | libc::O_APPEND, 0o644);
+        let plain = Handle::opened(libc::O_RDWR | libc::O_CREAT, 0o644);
+        assert_eq!(append.place(0), Placement::End);
+        assert_eq!(append.place(12345), Placement::End);
+        assert_eq!(plain.place(12345), Placement::At(12345));
+    }
+
+    #[test]
+    fn xattr_answers_follow_the_callers_buffer_size() {
+        let value = || Ok(ControlResponse::Xattr(b"abcd".to_vec()));
+        assert_eq!(xattr_reply(value(), 0), Ok(XattrReply::Size(4)));
+        assert_eq!(xattr_reply(value(), 3), Err(Errno(libc::ERANGE)));
+        assert_eq!(
+            xattr_reply(value(), 4),
+            Ok(XattrReply::Data(b"abcd".to_vec()))
+        );
+        assert_eq!(
+            xattr_reply(value(), 64),
+            Ok(XattrReply::Data(b"abcd".to_vec()))
+        );
+        let empty = Ok(ControlResponse::Xattr(Vec::new()));
+        assert_eq!(xattr_reply(empty, 0), Ok(XattrReply::Size(0)));
+        let missing = Err(Errno(libc::ENODATA));
+        assert_eq!(xattr_reply(missing, 0), Err(Errno(libc::ENODATA)));
+        let confused = Ok(ControlResponse::Target(Vec::new()));
+        assert_eq!(xattr_reply(confused, 16), Err(Errno(libc::EIO)));
+    }
+
+    #[test]
+    fn rename_takes_noreplace_and_exchange_and_refuses_other_flags() {
+        assert_eq!(rename_flags(0), Ok(0));
+        assert_eq!(rename_flags(libc::RENAME_NOREPLACE), Ok(RENAME_NOREPLACE));
+        assert_eq!(rename_flags(libc::RENAME_EXCHANGE), Ok(RENAME_EXCHANGE));
+        let both = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+        assert_eq!(rename_flags(both), Ok(RENAME_NOREPLACE | RENAME_EXCHANGE));
+        assert_eq!(
+            rename_flags(libc::RENAME_WHITEOUT),
+            Err(Errno(libc::EINVAL))
+        );
+        let whiteout = libc::RENAME_NOREPLACE | libc::RENAME_WHITEOUT;
+        assert_eq!(rename_flags(whiteout), Err(Errno(libc::EINVAL)));
+    }
+
+    #[test]
+    fn a_new_inode_takes_the_mode_less_the_umask_and_no_file_type() {
+        assert_eq!(new_perm(0o777, 0o022), 0o755);
+        assert_eq!(new_perm(libc::S_IFREG | 0o4755, 0), 0o4755);
+        assert_eq!(new_perm(libc::S_IFDIR | 0o1777, 0o077), 0o1700);
+    }
+
+    #[test]
+    fn an_errno_is_always_positive() {
+        assert_eq!(Errno::new(libc::ENOENT).code(), libc::ENOENT);
+        assert_eq!(Errno::new(0), Errno(libc::EIO));
+        assert_eq!(Errno::new(-libc::ENOENT), Errno(libc::EIO));
+        let shown = Errno::new(libc::ENOENT).to_string();
+        assert!(shown.contains("No such file"), "{shown}");
+    }
+
+    #[test]
+    fn set_times_are_nanoseconds_since_the_epoch() {
+        let t = UNIX_EPOCH + Duration::new(12, 34);
+        assert_eq!(nanos(SetTime::At(t)), 12_000_000_034);
+        assert_eq!(nanos(SetTime::At(UNIX_EPOCH - Duration::from_secs(1))), 0);
+        let before = nanos(SetTime::At(SystemTime::now()));
+        assert!(nanos(SetTime::Now) >= before);
+    }
+}
