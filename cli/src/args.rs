@@ -1,5 +1,6 @@
 //! The command line of `rackfs`: its subcommands and flags. In the library so that the man
-//! page and the shell completions are generated from the same definitions (`generate`).
+//! pages and the shell completions are generated from the same definitions
+//! ([`crate::generate`]).
 
 use std::path::PathBuf;
 
@@ -80,12 +81,6 @@ pub enum Cmd {
         #[arg(long, default_value = rackfs_fs::options::DEFAULT_SECRET_FILE)]
         secret_file: PathBuf,
     },
-    /// Write the man pages or shell completions (for packaging: `scripts/install`).
-    #[command(hide = true)]
-    Generate {
-        #[command(subcommand)]
-        what: GenerateCmd,
-    },
 }
 
 #[derive(Subcommand)]
@@ -98,6 +93,23 @@ pub enum QosCmd {
         /// keeps its current value.
         settings: String,
     },
+}
+
+/// `rackfs generate ...`: for packaging (`scripts/install`), not for operators, so it is not
+/// part of [`Cli`]: neither its help nor the man page and completions it writes mention it.
+#[derive(Parser)]
+#[command(
+    name = "rackfs generate",
+    about = "Write rackfs's man pages or shell completions"
+)]
+pub struct Generate {
+    #[command(subcommand)]
+    pub what: GenerateCmd,
+}
+
+impl Generate {
+    /// The word after the program's name that selects this parser instead of [`Cli`].
+    pub const WORD: &'static str = "generate";
 }
 
 #[derive(Subcommand)]

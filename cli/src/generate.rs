@@ -37,7 +37,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_command_line_is_consistent() {
+    fn the_command_lines_are_consistent() {
         Cli::command().debug_assert();
+        crate::args::Generate::command().debug_assert();
     }
 }

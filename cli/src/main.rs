@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use rackfs_cli::args::{Cli, Cmd, GenerateCmd, QosCmd};
+use rackfs_cli::args::{Cli, Cmd, Generate, GenerateCmd, QosCmd};
 use rackfs_cli::error::CliError;
 use rackfs_cli::up::{self, UpConfig};
 use rackfs_cli::{enoteln, outln};
@@ -18,7 +18,16 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse().cmd) {
+    let result = if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == Generate::WORD)
+    {
+        let args = std::env::args_os().skip(1);
+        generate(Generate::parse_from(args).what)
+    } else {
+        run(Cli::parse().cmd)
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             enoteln!("rackfs: {e}");
@@ -98,15 +107,15 @@ fn run(cmd: Cmd) -> Result<(), CliError> {
             cluster,
             secret_file,
         } => rackfs_cli::status::status(mountpoint, cluster, secret_file),
-        Cmd::Generate { what } => {
-            let written = match what {
-                GenerateCmd::Man { dir } => rackfs_cli::generate::man(&dir)?,
-                GenerateCmd::Completions { shell, dir } => {
-                    rackfs_cli::generate::completions(shell, &dir)?
-                }
-            };
-            outln!("{}", written.display());
-            Ok(())
-        }
     }
+}
+
+/// `rackfs generate man DIR` / `rackfs generate completions SHELL DIR`: prints what it wrote.
+fn generate(what: GenerateCmd) -> Result<(), CliError> {
+    let written = match what {
+        GenerateCmd::Man { dir } => rackfs_cli::generate::man(&dir)?,
+        GenerateCmd::Completions { shell, dir } => rackfs_cli::generate::completions(shell, &dir)?,
+    };
+    outln!("{}", written.display());
+    Ok(())
 }
