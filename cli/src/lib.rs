@@ -5,7 +5,7 @@
 //! * [`args`]: the command line (clap), shared by the binary and [`generate`].
 //! * [`up`]: a local cluster and its mount; its state files, which tests and benchmarks read.
 //! * [`status`], [`qos`]: reports and settings through the control RPC.
-//! * [`out`]: stdout that ends a command quietly when its reader has gone.
+//! * [`mod@out`]: stdout that ends a command quietly when its reader has gone.
 //! * [`generate`]: man pages and shell completions.
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -16,13 +16,6 @@ pub fn print(args: fmt::Arguments<'_>) {
     }
 }
 
-/// Flushes stdout (after a `print` without a newline), as [`print`] handles errors.
-pub fn flush() {
-    if let Err(e) = io::stdout().lock().flush() {
-        exit_on_write_error(e);
-    }
-}
-
 /// Writes to stdout and drops what cannot be written: for a process that serves (`rackfs up`
 /// in the foreground), which must not stop, nor leave its mount and nodes behind, because
 /// nobody reads its messages.
@@ -63,14 +56,6 @@ macro_rules! outln {
     };
     ($($arg:tt)*) => {
         $crate::out::print(format_args!("{}\n", format_args!($($arg)*)))
-    };
-}
-
-/// `print!` for one-shot commands, as [`outln!`].
-#[macro_export]
-macro_rules! out {
-    ($($arg:tt)*) => {
-        $crate::out::print(format_args!($($arg)*))
     };
 }
 

@@ -437,7 +437,8 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), CliError> {
             .into());
         }
         if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
-            crate::out!("{}", std::fs::read_to_string(&log).unwrap_or_default());
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            crate::out::print(format_args!("{text}"));
             outln!(
                 "  (running in the background, pid {}; log {})",
                 child.id(),
