@@ -20,6 +20,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use rackfs_cli::outln;
 
 #[derive(Parser)]
 #[command(
@@ -460,14 +461,14 @@ fn main() {
                 target,
                 out_dir: out_dir.clone(),
             });
-            println!("{md}");
+            outln!("{md}");
             eprintln!("report: {}", out_dir.join("report.md").display());
         }
-        Cmd::Tree { set } => println!("{}", suite::source_tree(set)),
+        Cmd::Tree { set } => outln!("{}", suite::source_tree(set)),
         Cmd::CheckUnits { file, patterns } => match suite::check_units(&file, &patterns) {
-            Ok((units, 0)) => println!("{}: {units} units, none mixed", file.display()),
+            Ok((units, 0)) => outln!("{}: {units} units, none mixed", file.display()),
             Ok((units, mixed)) => {
-                println!("{}: {mixed} of {units} units mixed", file.display());
+                outln!("{}: {mixed} of {units} units mixed", file.display());
                 std::process::exit(1);
             }
             Err(e) => {
@@ -502,7 +503,7 @@ fn main() {
             ms,
             wait,
         } => match reclocks::lock_loop(&file, byte, wait, Duration::from_millis(ms)) {
-            Ok(r) => println!("{r}"),
+            Ok(r) => outln!("{r}"),
             Err(e) => {
                 eprintln!("lock-loop: {e}");
                 std::process::exit(1);
@@ -551,7 +552,7 @@ fn publish(
 
 /// Prints a report and writes it to `out` if given.
 fn report(md: &str, out: Option<PathBuf>) {
-    println!("{md}");
+    outln!("{md}");
     if let Some(path) = out {
         std::fs::write(&path, md).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     }

@@ -1,4 +1,4 @@
-//! The errors of mounting and of `rackfs up`/`down`, as the CLI and `mount.rackfs` report them.
+//! The errors of mounting, as `rackfs mount`, `rackfs up` and `mount.rackfs` report them.
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -9,7 +9,7 @@ use rackfs_verbs::auth::SecretError;
 use crate::cluster::ConnectError;
 use crate::options::OptionsError;
 
-/// Why a mount, `rackfs up` or `rackfs down` failed.
+/// Why a mount failed (or a daemon of one: a background mount, `rackfs up --detach`).
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
     #[error(transparent)]
@@ -64,18 +64,6 @@ pub enum FsError {
         secs: u64,
         log: PathBuf,
     },
-    #[error("etcd did not start: {0}")]
-    Etcd(#[from] rackfs_coord::server::EtcdStartError),
-    #[error("memory node {name} did not start: {last}")]
-    NodeStart { name: String, last: String },
-    #[error("RackFS is already up at {} (pid {pid}); run `rackfs down {}` first", .path.display(), .path.display())]
-    AlreadyUp { path: PathBuf, pid: i32 },
-    #[error("no RackFS started by `rackfs up` at {}", .0.display())]
-    NotUp(PathBuf),
-    #[error("corrupt state file {}", .0.display())]
-    CorruptState(PathBuf),
-    #[error("the rackfs up process {pid} for {} is gone; cleaned up its mount and state", .path.display())]
-    Gone { path: PathBuf, pid: i32 },
 }
 
 /// An I/O error with what was being done to which path.

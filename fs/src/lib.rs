@@ -9,6 +9,10 @@
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
+//! * [`mount`]: from a cluster address and options to a live FUSE session, in the foreground
+//!   or as a daemon; the mount's record of its QoS slot. `rackfs` and `mount.rackfs` share it.
+//!
+//! The operator commands (`rackfs up`, `down`, `status`, `qos`) live in `rackfs-cli`.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod client;
@@ -23,5 +27,4 @@ pub mod mount;
 pub mod options;
 pub mod reclock;
 pub mod replica;
-pub mod up;
 pub mod watch;

@@ -383,8 +383,32 @@ pub fn path_tag(p: &Path) -> String {
     s.trim_matches('-').to_string()
 }
 
-/// `rackfs mount` / `mount.rackfs`: mount in the foreground, or daemonize by re-running
-/// `program` with `foreground_args` and wait for the mount to appear.
+/// A mount that [`mount_command`] left serving in the background. Its `Display` is the line
+/// the commands print; they print it themselves, each in its own way of writing to stdout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Daemon {
+    pub source: String,
+    /// The canonical mount point.
+    pub dir: PathBuf,
+    pub pid: u32,
+    pub log: PathBuf,
+}
+
+impl std::fmt::Display for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "mounted {} on {} (pid {}, log {})",
+            self.source,
+            self.dir.display(),
+            self.pid,
+            self.log.display()
+        )
+    }
+}
+
+/// `rackfs mount` / `mount.rackfs`: mount in the foreground (`None` once it has ended), or
+/// daemonize by re-running `program` with `foreground_args` and wait for the mount to appear.
 pub fn mount_command(
     source: &str,
     dir: &Path,
@@ -392,10 +416,10 @@ pub fn mount_command(
     foreground: bool,
     program: &Path,
     foreground_args: Vec<String>,
-) -> Result<(), FsError> {
+) -> Result<Option<Daemon>, FsError> {
     let opts = MountOptions::parse(opts_text)?;
     if foreground {
-        return run_foreground(source, dir, &opts);
+        return run_foreground(source, dir, &opts).map(|()| None);
     }
     // Fail fast, with the real reason, on what can be checked without mounting.
     parse_source(source)?;
@@ -405,10 +429,10 @@ pub fn mount_command(
     std::fs::create_dir_all(&logs).map_err(io("create", &logs))?;
     let log = daemon_log(&canon);
     let pid = spawn_daemon(program, &foreground_args, &canon, &log)?;
-    println!(
-        "mounted {source} on {} (pid {pid}, log {})",
-        canon.display(),
-        log.display()
-    );
-    Ok(())
+    Ok(Some(Daemon {
+        source: source.into(),
+        dir: canon,
+        pid,
+        log,
+    }))
 }

@@ -61,7 +61,7 @@ fn main() -> ExitCode {
     let inv = match parse(&args) {
         Ok(i) => i,
         Err(e) => {
-            eprintln!("mount.rackfs: {e}");
+            complain(&e);
             return ExitCode::from(1);
         }
     };
@@ -84,13 +84,29 @@ fn main() -> ExitCode {
         &exe,
         fwd,
     ) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Some(daemon)) => say(&daemon),
+        Ok(None) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("mount.rackfs: {e}");
+            complain(&e);
             // mount(8) convention: 32 = mount failure.
             ExitCode::from(32)
         }
     }
+}
+
+/// Prints the line about a mount left serving. The mount is up either way, so a reader that
+/// went away (or any other failure to write it) is no failure of the mount: status 0, quietly,
+/// rather than `println!`'s panic.
+fn say(line: &impl std::fmt::Display) -> ExitCode {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
+    ExitCode::SUCCESS
+}
+
+/// Reports a failure on stderr; one that cannot be written is dropped (no panic).
+fn complain(e: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "mount.rackfs: {e}");
 }
 
 #[cfg(test)]

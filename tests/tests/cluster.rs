@@ -616,11 +616,12 @@ fn rackfs_up_and_down_leave_nothing_behind() {
         String::from_utf8_lossy(&status.stdout).contains("mn1"),
         "{status:?}"
     );
-    let inst = rackfs_fs::up::instance_dir(&fs::canonicalize(&d).unwrap());
-    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let inst = rackfs_cli::up::instance_dir(&fs::canonicalize(&d).unwrap());
+    let up_pid: i32 =
+        rackfs_cli::up::state_value(&rackfs_cli::up::read_state(&inst).unwrap(), "pid")
+            .unwrap()
+            .parse()
+            .unwrap();
     let node_pids = child_pids(up_pid);
     assert_eq!(node_pids.len(), 2, "two memory nodes");
 
@@ -640,7 +641,7 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     );
     for p in node_pids.iter().chain([&up_pid]) {
         assert!(
-            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
+            wait_for(Duration::from_secs(5), || !rackfs_cli::up::pid_alive(*p)),
             "pid {p} stopped"
         );
     }
@@ -650,16 +651,17 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     // kill -9 of `rackfs up`: its memory nodes die with it.
     let out = run_rackfs(&["up", ds, "--detach", "--region", "64M"]);
     assert!(out.status.success(), "{out:?}");
-    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let up_pid: i32 =
+        rackfs_cli::up::state_value(&rackfs_cli::up::read_state(&inst).unwrap(), "pid")
+            .unwrap()
+            .parse()
+            .unwrap();
     let node_pids = child_pids(up_pid);
     // SAFETY: SIGKILL to the `rackfs up` process this test started.
     unsafe { libc::kill(up_pid, libc::SIGKILL) };
     for p in &node_pids {
         assert!(
-            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(*p)),
+            wait_for(Duration::from_secs(5), || !rackfs_cli::up::pid_alive(*p)),
             "node {p} died with its parent"
         );
     }
@@ -845,11 +847,12 @@ fn up_survives_a_dead_data_node(flags: &[&str], coordinator: &str) {
     let ds = d.to_str().unwrap();
     let out = run_rackfs(&[&["up", ds, "--detach", "--region", "64M"], flags].concat());
     assert!(out.status.success(), "{out:?}");
-    let inst = rackfs_fs::up::instance_dir(&fs::canonicalize(&d).unwrap());
-    let up_pid: i32 = rackfs_fs::up::state_value(&rackfs_fs::up::read_state(&inst).unwrap(), "pid")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let inst = rackfs_cli::up::instance_dir(&fs::canonicalize(&d).unwrap());
+    let up_pid: i32 =
+        rackfs_cli::up::state_value(&rackfs_cli::up::read_state(&inst).unwrap(), "pid")
+            .unwrap()
+            .parse()
+            .unwrap();
     // Written before the death: `rackfs up` keeps two copies of everything, so these survive.
     let before: Vec<Vec<u8>> = (0..4).map(|i| vec![0x40 + i as u8; 300 << 10]).collect();
     for (i, data) in before.iter().enumerate() {
@@ -860,11 +863,11 @@ fn up_survives_a_dead_data_node(flags: &[&str], coordinator: &str) {
     // SAFETY: SIGKILL to a memory node process this test's `rackfs up` started.
     unsafe { libc::kill(mn1, libc::SIGKILL) };
     assert!(wait_for(Duration::from_secs(5), || {
-        !rackfs_fs::up::pid_alive(mn1)
+        !rackfs_cli::up::pid_alive(mn1)
     }));
     std::thread::sleep(Duration::from_millis(500));
     assert!(is_rackfs_mount(&d), "the mount survives a data node");
-    assert!(rackfs_fs::up::pid_alive(up_pid), "rackfs up keeps running");
+    assert!(rackfs_cli::up::pid_alive(up_pid), "rackfs up keeps running");
     for (i, data) in before.iter().enumerate() {
         assert_eq!(
             &fs::read(d.join(format!("before{i}"))).unwrap(),
@@ -901,7 +904,7 @@ fn up_survives_a_dead_data_node(flags: &[&str], coordinator: &str) {
     assert!(!is_rackfs_mount(&d));
     for pid in children {
         assert!(
-            wait_for(Duration::from_secs(5), || !rackfs_fs::up::pid_alive(pid)),
+            wait_for(Duration::from_secs(5), || !rackfs_cli::up::pid_alive(pid)),
             "process {pid} that rackfs up started outlives rackfs down"
         );
     }

@@ -17,13 +17,17 @@ use std::time::{Duration, Instant};
 use rackfs_proto::size::format_size;
 use rackfs_verbs::Secret;
 
-use crate::error::{io, FsError};
-use crate::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};
-use crate::options::{MountOptions, TransportChoice};
+use rackfs_fs::error::{io, FsError};
+use rackfs_fs::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};
+use rackfs_fs::options::{MountOptions, TransportChoice};
+
+use crate::error::CliError;
+use crate::{enoteln, noteln, outln};
 
 /// Default mount point of `rackfs up`.
 pub const DEFAULT_DIR: &str = "/tmp/rackfs";
 
+/// What `rackfs up` starts: how many nodes of which size, and the mount's options.
 pub struct UpConfig {
     pub dir: PathBuf,
     pub nodes: u32,
@@ -33,6 +37,22 @@ pub struct UpConfig {
     /// Keep the cluster map, leases and election in a local etcd started here (instead of
     /// the coordinator embedded in the primary).
     pub etcd: bool,
+}
+
+/// The mount options of `rackfs up`: `-o`, with `--transport` unless `-o` names one.
+pub fn mount_options(transport: &str, options: &str) -> Result<MountOptions, CliError> {
+    let mut o = MountOptions::parse(options)?;
+    let named = options
+        .split(',')
+        .any(|i| i.trim().starts_with("transport="));
+    if !named {
+        o.transport = if transport == "tcp" {
+            TransportChoice::Tcp
+        } else {
+            TransportChoice::Auto
+        };
+    }
+    Ok(o)
 }
 
 /// The files of one `rackfs up` instance.
@@ -69,7 +89,7 @@ fn qos_capacity(inst: &Path) -> Option<(u64, u64)> {
     if let Some(c) = std::fs::read_to_string(&cache).ok().and_then(|t| parse(&t)) {
         return Some(c);
     }
-    println!("measuring this machine's QoS capacity (once per boot, about 4 s)...");
+    noteln!("measuring this machine's QoS capacity (once per boot, about 4 s)...");
     let out = Command::new(memnode_binary())
         .args([
             "--profile",
@@ -109,7 +129,7 @@ fn start_node(
     join: Option<&str>,
     capacity: Option<(u64, u64)>,
     etcd: Option<&str>,
-) -> Result<NodeProc, FsError> {
+) -> Result<NodeProc, CliError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
     if let Some(endpoint) = etcd {
@@ -156,7 +176,7 @@ fn start_node(
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .map_err(|e| FsError::NodeStart {
+        .map_err(|e| CliError::NodeStart {
             name: format!("mn{id}"),
             last: format!(
                 "cannot start {}: {e} (build it with cargo build --release)",
@@ -178,7 +198,7 @@ fn start_node(
         None => {
             let _ = child.kill();
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            Err(FsError::NodeStart {
+            Err(CliError::NodeStart {
                 name: format!("mn{id}"),
                 last: log.lines().last().unwrap_or("no output").into(),
             })
@@ -225,12 +245,15 @@ pub fn read_state(inst: &Path) -> Option<Vec<(String, String)>> {
     )
 }
 
+/// The value of `key` in a state read by [`read_state`].
 pub fn state_value(state: &[(String, String)], key: &str) -> Option<String> {
     state.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
 }
 
 /// Runs `rackfs up` in the foreground until stopped.
-pub fn up(cfg: UpConfig) -> Result<(), FsError> {
+/// Its messages never end it: nobody reading them (`rackfs up | head -1`) must not leave the
+/// mount and the nodes behind.
+pub fn up(cfg: UpConfig) -> Result<(), CliError> {
     std::fs::create_dir_all(&cfg.dir).map_err(io("create", &cfg.dir))?;
     let dir = std::fs::canonicalize(&cfg.dir).map_err(io("resolve", &cfg.dir))?;
     let inst = instance_dir(&dir);
@@ -239,7 +262,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         .and_then(|p| p.parse().ok())
     {
         if pid_alive(pid) {
-            return Err(FsError::AlreadyUp { path: dir, pid });
+            return Err(CliError::AlreadyUp { path: dir, pid });
         }
     }
     if let Some((fs_type, fs_source)) = mount_type(&dir) {
@@ -247,7 +270,8 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
             path: dir,
             fs_source,
             fs_type,
-        });
+        }
+        .into());
     }
     let _ = std::fs::remove_dir_all(&inst);
     std::fs::create_dir_all(&inst).map_err(io("create", &inst))?;
@@ -264,7 +288,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
     }
     let mut nodes: Vec<NodeProc> = Vec::new();
     let mut etcd = None;
-    let result = (|| {
+    let result = (|| -> Result<(), CliError> {
         if cfg.etcd {
             etcd = Some(rackfs_coord::EtcdServer::start(&inst)?);
         }
@@ -285,7 +309,7 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         let (cluster, files) = (prepared.fs.cluster(), prepared.fs.files());
         let session =
             fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
-        crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
+        rackfs_fs::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
         let _record = prepared.record;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
@@ -296,9 +320,9 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
         );
         let state_file = inst.join("up.state");
         std::fs::write(&state_file, state).map_err(io("write", &state_file))?;
-        println!("RackFS is up.");
-        println!("  mount point : {}", dir.display());
-        println!(
+        noteln!("RackFS is up.");
+        noteln!("  mount point : {}", dir.display());
+        noteln!(
             "  cluster     : {source} (primary mn0), {} memory node(s) x {}, transport {}",
             cfg.nodes,
             format_size(cfg.region),
@@ -307,39 +331,37 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
                 _ => "shm",
             }
         );
-        println!("  secret file : {}", secret_file.display());
+        noteln!("  secret file : {}", secret_file.display());
         match &endpoint {
-            Some(e) => println!(
+            Some(e) => noteln!(
                 "  coordinator : etcd at {e} (cluster \"up\"; log {})",
                 inst.join("etcd.log").display()
             ),
-            None => println!("  coordinator : embedded in the primary (mn0)"),
+            None => noteln!("  coordinator : embedded in the primary (mn0)"),
         }
         match capacity {
-            Some((g, l)) => println!(
+            Some((g, l)) => noteln!(
                 "  QoS unit    : IOPS of 4 KiB; each node's capacity {g} IOPS, {l} per mount \
                  (measured on this machine; delete {} to measure again)",
                 state_dir().join("qos-capacity").display()
             ),
             None => {
-                println!("  QoS unit    : IOPS of 4 KiB; node capacity not measured (1M assumed)")
+                noteln!("  QoS unit    : IOPS of 4 KiB; node capacity not measured (1M assumed)")
             }
         }
-        println!(
+        noteln!(
             "  try it      : echo hello > {}/hello && cat {}/hello && rackfs status",
             dir.display(),
             dir.display()
         );
-        println!(
+        noteln!(
             "  stop it     : rackfs down {}   (or Ctrl-C here)",
             dir.display()
         );
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
         while !stop.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(100));
             if !is_rackfs_mount(&dir) {
-                println!("{} was unmounted", dir.display());
+                noteln!("{} was unmounted", dir.display());
                 break;
             }
             for (i, n) in nodes.iter_mut().enumerate() {
@@ -348,14 +370,14 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
                 }
                 if let Ok(Some(status)) = n.child.try_wait() {
                     n.exited = Some(status);
-                    eprintln!(
+                    enoteln!(
                         "memory node mn{i} exited ({status}); see {}",
                         inst.join(format!("mn{i}.log")).display()
                     );
                     if i == 0 {
-                        eprintln!("mn0 held the namespace: nothing is left to serve");
+                        enoteln!("mn0 held the namespace: nothing is left to serve");
                     } else {
-                        eprintln!(
+                        enoteln!(
                             "its stripes' other replicas carry on (stripes it alone held return \
                              EIO); new data goes to the surviving nodes"
                         );
@@ -375,13 +397,13 @@ pub fn up(cfg: UpConfig) -> Result<(), FsError> {
     drop(etcd);
     let _ = std::fs::remove_dir_all(&inst);
     if result.is_ok() {
-        println!("RackFS at {} is down.", dir.display());
+        noteln!("RackFS at {} is down.", dir.display());
     }
     result
 }
 
 /// Starts `rackfs up` in the background and returns once it is ready.
-pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), FsError> {
+pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), CliError> {
     std::fs::create_dir_all(dir).map_err(io("create", dir))?;
     let dir = std::fs::canonicalize(dir).map_err(io("resolve", dir))?;
     let inst = instance_dir(&dir);
@@ -405,17 +427,19 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), FsError> {
             let _ = std::fs::remove_file(&log);
             let lines: Vec<&str> = text.lines().collect();
             for l in &lines[lines.len().saturating_sub(10)..lines.len().saturating_sub(1)] {
-                eprintln!("  {l}");
+                enoteln!("  {l}");
             }
             return Err(FsError::Exited {
                 what: "rackfs up",
                 status: st,
                 last: lines.last().copied().unwrap_or("").into(),
-            });
+            }
+            .into());
         }
         if read_state(&inst).is_some_and(|s| state_value(&s, "ready").is_some()) {
-            print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
-            println!(
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            crate::out::print(format_args!("{text}"));
+            outln!(
                 "  (running in the background, pid {}; log {})",
                 child.id(),
                 log.display()
@@ -430,17 +454,18 @@ pub fn up_detached(dir: &Path, forward: Vec<String>) -> Result<(), FsError> {
         goal: "become ready",
         secs: 30,
         log,
-    })
+    }
+    .into())
 }
 
 /// Stops the `rackfs up` instance mounted at `dir`.
-pub fn down(dir: &Path) -> Result<(), FsError> {
+pub fn down(dir: &Path) -> Result<(), CliError> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let inst = instance_dir(&dir);
-    let state = read_state(&inst).ok_or_else(|| FsError::NotUp(dir.clone()))?;
+    let state = read_state(&inst).ok_or_else(|| CliError::NotUp(dir.clone()))?;
     let pid: i32 = state_value(&state, "pid")
         .and_then(|p| p.parse().ok())
-        .ok_or_else(|| FsError::CorruptState(inst.join("up.state")))?;
+        .ok_or_else(|| CliError::CorruptState(inst.join("up.state")))?;
     if !pid_alive(pid) {
         // It was killed: its nodes died with it (PDEATHSIG); detach the dead mount.
         if mount_type(&dir).is_some() {
@@ -448,7 +473,7 @@ pub fn down(dir: &Path) -> Result<(), FsError> {
         }
         let _ = std::fs::remove_dir_all(&inst);
         let _ = std::fs::remove_file(state_dir().join(format!("up-{}.log", path_tag(&dir))));
-        return Err(FsError::Gone { path: dir, pid });
+        return Err(CliError::Gone { path: dir, pid });
     }
     // SAFETY: sending SIGTERM to the pid recorded by `rackfs up`.
     unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -460,7 +485,7 @@ pub fn down(dir: &Path) -> Result<(), FsError> {
             }
             // The instance is gone cleanly: so is the log of its detached run.
             let _ = std::fs::remove_file(state_dir().join(format!("up-{}.log", path_tag(&dir))));
-            println!("RackFS at {} is down.", dir.display());
+            outln!("RackFS at {} is down.", dir.display());
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -470,5 +495,6 @@ pub fn down(dir: &Path) -> Result<(), FsError> {
         goal: "stop",
         secs: 20,
         log: state_dir().join(format!("up-{}.log", path_tag(&dir))),
-    })
+    }
+    .into())
 }
