@@ -26,7 +26,7 @@ use crate::config::{NodeConfig, Role};
 use crate::counters::NodeCounters;
 use crate::lease::Leases;
 use crate::membership::Membership;
-use crate::node::{wall_ns, Node};
+use crate::node::{first_session, wall_ns, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
@@ -58,13 +58,6 @@ pub enum StartError {
         #[source]
         err: rackfs_proto::RpcError,
     },
-}
-
-/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
-/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
-/// nodes may hold fenced.
-pub(crate) fn first_session() -> u64 {
-    (wall_ns() / 1_000_000) << 16
 }
 
 /// Makes `node` the primary, serving `meta`: the metadata service, the QoS controller, the

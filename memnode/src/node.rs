@@ -25,11 +25,15 @@ use crate::alloc::GRANULE;
 use crate::baseline::BaselineLocks;
 use crate::config::NodeConfig;
 use crate::counters::NodeCounters;
+use crate::epochs::Epochs;
 use crate::fence::Fences;
 use crate::lease::Leases;
+use crate::lease_words::LeaseWords;
 use crate::membership::Membership;
 use crate::qos::NodeQos;
 use crate::qos_controller::{QosController, QosNodes, QosRequest};
+use crate::replicas::{Discards, Rebuilds};
+use crate::standby_state::Standby;
 use crate::store::Store;
 use crate::watch::Watchers;
 
@@ -59,16 +63,16 @@ pub struct Node {
     /// Where this node's lease, the cluster map and the election live (see
     /// [`crate::coordinator`]).
     pub coord: std::sync::Arc<dyn rackfs_coord::Coordinator>,
-    /// The epochs data nodes were admitted under (primary only; see [`crate::liveness`]).
-    pub epochs: OnceLock<crate::liveness::Epochs>,
+    /// The epochs data nodes were admitted under (primary only).
+    pub epochs: OnceLock<Epochs>,
     /// This node's own lease to serve data (forever on the primary and standalone nodes).
     pub serve: rackfs_verbs::lease::ServeLease,
     /// Where this node's shm clients keep their copy of its lease.
-    pub lease_words: crate::liveness::LeaseWords,
+    pub lease_words: LeaseWords,
     /// Replicas dropped from nodes declared dead, to free when they return (primary only).
-    pub discards: crate::liveness::Discards,
+    pub discards: Discards,
     /// Re-replication progress (primary only).
-    pub rebuilds: crate::liveness::Rebuilds,
+    pub rebuilds: Rebuilds,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -78,7 +82,7 @@ pub struct Node {
     /// adopt their opens); 0 on a primary that started the cluster.
     pub sessions_from: AtomicU64,
     /// The metadata standby: whom the primary keeps in sync, or this data node's mirror.
-    pub standby: crate::standby::Standby,
+    pub standby: Standby,
     pub started: Instant,
     pub stopping: AtomicBool,
 }
@@ -96,7 +100,7 @@ impl Node {
     pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
         let mut m = self.meta.get()?.lock().expect("metadata lock");
         let out = f(&mut m);
-        crate::standby::ship(self, &mut m);
+        self.standby.ship(&mut m, &self.members, &*self.coord);
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in self.standby.take_deferred() {
             if let Err(e) = self.free_now(node, offset, tag) {
@@ -554,10 +558,23 @@ impl Node {
             Ok(_) => Ok(()),
             Err(r) if r.code == ErrorCode::Unavailable => {
                 // Freed when the node is admitted again, before it serves anyone.
-                crate::liveness::discard(self, node, offset);
+                self.discards.add(node, offset);
                 Ok(())
             }
             Err(r) => Err(r),
+        }
+    }
+
+    /// Primary: node `id` did not answer a call: its lease is revoked, so within one lease it
+    /// serves nothing and must be admitted again under a new epoch (which first frees what it
+    /// should have freed meanwhile).
+    fn fence_node(&self, id: u32) {
+        let Some(epoch) = self.epochs.get().and_then(|e| e.admitted(id)) else {
+            return;
+        };
+        match self.coord.revoke(epoch) {
+            Ok(()) => warn!(node = id, epoch, "memory node did not answer the primary: its lease is revoked, so it serves nothing until admitted again"),
+            Err(e) => warn!(node = id, error = %e, "cannot revoke the lease of a memory node that did not answer; it is dropped when its lease lapses"),
         }
     }
 
@@ -568,7 +585,7 @@ impl Node {
 
     /// Runs one call on peer `node`'s control connection. A peer marked down is not asked (the
     /// metadata service, which calls here under its lock, never waits on it twice); one that
-    /// does not answer is marked down and fenced ([`crate::liveness::fence`]).
+    /// does not answer is marked down and fenced ([`Node::fence_node`]).
     fn with_peer<T>(
         &self,
         node: u32,
@@ -583,7 +600,7 @@ impl Node {
         call(&*self.members.peer(node)?).map_err(|e| {
             if matches!(e, RpcError::Connection(_) | RpcError::Timeout { .. }) {
                 self.members.mark_down(node, &e.to_string());
-                crate::liveness::fence(self, node);
+                self.fence_node(node);
             }
             let r = e.into_refusal();
             Refusal::new(r.code, format!("node {node}: {}", r.message))
@@ -596,6 +613,13 @@ pub fn wall_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
+/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
+/// nodes may hold fenced.
+pub(crate) fn first_session() -> u64 {
+    (wall_ns() / 1_000_000) << 16
 }
 
 fn no_baseline() -> ControlResponse {
