@@ -12,6 +12,7 @@ pub mod alloc;
 pub mod baseline;
 pub mod config;
 pub mod conn;
+pub mod control;
 pub mod coordinator;
 pub mod counters;
 pub mod daemon;
