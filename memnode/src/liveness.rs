@@ -40,6 +40,17 @@ use tracing::{info, warn};
 use crate::coordinator::{members, node_key, node_value, parse_primary};
 use crate::node::Node;
 
+/// How a data node takes over as primary once the coordinator's `primary` key is gone. The
+/// daemon installs it in the [`Renewer`]: the standby's take-over and the start of a primary
+/// sit above liveness, so the renewer only notices when to call them.
+#[derive(Clone, Copy)]
+pub struct TakeOver {
+    /// Whether to campaign now: this node is the metadata standby and the key is gone.
+    pub should: fn(&Node) -> bool,
+    /// Campaigns and, elected, serves as the primary; returns whether it did.
+    pub run: fn(&Arc<Node>) -> bool,
+}
+
 /// A data node's side of its membership: holds a lease with the coordinator, registers under
 /// it (`nodes/<id>`, its epoch being the lease's id), asks the primary to admit it under that
 /// epoch, then renews the lease every quarter of its ttl, timing it from when the renewal was
@@ -55,10 +66,13 @@ pub struct Renewer {
     lapsed: bool,
     /// Set while this node campaigns to take over as primary (a thread of its own).
     taking_over: Arc<AtomicBool>,
+    take_over: TakeOver,
 }
 
 impl Renewer {
-    pub fn new(coord: Arc<dyn Coordinator>, primary: &str) -> Renewer {
+    /// A renewer for a data node that joined the primary at `primary`; `take_over` is how it
+    /// becomes the primary itself.
+    pub fn new(coord: Arc<dyn Coordinator>, primary: &str, take_over: TakeOver) -> Renewer {
         Renewer {
             coord,
             primary: primary.into(),
@@ -68,6 +82,7 @@ impl Renewer {
             complained: false,
             lapsed: false,
             taking_over: Arc::default(),
+            take_over,
         }
     }
 
@@ -86,7 +101,7 @@ impl Renewer {
     /// Follows the primary the coordinator's `primary` key names once another was elected
     /// (joining it with this node's memory and epoch, after fencing the old primary's mounts'
     /// data connections), or, when the key is gone and this node is the metadata standby,
-    /// campaigns to take over (see [`crate::standby`]).
+    /// campaigns to take over ([`TakeOver`]; the protocol is the `standby` module's).
     fn follow(&mut self, node: &Arc<Node>, epoch: LeaseId) {
         match node.coord.get("primary") {
             Ok(Some(v)) => {
@@ -109,16 +124,16 @@ impl Renewer {
                     }
                 }
             }
-            Ok(None) if crate::standby::should_take_over(node) => {
+            Ok(None) if (self.take_over.should)(node) => {
                 if self.taking_over.swap(true, Ordering::SeqCst) {
                     return;
                 }
                 warn!("the primary's key is gone and this node is its metadata standby: campaigning to take over");
-                let (n, flag) = (node.clone(), self.taking_over.clone());
+                let (n, flag, run) = (node.clone(), self.taking_over.clone(), self.take_over.run);
                 std::thread::Builder::new()
                     .name("take-over".into())
                     .spawn(move || {
-                        if !crate::standby::take_over(&n) {
+                        if !run(&n) {
                             flag.store(false, Ordering::SeqCst);
                         }
                     })

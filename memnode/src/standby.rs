@@ -152,9 +152,10 @@ fn named(node: &Node) -> bool {
     matches!(node.coord.get("standby"), Ok(Some(v)) if parse_standby(&v) == Some(node.cfg.node_id))
 }
 
-/// Data node with a mirror: campaigns for primary and, elected, becomes it over the mirror.
-/// Returns whether it did.
-pub fn take_over(node: &Arc<Node>) -> bool {
+/// Data node with a mirror: campaigns for primary and, elected, becomes it over the mirror
+/// (`start_primary`, the daemon's, starts the node as the primary serving it). Returns whether
+/// it did.
+pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -> bool {
     let started = Instant::now();
     let sessions_from = first_session();
     let me = node.members.me();
@@ -217,7 +218,7 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());
-    crate::daemon::start_primary(node, meta);
+    start_primary(node, meta);
     {
         let n = node.clone();
         std::thread::Builder::new()
