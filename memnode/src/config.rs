@@ -36,7 +36,7 @@ pub struct NodeConfig {
     pub etcd: Option<String>,
     /// The cluster's name: its keys' prefix in etcd.
     pub cluster: String,
-    /// Whether the primary keeps a metadata standby (with etcd only; see `crate::standby`).
+    /// Whether the primary keeps a metadata standby (with etcd only; see the `standby` module).
     pub standby: bool,
     /// Copies of every stripe of a new file whose creator does not ask (primary only; never
     /// more than the cluster's nodes).

@@ -2,7 +2,8 @@
 //! it asked for.
 //!
 //! One thread per connection. A verbs connection's thread is a NIC: it executes work requests
-//! and nothing else. A control connection's thread answers RPCs through [`Node::control`]; the
+//! and nothing else. A control connection's thread answers RPCs through
+//! [`control::answer`](crate::control::answer); the
 //! connection is one client session. An shm connection's thread hands the client the regions'
 //! memfds, then waits for the connection to close, which is how the node learns the client is
 //! gone (its verb counters are then folded into the node's totals).
@@ -312,7 +313,7 @@ fn serve_session(r: impl Read, w: impl Write, node: &Node, session: u64) -> Resu
                 format!("this node speaks protocol version {PROTOCOL_VERSION}, the client {v}"),
             )
             .into(),
-            _ => node.control(session, req),
+            _ => crate::control::answer(node, session, req),
         };
         wire::write_frame(&mut writer, FrameKind::ControlResponse, &resp.encode(id))?;
         writer.flush()?;

@@ -9,7 +9,7 @@
 //! lease: the election), `nodes/<id>` (a data node's address and epoch, under the lease
 //! whose id is that epoch: the node is a member while the key lives), and `standby` (the data
 //! node whose mirror of the namespace is in sync, written by the primary without a lease: it
-//! must outlive the primary; see [`crate::standby`]), and `mounts/<session>` (a mount's lock
+//! must outlive the primary; see the `standby` module), and `mounts/<session>` (a mount's lock
 //! lease, granted and kept alive by the primary on the mount's renewals; see
 //! [`crate::lease`]).
 

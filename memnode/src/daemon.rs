@@ -25,8 +25,9 @@ use crate::baseline::BaselineLocks;
 use crate::config::{NodeConfig, Role};
 use crate::counters::NodeCounters;
 use crate::lease::Leases;
+use crate::liveness::{Renewer, TakeOver};
 use crate::membership::Membership;
-use crate::node::{wall_ns, Node};
+use crate::node::{first_session, wall_ns, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
@@ -60,16 +61,9 @@ pub enum StartError {
     },
 }
 
-/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
-/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
-/// nodes may hold fenced.
-pub(crate) fn first_session() -> u64 {
-    (wall_ns() / 1_000_000) << 16
-}
-
 /// Makes `node` the primary, serving `meta`: the metadata service, the QoS controller, the
 /// lock-holder leases and the data nodes' epochs, with their background duties.
-pub(crate) fn start_primary(node: &Arc<Node>, meta: MetaService) {
+fn start_primary(node: &Arc<Node>, meta: MetaService) {
     let set = node.meta.set(Mutex::new(meta)).is_ok()
         && node
             .controller
@@ -135,6 +129,19 @@ pub(crate) fn start_primary(node: &Arc<Node>, meta: MetaService) {
         node.cfg.node_lease / 4,
         crate::standby::keep,
     );
+}
+
+/// How a data node that is the metadata standby takes over as primary, installed in its
+/// renewer: the renewer (liveness) notices when, the standby campaigns and serves its mirror,
+/// and the daemon starts the primary; only here do the three meet.
+const TAKE_OVER: TakeOver = TakeOver {
+    should: crate::standby::should_take_over,
+    run: take_over,
+};
+
+/// The metadata standby's take-over, which starts the node as the primary once elected.
+fn take_over(node: &Arc<Node>) -> bool {
+    crate::standby::take_over(node, start_primary)
 }
 
 /// A running memory node.
@@ -348,7 +355,7 @@ impl MemNode {
                     err,
                 })?;
             // The first lease before anyone is served: data connections are refused without.
-            let mut lease = crate::liveness::Renewer::new(node.coord.clone(), addr);
+            let mut lease = Renewer::new(node.coord.clone(), addr, TAKE_OVER);
             lease.renew(&node);
             thread(&node, "node-lease", move |n| lease.run(&n));
         }

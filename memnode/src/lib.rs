@@ -4,27 +4,36 @@
 //! The daemon composes owned parts, each in its own module: [`store`] (region, allocator,
 //! quarantine), [`membership`], [`counters`], [`qos`] (this node's monitor),
 //! [`qos_controller`] (the primary's placement loop), [`baseline`] (the benchmark-only CPU lock
-//! server), [`metrics`]; [`node`] puts them together behind the control RPC, [`conn`] serves
-//! connections and [`daemon`] starts it all. The metadata service itself is `rackfs_meta`; the
-//! wire contract is `rackfs_proto`.
+//! server), [`metrics`], and the state of the cluster's duties ([`lease_words`], [`epochs`],
+//! [`replicas`], [`standby_state`]); [`node`] puts them together. Above it, [`liveness`] (data
+//! nodes' leases) and [`standby`] (the metadata standby) drive the parts, [`control`] answers
+//! the control RPC over all of them, [`conn`] serves connections and [`daemon`] starts it all
+//! and carries out role changes (a standby taking over). The modules form a one-way chain: a
+//! module uses only those below it (`tests/module_chain.rs` checks it). The metadata service
+//! itself is `rackfs_meta`; the wire contract is `rackfs_proto`.
 
 pub mod alloc;
 pub mod baseline;
 pub mod config;
 pub mod conn;
+pub mod control;
 pub mod coordinator;
 pub mod counters;
 pub mod daemon;
 pub mod election;
+pub mod epochs;
 pub mod fence;
 pub mod lease;
+pub mod lease_words;
 pub mod liveness;
 pub mod membership;
 pub mod metrics;
 pub mod node;
 pub mod qos;
 pub mod qos_controller;
+pub mod replicas;
 pub mod standby;
+pub mod standby_state;
 pub mod store;
 pub mod watch;
 

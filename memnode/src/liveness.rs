@@ -6,11 +6,12 @@
 //! * A data node registers under a new lease (its *epoch*), is admitted by the primary, then
 //!   renews every quarter of the lease ([`Renewer`]; admitted before it serves anyone), timing
 //!   each lease from when it sent the renewal. A lapsed lease cannot be renewed: the node is
-//!   fenced and starts over under a new epoch. Its [`ServeLease`] is what its tcp NIC threads check before every batch
-//!   and its handshake before every data connection; it copies the deadline into each shm
-//!   client's counter block ([`LeaseWords`], `rackfs_verbs::shm::LEASE_WORD`), which the client
-//!   checks; when it lapses, rdma clients' connections are shut down (their queue pairs go).
-//!   A node stopped outright cannot do the last: its NIC goes on serving rdma reads.
+//!   fenced and starts over under a new epoch. Its [`ServeLease`] is what its tcp NIC threads
+//!   check before every batch and its handshake before every data connection; it copies the
+//!   deadline into each shm client's counter block ([`LeaseWords`],
+//!   `rackfs_verbs::shm::LEASE_WORD`), which the client checks; when it lapses, rdma clients'
+//!   connections are shut down (their queue pairs go). A node stopped outright cannot do the
+//!   last: its NIC goes on serving rdma reads.
 //! * The primary looks at the coordinator's members a few times per lease ([`check_members`],
 //!   [`Epochs`]). A node whose lease lapsed is declared dead: marked down
 //!   (no new data goes there) and dropped from every stripe that has another replica.
@@ -20,75 +21,34 @@
 //!   freed on it the replicas it dropped (stale now; tombstoning their tags sends mounts that
 //!   cached them back to the layout). Stripes it alone held were never dropped and serve
 //!   again. A node that joins (again) is new and empty, so joining drops its old replicas.
+//!
+//! [`ServeLease`]: rackfs_verbs::lease::ServeLease
+//! [`LeaseWords`]: crate::lease_words::LeaseWords
+//! [`Epochs`]: crate::epochs::Epochs
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rackfs_coord::{renew, renew_every, CoordError, Coordinator, Held, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
-use rackfs_verbs::lease::{monotonic_ns, ServeLease};
-use rackfs_verbs::shm::set_lease;
-use rackfs_verbs::Region;
+use rackfs_verbs::lease::monotonic_ns;
 use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
 use crate::node::Node;
 
-/// What enforces this node's lease beyond its own NIC threads: the counter blocks of its shm
-/// clients (their copy of the lease) and the sockets of its rdma clients (closed when the lease
-/// lapses, which destroys their queue pairs: the NIC serves them without the node's CPU).
-#[derive(Default)]
-pub struct LeaseWords {
-    blocks: Mutex<Vec<Weak<Region>>>,
-    rdma: Mutex<Vec<Weak<OwnedFd>>>,
-}
-
-impl LeaseWords {
-    /// A new shm client's counter block: it gets the lease's deadline now and on every
-    /// renewal, as long as it lives.
-    pub fn add(&self, block: &Arc<Region>, lease: &ServeLease) {
-        self.blocks
-            .lock()
-            .expect("lease words lock")
-            .push(Arc::downgrade(block));
-        set_lease(block, lease.until(), true);
-    }
-
-    /// An rdma client's socket (a duplicate), shut down if the lease lapses.
-    pub fn add_rdma(&self, socket: &Arc<OwnedFd>) {
-        self.rdma
-            .lock()
-            .expect("lease words lock")
-            .push(Arc::downgrade(socket));
-    }
-
-    /// The lease lapsed: every rdma client's connection is shut down (they reconnect once it
-    /// is renewed; the handshake refuses data connections meanwhile).
-    pub fn lapsed(&self) {
-        let mut v = self.rdma.lock().expect("lease words lock");
-        for s in v.iter().filter_map(Weak::upgrade) {
-            // SAFETY: shutdown(2) on a socket descriptor the connection's thread owns and keeps
-            // open while this Arc lives; it only ends the connection.
-            unsafe { libc::shutdown(s.as_raw_fd(), libc::SHUT_RDWR) };
-        }
-        v.clear();
-    }
-
-    /// Copies the lease's deadline into every live client's block.
-    pub fn publish(&self, until: u64) {
-        let mut v = self.blocks.lock().expect("lease words lock");
-        v.retain(|w| match w.upgrade() {
-            Some(b) => {
-                set_lease(&b, until, false);
-                true
-            }
-            None => false,
-        });
-    }
+/// How a data node takes over as primary once the coordinator's `primary` key is gone. The
+/// daemon installs it in the [`Renewer`]: the standby's take-over and the start of a primary
+/// sit above liveness, so the renewer only notices when to call them.
+#[derive(Clone, Copy)]
+pub struct TakeOver {
+    /// Whether to campaign now: this node is the metadata standby and the key is gone.
+    pub should: fn(&Node) -> bool,
+    /// Campaigns and, elected, serves as the primary; returns whether it did.
+    pub run: fn(&Arc<Node>) -> bool,
 }
 
 /// A data node's side of its membership: holds a lease with the coordinator, registers under
@@ -106,10 +66,13 @@ pub struct Renewer {
     lapsed: bool,
     /// Set while this node campaigns to take over as primary (a thread of its own).
     taking_over: Arc<AtomicBool>,
+    take_over: TakeOver,
 }
 
 impl Renewer {
-    pub fn new(coord: Arc<dyn Coordinator>, primary: &str) -> Renewer {
+    /// A renewer for a data node that joined the primary at `primary`; `take_over` is how it
+    /// becomes the primary itself.
+    pub fn new(coord: Arc<dyn Coordinator>, primary: &str, take_over: TakeOver) -> Renewer {
         Renewer {
             coord,
             primary: primary.into(),
@@ -119,6 +82,7 @@ impl Renewer {
             complained: false,
             lapsed: false,
             taking_over: Arc::default(),
+            take_over,
         }
     }
 
@@ -137,7 +101,7 @@ impl Renewer {
     /// Follows the primary the coordinator's `primary` key names once another was elected
     /// (joining it with this node's memory and epoch, after fencing the old primary's mounts'
     /// data connections), or, when the key is gone and this node is the metadata standby,
-    /// campaigns to take over (see [`crate::standby`]).
+    /// campaigns to take over ([`TakeOver`]; the protocol is the `standby` module's).
     fn follow(&mut self, node: &Arc<Node>, epoch: LeaseId) {
         match node.coord.get("primary") {
             Ok(Some(v)) => {
@@ -160,16 +124,16 @@ impl Renewer {
                     }
                 }
             }
-            Ok(None) if crate::standby::should_take_over(node) => {
+            Ok(None) if (self.take_over.should)(node) => {
                 if self.taking_over.swap(true, Ordering::SeqCst) {
                     return;
                 }
                 warn!("the primary's key is gone and this node is its metadata standby: campaigning to take over");
-                let (n, flag) = (node.clone(), self.taking_over.clone());
+                let (n, flag, run) = (node.clone(), self.taking_over.clone(), self.take_over.run);
                 std::thread::Builder::new()
                     .name("take-over".into())
                     .spawn(move || {
-                        if !crate::standby::take_over(&n) {
+                        if !run(&n) {
                             flag.store(false, Ordering::SeqCst);
                         }
                     })
@@ -280,66 +244,6 @@ impl Renewer {
     }
 }
 
-/// The primary's view of the data nodes' membership: the epoch each was admitted under, and the
-/// epochs the coordinator showed at its last look. A node is live while the two agree.
-#[derive(Default)]
-pub struct Epochs(Mutex<EpochState>);
-
-#[derive(Default)]
-struct EpochState {
-    admitted: HashMap<u32, LeaseId>,
-    registered: HashMap<u32, LeaseId>,
-}
-
-impl Epochs {
-    /// Whether node `id` holds the lease it was admitted under (as last seen).
-    pub fn is_live(&self, id: u32) -> bool {
-        let s = self.0.lock().expect("epochs lock");
-        s.admitted
-            .get(&id)
-            .is_some_and(|e| s.registered.get(&id) == Some(e))
-    }
-
-    /// The epoch node `id` was admitted under.
-    pub fn admitted(&self, id: u32) -> Option<LeaseId> {
-        self.0
-            .lock()
-            .expect("epochs lock")
-            .admitted
-            .get(&id)
-            .copied()
-    }
-
-    /// Takes the coordinator's current members; returns the admitted nodes no longer live.
-    pub fn refresh(&self, registered: Vec<(u32, LeaseId)>) -> Vec<u32> {
-        let mut s = self.0.lock().expect("epochs lock");
-        s.registered = registered.into_iter().collect();
-        let s = &*s;
-        s.admitted
-            .iter()
-            .filter(|(id, e)| s.registered.get(id) != Some(e))
-            .map(|(&id, _)| id)
-            .collect()
-    }
-
-    fn admit(&self, id: u32, epoch: LeaseId) {
-        let mut s = self.0.lock().expect("epochs lock");
-        s.admitted.insert(id, epoch);
-        s.registered.insert(id, epoch);
-    }
-
-    /// Node `id` joined again, empty: it is not admitted until it asks under a new epoch.
-    pub fn forget(&self, id: u32) {
-        self.0.lock().expect("epochs lock").admitted.remove(&id);
-    }
-}
-
-/// The primary's record of nodes declared dead: per node, the extents of its replicas that
-/// were dropped (stale now), freed on the node before it serves again. Its lock also
-/// serialises declaring a node dead with admitting it.
-#[derive(Default)]
-pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
-
 /// Primary: data node `id` is out (its lease lapsed): no new data goes there, and it is
 /// dropped from every stripe that has another replica. Does nothing for a node that is live
 /// (it renewed meanwhile).
@@ -347,7 +251,7 @@ fn declare_dead(node: &Node, id: u32, why: &str) {
     let Some(epochs) = node.epochs.get() else {
         return;
     };
-    let mut discards = node.discards.0.lock().expect("discards lock");
+    let mut discards = node.discards.lock();
     if epochs.is_live(id) {
         return;
     }
@@ -384,33 +288,13 @@ fn drop_replicas(
     }
 }
 
-/// Primary: the extent at `offset` on node `id` could not be freed (the node is down); it is
-/// freed when the node is admitted again, before it serves anyone.
-pub fn discard(node: &Node, id: u32, offset: u64) {
-    let mut discards = node.discards.0.lock().expect("discards lock");
-    discards.entry(id).or_default().push(offset);
-}
-
-/// Primary: node `id` did not answer a call: its lease is revoked, so within one lease it
-/// serves nothing and must be admitted again under a new epoch (which first frees what it
-/// should have freed meanwhile).
-pub fn fence(node: &Node, id: u32) {
-    let Some(epoch) = node.epochs.get().and_then(|e| e.admitted(id)) else {
-        return;
-    };
-    match node.coord.revoke(epoch) {
-        Ok(()) => warn!(node = id, epoch, "memory node did not answer the primary: its lease is revoked, so it serves nothing until admitted again"),
-        Err(e) => warn!(node = id, error = %e, "cannot revoke the lease of a memory node that did not answer; it is dropped when its lease lapses"),
-    }
-}
-
 /// Primary: node `id` joined again with empty memory: its old replicas are dropped, and it
 /// takes data only once admitted under a new epoch.
 pub fn rejoined(node: &Node, id: u32) {
     let Some(epochs) = node.epochs.get() else {
         return;
     };
-    let mut discards = node.discards.0.lock().expect("discards lock");
+    let mut discards = node.discards.lock();
     epochs.forget(id);
     drop_replicas(node, id, "it joined again, empty", &mut discards, true);
 }
@@ -440,7 +324,7 @@ pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> 
             format!("node {id} is not registered under epoch {epoch:x} (its lease lapsed?)"),
         ));
     }
-    let mut discards = node.discards.0.lock().expect("discards lock");
+    let mut discards = node.discards.lock();
     let before = epochs.admitted(id);
     if before == Some(epoch) {
         return Ok(node.cfg.node_lease);
@@ -528,13 +412,6 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// Re-replication progress (primary only).
-#[derive(Default)]
-pub struct Rebuilds {
-    pub stripes: AtomicU64,
-    pub bytes: AtomicU64,
 }
 
 /// How often the primary looks for degraded stripes to copy.

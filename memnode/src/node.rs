@@ -1,21 +1,19 @@
-//! A running node's parts and the control RPC that drives them.
+//! A running node's parts.
 //!
 //! [`Node`] composes owned parts, each with its own state and lock: the [`Store`] (region,
 //! allocator, quarantine), [`Membership`], the [`NodeCounters`], and on the primary the
 //! metadata service ([`MetaService`], one lock for the namespace and lock trees) and the
-//! [`QosController`]. [`Node::control`] answers one request; connections and threads live in
-//! [`crate::conn`] and [`crate::daemon`]. The node is the metadata service's [`Storage`]:
-//! local memory from the store, remote memory through peers' control connections.
+//! [`QosController`]. The node is the metadata service's [`Storage`]: local memory from the
+//! store, remote memory through peers' control connections. What drives the parts sits above
+//! this module and is not named here: the control RPC (`control`), data nodes' liveness, the
+//! metadata standby, connections (`conn`) and threads (`daemon`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_meta::{MetaService, Storage};
-use rackfs_proto::control::{
-    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, PROTOCOL_VERSION,
-};
-use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats};
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Region, RegionTable};
@@ -25,11 +23,15 @@ use crate::alloc::GRANULE;
 use crate::baseline::BaselineLocks;
 use crate::config::NodeConfig;
 use crate::counters::NodeCounters;
+use crate::epochs::Epochs;
 use crate::fence::Fences;
 use crate::lease::Leases;
+use crate::lease_words::LeaseWords;
 use crate::membership::Membership;
 use crate::qos::NodeQos;
-use crate::qos_controller::{QosController, QosNodes, QosRequest};
+use crate::qos_controller::{QosController, QosNodes};
+use crate::replicas::{Discards, Rebuilds};
+use crate::standby_state::Standby;
 use crate::store::Store;
 use crate::watch::Watchers;
 
@@ -59,16 +61,16 @@ pub struct Node {
     /// Where this node's lease, the cluster map and the election live (see
     /// [`crate::coordinator`]).
     pub coord: std::sync::Arc<dyn rackfs_coord::Coordinator>,
-    /// The epochs data nodes were admitted under (primary only; see [`crate::liveness`]).
-    pub epochs: OnceLock<crate::liveness::Epochs>,
+    /// The epochs data nodes were admitted under (primary only).
+    pub epochs: OnceLock<Epochs>,
     /// This node's own lease to serve data (forever on the primary and standalone nodes).
     pub serve: rackfs_verbs::lease::ServeLease,
     /// Where this node's shm clients keep their copy of its lease.
-    pub lease_words: crate::liveness::LeaseWords,
+    pub lease_words: LeaseWords,
     /// Replicas dropped from nodes declared dead, to free when they return (primary only).
-    pub discards: crate::liveness::Discards,
+    pub discards: Discards,
     /// Re-replication progress (primary only).
-    pub rebuilds: crate::liveness::Rebuilds,
+    pub rebuilds: Rebuilds,
     /// The benchmark baseline lock server (only when asked for).
     pub baseline: Option<BaselineLocks>,
     /// The RDMA device clients may connect over (with every region registered).
@@ -78,17 +80,13 @@ pub struct Node {
     /// adopt their opens); 0 on a primary that started the cluster.
     pub sessions_from: AtomicU64,
     /// The metadata standby: whom the primary keeps in sync, or this data node's mirror.
-    pub standby: crate::standby::Standby,
+    pub standby: Standby,
     pub started: Instant,
     pub stopping: AtomicBool,
 }
 
 /// How long fencing a mount on one node may take (below a control RPC's deadline).
-const FENCE_WAIT: Duration = Duration::from_secs(3);
-
-fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
-    Refusal::new(code, message).into()
-}
+pub(crate) const FENCE_WAIT: Duration = Duration::from_secs(3);
 
 impl Node {
     /// Runs `f` on the metadata service (primary only) under its lock; the journal entries it
@@ -96,7 +94,7 @@ impl Node {
     pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
         let mut m = self.meta.get()?.lock().expect("metadata lock");
         let out = f(&mut m);
-        crate::standby::ship(self, &mut m);
+        self.standby.ship(&mut m, &self.members, &*self.coord);
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in self.standby.take_deferred() {
             if let Err(e) = self.free_now(node, offset, tag) {
@@ -116,7 +114,7 @@ impl Node {
     }
 
     /// The nodes the QoS controller drives.
-    fn qos_nodes(&self) -> QosNodes<'_> {
+    pub(crate) fn qos_nodes(&self) -> QosNodes<'_> {
         QosNodes {
             own: self.qos.as_ref(),
             node_id: self.cfg.node_id,
@@ -247,300 +245,6 @@ impl Node {
             Err(e) => Err(e.to_string()),
         }
     }
-
-    /// Answers one control request of client session `session`.
-    pub fn control(&self, session: u64, req: ControlRequest) -> ControlResponse {
-        self.counters.rpc(req.kind_index());
-        if let Some(l) = self.leases.get() {
-            let harmless = matches!(
-                req,
-                ControlRequest::Hello { .. }
-                    | ControlRequest::Ping
-                    | ControlRequest::Stats
-                    | ControlRequest::Cluster
-                    | ControlRequest::Renew { .. }
-                    | ControlRequest::NodeAdmit { .. }
-                    | ControlRequest::Coord(_)
-            );
-            if let (false, Err(r)) = (harmless, l.check(session)) {
-                return r.into();
-            }
-            if !harmless && !self.serve.valid() {
-                return refused(
-                    ErrorCode::NotPrimary,
-                    format!(
-                        "primary {} lost its lease with the coordinator ({}); retry once it is elected again",
-                        self.cfg.name,
-                        self.coord.describe()
-                    ),
-                );
-            }
-        }
-        match req {
-            ControlRequest::Hello { .. } => ControlResponse::Hello {
-                version: PROTOCOL_VERSION,
-            },
-            ControlRequest::Ping => ControlResponse::Pong,
-            ControlRequest::Stats => ControlResponse::Stats(Box::new(self.stats())),
-            ControlRequest::Alloc { len, align, tag } => match self.store.alloc(len, align, tag) {
-                Ok(offset) => ControlResponse::Allocated {
-                    rkey: self.welcome.regions[0].rkey,
-                    region_len: self.welcome.regions[0].len,
-                    offset,
-                    len: len.next_multiple_of(GRANULE),
-                },
-                Err(e) => Refusal::from(e).into(),
-            },
-            ControlRequest::Free { offset, tag } => match self.store.free(offset, tag) {
-                Ok(len) => ControlResponse::Freed { len },
-                Err(e) => e.into(),
-            },
-            ControlRequest::Resize {
-                offset,
-                len,
-                tag,
-                expect,
-            } => match self.store.resize(offset, len, tag, expect) {
-                Ok(offset) => ControlResponse::Allocated {
-                    rkey: self.welcome.regions[0].rkey,
-                    region_len: self.welcome.regions[0].len,
-                    offset,
-                    len: (len + TAG_SPACE).next_multiple_of(GRANULE),
-                },
-                Err(e) => e.into(),
-            },
-            ControlRequest::Zero { offset, len, tag } => self
-                .store
-                .zero(offset, len, tag)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::Cluster => match self.members.cluster_info() {
-                Some(mut c) => {
-                    c.coordinator = self.coord.describe();
-                    c.elects = self.cfg.etcd.is_some();
-                    c.mounts = self.leases.get().map(Leases::sessions).unwrap_or_default();
-                    c.standby = self.standby.follower();
-                    if let Some(e) = self.epochs.get() {
-                        c.epochs = c
-                            .nodes
-                            .iter()
-                            .filter_map(|n| Some((n.node_id, e.admitted(n.node_id)?)))
-                            .collect();
-                    }
-                    ControlResponse::Cluster(Box::new(c))
-                }
-                None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
-            },
-            ControlRequest::Join { node, epoch } => self
-                .accept_join(node, epoch)
-                .map_or_else(ControlResponse::from, |c| {
-                    ControlResponse::Cluster(Box::new(c))
-                }),
-            ControlRequest::Mirror {
-                primary,
-                seq,
-                last,
-                piece,
-            } => crate::standby::take_piece(self, primary, seq, last, piece)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::Journal { entries } => crate::standby::take_journal(self, &entries)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::NodeAdmit { node, epoch } => crate::liveness::admit(self, node, epoch)
-                .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
-                    ms: d.as_millis() as u64,
-                }),
-            ControlRequest::Coord(call) if self.cfg.role == crate::Role::Primary => {
-                crate::coordinator::serve(&*self.coord, call)
-                    .map_or_else(ControlResponse::from, ControlResponse::Coord)
-            }
-            ControlRequest::Coord(_) => refused(
-                ErrorCode::NotPrimary,
-                "the embedded coordinator is held by the primary",
-            ),
-            ControlRequest::NodeFailed { node } => crate::liveness::node_failed(self, node)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::Retag {
-                offset,
-                expect,
-                tag,
-            } => self
-                .store
-                .retag(offset, expect, tag)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::Pull {
-                source,
-                from,
-                to,
-                len,
-                expect,
-            } => self
-                .store
-                .pull(&source, &self.cfg.secret, (from, to, len), expect)
-                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-            ControlRequest::BaselineRangeLock { space, l, r } => match &self.baseline {
-                Some(b) => b
-                    .lock(session, space, l, r)
-                    .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-                None => no_baseline(),
-            },
-            ControlRequest::BaselineRangeUnlock { space, l, r } => match &self.baseline {
-                Some(b) => b
-                    .unlock(session, space, l, r)
-                    .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
-                None => no_baseline(),
-            },
-            ControlRequest::QosShares { shares } => match &self.qos {
-                Some(q) => {
-                    q.set_shares(&shares);
-                    ControlResponse::QosNode(q.status(self.cfg.node_id))
-                }
-                None => refused(ErrorCode::Invalid, "a standalone node takes no part in QoS"),
-            },
-            ControlRequest::QosSet {
-                slot,
-                reservation,
-                limit,
-                weight,
-            } => {
-                let req = QosRequest {
-                    reservation,
-                    limit,
-                    weight,
-                };
-                self.qos_set(session, slot, req)
-                    .unwrap_or_else(ControlResponse::from)
-            }
-            ControlRequest::QosStatus => match self.controller.get() {
-                Some(c) => ControlResponse::QosStatus(c.status(&self.qos_nodes())),
-                None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
-            },
-            ControlRequest::Session => ControlResponse::Session { id: session },
-            ControlRequest::Renew { of } => match self.leases.get() {
-                Some(l) => {
-                    l.renew(of)
-                        .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
-                            ms: d.as_millis() as u64,
-                        })
-                }
-                None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
-            },
-            ControlRequest::Adopt { from } => match (self.meta.get(), self.leases.get()) {
-                (Some(_), Some(l))
-                    if l.check(from).is_err()
-                        || from < self.sessions_from.load(Ordering::SeqCst) =>
-                {
-                    self.with_meta(|m| m.adopt(from, session, self));
-                    ControlResponse::Ok
-                }
-                (Some(_), _) => refused(
-                    ErrorCode::Invalid,
-                    format!("session {from} was not fenced: its open files are its own"),
-                ),
-                (None, _) => refused(ErrorCode::NotPrimary, "open files are kept by the primary"),
-            },
-            ControlRequest::Fence { token } => match self.fences.fence(token, FENCE_WAIT) {
-                Ok(_) => ControlResponse::Ok,
-                Err(why) => refused(ErrorCode::Unavailable, why),
-            },
-            ControlRequest::Watch {
-                of,
-                acked,
-                ttl_ms,
-                poll_ms,
-            } => {
-                // A fenced mount is nobody's concern any more: no change waits for it.
-                if let Some(Err(r)) = self.leases.get().map(|l| l.check(of)) {
-                    return r.into();
-                }
-                let (seq, changes, lost) = self.watchers.watch(
-                    session,
-                    of,
-                    acked,
-                    Duration::from_millis(ttl_ms),
-                    Duration::from_millis(poll_ms.min(60_000)),
-                );
-                ControlResponse::Changes { seq, changes, lost }
-            }
-            ControlRequest::Meta(m) => match self.meta.get() {
-                Some(_) => {
-                    let (resp, changes) = self
-                        .with_meta(|meta| (meta.handle(session, m, self), meta.take_changes()))
-                        .expect("primary");
-                    // A change is answered only while the primary still holds its lease: a
-                    // standby elected meanwhile may lack it (its journal may not have arrived).
-                    if !self.serve.valid() {
-                        return refused(
-                            ErrorCode::NotPrimary,
-                            format!(
-                                "primary {} lost its lease while making this change: it may or may not have taken effect",
-                                self.cfg.name
-                            ),
-                        );
-                    }
-                    if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, self.leases.get()) {
-                        l.hold(session);
-                    }
-                    // Outside the metadata lock: other mounts forget what changed.
-                    self.watchers.publish(session, changes);
-                    resp
-                }
-                None => refused(
-                    ErrorCode::NotPrimary,
-                    format!(
-                        "node {} is not the primary; namespace operations go to the primary",
-                        self.cfg.name
-                    ),
-                ),
-            },
-        }
-    }
-
-    /// The primary's side of a join. A new node is empty (a new process), so replicas it held
-    /// before are dropped first; it takes data once admitted under its epoch. A node that
-    /// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
-    /// under the epoch it holds.
-    fn accept_join(
-        &self,
-        node: rackfs_proto::control::NodeAddr,
-        epoch: Option<i64>,
-    ) -> Result<ClusterInfo, Refusal> {
-        let id = node.node_id;
-        let known = self.members.peer(id).is_ok();
-        // Only once the join is accepted: a refused one (an id already taken by a node at
-        // another address) leaves the running node's replicas alone.
-        let live = |id| self.epochs.get().is_some_and(|e| e.is_live(id));
-        let info = self.members.accept_join(node, &self.cfg.secret, live)?;
-        match epoch {
-            Some(e) => {
-                crate::liveness::admit(self, id, e)?;
-            }
-            None if known => crate::liveness::rejoined(self, id),
-            None => {}
-        }
-        Ok(info)
-    }
-
-    /// Sets the QoS of `slot`'s mount, or (`None`) of the caller's own mount.
-    fn qos_set(
-        &self,
-        session: u64,
-        slot: Option<u16>,
-        req: QosRequest,
-    ) -> Result<ControlResponse, Refusal> {
-        let (Some(c), Some(meta)) = (self.controller.get(), self.meta.get()) else {
-            return Err(Refusal::new(
-                ErrorCode::NotPrimary,
-                "QoS is set on the primary",
-            ));
-        };
-        let (slot, session) = match slot {
-            Some(s) => (s, c.session_of(s)?),
-            None => (
-                meta.lock().expect("metadata lock").locks.attach(session)?,
-                session,
-            ),
-        };
-        c.admit(&self.qos_nodes(), slot, session, req)
-    }
 }
 
 impl Node {
@@ -554,10 +258,23 @@ impl Node {
             Ok(_) => Ok(()),
             Err(r) if r.code == ErrorCode::Unavailable => {
                 // Freed when the node is admitted again, before it serves anyone.
-                crate::liveness::discard(self, node, offset);
+                self.discards.add(node, offset);
                 Ok(())
             }
             Err(r) => Err(r),
+        }
+    }
+
+    /// Primary: node `id` did not answer a call: its lease is revoked, so within one lease it
+    /// serves nothing and must be admitted again under a new epoch (which first frees what it
+    /// should have freed meanwhile).
+    fn fence_node(&self, id: u32) {
+        let Some(epoch) = self.epochs.get().and_then(|e| e.admitted(id)) else {
+            return;
+        };
+        match self.coord.revoke(epoch) {
+            Ok(()) => warn!(node = id, epoch, "memory node did not answer the primary: its lease is revoked, so it serves nothing until admitted again"),
+            Err(e) => warn!(node = id, error = %e, "cannot revoke the lease of a memory node that did not answer; it is dropped when its lease lapses"),
         }
     }
 
@@ -568,7 +285,7 @@ impl Node {
 
     /// Runs one call on peer `node`'s control connection. A peer marked down is not asked (the
     /// metadata service, which calls here under its lock, never waits on it twice); one that
-    /// does not answer is marked down and fenced ([`crate::liveness::fence`]).
+    /// does not answer is marked down and fenced ([`Node::fence_node`]).
     fn with_peer<T>(
         &self,
         node: u32,
@@ -583,7 +300,7 @@ impl Node {
         call(&*self.members.peer(node)?).map_err(|e| {
             if matches!(e, RpcError::Connection(_) | RpcError::Timeout { .. }) {
                 self.members.mark_down(node, &e.to_string());
-                crate::liveness::fence(self, node);
+                self.fence_node(node);
             }
             let r = e.into_refusal();
             Refusal::new(r.code, format!("node {node}: {}", r.message))
@@ -598,12 +315,11 @@ pub fn wall_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn no_baseline() -> ControlResponse {
-    refused(
-        ErrorCode::Invalid,
-        "this node serves no baseline lock server (benchmarks start it with \
-         --baseline-lock-server)",
-    )
+/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
+/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
+/// nodes may hold fenced.
+pub(crate) fn first_session() -> u64 {
+    (wall_ns() / 1_000_000) << 16
 }
 
 impl Storage for Node {

@@ -1,7 +1,8 @@
 //! QoS on a memory node: the Haechi monitor on the node's own QoS area ([`NodeQos`]). The
 //! monitor is the only writer of the area's period, pool and share words; mounts write their
 //! report slots (see `rackfs_qos::area`). The primary's placement logic is
-//! `rackfs_meta::placement`; the controller loop that runs it is [`crate::qos_controller`].
+//! `rackfs_meta::placement`; the controller loop that runs it is the `qos_controller` module's
+//! (above this one: it drives every node's monitor).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@
 //!   the node. The key has no lease: it must outlive the primary.
 //! * **Journal.** Every change of the namespace is journaled (`rackfs_meta::journal`) and the
 //!   entries reach the standby ([`ControlRequest::Journal`]) before the metadata lock is
-//!   released, so before the change is answered ([`ship`]). A standby that does not take them
+//!   released, so before the change is answered ([`Standby::ship`]). A standby that does not take them
 //!   is dropped: the `standby` key is deleted first, then the primary goes on alone.
 //!   **Invariant: while the `standby` key names a node, every change the primary answered is
 //!   in that node's mirror.**
@@ -20,93 +20,26 @@
 //!   replicas like a dead data node, data connections of the old primary's sessions are fenced
 //!   (every data node does so when it follows the new primary), and mounts reconnect, adopt
 //!   their old sessions' opens and report again the sizes they wrote.
+//!
+//! What each side keeps between these steps is its [`Standby`].
+//!
+//! [`Standby`]: crate::standby_state::Standby
+//! [`Standby::ship`]: crate::standby_state::Standby::ship
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfs_meta::{journal, Entry, MetaService, Namespace};
+use rackfs_meta::MetaService;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal};
-use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
 
 use crate::coordinator::{parse_standby, primary_value, standby_value};
 use crate::election::Primacy;
-use crate::node::Node;
+use crate::node::{first_session, Node};
 
 /// Bytes of a snapshot per [`ControlRequest::Mirror`] (well inside a frame).
 const PIECE: usize = 4 << 20;
-
-/// What a snapshot carries: the namespace (encoded) and the metadata area's live extents.
-#[derive(Serialize, Deserialize)]
-struct Snapshot {
-    namespace: Vec<u8>,
-    extents: Vec<(u64, Vec<u8>)>,
-}
-
-/// A standby's copy of the primary's namespace, at journal entry `seq`, with the last answer
-/// per session (a mount's retry after a take-over is answered from it).
-struct Mirror {
-    ns: Namespace,
-    seq: u64,
-    primary: u32,
-    answered: journal::Answered,
-}
-
-/// Both sides of the standby: on the primary, which node follows; on a data node, its mirror.
-#[derive(Default)]
-pub struct Standby {
-    /// Primary: the data node whose mirror is in sync (named by the `standby` key), and the
-    /// connection its journal goes over (its deadline is half a node lease: a standby that
-    /// stalls the metadata service longer is dropped).
-    follower: Mutex<Option<(u32, Arc<ControlClient>)>>,
-    /// Data node: the mirror, once a whole snapshot came in.
-    mirror: Mutex<Option<Mirror>>,
-    /// Data node: the snapshot pieces received so far, and the journal position they are of
-    /// (pieces of another position start afresh: an earlier sync failed half-way).
-    pieces: Mutex<(u64, Vec<u8>)>,
-    /// Primary: when a standby last failed to sync (retried after a pause).
-    failed_at: Mutex<Option<Instant>>,
-    /// Primary: extents a change released, freed once the standby has the change (see
-    /// [`Standby::defer_free`]).
-    deferred: Mutex<Vec<(u32, u64, Option<u64>)>>,
-}
-
-impl Standby {
-    /// Whether this node holds a mirror (it may take over).
-    pub fn has_mirror(&self) -> bool {
-        self.mirror.lock().expect("mirror lock").is_some()
-    }
-
-    /// Primary: while a standby follows, an extent a change releases is freed only after the
-    /// change reached the standby (`Node::with_meta`): if the primary dies first, the standby's
-    /// layout, which lacks the change, still finds the stripe whole. Returns whether it was
-    /// held back.
-    pub fn defer_free(&self, node: u32, offset: u64, tag: Option<u64>) -> bool {
-        if self.follower().is_none() {
-            return false;
-        }
-        self.deferred
-            .lock()
-            .expect("deferred lock")
-            .push((node, offset, tag));
-        true
-    }
-
-    /// The extents held back by [`Standby::defer_free`], to free now.
-    pub fn take_deferred(&self) -> Vec<(u32, u64, Option<u64>)> {
-        std::mem::take(&mut *self.deferred.lock().expect("deferred lock"))
-    }
-
-    /// The standby the primary keeps in sync, if any.
-    pub fn follower(&self) -> Option<u32> {
-        self.follower
-            .lock()
-            .expect("follower lock")
-            .as_ref()
-            .map(|f| f.0)
-    }
-}
 
 /// Primary: makes a live data node the standby if there is none (etcd only); runs a few times
 /// per lease.
@@ -119,10 +52,8 @@ pub fn keep(node: &Node) {
         return;
     }
     let retry = node.cfg.node_lease;
-    if let Some(t) = *node.standby.failed_at.lock().expect("failed lock") {
-        if t.elapsed() < retry {
-            return;
-        }
+    if node.standby.failed_within(retry) {
+        return;
     }
     let me = node.cfg.node_id;
     let Some(meta) = node.meta.get() else { return };
@@ -135,7 +66,7 @@ pub fn keep(node: &Node) {
     let mut m = meta.lock().expect("metadata lock");
     match sync(node, &mut m, id) {
         Ok((seq, conn)) => {
-            *node.standby.follower.lock().expect("follower lock") = Some((id, Arc::new(conn)));
+            node.standby.set_follower(id, Arc::new(conn));
             info!(
                 standby = id,
                 seq, "metadata standby in sync: every change reaches it before it is answered"
@@ -143,7 +74,7 @@ pub fn keep(node: &Node) {
         }
         Err(why) => {
             m.set_journaling(false);
-            *node.standby.failed_at.lock().expect("failed lock") = Some(Instant::now());
+            node.standby.sync_failed();
             warn!(standby = id, error = %why, "cannot make this node the metadata standby; retrying later");
         }
     }
@@ -153,24 +84,7 @@ pub fn keep(node: &Node) {
 /// returns the journal position the snapshot stands at and the connection for the journal.
 fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient), String> {
     let seq = m.set_journaling(true);
-    let region = node.data_region();
-    let extents = m
-        .namespace
-        .meta_extents()
-        .into_iter()
-        .map(|(at, len)| {
-            let mut b = vec![0; len as usize];
-            region
-                .read(at, &mut b)
-                .expect("metadata extent in the region");
-            (at, b)
-        })
-        .collect();
-    let snapshot = Snapshot {
-        namespace: postcard::to_allocvec(&m.namespace).map_err(|e| e.to_string())?,
-        extents,
-    };
-    let bytes = postcard::to_allocvec(&snapshot).map_err(|e| e.to_string())?;
+    let bytes = crate::standby_state::snapshot(m, node.data_region())?;
     let addr = node
         .members
         .addr_of(id)
@@ -203,48 +117,7 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient
     Ok((seq, peer))
 }
 
-/// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
-/// the change is answered. A standby that does not take them is dropped (the `standby` key
-/// first).
-pub fn ship(node: &Node, m: &mut MetaService) {
-    let entries = m.take_journal();
-    if entries.is_empty() {
-        return;
-    }
-    let Some((id, peer)) = node.standby.follower.lock().expect("follower lock").clone() else {
-        return;
-    };
-    let sent = if node.members.is_down(id) {
-        Err("it is down".to_string())
-    } else {
-        postcard::to_allocvec(&entries)
-            .map_err(|e| e.to_string())
-            .and_then(
-                |bytes| match peer.call(&ControlRequest::Journal { entries: bytes }) {
-                    Ok(ControlResponse::Ok) => Ok(()),
-                    Ok(other) => Err(format!("unexpected answer {other:?}")),
-                    Err(e) => Err(e.to_string()),
-                },
-            )
-    };
-    if let Err(why) = sent {
-        drop_follower(node, m, id, &why);
-    }
-}
-
-/// Primary: the standby fell out of sync; the `standby` key goes before anything else is
-/// answered.
-fn drop_follower(node: &Node, m: &mut MetaService, id: u32, why: &str) {
-    if let Err(e) = node.coord.delete("standby") {
-        error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now");
-    }
-    m.set_journaling(false);
-    *node.standby.follower.lock().expect("follower lock") = None;
-    *node.standby.failed_at.lock().expect("failed lock") = Some(Instant::now());
-    warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
-}
-
-/// Data node: one piece of a snapshot from the primary.
+/// Data node: one piece of a snapshot from the primary (see [`Standby::take_piece`](crate::standby_state::Standby::take_piece)).
 pub fn take_piece(
     node: &Node,
     primary: u32,
@@ -258,101 +131,15 @@ pub fn take_piece(
             "the primary mirrors nobody",
         ));
     }
-    let mut pieces = node.standby.pieces.lock().expect("pieces lock");
-    if pieces.0 != seq {
-        *pieces = (seq, Vec::new());
-    }
-    pieces.1.extend_from_slice(&piece);
-    if !last {
-        return Ok(());
-    }
-    let bytes = std::mem::take(&mut pieces.1);
-    let invalid = |what: &str, e: postcard::Error| {
-        Refusal::new(ErrorCode::Invalid, format!("snapshot {what}: {e}"))
-    };
-    let snap: Snapshot = postcard::from_bytes(&bytes).map_err(|e| invalid("frame", e))?;
-    let ns: Namespace =
-        postcard::from_bytes(&snap.namespace).map_err(|e| invalid("namespace", e))?;
     let area = node.store.meta_len();
-    if let Some((at, b)) = snap
-        .extents
-        .iter()
-        .find(|(at, b)| at + b.len() as u64 > area)
-    {
-        return Err(Refusal::new(
-            ErrorCode::OutOfMemory,
-            format!(
-                "the primary's metadata extent at {at:#x} ({} bytes) lies beyond this node's metadata area of {area} bytes",
-                b.len()
-            ),
-        ));
-    }
-    let region = node.data_region();
-    region
-        .discard(0, area)
-        .expect("metadata area inside the region");
-    for (at, b) in &snap.extents {
-        region.write(*at, b).expect("checked inside the area");
-    }
-    info!(
-        primary,
-        seq,
-        files = snap.extents.len(),
-        "mirroring the primary's namespace: this node is its metadata standby"
-    );
-    *node.standby.mirror.lock().expect("mirror lock") = Some(Mirror {
-        ns,
-        seq,
-        primary,
-        answered: Default::default(),
-    });
-    Ok(())
+    node.standby
+        .take_piece(node.data_region(), area, (primary, seq, last), piece)
 }
 
-/// Data node: journal entries from the primary, replayed in order. Any gap or divergence drops
-/// the mirror (the primary then drops this standby).
+/// Data node: journal entries from the primary, replayed in order (see
+/// [`Standby::take_journal`](crate::standby_state::Standby::take_journal)).
 pub fn take_journal(node: &Node, bytes: &[u8]) -> Result<(), Refusal> {
-    let entries: Vec<Entry> = postcard::from_bytes(bytes)
-        .map_err(|e| Refusal::new(ErrorCode::Invalid, format!("journal entries: {e}")))?;
-    let mut guard = node.standby.mirror.lock().expect("mirror lock");
-    let Some(mirror) = guard.as_mut() else {
-        return Err(Refusal::new(
-            ErrorCode::Invalid,
-            "this node has no mirror to apply journal entries to",
-        ));
-    };
-    if let Some(e) = entries.iter().find(|e| e.primary != mirror.primary) {
-        // An earlier primary's, late: refused, and this mirror kept.
-        return Err(Refusal::new(
-            ErrorCode::NotPrimary,
-            format!(
-                "journal entry {} of node {}, but this node mirrors primary {}",
-                e.seq, e.primary, mirror.primary
-            ),
-        ));
-    }
-    for e in entries {
-        if e.seq <= mirror.seq {
-            continue; // in the snapshot already (sent before it, on an earlier connection)
-        }
-        let result = if e.seq != mirror.seq + 1 {
-            Err(format!(
-                "journal entry {} after {}: entries missing",
-                e.seq, mirror.seq
-            ))
-        } else {
-            mirror.seq = e.seq;
-            let step = e.step.clone();
-            journal::replay(&mut mirror.ns, node.data_region(), e)
-                .map(|out| mirror.answered.note(&step, &out))
-        };
-        if let Err(why) = result {
-            *guard = None;
-            error!(error = %why, "the mirror of the namespace diverged from the primary's: dropped");
-            return Err(Refusal::new(ErrorCode::Internal, why));
-        }
-    }
-    Ok(())
+    node.standby.take_journal(node.data_region(), bytes)
 }
 
 /// Data node: whether to campaign for primary now: it has a mirror, the `primary` key is gone
@@ -365,11 +152,12 @@ fn named(node: &Node) -> bool {
     matches!(node.coord.get("standby"), Ok(Some(v)) if parse_standby(&v) == Some(node.cfg.node_id))
 }
 
-/// Data node with a mirror: campaigns for primary and, elected, becomes it over the mirror.
-/// Returns whether it did.
-pub fn take_over(node: &Arc<Node>) -> bool {
+/// Data node with a mirror: campaigns for primary and, elected, becomes it over the mirror
+/// (`start_primary`, the daemon's, starts the node as the primary serving it). Returns whether
+/// it did.
+pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -> bool {
     let started = Instant::now();
-    let sessions_from = crate::daemon::first_session();
+    let sessions_from = first_session();
     let me = node.members.me();
     let primacy = match Primacy::campaign(
         node.coord.clone(),
@@ -383,7 +171,7 @@ pub fn take_over(node: &Arc<Node>) -> bool {
             return false;
         }
     };
-    let Some(mirror) = node.standby.mirror.lock().expect("mirror lock").take() else {
+    let Some(mirror) = node.standby.take_mirror() else {
         return give_up(node, primacy, "the mirror was dropped meanwhile");
     };
     if !named(node) {
@@ -430,7 +218,7 @@ pub fn take_over(node: &Arc<Node>) -> bool {
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());
-    crate::daemon::start_primary(node, meta);
+    start_primary(node, meta);
     {
         let n = node.clone();
         std::thread::Builder::new()

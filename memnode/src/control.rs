@@ -1,0 +1,318 @@
+//! The control RPC: [`answer`] carries out one request of a client session with the node's
+//! parts ([`Node`]), the data nodes' liveness ([`crate::liveness`]: joins, admissions, failures)
+//! and the metadata standby ([`crate::standby`]: snapshot and journal). It sits above all of
+//! them (they use the node's parts, never the dispatch); each control connection (the `conn`
+//! module) is one session and calls it per request.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rackfs_proto::control::{
+    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
+};
+use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::Refusal;
+
+use crate::alloc::GRANULE;
+use crate::config::Role;
+use crate::lease::Leases;
+use crate::node::{Node, FENCE_WAIT};
+use crate::qos_controller::QosRequest;
+
+fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
+    Refusal::new(code, message).into()
+}
+
+/// Answers one control request of client session `session`.
+pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse {
+    node.counters.rpc(req.kind_index());
+    if let Some(l) = node.leases.get() {
+        let harmless = matches!(
+            req,
+            ControlRequest::Hello { .. }
+                | ControlRequest::Ping
+                | ControlRequest::Stats
+                | ControlRequest::Cluster
+                | ControlRequest::Renew { .. }
+                | ControlRequest::NodeAdmit { .. }
+                | ControlRequest::Coord(_)
+        );
+        if let (false, Err(r)) = (harmless, l.check(session)) {
+            return r.into();
+        }
+        if !harmless && !node.serve.valid() {
+            return refused(
+                ErrorCode::NotPrimary,
+                format!(
+                    "primary {} lost its lease with the coordinator ({}); retry once it is elected again",
+                    node.cfg.name,
+                    node.coord.describe()
+                ),
+            );
+        }
+    }
+    match req {
+        ControlRequest::Hello { .. } => ControlResponse::Hello {
+            version: PROTOCOL_VERSION,
+        },
+        ControlRequest::Ping => ControlResponse::Pong,
+        ControlRequest::Stats => ControlResponse::Stats(Box::new(node.stats())),
+        ControlRequest::Alloc { len, align, tag } => match node.store.alloc(len, align, tag) {
+            Ok(offset) => ControlResponse::Allocated {
+                rkey: node.welcome.regions[0].rkey,
+                region_len: node.welcome.regions[0].len,
+                offset,
+                len: len.next_multiple_of(GRANULE),
+            },
+            Err(e) => Refusal::from(e).into(),
+        },
+        ControlRequest::Free { offset, tag } => match node.store.free(offset, tag) {
+            Ok(len) => ControlResponse::Freed { len },
+            Err(e) => e.into(),
+        },
+        ControlRequest::Resize {
+            offset,
+            len,
+            tag,
+            expect,
+        } => match node.store.resize(offset, len, tag, expect) {
+            Ok(offset) => ControlResponse::Allocated {
+                rkey: node.welcome.regions[0].rkey,
+                region_len: node.welcome.regions[0].len,
+                offset,
+                len: (len + TAG_SPACE).next_multiple_of(GRANULE),
+            },
+            Err(e) => e.into(),
+        },
+        ControlRequest::Zero { offset, len, tag } => node
+            .store
+            .zero(offset, len, tag)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::Cluster => match node.members.cluster_info() {
+            Some(mut c) => {
+                c.coordinator = node.coord.describe();
+                c.elects = node.cfg.etcd.is_some();
+                c.mounts = node.leases.get().map(Leases::sessions).unwrap_or_default();
+                c.standby = node.standby.follower();
+                if let Some(e) = node.epochs.get() {
+                    c.epochs = c
+                        .nodes
+                        .iter()
+                        .filter_map(|n| Some((n.node_id, e.admitted(n.node_id)?)))
+                        .collect();
+                }
+                ControlResponse::Cluster(Box::new(c))
+            }
+            None => refused(ErrorCode::Unavailable, "this node has not joined a cluster"),
+        },
+        ControlRequest::Join { node: addr, epoch } => accept_join(node, addr, epoch)
+            .map_or_else(ControlResponse::from, |c| {
+                ControlResponse::Cluster(Box::new(c))
+            }),
+        ControlRequest::Mirror {
+            primary,
+            seq,
+            last,
+            piece,
+        } => crate::standby::take_piece(node, primary, seq, last, piece)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::Journal { entries } => crate::standby::take_journal(node, &entries)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::NodeAdmit { node: id, epoch } => crate::liveness::admit(node, id, epoch)
+            .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+                ms: d.as_millis() as u64,
+            }),
+        ControlRequest::Coord(call) if node.cfg.role == Role::Primary => {
+            crate::coordinator::serve(&*node.coord, call)
+                .map_or_else(ControlResponse::from, ControlResponse::Coord)
+        }
+        ControlRequest::Coord(_) => refused(
+            ErrorCode::NotPrimary,
+            "the embedded coordinator is held by the primary",
+        ),
+        ControlRequest::NodeFailed { node: id } => crate::liveness::node_failed(node, id)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::Retag {
+            offset,
+            expect,
+            tag,
+        } => node
+            .store
+            .retag(offset, expect, tag)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::Pull {
+            source,
+            from,
+            to,
+            len,
+            expect,
+        } => node
+            .store
+            .pull(&source, &node.cfg.secret, (from, to, len), expect)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::BaselineRangeLock { space, l, r } => match &node.baseline {
+            Some(b) => b
+                .lock(session, space, l, r)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            None => no_baseline(),
+        },
+        ControlRequest::BaselineRangeUnlock { space, l, r } => match &node.baseline {
+            Some(b) => b
+                .unlock(session, space, l, r)
+                .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+            None => no_baseline(),
+        },
+        ControlRequest::QosShares { shares } => match &node.qos {
+            Some(q) => {
+                q.set_shares(&shares);
+                ControlResponse::QosNode(q.status(node.cfg.node_id))
+            }
+            None => refused(ErrorCode::Invalid, "a standalone node takes no part in QoS"),
+        },
+        ControlRequest::QosSet {
+            slot,
+            reservation,
+            limit,
+            weight,
+        } => {
+            let req = QosRequest {
+                reservation,
+                limit,
+                weight,
+            };
+            qos_set(node, session, slot, req).unwrap_or_else(ControlResponse::from)
+        }
+        ControlRequest::QosStatus => match node.controller.get() {
+            Some(c) => ControlResponse::QosStatus(c.status(&node.qos_nodes())),
+            None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
+        },
+        ControlRequest::Session => ControlResponse::Session { id: session },
+        ControlRequest::Renew { of } => match node.leases.get() {
+            Some(l) => l
+                .renew(of)
+                .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+                    ms: d.as_millis() as u64,
+                }),
+            None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
+        },
+        ControlRequest::Adopt { from } => match (node.meta.get(), node.leases.get()) {
+            (Some(_), Some(l))
+                if l.check(from).is_err() || from < node.sessions_from.load(Ordering::SeqCst) =>
+            {
+                node.with_meta(|m| m.adopt(from, session, node));
+                ControlResponse::Ok
+            }
+            (Some(_), _) => refused(
+                ErrorCode::Invalid,
+                format!("session {from} was not fenced: its open files are its own"),
+            ),
+            (None, _) => refused(ErrorCode::NotPrimary, "open files are kept by the primary"),
+        },
+        ControlRequest::Fence { token } => match node.fences.fence(token, FENCE_WAIT) {
+            Ok(_) => ControlResponse::Ok,
+            Err(why) => refused(ErrorCode::Unavailable, why),
+        },
+        ControlRequest::Watch {
+            of,
+            acked,
+            ttl_ms,
+            poll_ms,
+        } => {
+            // A fenced mount is nobody's concern any more: no change waits for it.
+            if let Some(Err(r)) = node.leases.get().map(|l| l.check(of)) {
+                return r.into();
+            }
+            let (seq, changes, lost) = node.watchers.watch(
+                session,
+                of,
+                acked,
+                Duration::from_millis(ttl_ms),
+                Duration::from_millis(poll_ms.min(60_000)),
+            );
+            ControlResponse::Changes { seq, changes, lost }
+        }
+        ControlRequest::Meta(m) => match node.meta.get() {
+            Some(_) => {
+                let (resp, changes) = node
+                    .with_meta(|meta| (meta.handle(session, m, node), meta.take_changes()))
+                    .expect("primary");
+                // A change is answered only while the primary still holds its lease: a
+                // standby elected meanwhile may lack it (its journal may not have arrived).
+                if !node.serve.valid() {
+                    return refused(
+                        ErrorCode::NotPrimary,
+                        format!(
+                            "primary {} lost its lease while making this change: it may or may not have taken effect",
+                            node.cfg.name
+                        ),
+                    );
+                }
+                if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, node.leases.get()) {
+                    l.hold(session);
+                }
+                // Outside the metadata lock: other mounts forget what changed.
+                node.watchers.publish(session, changes);
+                resp
+            }
+            None => refused(
+                ErrorCode::NotPrimary,
+                format!(
+                    "node {} is not the primary; namespace operations go to the primary",
+                    node.cfg.name
+                ),
+            ),
+        },
+    }
+}
+
+/// The primary's side of a join. A new node is empty (a new process), so replicas it held
+/// before are dropped first; it takes data once admitted under its epoch. A node that
+/// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
+/// under the epoch it holds.
+fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<ClusterInfo, Refusal> {
+    let id = addr.node_id;
+    let known = node.members.peer(id).is_ok();
+    // Only once the join is accepted: a refused one (an id already taken by a node at
+    // another address) leaves the running node's replicas alone.
+    let live = |id| node.epochs.get().is_some_and(|e| e.is_live(id));
+    let info = node.members.accept_join(addr, &node.cfg.secret, live)?;
+    match epoch {
+        Some(e) => {
+            crate::liveness::admit(node, id, e)?;
+        }
+        None if known => crate::liveness::rejoined(node, id),
+        None => {}
+    }
+    Ok(info)
+}
+
+/// Sets the QoS of `slot`'s mount, or (`None`) of the caller's own mount.
+fn qos_set(
+    node: &Node,
+    session: u64,
+    slot: Option<u16>,
+    req: QosRequest,
+) -> Result<ControlResponse, Refusal> {
+    let (Some(c), Some(meta)) = (node.controller.get(), node.meta.get()) else {
+        return Err(Refusal::new(
+            ErrorCode::NotPrimary,
+            "QoS is set on the primary",
+        ));
+    };
+    let (slot, session) = match slot {
+        Some(s) => (s, c.session_of(s)?),
+        None => (
+            meta.lock().expect("metadata lock").locks.attach(session)?,
+            session,
+        ),
+    };
+    c.admit(&node.qos_nodes(), slot, session, req)
+}
+
+fn no_baseline() -> ControlResponse {
+    refused(
+        ErrorCode::Invalid,
+        "this node serves no baseline lock server (benchmarks start it with \
+         --baseline-lock-server)",
+    )
+}

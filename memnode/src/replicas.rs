@@ -1,0 +1,33 @@
+//! The primary's bookkeeping of the replicas dead data nodes cost: the stale ones dropped from
+//! the stripes, to free on their node before it serves again ([`Discards`]), and how far
+//! re-replication has copied the stripes left short back ([`Rebuilds`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, MutexGuard};
+
+/// The primary's record of nodes declared dead: per node, the extents of its replicas that
+/// were dropped (stale now), freed on the node before it serves again. Its lock also
+/// serialises declaring a node dead with admitting it.
+#[derive(Default)]
+pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
+
+impl Discards {
+    /// The extents to free per node, held for a whole declaration or admission.
+    pub fn lock(&self) -> MutexGuard<'_, HashMap<u32, Vec<u64>>> {
+        self.0.lock().expect("discards lock")
+    }
+
+    /// The extent at `offset` on node `id` could not be freed (the node is down); it is freed
+    /// when the node is admitted again, before it serves anyone.
+    pub fn add(&self, id: u32, offset: u64) {
+        self.lock().entry(id).or_default().push(offset);
+    }
+}
+
+/// Re-replication progress (primary only).
+#[derive(Default)]
+pub struct Rebuilds {
+    pub stripes: AtomicU64,
+    pub bytes: AtomicU64,
+}

@@ -1,0 +1,278 @@
+//! What both sides of the metadata standby keep ([`Standby`]; the protocol and its invariant
+//! are the `standby` module's): on the primary, the follower its journal goes to, shipped
+//! before the metadata lock is released ([`Standby::ship`]), and the extents whose freeing waits
+//! for it; on a data node, the snapshot coming in and the mirror the journal is replayed on,
+//! writing the same bytes at the same offsets of its metadata area as the primary did.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rackfs_coord::Coordinator;
+use rackfs_meta::{journal, Entry, MetaService, Namespace};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
+use rackfs_proto::{ControlClient, Refusal};
+use rackfs_verbs::Region;
+use serde::{Deserialize, Serialize};
+use tracing::{error, info, warn};
+
+use crate::membership::Membership;
+
+/// What a snapshot carries: the namespace (encoded) and the metadata area's live extents.
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    namespace: Vec<u8>,
+    extents: Vec<(u64, Vec<u8>)>,
+}
+
+/// Primary: the snapshot of `m` a new standby starts from (the namespace and the bytes of its
+/// metadata extents in `region`), encoded.
+pub fn snapshot(m: &MetaService, region: &Region) -> Result<Vec<u8>, String> {
+    let extents = m
+        .namespace
+        .meta_extents()
+        .into_iter()
+        .map(|(at, len)| {
+            let mut b = vec![0; len as usize];
+            region
+                .read(at, &mut b)
+                .expect("metadata extent in the region");
+            (at, b)
+        })
+        .collect();
+    let snapshot = Snapshot {
+        namespace: postcard::to_allocvec(&m.namespace).map_err(|e| e.to_string())?,
+        extents,
+    };
+    postcard::to_allocvec(&snapshot).map_err(|e| e.to_string())
+}
+
+/// A standby's copy of the primary's namespace, at journal entry `seq`, with the last answer
+/// per session (a mount's retry after a take-over is answered from it).
+pub struct Mirror {
+    pub ns: Namespace,
+    pub seq: u64,
+    /// The primary it mirrors.
+    pub primary: u32,
+    pub answered: journal::Answered,
+}
+
+/// Both sides of the standby: on the primary, which node follows; on a data node, its mirror.
+#[derive(Default)]
+pub struct Standby {
+    /// Primary: the data node whose mirror is in sync (named by the `standby` key), and the
+    /// connection its journal goes over (its deadline is half a node lease: a standby that
+    /// stalls the metadata service longer is dropped).
+    follower: Mutex<Option<(u32, Arc<ControlClient>)>>,
+    /// Data node: the mirror, once a whole snapshot came in.
+    mirror: Mutex<Option<Mirror>>,
+    /// Data node: the snapshot pieces received so far, and the journal position they are of
+    /// (pieces of another position start afresh: an earlier sync failed half-way).
+    pieces: Mutex<(u64, Vec<u8>)>,
+    /// Primary: when a standby last failed to sync (retried after a pause).
+    failed_at: Mutex<Option<Instant>>,
+    /// Primary: extents a change released, freed once the standby has the change (see
+    /// [`Standby::defer_free`]).
+    deferred: Mutex<Vec<(u32, u64, Option<u64>)>>,
+}
+
+impl Standby {
+    /// Whether this node holds a mirror (it may take over).
+    pub fn has_mirror(&self) -> bool {
+        self.mirror.lock().expect("mirror lock").is_some()
+    }
+
+    /// Primary: while a standby follows, an extent a change releases is freed only after the
+    /// change reached the standby (`Node::with_meta`, [`Standby::ship`]): if the primary dies first, the standby's
+    /// layout, which lacks the change, still finds the stripe whole. Returns whether it was
+    /// held back.
+    pub fn defer_free(&self, node: u32, offset: u64, tag: Option<u64>) -> bool {
+        if self.follower().is_none() {
+            return false;
+        }
+        self.deferred
+            .lock()
+            .expect("deferred lock")
+            .push((node, offset, tag));
+        true
+    }
+
+    /// The extents held back by [`Standby::defer_free`], to free now.
+    pub fn take_deferred(&self) -> Vec<(u32, u64, Option<u64>)> {
+        std::mem::take(&mut *self.deferred.lock().expect("deferred lock"))
+    }
+
+    /// The standby the primary keeps in sync, if any.
+    pub fn follower(&self) -> Option<u32> {
+        self.follower
+            .lock()
+            .expect("follower lock")
+            .as_ref()
+            .map(|f| f.0)
+    }
+
+    /// Primary: node `id` is in sync and follows over `conn` from now on.
+    pub fn set_follower(&self, id: u32, conn: Arc<ControlClient>) {
+        *self.follower.lock().expect("follower lock") = Some((id, conn));
+    }
+
+    /// Primary: whether a standby failed to sync less than `retry` ago (not retried yet).
+    pub fn failed_within(&self, retry: Duration) -> bool {
+        matches!(*self.failed_at.lock().expect("failed lock"), Some(t) if t.elapsed() < retry)
+    }
+
+    /// Primary: a standby failed to sync now.
+    pub fn sync_failed(&self) {
+        *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
+    }
+
+    /// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
+    /// the change is answered. A standby that does not take them is dropped (the `standby` key
+    /// first, from `coord`).
+    pub fn ship(&self, m: &mut MetaService, members: &Membership, coord: &dyn Coordinator) {
+        let entries = m.take_journal();
+        if entries.is_empty() {
+            return;
+        }
+        let Some((id, peer)) = self.follower.lock().expect("follower lock").clone() else {
+            return;
+        };
+        let sent = if members.is_down(id) {
+            Err("it is down".to_string())
+        } else {
+            postcard::to_allocvec(&entries)
+                .map_err(|e| e.to_string())
+                .and_then(
+                    |bytes| match peer.call(&ControlRequest::Journal { entries: bytes }) {
+                        Ok(ControlResponse::Ok) => Ok(()),
+                        Ok(other) => Err(format!("unexpected answer {other:?}")),
+                        Err(e) => Err(e.to_string()),
+                    },
+                )
+        };
+        if let Err(why) = sent {
+            self.drop_follower(m, coord, id, &why);
+        }
+    }
+
+    /// Primary: the standby fell out of sync; the `standby` key goes before anything else is
+    /// answered.
+    fn drop_follower(&self, m: &mut MetaService, coord: &dyn Coordinator, id: u32, why: &str) {
+        if let Err(e) = coord.delete("standby") {
+            error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now");
+        }
+        m.set_journaling(false);
+        *self.follower.lock().expect("follower lock") = None;
+        *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
+        warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
+    }
+
+    /// Data node: one piece of a snapshot from the primary; the last one replaces the metadata
+    /// area (`area` bytes at the start of `region`) and the mirror.
+    pub fn take_piece(
+        &self,
+        region: &Region,
+        area: u64,
+        (primary, seq, last): (u32, u64, bool),
+        piece: Vec<u8>,
+    ) -> Result<(), Refusal> {
+        let mut pieces = self.pieces.lock().expect("pieces lock");
+        if pieces.0 != seq {
+            *pieces = (seq, Vec::new());
+        }
+        pieces.1.extend_from_slice(&piece);
+        if !last {
+            return Ok(());
+        }
+        let bytes = std::mem::take(&mut pieces.1);
+        let invalid = |what: &str, e: postcard::Error| {
+            Refusal::new(ErrorCode::Invalid, format!("snapshot {what}: {e}"))
+        };
+        let snap: Snapshot = postcard::from_bytes(&bytes).map_err(|e| invalid("frame", e))?;
+        let ns: Namespace =
+            postcard::from_bytes(&snap.namespace).map_err(|e| invalid("namespace", e))?;
+        if let Some((at, b)) = snap
+            .extents
+            .iter()
+            .find(|(at, b)| at + b.len() as u64 > area)
+        {
+            return Err(Refusal::new(
+                ErrorCode::OutOfMemory,
+                format!(
+                    "the primary's metadata extent at {at:#x} ({} bytes) lies beyond this node's metadata area of {area} bytes",
+                    b.len()
+                ),
+            ));
+        }
+        region
+            .discard(0, area)
+            .expect("metadata area inside the region");
+        for (at, b) in &snap.extents {
+            region.write(*at, b).expect("checked inside the area");
+        }
+        info!(
+            primary,
+            seq,
+            files = snap.extents.len(),
+            "mirroring the primary's namespace: this node is its metadata standby"
+        );
+        *self.mirror.lock().expect("mirror lock") = Some(Mirror {
+            ns,
+            seq,
+            primary,
+            answered: Default::default(),
+        });
+        Ok(())
+    }
+
+    /// Data node: journal entries from the primary, replayed in order on the mirror (and its
+    /// records in `region`). Any gap or divergence drops the mirror (the primary then drops
+    /// this standby).
+    pub fn take_journal(&self, region: &Region, bytes: &[u8]) -> Result<(), Refusal> {
+        let entries: Vec<Entry> = postcard::from_bytes(bytes)
+            .map_err(|e| Refusal::new(ErrorCode::Invalid, format!("journal entries: {e}")))?;
+        let mut guard = self.mirror.lock().expect("mirror lock");
+        let Some(mirror) = guard.as_mut() else {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                "this node has no mirror to apply journal entries to",
+            ));
+        };
+        if let Some(e) = entries.iter().find(|e| e.primary != mirror.primary) {
+            // An earlier primary's, late: refused, and this mirror kept.
+            return Err(Refusal::new(
+                ErrorCode::NotPrimary,
+                format!(
+                    "journal entry {} of node {}, but this node mirrors primary {}",
+                    e.seq, e.primary, mirror.primary
+                ),
+            ));
+        }
+        for e in entries {
+            if e.seq <= mirror.seq {
+                continue; // in the snapshot already (sent before it, on an earlier connection)
+            }
+            let result = if e.seq != mirror.seq + 1 {
+                Err(format!(
+                    "journal entry {} after {}: entries missing",
+                    e.seq, mirror.seq
+                ))
+            } else {
+                mirror.seq = e.seq;
+                let step = e.step.clone();
+                journal::replay(&mut mirror.ns, region, e)
+                    .map(|out| mirror.answered.note(&step, &out))
+            };
+            if let Err(why) = result {
+                *guard = None;
+                error!(error = %why, "the mirror of the namespace diverged from the primary's: dropped");
+                return Err(Refusal::new(ErrorCode::Internal, why));
+            }
+        }
+        Ok(())
+    }
+
+    /// Data node taking over: the mirror, which it serves from now on.
+    pub fn take_mirror(&self) -> Option<Mirror> {
+        self.mirror.lock().expect("mirror lock").take()
+    }
+}
