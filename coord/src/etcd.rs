@@ -3,7 +3,7 @@
 //! Keys live under `/rackfs/<cluster>/`; keys and values travel base64-encoded, numbers as
 //! decimal strings (the gateway's encoding of 64-bit integers).
 
-use std::io::{Read, Write};
+use std::io::{Read, Write as _};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use serde_json::{json, Value};
 
-use crate::{CoordError, Coordinator, LeaseId};
+use crate::{CoordError, Coordinator, Guard, LeaseId, Write};
 
 /// An etcd cluster, as `host:port` client endpoints, and this RackFS cluster's key prefix.
 pub struct Etcd {
@@ -65,6 +65,28 @@ impl Etcd {
 
     fn key(&self, k: &str) -> String {
         B64.encode(format!("{}{k}", self.prefix))
+    }
+
+    /// The compares of a txn that succeeds only while `guard` holds: the key exists (a missing
+    /// key compares as lease 0) and is under the guard's lease.
+    fn held(&self, guard: &Guard) -> Value {
+        let k = self.key(&guard.key);
+        json!([
+            { "key": k, "target": "CREATE", "result": "GREATER", "create_revision": "0" },
+            { "key": k, "target": "LEASE", "result": "EQUAL", "lease": guard.lease.to_string() },
+        ])
+    }
+
+    /// A txn under `lease` (if any): etcd's "lease not found" means it lapsed.
+    fn txn(&self, body: Value, lease: Option<LeaseId>) -> Result<Value, CoordError> {
+        match (self.call("/v3/kv/txn", body), lease) {
+            (Err(CoordError::Protocol { what, .. }), Some(id))
+                if what.contains("lease not found") =>
+            {
+                Err(CoordError::Expired(id))
+            }
+            (v, _) => v,
+        }
     }
 
     /// One call: `body` posted to `path` on the first endpoint that answers.
@@ -218,27 +240,25 @@ impl Coordinator for Etcd {
         key: &str,
         value: &[u8],
         lease: Option<LeaseId>,
-    ) -> Result<Result<(), Vec<u8>>, CoordError> {
+    ) -> Result<Result<u64, Vec<u8>>, CoordError> {
         let k = self.key(key);
-        let v = self.call(
-            "/v3/kv/txn",
+        let v = self.txn(
             json!({
                 "compare": [{ "key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0" }],
                 "success": [{ "requestPut": { "key": k, "value": B64.encode(value),
                                               "lease": lease.unwrap_or(0).to_string() } }],
                 "failure": [{ "requestRange": { "key": k } }],
             }),
-        );
-        let v = match (v, lease) {
-            (Err(CoordError::Protocol { what, .. }), Some(id))
-                if what.contains("lease not found") =>
-            {
-                return Err(CoordError::Expired(id))
-            }
-            (v, _) => v?,
-        };
+            lease,
+        )?;
         if v["succeeded"].as_bool() == Some(true) {
-            return Ok(Ok(()));
+            // The txn's revision is the one the key was created at.
+            return num(&v["header"]["revision"])
+                .map(|r| Ok(r as u64))
+                .ok_or_else(|| CoordError::Protocol {
+                    endpoint: self.describe(),
+                    what: format!("no revision in {v}"),
+                });
         }
         let held = v["responses"][0]["response_range"]["kvs"][0]["value"]
             .as_str()
@@ -252,6 +272,53 @@ impl Coordinator for Etcd {
         Ok(v["kvs"][0]["value"]
             .as_str()
             .map(|s| B64.decode(s).unwrap_or_default()))
+    }
+
+    fn created(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, CoordError> {
+        let v = self.call("/v3/kv/range", json!({ "key": self.key(key) }))?;
+        let kv = &v["kvs"][0];
+        let Some(value) = kv["value"].as_str() else {
+            return Ok(None);
+        };
+        let created = num(&kv["create_revision"]).ok_or_else(|| CoordError::Protocol {
+            endpoint: self.describe(),
+            what: format!("no create_revision in {v}"),
+        })?;
+        Ok(Some((
+            created as u64,
+            B64.decode(value).unwrap_or_default(),
+        )))
+    }
+
+    fn write_if(&self, guard: &Guard, write: Write) -> Result<(), CoordError> {
+        let (op, lease) = match &write {
+            Write::Put { key, value, lease } => (
+                json!({ "requestPut": { "key": self.key(key), "value": B64.encode(value),
+                                        "lease": lease.unwrap_or(0).to_string() } }),
+                *lease,
+            ),
+            Write::Delete { key } => (
+                json!({ "requestDeleteRange": { "key": self.key(key) } }),
+                None,
+            ),
+        };
+        let v = self.txn(
+            json!({ "compare": self.held(guard), "success": [op] }),
+            lease,
+        )?;
+        if v["succeeded"].as_bool() == Some(true) {
+            Ok(())
+        } else {
+            Err(CoordError::NotHeld {
+                key: guard.key.clone(),
+                lease: guard.lease,
+            })
+        }
+    }
+
+    fn holds(&self, guard: &Guard) -> Result<bool, CoordError> {
+        let v = self.txn(json!({ "compare": self.held(guard) }), None)?;
+        Ok(v["succeeded"].as_bool() == Some(true))
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError> {

@@ -12,7 +12,11 @@
 //! * the holder times its own lease from when it *sent* the renewal, so it believes itself
 //!   live for no longer than the coordinator does;
 //! * [`Coordinator::create`] puts a key only if it is absent, atomically: at most one caller
-//!   wins while the key lives (the primary's election).
+//!   wins while the key lives (the primary's election); it answers the key's *revision*, a
+//!   number that grows with every write the coordinator takes, so a key created later has a
+//!   higher one (the primary's epoch, which data nodes compare);
+//! * [`Coordinator::write_if`] writes only while a [`Guard`] holds (a key still held under a
+//!   given lease), atomically: a deposed holder's write never lands, however late it arrives.
 
 mod etcd;
 mod local;
@@ -36,6 +40,29 @@ pub enum CoordError {
     Expired(LeaseId),
     #[error("coordinator at {endpoint} answered something unexpected: {what}")]
     Protocol { endpoint: String, what: String },
+    #[error("key {key} is no longer held under lease {lease:x}: the write was not made")]
+    NotHeld { key: String, lease: LeaseId },
+}
+
+/// What a guarded write requires: `key` exists, put under `lease` (0: put without a lease).
+/// The primary's guard is its `primary` key under its election lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Guard {
+    pub key: String,
+    pub lease: LeaseId,
+}
+
+/// One write, made only while a [`Guard`] holds ([`Coordinator::write_if`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    },
+    Delete {
+        key: String,
+    },
 }
 
 /// Leases, keys and create-if-absent (see the crate docs). Keys are relative to the
@@ -50,14 +77,22 @@ pub trait Coordinator: Send + Sync {
     fn revoke(&self, lease: LeaseId) -> Result<(), CoordError>;
     /// Sets `key`, bound to `lease` if given.
     fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<(), CoordError>;
-    /// Sets `key` only if it is absent; `Err(value)` when present, with its value.
+    /// Sets `key` only if it is absent: `Ok(revision)` (see the crate docs) when it did,
+    /// `Err(value)` when the key is present, with its value.
     fn create(
         &self,
         key: &str,
         value: &[u8],
         lease: Option<LeaseId>,
-    ) -> Result<Result<(), Vec<u8>>, CoordError>;
+    ) -> Result<Result<u64, Vec<u8>>, CoordError>;
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>, CoordError>;
+    /// `key`'s value with the revision it was created at (its epoch), if present.
+    fn created(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, CoordError>;
+    /// Makes `write` only while `guard` holds, in one atomic step;
+    /// [`CoordError::NotHeld`] when it does not (nothing is written).
+    fn write_if(&self, guard: &Guard, write: Write) -> Result<(), CoordError>;
+    /// Whether `guard` holds now.
+    fn holds(&self, guard: &Guard) -> Result<bool, CoordError>;
     /// Every key starting with `prefix`, in key order, with its value.
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError>;
     fn delete(&self, key: &str) -> Result<(), CoordError>;
@@ -100,22 +135,43 @@ impl Held {
     }
 }
 
+/// A key won by [`claim`]: the lease it is held under and the revision it was created at
+/// (an epoch: a later winner's is higher).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claimed {
+    pub held: Held,
+    pub epoch: u64,
+}
+
+impl Claimed {
+    /// The guard of writes made on the strength of holding `key`.
+    pub fn guard(&self, key: &str) -> Guard {
+        Guard {
+            key: key.into(),
+            lease: self.held.lease,
+        }
+    }
+}
+
 /// One try to take `key` for `value` under a new lease of `ttl` (an election's step), the
-/// request sent at `sent` on the holder's clock: the lease held, or the value holding the key
-/// (the new lease is revoked then).
+/// request sent at `sent` on the holder's clock: the key won, or the value holding it (the
+/// new lease is revoked then).
 pub fn claim(
     c: &dyn Coordinator,
     key: &str,
     value: &[u8],
     ttl: Duration,
     sent: Duration,
-) -> Result<Result<Held, Vec<u8>>, CoordError> {
+) -> Result<Result<Claimed, Vec<u8>>, CoordError> {
     let (lease, granted) = c.grant(ttl)?;
     match c.create(key, value, Some(lease)) {
-        Ok(Ok(())) => Ok(Ok(Held::new(lease, sent, granted))),
+        Ok(Ok(epoch)) => Ok(Ok(Claimed {
+            held: Held::new(lease, sent, granted),
+            epoch,
+        })),
         other => {
             let _ = c.revoke(lease);
-            other.map(|r| r.map(|()| unreachable!("handled above")))
+            other.map(|r| r.map(|_| unreachable!("handled above")))
         }
     }
 }

@@ -10,11 +10,20 @@ use std::time::{Duration, Instant};
 /// Time as the coordinator reads it: since a fixed start.
 pub type Clock = Box<dyn Fn() -> Duration + Send + Sync>;
 
-use crate::{CoordError, Coordinator, LeaseId};
+use crate::{CoordError, Coordinator, Guard, LeaseId, Write};
+
+/// A key's value, the lease it was put under, and the revision it was created at.
+struct Key {
+    value: Vec<u8>,
+    lease: Option<LeaseId>,
+    created: u64,
+}
 
 #[derive(Default)]
 struct State {
-    keys: BTreeMap<String, (Vec<u8>, Option<LeaseId>)>,
+    keys: BTreeMap<String, Key>,
+    /// Grows with every write (etcd's revision).
+    revision: u64,
     /// Live leases: ttl and deadline.
     leases: HashMap<LeaseId, (Duration, Duration)>,
     next: LeaseId,
@@ -38,7 +47,38 @@ impl State {
 
     fn end(&mut self, id: LeaseId) {
         self.leases.remove(&id);
-        self.keys.retain(|_, (_, l)| *l != Some(id));
+        let before = self.keys.len();
+        self.keys.retain(|_, k| k.lease != Some(id));
+        if self.keys.len() != before {
+            self.revision += 1;
+        }
+    }
+
+    /// Puts `key` (a new revision; its creation revision kept if it exists).
+    fn put(&mut self, key: &str, value: &[u8], lease: Option<LeaseId>) -> u64 {
+        self.revision += 1;
+        let created = self.keys.get(key).map_or(self.revision, |k| k.created);
+        self.keys.insert(
+            key.into(),
+            Key {
+                value: value.to_vec(),
+                lease,
+                created,
+            },
+        );
+        self.revision
+    }
+
+    fn delete(&mut self, key: &str) {
+        if self.keys.remove(key).is_some() {
+            self.revision += 1;
+        }
+    }
+
+    fn holds(&self, guard: &Guard) -> bool {
+        self.keys
+            .get(&guard.key)
+            .is_some_and(|k| k.lease.unwrap_or(0) == guard.lease)
     }
 
     fn check(&self, lease: Option<LeaseId>) -> Result<(), CoordError> {
@@ -114,7 +154,7 @@ impl Coordinator for Local {
     fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<(), CoordError> {
         let mut s = self.state();
         s.check(lease)?;
-        s.keys.insert(key.into(), (value.to_vec(), lease));
+        s.put(key, value, lease);
         Ok(())
     }
 
@@ -123,18 +163,47 @@ impl Coordinator for Local {
         key: &str,
         value: &[u8],
         lease: Option<LeaseId>,
-    ) -> Result<Result<(), Vec<u8>>, CoordError> {
+    ) -> Result<Result<u64, Vec<u8>>, CoordError> {
         let mut s = self.state();
         s.check(lease)?;
-        if let Some((v, _)) = s.keys.get(key) {
-            return Ok(Err(v.clone()));
+        if let Some(k) = s.keys.get(key) {
+            return Ok(Err(k.value.clone()));
         }
-        s.keys.insert(key.into(), (value.to_vec(), lease));
-        Ok(Ok(()))
+        Ok(Ok(s.put(key, value, lease)))
     }
 
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>, CoordError> {
-        Ok(self.state().keys.get(key).map(|(v, _)| v.clone()))
+        Ok(self.state().keys.get(key).map(|k| k.value.clone()))
+    }
+
+    fn created(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, CoordError> {
+        Ok(self
+            .state()
+            .keys
+            .get(key)
+            .map(|k| (k.created, k.value.clone())))
+    }
+
+    fn write_if(&self, guard: &Guard, write: Write) -> Result<(), CoordError> {
+        let mut s = self.state();
+        if !s.holds(guard) {
+            return Err(CoordError::NotHeld {
+                key: guard.key.clone(),
+                lease: guard.lease,
+            });
+        }
+        match write {
+            Write::Put { key, value, lease } => {
+                s.check(lease)?;
+                s.put(&key, &value, lease);
+            }
+            Write::Delete { key } => s.delete(&key),
+        }
+        Ok(())
+    }
+
+    fn holds(&self, guard: &Guard) -> Result<bool, CoordError> {
+        Ok(self.state().holds(guard))
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError> {
@@ -143,12 +212,12 @@ impl Coordinator for Local {
             .keys
             .range(prefix.to_string()..)
             .take_while(|(k, _)| k.starts_with(prefix))
-            .map(|(k, (v, _))| (k.clone(), v.clone()))
+            .map(|(k, v)| (k.clone(), v.value.clone()))
             .collect())
     }
 
     fn delete(&self, key: &str) -> Result<(), CoordError> {
-        self.state().keys.remove(key);
+        self.state().delete(key);
         Ok(())
     }
 

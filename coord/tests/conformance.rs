@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use rackfs_coord::{CoordError, Coordinator, Etcd, EtcdServer, Local};
+use rackfs_coord::{CoordError, Coordinator, Etcd, EtcdServer, Guard, Local, Write};
 
 fn etcd(tag: &str) -> (EtcdServer, Etcd, std::path::PathBuf) {
     let dir =
@@ -21,7 +21,9 @@ fn keys(c: &dyn Coordinator) {
     c.put("a", b"1", None).unwrap();
     assert_eq!(c.get("a").unwrap(), Some(b"1".to_vec()));
     assert_eq!(c.create("a", b"2", None).unwrap(), Err(b"1".to_vec()));
-    assert_eq!(c.create("b", b"3", None).unwrap(), Ok(()));
+    let b = c.create("b", b"3", None).unwrap().unwrap();
+    assert_eq!(c.created("b").unwrap(), Some((b, b"3".to_vec())));
+    assert_eq!(c.created("nothing").unwrap(), None);
     c.put("nodes/1", b"x", None).unwrap();
     c.put("nodes/2", b"y", None).unwrap();
     c.put("nodesz", b"z", None).unwrap();
@@ -34,14 +36,102 @@ fn keys(c: &dyn Coordinator) {
     );
     c.delete("a").unwrap();
     assert_eq!(c.get("a").unwrap(), None);
-    assert_eq!(c.create("a", b"4", None).unwrap(), Ok(()));
+    // A key created anew has a later revision than one created before.
+    let a = c.create("a", b"4", None).unwrap().unwrap();
+    assert!(a > b, "revision {a} of a later create, {b} before");
+    // Rewriting a key keeps the revision it was created at.
+    c.put("b", b"5", None).unwrap();
+    assert_eq!(c.created("b").unwrap(), Some((b, b"5".to_vec())));
+}
+
+/// Guarded writes land only while the guard's key is held under its lease.
+fn guarded_writes(c: &dyn Coordinator, ttl: Duration) {
+    let (mine, _) = c.grant(ttl).unwrap();
+    c.create("boss", b"me", Some(mine)).unwrap().unwrap();
+    let me = Guard {
+        key: "boss".into(),
+        lease: mine,
+    };
+    assert!(c.holds(&me).unwrap());
+    let put = |v: &[u8]| Write::Put {
+        key: "deputy".into(),
+        value: v.to_vec(),
+        lease: None,
+    };
+    c.write_if(&me, put(b"1")).unwrap();
+    assert_eq!(c.get("deputy").unwrap(), Some(b"1".to_vec()));
+    // Another lease, a missing key, or a key without lease: not held, nothing written.
+    let (other, _) = c.grant(ttl).unwrap();
+    for g in [
+        Guard {
+            key: "boss".into(),
+            lease: other,
+        },
+        Guard {
+            key: "nobody".into(),
+            lease: 0,
+        },
+        Guard {
+            key: "boss".into(),
+            lease: 0,
+        },
+    ] {
+        assert!(!c.holds(&g).unwrap(), "{g:?}");
+        assert!(matches!(
+            c.write_if(&g, put(b"2")),
+            Err(CoordError::NotHeld { .. })
+        ));
+        assert!(matches!(
+            c.write_if(
+                &g,
+                Write::Delete {
+                    key: "deputy".into()
+                }
+            ),
+            Err(CoordError::NotHeld { .. })
+        ));
+    }
+    assert_eq!(c.get("deputy").unwrap(), Some(b"1".to_vec()));
+    // A key put without a lease is held by the guard of lease 0.
+    c.put("fixed", b"x", None).unwrap();
+    let fixed = Guard {
+        key: "fixed".into(),
+        lease: 0,
+    };
+    assert!(c.holds(&fixed).unwrap());
+    // Deposed: once the lease is gone (and another holds the key), the old guard fails.
+    c.revoke(mine).unwrap();
+    c.create("boss", b"you", Some(other)).unwrap().unwrap();
+    assert!(matches!(
+        c.write_if(
+            &me,
+            Write::Delete {
+                key: "deputy".into()
+            }
+        ),
+        Err(CoordError::NotHeld { .. })
+    ));
+    assert_eq!(c.get("deputy").unwrap(), Some(b"1".to_vec()));
+    let you = Guard {
+        key: "boss".into(),
+        lease: other,
+    };
+    c.write_if(
+        &you,
+        Write::Delete {
+            key: "deputy".into(),
+        },
+    )
+    .unwrap();
+    assert_eq!(c.get("deputy").unwrap(), None);
+    c.revoke(other).unwrap();
 }
 
 /// A lease's keys go when it lapses; a lapsed lease cannot be renewed or used.
 fn leases(c: &dyn Coordinator, ttl: Duration) {
     let (l, granted) = c.grant(ttl).unwrap();
     assert!(granted >= ttl, "granted {granted:?} for {ttl:?}");
-    assert_eq!(c.create("leader", b"me", Some(l)).unwrap(), Ok(()));
+    assert!(c.create("leader", b"me", Some(l)).unwrap().is_ok());
     // Renewed, it lives past its first ttl.
     for _ in 0..3 {
         std::thread::sleep(granted / 2);
@@ -72,7 +162,7 @@ fn leases(c: &dyn Coordinator, ttl: Duration) {
         c.create("k", b"v", Some(l)),
         Err(CoordError::Expired(_))
     ));
-    assert_eq!(c.create("leader", b"you", Some(other)).unwrap(), Ok(()));
+    assert!(c.create("leader", b"you", Some(other)).unwrap().is_ok());
     c.revoke(other).unwrap();
     assert_eq!(c.get("leader").unwrap(), None);
 }
@@ -82,6 +172,7 @@ fn the_embedded_coordinator_keeps_the_contract() {
     let c = Local::new(Duration::from_secs(60));
     keys(&c);
     leases(&c, Duration::from_millis(300));
+    guarded_writes(&c, Duration::from_secs(5));
 }
 
 #[test]
@@ -89,6 +180,7 @@ fn etcd_keeps_the_contract() {
     let (_server, c, dir) = etcd("contract");
     keys(&c);
     leases(&c, Duration::from_secs(2));
+    guarded_writes(&c, Duration::from_secs(5));
     // Another cluster's keys are its own.
     let other = Etcd::new(&_server.endpoints(), "other", Duration::from_secs(2)).unwrap();
     assert_eq!(other.get("b").unwrap(), None);

@@ -7,7 +7,12 @@
 //! * no two primaries act at once (a candidate acts while its [`Held`] is valid);
 //! * once the primary's member check saw a node's key gone (or under another epoch) and so
 //!   dropped it from the replicas, that node never serves again under the epoch it had
-//!   (writes go on without it, so anything it served would be stale).
+//!   (writes go on without it, so anything it served would be stale);
+//! * deposed means silent: a primary's write to the coordinator (the daemon's `standby` key,
+//!   say), sent while it believed itself primary but arriving any time later, lands only while
+//!   its election still holds ([`Coordinator::write_if`] under the primary's [`Guard`]). Made
+//!   with a plain `put` instead, a paused primary's late write lands after another was
+//!   elected: [`without_the_guard_a_deposed_primary_writes`] shows the oracle catches that.
 //!
 //! `RACKFS_LEASE_SEEDS=N` runs more seeds.
 
@@ -16,7 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Held, LeaseId, Local};
+use rackfs_coord::{
+    claim, renew, renew_every, Claimed, CoordError, Coordinator, Guard, Held, LeaseId, Local, Write,
+};
 
 const TTL: Duration = Duration::from_millis(1000);
 const CANDIDATES: usize = 3;
@@ -57,8 +64,16 @@ struct InFlight {
     answer: Option<Answer>,
 }
 
+/// A primary's write on its way to the coordinator: sent while it believed itself primary of
+/// `epoch`, under `guard`.
+struct PrimaryWrite {
+    arrive: Duration,
+    guard: Guard,
+    epoch: u64,
+}
+
 enum Answer {
-    Claimed(Result<Result<Held, Vec<u8>>, CoordError>),
+    Claimed(Result<Result<Claimed, Vec<u8>>, CoordError>),
     Registered(Result<Held, CoordError>),
     Renewed(Held, Result<(), CoordError>),
 }
@@ -66,6 +81,8 @@ enum Answer {
 struct Actor {
     kind: Kind,
     held: Option<Held>,
+    /// A candidate's election epoch, while it holds the primary's key.
+    epoch: Option<u64>,
     /// Alive, and paused until when.
     alive: bool,
     paused_until: Duration,
@@ -78,6 +95,7 @@ impl Actor {
         Actor {
             kind,
             held: None,
+            epoch: None,
             alive: true,
             paused_until: Duration::ZERO,
             next_step: at,
@@ -97,9 +115,14 @@ struct Coverage {
     drops: u64,
     renewals: u64,
     expired: u64,
+    /// Primaries' writes that landed, and those refused as deposed.
+    written: u64,
+    refused: u64,
 }
 
-fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
+/// One seed. `guarded`: primaries write under their election's guard (the daemon's rule);
+/// without, with a plain put (the mutation the oracle must catch).
+fn run(seed: u64, guarded: bool, cov: &mut Coverage) -> Result<(), String> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let clock = Arc::new(AtomicU64::new(0));
     let c = {
@@ -121,10 +144,15 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
     let mut dropped: Vec<(usize, LeaseId)> = Vec::new();
     let mut next_check = CHECK;
     let mut primaries_seen: Vec<LeaseId> = Vec::new();
+    // Primaries' writes in flight (they outlive a killed sender, as a packet does).
+    let mut writes: Vec<PrimaryWrite> = Vec::new();
     let mut now = Duration::ZERO;
     while now < RUN {
         // The next event: an actor's step, a request's arrival or delivery, a member check.
         let mut t = next_check.max(coord_paused_until);
+        for w in &writes {
+            t = t.min(w.arrive.max(coord_paused_until));
+        }
         for a in &actors {
             if !a.alive {
                 continue;
@@ -166,6 +194,40 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
                 });
                 r.deliver = r.deliver.max(now + rng.ms(5));
             }
+            // Primaries' writes that arrived: each must come from the primary of now.
+            for w in writes.iter().filter(|w| w.arrive <= now) {
+                let write = Write::Put {
+                    key: "standby".into(),
+                    value: w.epoch.to_le_bytes().to_vec(),
+                    lease: None,
+                };
+                let landed = if guarded {
+                    match c.write_if(&w.guard, write) {
+                        Ok(()) => true,
+                        Err(CoordError::NotHeld { .. }) => false,
+                        Err(e) => return Err(format!("guarded write failed: {e}")),
+                    }
+                } else {
+                    let Write::Put { key, value, lease } = write else {
+                        unreachable!("a put")
+                    };
+                    c.put(&key, &value, lease).map_err(|e| e.to_string())?;
+                    true
+                };
+                if !landed {
+                    cov.refused += 1;
+                    continue;
+                }
+                cov.written += 1;
+                let current = c.created("primary").unwrap().map(|(epoch, _)| epoch);
+                if current != Some(w.epoch) {
+                    return Err(format!(
+                        "the write of the primary of epoch {} landed at {now:?}, when the primary's key is of epoch {current:?}: a deposed primary acted",
+                        w.epoch
+                    ));
+                }
+            }
+            writes.retain(|w| w.arrive > now);
             if now >= next_check {
                 // The primary's member check: a member whose key is gone or under a new
                 // epoch is dropped under the epoch it was seen with.
@@ -205,8 +267,10 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
             if answered {
                 let r = a.request.take().expect("answered");
                 match r.answer.unwrap() {
-                    Answer::Claimed(Ok(Ok(h))) => {
+                    Answer::Claimed(Ok(Ok(won))) => {
+                        let h = won.held;
                         a.held = Some(h);
+                        a.epoch = Some(won.epoch);
                         primaries_seen.push(h.lease);
                         cov.primaries += 1;
                     }
@@ -218,6 +282,7 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
                     }
                     Answer::Renewed(_, Err(CoordError::Expired(_))) => {
                         a.held = None;
+                        a.epoch = None;
                         cov.expired += 1;
                     }
                     Answer::Renewed(_, Err(e)) => return Err(format!("renewal failed: {e}")),
@@ -240,6 +305,26 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
                     deliver: now + d1 + d2,
                     answer: None,
                 });
+            }
+            // A primary's duty (naming its standby, say): decided while it believes itself
+            // primary, its write reaching the coordinator soon, or after a pause or a delay
+            // longer than a lease.
+            if let (true, Some(epoch)) = (a.acts(now), a.epoch) {
+                if rng.chance(30) {
+                    let late = if rng.chance(100) {
+                        rng.ms(3 * TTL.as_millis() as u64)
+                    } else {
+                        rng.ms(20)
+                    };
+                    writes.push(PrimaryWrite {
+                        arrive: now + late,
+                        guard: Guard {
+                            key: "primary".into(),
+                            lease: a.held.expect("acts").lease,
+                        },
+                        epoch,
+                    });
+                }
             }
             // Faults: pauses and kills of the actor (a killed one starts again, empty).
             if rng.chance(3) {
@@ -279,16 +364,31 @@ fn no_two_primaries_and_no_dropped_node_serves_over_many_seeds() {
         .unwrap_or(10_000);
     let mut cov = Coverage::default();
     for seed in 0..seeds {
-        if let Err(e) = run(seed, &mut cov) {
+        if let Err(e) = run(seed, true, &mut cov) {
             panic!("seed {seed}: {e}");
         }
     }
     eprintln!(
-        "{seeds} seeds: {} primaries elected, {} members dropped, {} renewals, {} leases found lapsed",
-        cov.primaries, cov.drops, cov.renewals, cov.expired
+        "{seeds} seeds: {} primaries elected, {} members dropped, {} renewals, {} leases found lapsed, {} primaries' writes landed, {} refused as deposed",
+        cov.primaries, cov.drops, cov.renewals, cov.expired, cov.written, cov.refused
     );
     assert!(
-        cov.primaries > seeds * 2 && cov.drops > seeds && cov.expired > seeds,
+        cov.primaries > seeds * 2
+            && cov.drops > seeds
+            && cov.expired > seeds
+            && cov.written > seeds
+            && cov.refused > seeds / 10,
         "the runs exercised too little to prove anything"
     );
+}
+
+/// The mutation: primaries write with a plain put, as the daemon did before its writes were
+/// guarded. The oracle must find a deposed primary's late write within the CI seed count.
+#[test]
+fn without_the_guard_a_deposed_primary_writes() {
+    let mut cov = Coverage::default();
+    let found = (0..10_000).find_map(|seed| run(seed, false, &mut cov).err().map(|e| (seed, e)));
+    let (seed, e) = found.expect("no seed found a deposed primary's write without the guard");
+    eprintln!("without the guard, seed {seed}: {e}");
+    assert!(e.contains("deposed"), "{e}");
 }

@@ -12,6 +12,7 @@ use rackfs_proto::control::{
 };
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;
+use tracing::warn;
 
 use crate::alloc::GRANULE;
 use crate::config::Role;
@@ -36,6 +37,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                 | ControlRequest::Renew { .. }
                 | ControlRequest::NodeAdmit { .. }
                 | ControlRequest::Coord(_)
+                | ControlRequest::Primary { .. }
         );
         if let (false, Err(r)) = (harmless, l.check(session)) {
             return r.into();
@@ -50,6 +52,9 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                 ),
             );
         }
+    }
+    if let Err(r) = primary_action_allowed(node, session, &req) {
+        return r.into();
     }
     match req {
         ControlRequest::Hello { .. } => ControlResponse::Hello {
@@ -187,6 +192,10 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             None => refused(ErrorCode::NotPrimary, "QoS status is kept by the primary"),
         },
         ControlRequest::Session => ControlResponse::Session { id: session },
+        ControlRequest::Primary { node: from, epoch } => node
+            .followed
+            .declare(session, from, epoch)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
         ControlRequest::Renew { of } => match node.leases.get() {
             Some(l) => l
                 .renew(of)
@@ -248,7 +257,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     );
                 }
                 if let (ControlResponse::LockSlot(_), Some(l)) = (&resp, node.leases.get()) {
-                    l.hold(session);
+                    l.hold(session, node.term.guard());
                 }
                 // Outside the metadata lock: other mounts forget what changed.
                 node.watchers.publish(session, changes);
@@ -269,13 +278,41 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
 /// before are dropped first; it takes data once admitted under its epoch. A node that
 /// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
 /// under the epoch it holds.
+/// On a data node, a primary's action is carried out only for the newest primary this node
+/// has seen (see [`crate::term`]): the connection must have declared that primary's epoch.
+fn primary_action_allowed(node: &Node, session: u64, req: &ControlRequest) -> Result<(), Refusal> {
+    let primarys = matches!(
+        req,
+        ControlRequest::Alloc { .. }
+            | ControlRequest::Free { .. }
+            | ControlRequest::Resize { .. }
+            | ControlRequest::Zero { .. }
+            | ControlRequest::Retag { .. }
+            | ControlRequest::Pull { .. }
+            | ControlRequest::Fence { .. }
+            | ControlRequest::Mirror { .. }
+            | ControlRequest::Journal { .. }
+            | ControlRequest::QosShares { .. }
+    );
+    let data_node = matches!(node.cfg.role, Role::Join(_)) && node.meta.get().is_none();
+    if !(primarys && data_node) {
+        return Ok(());
+    }
+    node.followed.check(session).inspect_err(|r| {
+        warn!(session, reason = %r.message, "refused a primary's request");
+    })
+}
+
 fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<ClusterInfo, Refusal> {
     let id = addr.node_id;
     let known = node.members.peer(id).is_ok();
     // Only once the join is accepted: a refused one (an id already taken by a node at
     // another address) leaves the running node's replicas alone.
     let live = |id| node.epochs.get().is_some_and(|e| e.is_live(id));
-    let info = node.members.accept_join(addr, &node.cfg.secret, live)?;
+    let term = (node.cfg.node_id, node.term.epoch());
+    let info = node
+        .members
+        .accept_join(addr, &node.cfg.secret, term, live)?;
     match epoch {
         Some(e) => {
             crate::liveness::admit(node, id, e)?;

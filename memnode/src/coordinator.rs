@@ -16,9 +16,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rackfs_coord::{CoordError, Coordinator, Etcd, LeaseId, Local};
+use rackfs_coord::{CoordError, Coordinator, Etcd, Guard, LeaseId, Local, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, NodeAddr};
-use rackfs_proto::coord::{CoordAnswer, CoordCall};
+use rackfs_proto::coord::{CoordAnswer, CoordCall, CoordWrite};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::Secret;
 
@@ -119,6 +119,14 @@ impl Remote {
         let lease = match &call {
             CoordCall::KeepAlive { lease } => Some(*lease),
             CoordCall::Put { lease, .. } | CoordCall::Create { lease, .. } => *lease,
+            CoordCall::WriteIf {
+                write: CoordWrite::Put { lease, .. },
+                ..
+            } => *lease,
+            _ => None,
+        };
+        let guard = match &call {
+            CoordCall::WriteIf { guard, .. } => Some(guard.clone()),
             _ => None,
         };
         let unreachable = |e: RpcError| CoordError::Unreachable {
@@ -150,6 +158,14 @@ impl Remote {
             }) if lease.is_some() => {
                 *conn = Some(c);
                 Err(CoordError::Expired(lease.expect("checked")))
+            }
+            Err(RpcError::Refused {
+                code: ErrorCode::NotPrimary,
+                ..
+            }) if guard.is_some() => {
+                *conn = Some(c);
+                let (key, lease) = guard.expect("checked");
+                Err(CoordError::NotHeld { key, lease })
             }
             Err(e) => Err(unreachable(e)),
         }
@@ -198,14 +214,41 @@ impl Coordinator for Remote {
         key: &str,
         value: &[u8],
         lease: Option<LeaseId>,
-    ) -> Result<Result<(), Vec<u8>>, CoordError> {
+    ) -> Result<Result<u64, Vec<u8>>, CoordError> {
         match self.call(CoordCall::Create {
             key: key.into(),
             value: value.to_vec(),
             lease,
         })? {
-            CoordAnswer::Created(None) => Ok(Ok(())),
-            CoordAnswer::Created(Some(v)) => Ok(Err(v)),
+            CoordAnswer::Created(r) => Ok(r),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn created(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, CoordError> {
+        match self.call(CoordCall::Created { key: key.into() })? {
+            CoordAnswer::Versioned(v) => Ok(v),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn write_if(&self, guard: &Guard, write: Write) -> Result<(), CoordError> {
+        let write = match write {
+            Write::Put { key, value, lease } => CoordWrite::Put { key, value, lease },
+            Write::Delete { key } => CoordWrite::Delete { key },
+        };
+        self.call(CoordCall::WriteIf {
+            guard: (guard.key.clone(), guard.lease),
+            write,
+        })
+        .map(drop)
+    }
+
+    fn holds(&self, guard: &Guard) -> Result<bool, CoordError> {
+        match self.call(CoordCall::Holds {
+            guard: (guard.key.clone(), guard.lease),
+        })? {
+            CoordAnswer::Holds(h) => Ok(h),
             a => Err(unexpected(a)),
         }
     }
@@ -252,15 +295,31 @@ pub fn serve(c: &dyn Coordinator, call: CoordCall) -> Result<CoordAnswer, Refusa
         CoordCall::Put { key, value, lease } => {
             c.put(&key, &value, lease).map(|_| CoordAnswer::Done)
         }
-        CoordCall::Create { key, value, lease } => c
-            .create(&key, &value, lease)
-            .map(|r| CoordAnswer::Created(r.err())),
+        CoordCall::Create { key, value, lease } => {
+            c.create(&key, &value, lease).map(CoordAnswer::Created)
+        }
         CoordCall::Get { key } => c.get(&key).map(CoordAnswer::Value),
         CoordCall::List { prefix } => c.list(&prefix).map(CoordAnswer::Keys),
         CoordCall::Delete { key } => c.delete(&key).map(|_| CoordAnswer::Done),
+        CoordCall::Created { key } => c.created(&key).map(CoordAnswer::Versioned),
+        CoordCall::WriteIf {
+            guard: (key, lease),
+            write,
+        } => {
+            let write = match write {
+                CoordWrite::Put { key, value, lease } => Write::Put { key, value, lease },
+                CoordWrite::Delete { key } => Write::Delete { key },
+            };
+            c.write_if(&Guard { key, lease }, write)
+                .map(|_| CoordAnswer::Done)
+        }
+        CoordCall::Holds {
+            guard: (key, lease),
+        } => c.holds(&Guard { key, lease }).map(CoordAnswer::Holds),
     };
     r.map_err(|e| match e {
         CoordError::Expired(_) => Refusal::new(ErrorCode::Fenced, e.to_string()),
+        CoordError::NotHeld { .. } => Refusal::new(ErrorCode::NotPrimary, e.to_string()),
         other => Refusal::new(ErrorCode::Unavailable, other.to_string()),
     })
 }

@@ -31,6 +31,7 @@ use crate::node::{first_session, wall_ns, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
+use crate::term::PRIMARY_KEY;
 
 /// Magic at offset 0 of the read-only info region.
 pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
@@ -76,12 +77,12 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
         && node.epochs.set(Default::default()).is_ok();
     assert!(set, "a node becomes primary once");
     node.members.become_primary();
-    every(node, "qos-controller", node.cfg.qos.period, Node::place_qos);
+    duty(node, "qos-controller", node.cfg.qos.period, Node::place_qos);
     let rate = node.cfg.rebuild_rate;
-    every(node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
+    duty(node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
         crate::liveness::rebuild_round(n, rate)
     });
-    every(node, "lock-trees", Duration::from_millis(1), |n| {
+    duty(node, "lock-trees", Duration::from_millis(1), |n| {
         let meta = n.meta.get().expect("primary");
         meta.lock().expect("metadata lock").tick(n);
     });
@@ -99,6 +100,9 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
                 leases.restart_all(now);
             }
             last = now;
+            if !n.serve.valid() {
+                continue; // deposed, or not yet renewed: no mount is fenced meanwhile
+            }
             for session in leases.expire(now) {
                 thread(&n, "fence", move |n| n.fence_mount(session));
             }
@@ -110,6 +114,9 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
         let leases = n.leases.get().expect("primary");
         while !n.is_stopping() {
             std::thread::sleep(lease / 8);
+            if !n.serve.valid() {
+                continue;
+            }
             for session in leases.lapsed_in_coordinator() {
                 warn!(
                     session,
@@ -120,10 +127,10 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
             }
         }
     });
-    every(node, "members", node.cfg.node_lease / 8, |n| {
+    duty(node, "members", node.cfg.node_lease / 8, |n| {
         crate::liveness::check_members(n)
     });
-    every(
+    duty(
         node,
         "standby",
         node.cfg.node_lease / 4,
@@ -171,6 +178,17 @@ fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + S
         while !n.is_stopping() {
             std::thread::sleep(every);
             tick(&n);
+        }
+    });
+}
+
+/// Runs the primary's duty `tick` every `every`, skipping it while the primary's own lease is
+/// not valid: a primary stopped past its lease acts on nothing once it resumes (see
+/// [`crate::term`]).
+fn duty(node: &Arc<Node>, name: &str, every_: Duration, tick: impl Fn(&Node) + Send + 'static) {
+    every(node, name, every_, move |n| {
+        if n.serve.valid() {
+            tick(n)
         }
     });
 }
@@ -265,15 +283,22 @@ impl MemNode {
                 cfg.node_lease,
                 &cfg.cluster,
             )?),
-            (true, None) => {
-                let _ = coord.create(
-                    "primary",
-                    &crate::coordinator::primary_value(&me, sessions_from),
-                    None,
-                )?;
-                None
-            }
+            (true, None) => None,
             _ => None,
+        };
+        // The primary's term: its election's, or with the embedded coordinator (no election:
+        // it lives and dies with this primary) the key put without a lease.
+        let term = match (&primacy, is_primary) {
+            (Some(p), _) => Some((p.lease(), p.epoch())),
+            (None, true) => {
+                let value = crate::coordinator::primary_value(&me, sessions_from);
+                let epoch = match coord.create(PRIMARY_KEY, &value, None)? {
+                    Ok(epoch) => epoch,
+                    Err(_) => coord.created(PRIMARY_KEY)?.map_or(0, |(e, _)| e),
+                };
+                Some((0, epoch))
+            }
+            (None, false) => None,
         };
         let node = Arc::new(Node {
             members: Membership::new(me, is_primary),
@@ -307,10 +332,15 @@ impl MemNode {
             next_session: AtomicU64::new(sessions_from),
             sessions_from: AtomicU64::new(0),
             standby: Default::default(),
+            term: Default::default(),
+            followed: Default::default(),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,
         });
+        if let Some((lease, epoch)) = term {
+            node.term.begin(lease, epoch);
+        }
         every(&node, "quarantine", node.store.reap_interval(), |n| {
             n.store.reap()
         });

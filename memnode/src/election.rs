@@ -10,11 +10,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Held};
+use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Guard, Held, LeaseId};
 use rackfs_verbs::lease::monotonic_ns;
 use tracing::{error, info, warn};
 
 use crate::node::Node;
+use crate::term::PRIMARY_KEY;
 
 /// Why a primary could not take the cluster.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +37,8 @@ pub struct Primacy {
     me: Vec<u8>,
     ttl: Duration,
     held: Held,
+    /// The election's epoch: the revision the key was created at.
+    epoch: u64,
 }
 
 impl Primacy {
@@ -50,14 +53,15 @@ impl Primacy {
         let give_up = Instant::now() + 2 * ttl + Duration::from_secs(1);
         let mut told = false;
         loop {
-            match claim(&*coord, "primary", &me, ttl, now()) {
-                Ok(Ok(held)) => {
-                    info!(coordinator = %coord.describe(), epoch = held.lease, "elected primary of the cluster");
+            match claim(&*coord, PRIMARY_KEY, &me, ttl, now()) {
+                Ok(Ok(won)) => {
+                    info!(coordinator = %coord.describe(), lease = won.held.lease, epoch = won.epoch, "elected primary of the cluster");
                     return Ok(Primacy {
                         coord,
                         me,
                         ttl,
-                        held,
+                        held: won.held,
+                        epoch: won.epoch,
                     });
                 }
                 Ok(Err(holder)) => {
@@ -79,6 +83,24 @@ impl Primacy {
                 }
             }
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The lease the primary's key is held under.
+    pub fn lease(&self) -> LeaseId {
+        self.held.lease
+    }
+
+    /// The election's epoch (see [`crate::term`]).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The guard of this primary's coordinator writes.
+    pub fn guard(&self) -> Guard {
+        Guard {
+            key: PRIMARY_KEY.into(),
+            lease: self.held.lease,
         }
     }
 
@@ -131,10 +153,17 @@ impl Primacy {
     /// Campaigns again after the lease lapsed.
     fn again(&mut self, node: &Node) {
         while !node.is_stopping() {
-            match claim(&*self.coord, "primary", &self.me, self.ttl, now()) {
-                Ok(Ok(held)) => {
-                    info!(epoch = held.lease, "elected primary again: serving");
-                    self.held = held;
+            match claim(&*self.coord, PRIMARY_KEY, &self.me, self.ttl, now()) {
+                Ok(Ok(won)) => {
+                    info!(
+                        lease = won.held.lease,
+                        epoch = won.epoch,
+                        "elected primary again: serving"
+                    );
+                    self.held = won.held;
+                    self.epoch = won.epoch;
+                    node.term.begin(self.held.lease, self.epoch);
+                    node.declare_term();
                     self.serve(node);
                     return;
                 }

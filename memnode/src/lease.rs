@@ -23,7 +23,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rackfs_coord::{CoordError, Coordinator, LeaseId};
+use rackfs_coord::{CoordError, Coordinator, Guard, LeaseId, Write};
 use tracing::warn;
 
 use rackfs_proto::control::ErrorCode;
@@ -76,8 +76,9 @@ impl Leases {
     }
 
     /// `session` took a lock slot: its lease starts now (if it has none yet), on the
-    /// coordinator too.
-    pub fn hold(&self, session: u64) {
+    /// coordinator too, its key written under the primary's `guard` (a deposed primary's write
+    /// does not land: see `crate::term`).
+    pub fn hold(&self, session: u64, guard: Option<Guard>) {
         {
             let mut st = self.state.lock().expect("leases lock");
             if st.fenced.contains(&session) || st.held.contains_key(&session) {
@@ -87,8 +88,22 @@ impl Leases {
         }
         let Some(c) = &self.coord else { return };
         let granted = c.grant(self.lease).and_then(|(id, _)| {
-            let value = format!("{{\"session\":{session}}}");
-            c.put(&mount_key(session), value.as_bytes(), Some(id))?;
+            let key = Write::Put {
+                key: mount_key(session),
+                value: format!("{{\"session\":{session}}}").into_bytes(),
+                lease: Some(id),
+            };
+            let written = match &guard {
+                Some(g) => c.write_if(g, key),
+                None => Err(CoordError::NotHeld {
+                    key: "primary".into(),
+                    lease: 0,
+                }),
+            };
+            if let Err(e) = written {
+                let _ = c.revoke(id);
+                return Err(e);
+            }
             Ok(id)
         });
         match granted {
@@ -266,8 +281,8 @@ mod tests {
     #[test]
     fn a_lease_expires_once_unless_renewed_and_fences_its_session() {
         let l = Leases::new(Duration::from_millis(100));
-        l.hold(1);
-        l.hold(2);
+        l.hold(1, None);
+        l.hold(2, None);
         let t0 = Instant::now();
         assert!(l.expire(t0).is_empty());
         l.renew(2).unwrap();
@@ -278,7 +293,7 @@ mod tests {
         assert!(l.expire(later).is_empty(), "expired once");
         assert_eq!(l.renew(1).unwrap_err().code, ErrorCode::Fenced);
         assert_eq!(l.check(2).unwrap_err().code, ErrorCode::Fenced);
-        l.hold(1);
+        l.hold(1, None);
         assert!(
             l.expire(later + Duration::from_secs(1)).is_empty(),
             "no new lease"
@@ -294,7 +309,7 @@ mod tests {
     #[test]
     fn a_pause_of_the_primary_restarts_every_lease() {
         let l = Leases::new(Duration::from_millis(100));
-        l.hold(1);
+        l.hold(1, None);
         let resumed = Instant::now() + Duration::from_secs(5);
         l.restart_all(resumed);
         assert!(l.expire(resumed + Duration::from_millis(99)).is_empty());
@@ -306,8 +321,13 @@ mod tests {
         let coord: Arc<dyn Coordinator> =
             Arc::new(rackfs_coord::Local::new(Duration::from_secs(60)));
         let l = Leases::on(Duration::from_secs(5), coord.clone());
-        l.hold(1);
-        l.hold(2);
+        coord.put("primary", b"p", None).unwrap();
+        let term = Some(Guard {
+            key: "primary".into(),
+            lease: 0,
+        });
+        l.hold(1, term.clone());
+        l.hold(2, term);
         let keys = |c: &Arc<dyn Coordinator>| c.list("mounts/").unwrap().len();
         assert_eq!(keys(&coord), 2, "both mounts are listed on the coordinator");
         assert!(l.lapsed_in_coordinator().is_empty());
@@ -320,12 +340,19 @@ mod tests {
         // Ending a session revokes its lease: its key goes.
         l.end(1);
         assert_eq!(keys(&coord), 0);
+        // A deposed primary (its guard no longer holds) writes no mount's key.
+        let deposed = Some(Guard {
+            key: "primary".into(),
+            lease: 99,
+        });
+        l.hold(3, deposed);
+        assert_eq!(keys(&coord), 0, "a deposed primary wrote a mount's key");
     }
 
     #[test]
     fn renewal_keeps_a_lease() {
         let l = Leases::new(Duration::from_millis(200));
-        l.hold(7);
+        l.hold(7, None);
         std::thread::sleep(Duration::from_millis(120));
         l.renew(7).unwrap();
         assert!(l

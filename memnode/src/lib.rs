@@ -35,6 +35,7 @@ pub mod replicas;
 pub mod standby;
 pub mod standby_state;
 pub mod store;
+pub mod term;
 pub mod watch;
 
 pub use config::{NodeConfig, Role};

@@ -39,6 +39,7 @@ use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
 use crate::node::Node;
+use crate::term::PRIMARY_KEY;
 
 /// How a data node takes over as primary once the coordinator's `primary` key is gone. The
 /// daemon installs it in the [`Renewer`]: the standby's take-over and the start of a primary
@@ -103,8 +104,10 @@ impl Renewer {
     /// data connections), or, when the key is gone and this node is the metadata standby,
     /// campaigns to take over ([`TakeOver`]; the protocol is the `standby` module's).
     fn follow(&mut self, node: &Arc<Node>, epoch: LeaseId) {
-        match node.coord.get("primary") {
-            Ok(Some(v)) => {
+        match node.coord.created(PRIMARY_KEY) {
+            Ok(Some((term, v))) => {
+                // Requests of earlier primaries are refused from now on (see `crate::term`).
+                node.followed.learn(term);
                 let Some((id, tcp, sessions_from)) = parse_primary(&v) else {
                     return;
                 };

@@ -196,12 +196,14 @@ impl Membership {
         }
     }
 
-    /// The primary's side of a join: connects back to the node and adds it. A node id already
-    /// in the cluster at another address is refused while `live` says its holder is.
+    /// The primary's side of a join: connects back to the node (declaring `term`, this
+    /// primary's node id and epoch: see `crate::term`) and adds it. A node id already in the
+    /// cluster at another address is refused while `live` says its holder is.
     pub fn accept_join(
         &self,
         node: NodeAddr,
         secret: &Secret,
+        term: (u32, u64),
         live: impl Fn(u32) -> bool,
     ) -> Result<ClusterInfo, Refusal> {
         let me = self.me();
@@ -238,13 +240,13 @@ impl Membership {
                 ))
             }
         };
-        let control = ControlClient::connect(&addr, secret, &format!("primary-{}", me.name))
-            .map_err(|e| {
-                Refusal::new(
-                    ErrorCode::Unavailable,
-                    format!("cannot reach joining node {} at {addr}: {e}", node.name),
-                )
-            })?;
+        let name = format!("primary-{}", me.name);
+        let control = crate::term::connect(&addr, secret, &name, term.0, term.1).map_err(|e| {
+            Refusal::new(
+                ErrorCode::Unavailable,
+                format!("cannot reach joining node {} at {addr}: {e}", node.name),
+            )
+        })?;
         info!(node = node.node_id, name = %node.name, %addr, "node joined");
         self.peers.lock().expect("peers lock").insert(
             node.node_id,

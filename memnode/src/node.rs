@@ -33,6 +33,7 @@ use crate::qos_controller::{QosController, QosNodes};
 use crate::replicas::{Discards, Rebuilds};
 use crate::standby_state::Standby;
 use crate::store::Store;
+use crate::term::{Followed, Term};
 use crate::watch::Watchers;
 
 /// A memory node's parts (see the module docs).
@@ -81,6 +82,11 @@ pub struct Node {
     pub sessions_from: AtomicU64,
     /// The metadata standby: whom the primary keeps in sync, or this data node's mirror.
     pub standby: Standby,
+    /// The primary's term: the guard of its coordinator writes, the epoch it declares to data
+    /// nodes (see [`crate::term`]).
+    pub term: Term,
+    /// A data node's view of primaries: the newest epoch, and what each connection declared.
+    pub followed: Followed,
     pub started: Instant,
     pub stopping: AtomicBool,
 }
@@ -94,7 +100,8 @@ impl Node {
     pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
         let mut m = self.meta.get()?.lock().expect("metadata lock");
         let out = f(&mut m);
-        self.standby.ship(&mut m, &self.members, &*self.coord);
+        self.standby
+            .ship(&mut m, &self.members, &*self.coord, self.term.guard());
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in self.standby.take_deferred() {
             if let Err(e) = self.free_now(node, offset, tag) {
@@ -161,6 +168,7 @@ impl Node {
     /// A client session ended (its connection closed): its opens, lock slot, QoS, lease and
     /// baseline locks go.
     pub fn end_session(&self, session: u64) {
+        self.followed.end(session);
         self.release_session(session);
         self.with_meta(|m| m.end_session(session, self));
         if let Some(l) = self.leases.get() {
@@ -203,6 +211,11 @@ impl Node {
         let mut reported = std::collections::HashSet::new();
         let mut released = false;
         while !self.is_stopping() {
+            if !self.serve.valid() {
+                // Not while this primary's own lease lapsed: deposed, it acts on nothing.
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
             let up = self.members.data_nodes();
             pending.retain(|node| {
                 let result = match node {
@@ -272,10 +285,36 @@ impl Node {
         let Some(epoch) = self.epochs.get().and_then(|e| e.admitted(id)) else {
             return;
         };
+        // A revocation cannot be guarded in the same step as a write: it is made only once
+        // the coordinator confirmed this primary's term (see [`crate::term`]).
+        let held = self
+            .term
+            .guard()
+            .map(|g| self.coord.holds(&g))
+            .unwrap_or(Ok(false));
+        if !matches!(held, Ok(true)) {
+            warn!(node = id, ?held, "memory node did not answer, but this primary's term is not confirmed: its lease is left alone");
+            return;
+        }
         match self.coord.revoke(epoch) {
             Ok(()) => warn!(node = id, epoch, "memory node did not answer the primary: its lease is revoked, so it serves nothing until admitted again"),
             Err(e) => warn!(node = id, error = %e, "cannot revoke the lease of a memory node that did not answer; it is dropped when its lease lapses"),
         }
+    }
+
+    /// Re-elected at a new epoch: declares it on every connection to a data node (the peers'
+    /// and the standby's journal), whose nodes would otherwise refuse this primary's requests
+    /// as an earlier primary's.
+    pub fn declare_term(&self) {
+        let epoch = self.term.epoch();
+        let me = self.cfg.node_id;
+        let req = ControlRequest::Primary { node: me, epoch };
+        for (id, peer) in self.members.peers() {
+            if let Err(e) = peer.call(&req) {
+                warn!(node = id, epoch, error = %e, "cannot declare this primary's new epoch to a data node; its requests there are refused until it joins again");
+            }
+        }
+        self.standby.declare(&req);
     }
 
     /// Has peer `node` carry out `req` (answered `Ok` or refused).

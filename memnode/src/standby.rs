@@ -29,6 +29,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rackfs_coord::Write;
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal};
@@ -90,10 +91,12 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient
         .addr_of(id)
         .and_then(|a| a.tcp.or(a.shm.map(|p| format!("unix:{p}"))))
         .ok_or_else(|| format!("node {id} has no address"))?;
-    let peer = ControlClient::connect(
+    let peer = crate::term::connect(
         &addr,
         &node.cfg.secret,
         &format!("journal-{}", node.cfg.name),
+        node.cfg.node_id,
+        node.term.epoch(),
     )
     .map_err(|e| e.to_string())?;
     peer.set_deadline((node.cfg.node_lease / 2).max(Duration::from_millis(200)));
@@ -111,8 +114,17 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient
             Err(e) => return Err(e.to_string()),
         }
     }
+    let guard = node
+        .term
+        .guard()
+        .ok_or("this node holds no primary's term")?;
+    let name = Write::Put {
+        key: "standby".into(),
+        value: standby_value(id, node.cfg.node_id),
+        lease: None,
+    };
     node.coord
-        .put("standby", &standby_value(id, node.cfg.node_id), None)
+        .write_if(&guard, name)
         .map_err(|e| format!("cannot name the standby in the coordinator: {e}"))?;
     Ok((seq, peer))
 }
@@ -171,6 +183,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
             return false;
         }
     };
+    node.term.begin(primacy.lease(), primacy.epoch());
     let Some(mirror) = node.standby.take_mirror() else {
         return give_up(node, primacy, "the mirror was dropped meanwhile");
     };
@@ -181,7 +194,10 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
             "the primary dropped this standby before it died",
         );
     }
-    if let Err(e) = node.coord.delete("standby") {
+    let clear = Write::Delete {
+        key: "standby".into(),
+    };
+    if let Err(e) = node.coord.write_if(&primacy.guard(), clear) {
         warn!(error = %e, "cannot clear the standby key; the next standby overwrites it");
     }
     let old = mirror.primary;
@@ -251,6 +267,9 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
         .name("orphans".into())
         .spawn(move || {
             std::thread::sleep(wait);
+            if !n.serve.valid() {
+                return; // deposed meanwhile: the sessions are the next primary's concern
+            }
             n.with_meta(|m| {
                 let left: Vec<u64> = m
                     .namespace

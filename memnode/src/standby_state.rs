@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rackfs_coord::Coordinator;
+use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal};
@@ -127,8 +127,14 @@ impl Standby {
 
     /// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
     /// the change is answered. A standby that does not take them is dropped (the `standby` key
-    /// first, from `coord`).
-    pub fn ship(&self, m: &mut MetaService, members: &Membership, coord: &dyn Coordinator) {
+    /// first, from `coord`, under the primary's `guard`: see `crate::term`).
+    pub fn ship(
+        &self,
+        m: &mut MetaService,
+        members: &Membership,
+        coord: &dyn Coordinator,
+        guard: Option<Guard>,
+    ) {
         let entries = m.take_journal();
         if entries.is_empty() {
             return;
@@ -150,20 +156,60 @@ impl Standby {
                 )
         };
         if let Err(why) = sent {
-            self.drop_follower(m, coord, id, &why);
+            self.drop_follower(m, coord, guard, id, &why);
+        }
+    }
+
+    /// Primary: declares a new epoch on the standby's journal connection (re-elected); a
+    /// standby that refuses it is synced again later.
+    pub fn declare(&self, req: &ControlRequest) {
+        let follower = self.follower.lock().expect("follower lock").clone();
+        if let Some((id, peer)) = follower {
+            if let Err(e) = peer.call(req) {
+                warn!(standby = id, error = %e, "the standby refused this primary's new epoch: it is synced again");
+                *self.follower.lock().expect("follower lock") = None;
+            }
         }
     }
 
     /// Primary: the standby fell out of sync; the `standby` key goes before anything else is
     /// answered.
-    fn drop_follower(&self, m: &mut MetaService, coord: &dyn Coordinator, id: u32, why: &str) {
-        if let Err(e) = coord.delete("standby") {
-            error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now");
-        }
+    fn drop_follower(
+        &self,
+        m: &mut MetaService,
+        coord: &dyn Coordinator,
+        guard: Option<Guard>,
+        id: u32,
+        why: &str,
+    ) {
         m.set_journaling(false);
         *self.follower.lock().expect("follower lock") = None;
         *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
-        warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
+        let withdrawn = match guard {
+            Some(g) => coord.write_if(
+                &g,
+                Write::Delete {
+                    key: "standby".into(),
+                },
+            ),
+            None => Err(CoordError::NotHeld {
+                key: "primary".into(),
+                lease: 0,
+            }),
+        };
+        match withdrawn {
+            Ok(()) => {
+                warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync")
+            }
+            // Deposed: the standby key is the new primary's now, and this change is refused
+            // (its lease lapsed, so it answers nothing).
+            Err(CoordError::NotHeld { .. }) => {
+                warn!(standby = id, error = %why, "the standby refused the journal and this primary no longer holds its term: it was deposed, and leaves the standby key alone")
+            }
+            Err(e) => {
+                error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now")
+            }
+        }
     }
 
     /// Data node: one piece of a snapshot from the primary; the last one replaces the metadata

@@ -172,9 +172,10 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
         .collect();
     // Node 0 starts as the primary.
     {
-        let Ok(Ok(lease)) = claim(&c, "primary", b"0", TTL, Duration::ZERO) else {
+        let Ok(Ok(won)) = claim(&c, "primary", b"0", TTL, Duration::ZERO) else {
             return Err("the first claim failed".into());
         };
+        let lease = won.held;
         let st = &nodes[0].st;
         nodes[0].role = Role::Primary {
             svc: Box::new(MetaService::new(Duration::from_secs(2), st.wall_ns())),
@@ -492,9 +493,10 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
                 continue;
             }
             let sent = now;
-            let Ok(Ok(lease)) = claim(&c, "primary", i.to_string().as_bytes(), TTL, sent) else {
+            let Ok(Ok(won)) = claim(&c, "primary", i.to_string().as_bytes(), TTL, sent) else {
                 continue;
             };
+            let lease = won.held;
             if !named(&c) {
                 cov.refused_takeovers += 1;
                 let _ = c.revoke(lease.lease);

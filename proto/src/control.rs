@@ -19,10 +19,10 @@ use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 27] = [
+pub const RPC_KINDS: [&str; 28] = [
     "hello",
     "ping",
     "stats",
@@ -50,6 +50,7 @@ pub const RPC_KINDS: [&str; 27] = [
     "coord",
     "mirror",
     "journal",
+    "primary",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -221,6 +222,15 @@ pub enum ControlRequest {
     },
     /// Every mount's QoS and every node's periods (primary only).
     QosStatus,
+    /// Sent by a primary on each connection it opens to a data node: the requests that follow
+    /// speak for primary `node`, elected at `epoch` (its key's revision in the coordinator).
+    /// A data node carries out a primary's actions (alloc, free, resize, zero, retag, pull,
+    /// fence, mirror, journal) only on a connection of the newest epoch it has seen, so a
+    /// deposed primary that resumes after a pause can no longer touch it.
+    Primary {
+        node: u32,
+        epoch: u64,
+    },
 }
 
 impl ControlRequest {
@@ -253,6 +263,7 @@ impl ControlRequest {
             ControlRequest::Coord(_) => 24,
             ControlRequest::Mirror { .. } => 25,
             ControlRequest::Journal { .. } => 26,
+            ControlRequest::Primary { .. } => 27,
         }
     }
 }

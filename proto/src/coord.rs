@@ -35,9 +35,36 @@ pub enum CoordCall {
     Delete {
         key: String,
     },
+    /// The key's value and the revision it was created at.
+    Created {
+        key: String,
+    },
+    /// `write` only while `guard` (a key and the lease it must be under) holds.
+    WriteIf {
+        guard: (String, i64),
+        write: CoordWrite,
+    },
+    /// Whether `guard` holds.
+    Holds {
+        guard: (String, i64),
+    },
 }
 
-/// Its answer (a lapsed lease is refused with `ErrorCode::Fenced`).
+/// A guarded write ([`CoordCall::WriteIf`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CoordWrite {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<i64>,
+    },
+    Delete {
+        key: String,
+    },
+}
+
+/// Its answer (a lapsed lease is refused with `ErrorCode::Fenced`, a guard that does not hold
+/// with `ErrorCode::NotPrimary`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CoordAnswer {
     Granted {
@@ -48,8 +75,11 @@ pub enum CoordAnswer {
         ms: u64,
     },
     Done,
-    /// `Create`: `None` when created, else the value that holds the key.
-    Created(Option<Vec<u8>>),
+    /// `Create`: the revision it was created at, else the value that holds the key.
+    Created(Result<u64, Vec<u8>>),
     Value(Option<Vec<u8>>),
+    /// `Created`: the revision the key was created at and its value.
+    Versioned(Option<(u64, Vec<u8>)>),
+    Holds(bool),
     Keys(Vec<(String, Vec<u8>)>),
 }

@@ -252,6 +252,92 @@ fn a_stopped_primary_is_replaced_and_exits_when_it_resumes() {
     c.kill(0);
 }
 
+/// Deposed means silent. Four nodes: the primary is stopped past its lease, its standby takes
+/// over and names another node its standby. Resumed, the old primary acts on nothing before it
+/// exits: it neither withdraws the new standby's name, nor declares nodes dead, fences mounts,
+/// or copies and frees data on the nodes (each is refused: its coordinator writes are guarded
+/// by its election, the data nodes follow only the newest primary's epoch). So once the new
+/// primary is killed in turn, the standby it named takes over with every file.
+#[test]
+fn a_resumed_deposed_primary_acts_on_nothing_and_a_third_node_takes_over() {
+    let mut c = TestCluster::on_etcd(4, "64M", &["--node-lease-ms", "2000"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || named(&c, "standby").is_some()),
+        "no standby named:\n{}",
+        log(&c, 0)
+    );
+    let first = named(&c, "standby").unwrap() as usize;
+    let m = Mount::new(&c, "attr_timeout=0,stripe_unit=64K,transport=tcp");
+    let status = || status(&m);
+    for i in 0..10 {
+        fs::write(m.path(&format!("f{i}")), vec![i as u8; 300_000]).unwrap();
+    }
+    let pid = c.nodes[0].as_ref().unwrap().child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    assert!(
+        wait_for(Duration::from_secs(15), || named(&c, "primary")
+            == Some(first as u64)),
+        "the standby was not elected:\n{}",
+        log(&c, first)
+    );
+    // The new primary copies the old one's replicas back and names a standby of its own.
+    let mut second = None;
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            second = named(&c, "standby").filter(|&s| s != first as u64 && s != 0);
+            let st = status();
+            second.is_some_and(|s| st.contains(&format!("metadata standby: mn{s} (in sync")))
+                && st.contains("data: healthy")
+        }),
+        "{}\n{}",
+        status(),
+        log(&c, first)
+    );
+    let second = second.unwrap() as usize;
+    fs::write(m.path("between"), b"written between the failovers").unwrap();
+    // Resumed past its lease, the old primary exits having acted on nothing.
+    // SAFETY: SIGCONT to the memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let exited = wait_for(Duration::from_secs(10), || {
+        c.nodes[0]
+            .as_mut()
+            .is_some_and(|n| !matches!(n.child.try_wait(), Ok(None)))
+    });
+    let old = log(&c, 0);
+    assert!(exited, "the old primary still runs:\n{old}");
+    for acted in [
+        "metadata standby dropped",
+        "out of the cluster",
+        "fencing it on every memory node",
+        "its lease is revoked",
+    ] {
+        assert!(
+            !old.contains(acted),
+            "the deposed primary acted ({acted}):\n{old}"
+        );
+    }
+    assert_eq!(named(&c, "standby"), Some(second as u64), "{old}");
+    // The second failover: the standby the new primary named takes over with every file.
+    c.kill(first);
+    assert!(
+        wait_for(Duration::from_secs(20), || named(&c, "primary")
+            == Some(second as u64)),
+        "the new standby was not elected:\n{}",
+        log(&c, second)
+    );
+    for i in 0..10 {
+        let got = fs::read(m.path(&format!("f{i}")))
+            .unwrap_or_else(|e| panic!("f{i}: {e}\n{}\n{}", m.log_text(), log(&c, second)));
+        assert_eq!(got, vec![i as u8; 300_000], "f{i}");
+    }
+    assert_eq!(
+        fs::read(m.path("between")).unwrap(),
+        b"written between the failovers"
+    );
+    fs::write(m.path("after"), b"after both").unwrap();
+    assert_eq!(fs::read(m.path("after")).unwrap(), b"after both");
+}
+
 /// Two primaries die one after the other: once the first standby took over, made the third
 /// node its standby and copied the dead primary's replicas back, killing it too leaves the
 /// third node serving every file.
