@@ -39,6 +39,7 @@ use rackfs_proto::namespace::{
 };
 use rackfs_proto::RpcError;
 
+use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::file::FileData;
 use crate::options::{CacheMode, MountOptions};
@@ -234,13 +235,14 @@ fn new_perm(mode: u32, umask: u32) -> u16 {
     (mode & !umask & 0o7777) as u16
 }
 
-fn nanos(t: SetTime) -> u64 {
-    let t = match t {
-        SetTime::At(t) => t,
-        SetTime::Now => SystemTime::now(),
-    };
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+/// `t` in nanoseconds since the epoch; `Now` is `clock`'s wall time.
+fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
+    match t {
+        SetTime::At(t) => t
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+        SetTime::Now => clock.wall_ns(),
+    }
 }
 
 /// One mount's filesystem: its cluster, its open files and handles.
@@ -459,13 +461,14 @@ impl Client {
     /// lock.
     pub fn setattr(&self, ino: u64, change: AttrChange) -> Result<Attr, Errno> {
         self.writable()?;
+        let clock = &**self.cluster.clock();
         let set = SetAttr {
             perm: change.mode.map(|m| (m & 0o7777) as u16),
             uid: change.uid,
             gid: change.gid,
             size: change.size,
-            atime_ns: change.atime.map(nanos),
-            mtime_ns: change.mtime.map(nanos),
+            atime_ns: change.atime.map(|t| nanos(t, clock)),
+            mtime_ns: change.mtime.map(|t| nanos(t, clock)),
             // A truncate by an unprivileged process arrives with the cleared mode already
             // (the kernel turns ATTR_KILL_SUID into a mode change).
             kill_suidgid: false,
@@ -989,11 +992,14 @@ mod tests {
     }
 
     #[test]
-    fn set_times_are_nanoseconds_since_the_epoch() {
+    fn set_times_are_nanoseconds_since_the_epoch_and_now_is_the_mounts_clock() {
+        let clock = crate::clock::ManualClock::new(5_000_000_000);
         let t = UNIX_EPOCH + Duration::new(12, 34);
-        assert_eq!(nanos(SetTime::At(t)), 12_000_000_034);
-        assert_eq!(nanos(SetTime::At(UNIX_EPOCH - Duration::from_secs(1))), 0);
-        let before = nanos(SetTime::At(SystemTime::now()));
-        assert!(nanos(SetTime::Now) >= before);
+        assert_eq!(nanos(SetTime::At(t), &clock), 12_000_000_034);
+        let before_epoch = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(nanos(SetTime::At(before_epoch), &clock), 0);
+        assert_eq!(nanos(SetTime::Now, &clock), 5_000_000_000);
+        clock.advance(Duration::from_millis(7));
+        assert_eq!(nanos(SetTime::Now, &clock), 5_007_000_000);
     }
 }

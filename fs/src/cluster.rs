@@ -16,6 +16,8 @@ use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
 
+use crate::clock::SharedClock;
+use crate::env::Env;
 use crate::options::{ReadPolicy, TransportChoice};
 use crate::replica::NodeLoads;
 
@@ -78,6 +80,8 @@ pub struct Cluster {
     recovering: Mutex<()>,
     /// What this mount observes of each node, for choosing which replica a read goes to.
     pub loads: NodeLoads,
+    /// What the core takes from its surroundings (time; see [`crate::env`]).
+    env: Env,
 }
 
 /// Told each new session's QoS slot and the primary's address (it changes on a failover).
@@ -151,8 +155,10 @@ impl Cluster {
         Ok(ControlClient::connect(&addr, &self.secret, &self.name)?)
     }
 
-    /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`).
+    /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`); the
+    /// mount's core takes time (and everything else [`Env`] holds) from `env`.
     pub fn connect(
+        env: Env,
         addrs: &[String],
         secret: Secret,
         transport: TransportChoice,
@@ -207,7 +213,8 @@ impl Cluster {
                 on_failover: Mutex::new(None),
                 failovers: 0.into(),
                 recovering: Mutex::new(()),
-                loads: NodeLoads::new(ReadPolicy::Adaptive),
+                loads: NodeLoads::new(ReadPolicy::Adaptive, env.clock.clone()),
+                env,
             });
         }
         Err(ConnectError::Unreachable {
@@ -226,6 +233,16 @@ impl Cluster {
             .iter()
             .find(|n| n.node_id == node)
             .map_or(0, |n| n.quarantine_ms * 500_000)
+    }
+
+    /// The clock this mount's core takes time from.
+    pub fn clock(&self) -> &SharedClock {
+        &self.env.clock
+    }
+
+    /// What this mount's core takes from its surroundings.
+    pub fn env(&self) -> &Env {
+        &self.env
     }
 
     pub fn info(&self) -> ClusterInfo {
@@ -339,7 +356,7 @@ impl Cluster {
             return Ok(()); // another thread did it
         }
         let old = self.primary_id();
-        let started = std::time::Instant::now();
+        let started = self.clock().now();
         warn!(
             primary = old,
             "the primary does not answer: waiting for another to take over"
@@ -348,13 +365,13 @@ impl Cluster {
             if let Some(found) = self.find_primary(old) {
                 break found;
             }
-            if started.elapsed() > FAILOVER_WAIT {
+            if self.clock().now().saturating_sub(started) > FAILOVER_WAIT {
                 return Err(ConnectError::Unreachable {
                     addrs: "every known node".into(),
                     last: format!("no primary other than node {old} within {FAILOVER_WAIT:?}"),
                 });
             }
-            std::thread::sleep(Duration::from_millis(200));
+            self.clock().sleep(Duration::from_millis(200));
         };
         let new = info.primary.node_id;
         {
@@ -385,7 +402,7 @@ impl Cluster {
         {
             hook();
         }
-        warn!(old_primary = old, primary = new, session = id, took = ?started.elapsed(), "continuing on the primary that took over");
+        warn!(old_primary = old, primary = new, session = id, took = ?self.clock().now().saturating_sub(started), "continuing on the primary that took over");
         Ok(())
     }
 
@@ -651,6 +668,7 @@ impl Cluster {
         })?;
         let lease = Arc::downgrade(&self.lease());
         let renew = move || client.call(&ControlRequest::Renew { of: session });
+        let clock = self.clock().clone();
         std::thread::Builder::new()
             .name("lease".into())
             .spawn(move || {
@@ -684,7 +702,7 @@ impl Cluster {
                         }
                     }
                     drop(lease);
-                    std::thread::sleep(every);
+                    clock.sleep(every);
                 }
             })
             .map_err(|e| VerbsError::Connect {
@@ -769,12 +787,13 @@ impl Cluster {
     /// thread ends with the cluster.
     pub fn start_qos_ticker(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
+        let clock = self.clock().clone();
         let _ = std::thread::Builder::new()
             .name("qos-ticker".into())
             .spawn(move || loop {
                 // Busy engines refresh on their own (every δ, from their requests); idle ones
                 // only need their decay and reports kept roughly current.
-                std::thread::sleep(EngineConfig::default().delta * 4);
+                clock.sleep(EngineConfig::default().delta * 4);
                 let Some(cl) = weak.upgrade() else { return };
                 for (_, e) in cl.qos_engines() {
                     if let Err(err) = rackfs_verbs::block_on(e.tick()) {

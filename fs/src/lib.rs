@@ -9,8 +9,14 @@
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
+//! * [`clock`]: the time the core takes ([`clock::Clock`]); [`env`]: everything the core takes
+//!   from its surroundings instead of the operating system, handed in by the mount.
 //! * [`mount`]: from a cluster address and options to a live FUSE session, in the foreground
 //!   or as a daemon; the mount's record of its QoS slot. `rackfs` and `mount.rackfs` share it.
+//!
+//! Everything but [`fuse`] and [`mount`] is the *client core*: it reads no clock of the host and
+//! never sleeps on it (it asks [`clock::Clock`], a rule `fs/tests/no_os_clock.rs` enforces),
+//! so it runs on virtual time in tests and under simulation.
 //!
 //! The operator commands (`rackfs up`, `down`, `status`, `qos`) live in `rackfs-cli`.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -18,6 +24,7 @@
 pub mod client;
 pub mod clock;
 pub mod cluster;
+pub mod env;
 pub mod error;
 pub mod file;
 pub mod fuse;

@@ -61,7 +61,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
                     }
                 }
             }
-            std::thread::sleep(Duration::from_secs(1));
+            cluster.clock().sleep(Duration::from_secs(1));
         });
     if let Err(e) = spawned {
         warn!(error = %e, "no watcher thread");
