@@ -1,4 +1,9 @@
 //! A mount's connections: one control connection to the primary, one queue pair per node.
+//!
+//! Control connections are opened through the mount's [`crate::link::Dial`] (the network's on
+//! a live mount, in process under test) and time comes from its [`crate::clock::Clock`], both
+//! from the [`Env`] the cluster was connected with; queue pairs go through the verbs
+//! transports.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -9,7 +14,6 @@ use rackfs_locks::LockConfig;
 use rackfs_proto::control::{ClusterInfo, NodeAddr};
 use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_proto::namespace::MetaRequest;
-use rackfs_proto::ControlClient;
 use rackfs_proto::RpcError;
 use rackfs_qos::engine::InFlight;
 use rackfs_qos::{EngineConfig, QosEngine};
@@ -18,6 +22,7 @@ use tracing::{info, warn};
 
 use crate::clock::SharedClock;
 use crate::env::Env;
+use crate::link::ControlLink;
 use crate::options::{ReadPolicy, TransportChoice};
 use crate::replica::NodeLoads;
 
@@ -49,7 +54,7 @@ pub struct Node {
 /// connection of another.
 pub struct Cluster {
     /// The control connection to the primary and its session id (this mount's fence token).
-    primary: RwLock<(Arc<ControlClient>, u64)>,
+    primary: RwLock<(Arc<dyn ControlLink>, u64)>,
     /// The primary's node id (it changes when a standby takes over).
     primary_id: std::sync::atomic::AtomicU32,
     info: RwLock<ClusterInfo>,
@@ -122,12 +127,12 @@ fn control_addr(node: &NodeAddr, transport: TransportChoice) -> Result<String, C
 impl Cluster {
     /// The control connection to the primary (of the current session; a fenced mount gets a
     /// new session first).
-    pub fn primary(&self) -> Arc<ControlClient> {
+    pub fn primary(&self) -> Arc<dyn ControlLink> {
         self.primary_session().0
     }
 
     /// [`Cluster::primary`] with its session id.
-    pub fn primary_session(&self) -> (Arc<ControlClient>, u64) {
+    pub fn primary_session(&self) -> (Arc<dyn ControlLink>, u64) {
         if self.is_fenced() {
             if let Err(e) = self.recover() {
                 warn!(error = %e, "cannot start a new session after the fence");
@@ -149,10 +154,15 @@ impl Cluster {
     }
 
     /// A second control connection to the primary (for the mount's watcher).
-    pub fn connect_primary(&self) -> Result<ControlClient, ConnectError> {
+    pub fn connect_primary(&self) -> Result<Arc<dyn ControlLink>, ConnectError> {
         let p = self.info.read().expect("cluster info lock").primary.clone();
         let addr = control_addr(&p, self.transport)?;
-        Ok(ControlClient::connect(&addr, &self.secret, &self.name)?)
+        Ok(self.dial(&addr)?)
+    }
+
+    /// A new control connection to `addr`, through the mount's dialer.
+    fn dial(&self, addr: &str) -> Result<Arc<dyn ControlLink>, RpcError> {
+        self.env.dial.connect(addr, &self.secret, &self.name)
     }
 
     /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`); the
@@ -170,7 +180,7 @@ impl Cluster {
         }
         let mut last = String::new();
         for addr in addrs {
-            let first = match ControlClient::connect(addr, &secret, name) {
+            let first = match env.dial.connect(addr, &secret, name) {
                 Ok(c) => c,
                 Err(RpcError::Connection(e @ VerbsError::Auth { .. })) => return Err(e.into()),
                 Err(e @ RpcError::Version { .. }) => return Err(e.into()),
@@ -183,9 +193,10 @@ impl Cluster {
             let primary = if info.primary.node_id == first.node_id() {
                 first
             } else {
-                ControlClient::connect(&control_addr(&info.primary, transport)?, &secret, name)?
+                let addr = control_addr(&info.primary, transport)?;
+                env.dial.connect(&addr, &secret, name)?
             };
-            let session = session_of(&primary)?;
+            let session = session_of(&*primary)?;
             info!(primary = %info.primary.name, nodes = info.nodes.len(), session, "connected to the cluster");
             for (id, why) in &info.down {
                 warn!(
@@ -196,7 +207,7 @@ impl Cluster {
             }
             return Ok(Cluster {
                 primary_id: primary.node_id().into(),
-                primary: RwLock::new((Arc::new(primary), session)),
+                primary: RwLock::new((primary, session)),
                 info: RwLock::new(info),
                 nodes: RwLock::new(HashMap::new()),
                 secret,
@@ -408,13 +419,13 @@ impl Cluster {
 
     /// A control connection to the primary some node other than `old` names, with the
     /// cluster as that primary sees it.
-    fn find_primary(&self, old: u32) -> Option<(ControlClient, ClusterInfo)> {
+    fn find_primary(&self, old: u32) -> Option<(Arc<dyn ControlLink>, ClusterInfo)> {
         let nodes = self.info().nodes;
         for n in nodes.iter().filter(|n| n.node_id != old) {
             let Ok(addr) = control_addr(n, self.transport) else {
                 continue;
             };
-            let Ok(c) = ControlClient::connect(&addr, &self.secret, &self.name) else {
+            let Ok(c) = self.dial(&addr) else {
                 continue;
             };
             c.set_deadline(Duration::from_secs(1));
@@ -428,7 +439,7 @@ impl Cluster {
                 let Ok(addr) = control_addr(&seen.primary, self.transport) else {
                     continue;
                 };
-                match ControlClient::connect(&addr, &self.secret, &self.name) {
+                match self.dial(&addr) {
                     Ok(p) => p,
                     Err(_) => continue,
                 }
@@ -463,15 +474,19 @@ impl Cluster {
     /// files of this mount's session `from` (before the old connection closes, which would
     /// release them); per-session state (data connections, lock client, QoS, lease) starts
     /// afresh. Returns the new session's id.
-    fn take_over_session(&self, client: ControlClient, from: u64) -> Result<u64, ConnectError> {
+    fn take_over_session(
+        &self,
+        client: Arc<dyn ControlLink>,
+        from: u64,
+    ) -> Result<u64, ConnectError> {
         client.set_deadline(Duration::from_millis(
             self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
         ));
-        let id = session_of(&client)?;
+        let id = session_of(&*client)?;
         if let Err(e) = client.call(&ControlRequest::Adopt { from }) {
             warn!(error = %e, "the new session could not take over the open files");
         }
-        *self.primary.write().expect("primary lock") = (Arc::new(client), id);
+        *self.primary.write().expect("primary lock") = (client, id);
         self.nodes.write().expect("nodes lock").clear();
         *self.lock_client.lock().expect("lock client") = None;
         *self.qos.write().expect("qos lock") = None;
@@ -886,7 +901,7 @@ fn primary_lost(e: &RpcError) -> bool {
 }
 
 /// The session id of a control connection.
-fn session_of(c: &ControlClient) -> Result<u64, RpcError> {
+fn session_of(c: &dyn ControlLink) -> Result<u64, RpcError> {
     match c.call(&ControlRequest::Session)? {
         ControlResponse::Session { id } => Ok(id),
         other => Err(RpcError::Unexpected {

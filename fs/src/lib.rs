@@ -9,8 +9,10 @@
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
-//! * [`clock`]: the time the core takes ([`clock::Clock`]); [`env`]: everything the core takes
-//!   from its surroundings instead of the operating system, handed in by the mount.
+//! * [`clock`]: the time the core takes ([`clock::Clock`]); [`link`]: control connections
+//!   ([`link::ControlLink`], opened by a [`link::Dial`]: the network's, or [`link::Loopback`] in
+//!   process); [`env`]: everything the core takes from its surroundings instead of the
+//!   operating system, handed in by the mount.
 //! * [`mount`]: from a cluster address and options to a live FUSE session, in the foreground
 //!   or as a daemon; the mount's record of its QoS slot. `rackfs` and `mount.rackfs` share it.
 //!
@@ -29,6 +31,7 @@ pub mod error;
 pub mod file;
 pub mod fuse;
 pub mod layout;
+pub mod link;
 pub mod lock;
 pub mod mount;
 pub mod options;

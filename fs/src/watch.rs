@@ -18,11 +18,11 @@ use fuser::{INodeNo, Notifier};
 use rackfs_proto::client::RPC_DEADLINE;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::Change;
-use rackfs_proto::ControlClient;
 use tracing::{debug, warn};
 
 use crate::cluster::Cluster;
 use crate::file::FileData;
+use crate::link::ControlLink;
 
 /// How long one poll waits for changes at the primary.
 const POLL: Duration = Duration::from_secs(5);
@@ -41,7 +41,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
             // The mount's current session (a fenced mount starts a new one here).
             let of = cluster.primary_session().1;
             match cluster.connect_primary() {
-                Ok(c) => match serve(&c, of, ttl, &notifier, &files) {
+                Ok(c) => match serve(&*c, of, ttl, &notifier, &files) {
                     rackfs_proto::RpcError::Refused {
                         code: ErrorCode::Fenced,
                         ..
@@ -70,7 +70,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
 
 /// Polls and applies changes until the connection fails.
 fn serve(
-    c: &ControlClient,
+    c: &dyn ControlLink,
     of: u64,
     ttl: Duration,
     notifier: &Notifier,
