@@ -12,6 +12,9 @@
 //!   (`Client::across_failover`). When this mount moves to a primary that took over, cached
 //!   layouts are dropped, what it wrote one-sidedly to its open files is reported again
 //!   (`Settle`), and its record locks are reclaimed on a thread of their own.
+//! * **Threads.** The waits and reclaims above run on threads started through the mount's
+//!   [`crate::spawn::Spawn`] (see [`crate::spawn`] for every thread of the core); time comes
+//!   from its [`crate::clock::Clock`].
 //! * **Set-user-ID.** A write by a process without `CAP_FSETID` (the kernel says so per write)
 //!   clears set-user-ID and set-group-ID with one RPC, and only for a handle whose file had
 //!   those bits when opened ([`has_setid`]); a truncate arrives with the cleared mode already.
@@ -270,9 +273,8 @@ impl Client {
                 // Record locks are reclaimed on a thread of their own: a reclaim that met a
                 // failed primary would start another failover, which waits for this one.
                 let (held, cluster) = (open.clone(), cl.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("rackfs-reclaim".into())
-                    .spawn(move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster)));
+                let reclaim = move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster));
+                let spawned = cl.env().spawn.spawn("rackfs-reclaim", Box::new(reclaim));
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "no thread to reclaim record locks on: they are lost");
                 }
@@ -804,13 +806,16 @@ impl Client {
             Err(e) => return done(Err(Errno::new(e))),
         }
         let cluster = self.cluster.clone();
-        let waiter = std::thread::Builder::new()
-            .name("rackfs-lockwait".into())
-            .spawn(move || {
-                let interrupted = || reclock::signal_pending(r.pid, tid);
-                let res = f.record_locks.set_waiting(&cluster, fh, &r, interrupted);
-                done(res.map_err(Errno::new))
-            });
+        let wait = move || {
+            let interrupted = || reclock::signal_pending(r.pid, tid);
+            let res = f.record_locks.set_waiting(&cluster, fh, &r, interrupted);
+            done(res.map_err(Errno::new))
+        };
+        let waiter = self
+            .cluster
+            .env()
+            .spawn
+            .spawn("rackfs-lockwait", Box::new(wait));
         if let Err(e) = waiter {
             tracing::warn!(error = %e, "no thread to wait for a lock on");
         }

@@ -684,42 +684,43 @@ impl Cluster {
         let lease = Arc::downgrade(&self.lease());
         let renew = move || client.call(&ControlRequest::Renew { of: session });
         let clock = self.clock().clone();
-        std::thread::Builder::new()
-            .name("lease".into())
-            .spawn(move || {
-                let mut every;
-                let mut failing = false;
-                loop {
-                    let result = renew();
-                    let Some(lease) = lease.upgrade() else { return };
-                    match result {
-                        Ok(ControlResponse::Lease { ms }) => {
-                            every = Duration::from_millis(ms / 4);
-                            if std::mem::take(&mut failing) {
-                                info!("lock lease renewed again");
-                            }
-                        }
-                        Err(RpcError::Refused {
-                            code: rackfs_proto::control::ErrorCode::Fenced,
-                            message,
-                        }) => {
-                            tracing::error!(
-                                "{message}; every operation of this mount now fails with EIO"
-                            );
-                            let _ = lease.fenced.set(message);
-                            return;
-                        }
-                        other => {
-                            if !std::mem::replace(&mut failing, true) {
-                                warn!(answer = ?other, "cannot renew the lock lease; retrying");
-                            }
-                            every = Duration::from_millis(100);
+        let renewer = move || {
+            let mut every;
+            let mut failing = false;
+            loop {
+                let result = renew();
+                let Some(lease) = lease.upgrade() else { return };
+                match result {
+                    Ok(ControlResponse::Lease { ms }) => {
+                        every = Duration::from_millis(ms / 4);
+                        if std::mem::take(&mut failing) {
+                            info!("lock lease renewed again");
                         }
                     }
-                    drop(lease);
-                    clock.sleep(every);
+                    Err(RpcError::Refused {
+                        code: rackfs_proto::control::ErrorCode::Fenced,
+                        message,
+                    }) => {
+                        tracing::error!(
+                            "{message}; every operation of this mount now fails with EIO"
+                        );
+                        let _ = lease.fenced.set(message);
+                        return;
+                    }
+                    other => {
+                        if !std::mem::replace(&mut failing, true) {
+                            warn!(answer = ?other, "cannot renew the lock lease; retrying");
+                        }
+                        every = Duration::from_millis(100);
+                    }
                 }
-            })
+                drop(lease);
+                clock.sleep(every);
+            }
+        };
+        self.env
+            .spawn
+            .spawn("lease", Box::new(renewer))
             .map_err(|e| VerbsError::Connect {
                 peer: "lease thread".into(),
                 reason: e.to_string(),
@@ -803,19 +804,20 @@ impl Cluster {
     pub fn start_qos_ticker(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
         let clock = self.clock().clone();
-        let _ = std::thread::Builder::new()
-            .name("qos-ticker".into())
-            .spawn(move || loop {
-                // Busy engines refresh on their own (every δ, from their requests); idle ones
-                // only need their decay and reports kept roughly current.
-                clock.sleep(EngineConfig::default().delta * 4);
-                let Some(cl) = weak.upgrade() else { return };
-                for (_, e) in cl.qos_engines() {
-                    if let Err(err) = rackfs_verbs::block_on(e.tick()) {
-                        tracing::debug!(error = %err, "QoS refresh failed");
-                    }
+        let ticker = move || loop {
+            // Busy engines refresh on their own (every δ, from their requests); idle ones
+            // only need their decay and reports kept roughly current.
+            clock.sleep(EngineConfig::default().delta * 4);
+            let Some(cl) = weak.upgrade() else { return };
+            for (_, e) in cl.qos_engines() {
+                if let Err(err) = rackfs_verbs::block_on(e.tick()) {
+                    tracing::debug!(error = %err, "QoS refresh failed");
                 }
-            });
+            }
+        };
+        if let Err(e) = self.env.spawn.spawn("qos-ticker", Box::new(ticker)) {
+            warn!(error = %e, "no QoS ticker: an idle mount's reservation decays only on use");
+        }
     }
 
     /// This mount's QoS engines by node, for `rackfs status`.

@@ -11,14 +11,17 @@
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 //! * [`clock`]: the time the core takes ([`clock::Clock`]); [`link`]: control connections
 //!   ([`link::ControlLink`], opened by a [`link::Dial`]: the network's, or [`link::Loopback`] in
-//!   process); [`env`]: everything the core takes from its surroundings instead of the
-//!   operating system, handed in by the mount.
+//!   process); [`spawn`]: the core's threads, started through a [`spawn::Spawn`]; [`env`](mod@env):
+//!   everything the core takes from its surroundings instead of the operating system, handed
+//!   in by the mount.
 //! * [`mount`]: from a cluster address and options to a live FUSE session, in the foreground
 //!   or as a daemon; the mount's record of its QoS slot. `rackfs` and `mount.rackfs` share it.
 //!
-//! Everything but [`fuse`] and [`mount`] is the *client core*: it reads no clock of the host and
-//! never sleeps on it (it asks [`clock::Clock`], a rule `fs/tests/no_os_clock.rs` enforces),
-//! so it runs on virtual time in tests and under simulation.
+//! Everything but [`fuse`] and [`mount`] is the *client core*: it reads no clock of the host,
+//! never sleeps on it and starts no thread itself (it asks [`clock::Clock`] and
+//! [`spawn::Spawn`], a rule `fs/tests/core_isolation.rs` enforces), and opens control connections
+//! only through [`link::Dial`], so it runs on virtual time against an in-process cluster in
+//! tests and under simulation.
 //!
 //! The operator commands (`rackfs up`, `down`, `status`, `qos`) live in `rackfs-cli`.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -37,4 +40,5 @@ pub mod mount;
 pub mod options;
 pub mod reclock;
 pub mod replica;
+pub mod spawn;
 pub mod watch;

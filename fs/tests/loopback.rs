@@ -14,6 +14,7 @@ use rackfs_fs::cluster::{Cluster, FAILOVER_WAIT};
 use rackfs_fs::env::Env;
 use rackfs_fs::link::Loopback;
 use rackfs_fs::options::{MountOptions, TransportChoice};
+use rackfs_fs::spawn::Queue;
 use rackfs_meta::{MemStorage, MetaService};
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
 use rackfs_proto::namespace::{Kind, ROOT_INO};
@@ -55,6 +56,8 @@ fn info(nodes: u32, primary: u32, elects: bool) -> ClusterInfo {
 struct World {
     lo: Arc<Loopback>,
     clock: Arc<ManualClock>,
+    /// The threads the mounts' cores start, run only when the test says.
+    threads: Arc<Queue>,
 }
 
 impl World {
@@ -100,13 +103,18 @@ impl World {
                 })),
             );
         }
-        World { lo, clock }
+        World {
+            lo,
+            clock,
+            threads: Arc::new(Queue::new()),
+        }
     }
 
     fn env(&self) -> Env {
         Env {
             clock: self.clock.clone(),
             dial: self.lo.clone(),
+            spawn: self.threads.clone(),
         }
     }
 
@@ -266,6 +274,9 @@ fn a_mount_follows_the_primary_elected_after_its_primary_died_on_virtual_time() 
     // The retried request was made once.
     assert_eq!(a.lookup(ROOT_INO, name("after")).unwrap().ino, b.ino);
     assert!(a.lookup(ROOT_INO, name("before")).is_ok());
+    // The mount's failover hook started its record-lock reclaim (nothing to reclaim here).
+    assert_eq!(w.threads.waiting(), ["rackfs-reclaim"]);
+    assert_eq!(w.threads.run_next().as_deref(), Some("rackfs-reclaim"));
 }
 
 #[test]
@@ -283,4 +294,5 @@ fn without_a_new_primary_a_mount_gives_up_with_eio_after_the_failover_wait() {
         "{waited:?}"
     );
     assert_eq!(a.cluster().failovers(), 0);
+    assert!(w.threads.waiting().is_empty(), "no failover, no reclaim");
 }

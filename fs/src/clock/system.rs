@@ -1,5 +1,5 @@
 //! The host's clocks: the only place of the client core that reads the operating system's
-//! time or sleeps on it (the source scan in `fs/tests/no_os_clock.rs` holds the rest to that).
+//! time or sleeps on it (the source scan in `fs/tests/core_isolation.rs` holds the rest to that).
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
