@@ -12,6 +12,9 @@
 //!   (`Client::across_failover`). When this mount moves to a primary that took over, cached
 //!   layouts are dropped, what it wrote one-sidedly to its open files is reported again
 //!   (`Settle`), and its record locks are reclaimed on a thread of their own.
+//! * **Threads.** The waits and reclaims above run on threads started through the mount's
+//!   [`crate::spawn::Spawn`] (see [`crate::spawn`] for every thread of the core); time comes
+//!   from its [`crate::clock::Clock`].
 //! * **Set-user-ID.** A write by a process without `CAP_FSETID` (the kernel says so per write)
 //!   clears set-user-ID and set-group-ID with one RPC, and only for a handle whose file had
 //!   those bits when opened ([`has_setid`]); a truncate arrives with the cleared mode already.
@@ -39,6 +42,7 @@ use rackfs_proto::namespace::{
 };
 use rackfs_proto::RpcError;
 
+use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::file::FileData;
 use crate::options::{CacheMode, MountOptions};
@@ -234,13 +238,14 @@ fn new_perm(mode: u32, umask: u32) -> u16 {
     (mode & !umask & 0o7777) as u16
 }
 
-fn nanos(t: SetTime) -> u64 {
-    let t = match t {
-        SetTime::At(t) => t,
-        SetTime::Now => SystemTime::now(),
-    };
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+/// `t` in nanoseconds since the epoch; `Now` is `clock`'s wall time.
+fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
+    match t {
+        SetTime::At(t) => t
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+        SetTime::Now => clock.wall_ns(),
+    }
 }
 
 /// One mount's filesystem: its cluster, its open files and handles.
@@ -268,9 +273,8 @@ impl Client {
                 // Record locks are reclaimed on a thread of their own: a reclaim that met a
                 // failed primary would start another failover, which waits for this one.
                 let (held, cluster) = (open.clone(), cl.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("rackfs-reclaim".into())
-                    .spawn(move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster)));
+                let reclaim = move || held.iter().for_each(|f| f.record_locks.reclaim(&cluster));
+                let spawned = cl.env().spawn.spawn("rackfs-reclaim", Box::new(reclaim));
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "no thread to reclaim record locks on: they are lost");
                 }
@@ -459,13 +463,14 @@ impl Client {
     /// lock.
     pub fn setattr(&self, ino: u64, change: AttrChange) -> Result<Attr, Errno> {
         self.writable()?;
+        let clock = &**self.cluster.clock();
         let set = SetAttr {
             perm: change.mode.map(|m| (m & 0o7777) as u16),
             uid: change.uid,
             gid: change.gid,
             size: change.size,
-            atime_ns: change.atime.map(nanos),
-            mtime_ns: change.mtime.map(nanos),
+            atime_ns: change.atime.map(|t| nanos(t, clock)),
+            mtime_ns: change.mtime.map(|t| nanos(t, clock)),
             // A truncate by an unprivileged process arrives with the cleared mode already
             // (the kernel turns ATTR_KILL_SUID into a mode change).
             kill_suidgid: false,
@@ -801,13 +806,16 @@ impl Client {
             Err(e) => return done(Err(Errno::new(e))),
         }
         let cluster = self.cluster.clone();
-        let waiter = std::thread::Builder::new()
-            .name("rackfs-lockwait".into())
-            .spawn(move || {
-                let interrupted = || reclock::signal_pending(r.pid, tid);
-                let res = f.record_locks.set_waiting(&cluster, fh, &r, interrupted);
-                done(res.map_err(Errno::new))
-            });
+        let wait = move || {
+            let interrupted = || reclock::signal_pending(r.pid, tid);
+            let res = f.record_locks.set_waiting(&cluster, fh, &r, interrupted);
+            done(res.map_err(Errno::new))
+        };
+        let waiter = self
+            .cluster
+            .env()
+            .spawn
+            .spawn("rackfs-lockwait", Box::new(wait));
         if let Err(e) = waiter {
             tracing::warn!(error = %e, "no thread to wait for a lock on");
         }
@@ -989,11 +997,14 @@ mod tests {
     }
 
     #[test]
-    fn set_times_are_nanoseconds_since_the_epoch() {
+    fn set_times_are_nanoseconds_since_the_epoch_and_now_is_the_mounts_clock() {
+        let clock = crate::clock::ManualClock::new(5_000_000_000);
         let t = UNIX_EPOCH + Duration::new(12, 34);
-        assert_eq!(nanos(SetTime::At(t)), 12_000_000_034);
-        assert_eq!(nanos(SetTime::At(UNIX_EPOCH - Duration::from_secs(1))), 0);
-        let before = nanos(SetTime::At(SystemTime::now()));
-        assert!(nanos(SetTime::Now) >= before);
+        assert_eq!(nanos(SetTime::At(t), &clock), 12_000_000_034);
+        let before_epoch = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(nanos(SetTime::At(before_epoch), &clock), 0);
+        assert_eq!(nanos(SetTime::Now, &clock), 5_000_000_000);
+        clock.advance(Duration::from_millis(7));
+        assert_eq!(nanos(SetTime::Now, &clock), 5_007_000_000);
     }
 }

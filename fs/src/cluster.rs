@@ -1,4 +1,9 @@
 //! A mount's connections: one control connection to the primary, one queue pair per node.
+//!
+//! Control connections are opened through the mount's [`crate::link::Dial`] (the network's on
+//! a live mount, in process under test) and time comes from its [`crate::clock::Clock`], both
+//! from the [`Env`] the cluster was connected with; queue pairs go through the verbs
+//! transports.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -9,13 +14,15 @@ use rackfs_locks::LockConfig;
 use rackfs_proto::control::{ClusterInfo, NodeAddr};
 use rackfs_proto::control::{ControlRequest, ControlResponse};
 use rackfs_proto::namespace::MetaRequest;
-use rackfs_proto::ControlClient;
 use rackfs_proto::RpcError;
 use rackfs_qos::engine::InFlight;
 use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
 use tracing::{info, warn};
 
+use crate::clock::SharedClock;
+use crate::env::Env;
+use crate::link::ControlLink;
 use crate::options::{ReadPolicy, TransportChoice};
 use crate::replica::NodeLoads;
 
@@ -47,7 +54,7 @@ pub struct Node {
 /// connection of another.
 pub struct Cluster {
     /// The control connection to the primary and its session id (this mount's fence token).
-    primary: RwLock<(Arc<ControlClient>, u64)>,
+    primary: RwLock<(Arc<dyn ControlLink>, u64)>,
     /// The primary's node id (it changes when a standby takes over).
     primary_id: std::sync::atomic::AtomicU32,
     info: RwLock<ClusterInfo>,
@@ -78,6 +85,8 @@ pub struct Cluster {
     recovering: Mutex<()>,
     /// What this mount observes of each node, for choosing which replica a read goes to.
     pub loads: NodeLoads,
+    /// What the core takes from its surroundings (time; see [`crate::env`]).
+    env: Env,
 }
 
 /// Told each new session's QoS slot and the primary's address (it changes on a failover).
@@ -118,12 +127,12 @@ fn control_addr(node: &NodeAddr, transport: TransportChoice) -> Result<String, C
 impl Cluster {
     /// The control connection to the primary (of the current session; a fenced mount gets a
     /// new session first).
-    pub fn primary(&self) -> Arc<ControlClient> {
+    pub fn primary(&self) -> Arc<dyn ControlLink> {
         self.primary_session().0
     }
 
     /// [`Cluster::primary`] with its session id.
-    pub fn primary_session(&self) -> (Arc<ControlClient>, u64) {
+    pub fn primary_session(&self) -> (Arc<dyn ControlLink>, u64) {
         if self.is_fenced() {
             if let Err(e) = self.recover() {
                 warn!(error = %e, "cannot start a new session after the fence");
@@ -145,14 +154,21 @@ impl Cluster {
     }
 
     /// A second control connection to the primary (for the mount's watcher).
-    pub fn connect_primary(&self) -> Result<ControlClient, ConnectError> {
+    pub fn connect_primary(&self) -> Result<Arc<dyn ControlLink>, ConnectError> {
         let p = self.info.read().expect("cluster info lock").primary.clone();
         let addr = control_addr(&p, self.transport)?;
-        Ok(ControlClient::connect(&addr, &self.secret, &self.name)?)
+        Ok(self.dial(&addr)?)
     }
 
-    /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`).
+    /// A new control connection to `addr`, through the mount's dialer.
+    fn dial(&self, addr: &str) -> Result<Arc<dyn ControlLink>, RpcError> {
+        self.env.dial.connect(addr, &self.secret, &self.name)
+    }
+
+    /// Connects to the cluster through any of `addrs` (`host:port` or `unix:PATH`); the
+    /// mount's core takes time (and everything else [`Env`] holds) from `env`.
     pub fn connect(
+        env: Env,
         addrs: &[String],
         secret: Secret,
         transport: TransportChoice,
@@ -164,7 +180,7 @@ impl Cluster {
         }
         let mut last = String::new();
         for addr in addrs {
-            let first = match ControlClient::connect(addr, &secret, name) {
+            let first = match env.dial.connect(addr, &secret, name) {
                 Ok(c) => c,
                 Err(RpcError::Connection(e @ VerbsError::Auth { .. })) => return Err(e.into()),
                 Err(e @ RpcError::Version { .. }) => return Err(e.into()),
@@ -177,9 +193,10 @@ impl Cluster {
             let primary = if info.primary.node_id == first.node_id() {
                 first
             } else {
-                ControlClient::connect(&control_addr(&info.primary, transport)?, &secret, name)?
+                let addr = control_addr(&info.primary, transport)?;
+                env.dial.connect(&addr, &secret, name)?
             };
-            let session = session_of(&primary)?;
+            let session = session_of(&*primary)?;
             info!(primary = %info.primary.name, nodes = info.nodes.len(), session, "connected to the cluster");
             for (id, why) in &info.down {
                 warn!(
@@ -190,7 +207,7 @@ impl Cluster {
             }
             return Ok(Cluster {
                 primary_id: primary.node_id().into(),
-                primary: RwLock::new((Arc::new(primary), session)),
+                primary: RwLock::new((primary, session)),
                 info: RwLock::new(info),
                 nodes: RwLock::new(HashMap::new()),
                 secret,
@@ -207,7 +224,8 @@ impl Cluster {
                 on_failover: Mutex::new(None),
                 failovers: 0.into(),
                 recovering: Mutex::new(()),
-                loads: NodeLoads::new(ReadPolicy::Adaptive),
+                loads: NodeLoads::new(ReadPolicy::Adaptive, env.clock.clone()),
+                env,
             });
         }
         Err(ConnectError::Unreachable {
@@ -226,6 +244,16 @@ impl Cluster {
             .iter()
             .find(|n| n.node_id == node)
             .map_or(0, |n| n.quarantine_ms * 500_000)
+    }
+
+    /// The clock this mount's core takes time from.
+    pub fn clock(&self) -> &SharedClock {
+        &self.env.clock
+    }
+
+    /// What this mount's core takes from its surroundings.
+    pub fn env(&self) -> &Env {
+        &self.env
     }
 
     pub fn info(&self) -> ClusterInfo {
@@ -339,7 +367,7 @@ impl Cluster {
             return Ok(()); // another thread did it
         }
         let old = self.primary_id();
-        let started = std::time::Instant::now();
+        let started = self.clock().now();
         warn!(
             primary = old,
             "the primary does not answer: waiting for another to take over"
@@ -348,13 +376,13 @@ impl Cluster {
             if let Some(found) = self.find_primary(old) {
                 break found;
             }
-            if started.elapsed() > FAILOVER_WAIT {
+            if self.clock().now().saturating_sub(started) > FAILOVER_WAIT {
                 return Err(ConnectError::Unreachable {
                     addrs: "every known node".into(),
                     last: format!("no primary other than node {old} within {FAILOVER_WAIT:?}"),
                 });
             }
-            std::thread::sleep(Duration::from_millis(200));
+            self.clock().sleep(Duration::from_millis(200));
         };
         let new = info.primary.node_id;
         {
@@ -385,19 +413,19 @@ impl Cluster {
         {
             hook();
         }
-        warn!(old_primary = old, primary = new, session = id, took = ?started.elapsed(), "continuing on the primary that took over");
+        warn!(old_primary = old, primary = new, session = id, took = ?self.clock().now().saturating_sub(started), "continuing on the primary that took over");
         Ok(())
     }
 
     /// A control connection to the primary some node other than `old` names, with the
     /// cluster as that primary sees it.
-    fn find_primary(&self, old: u32) -> Option<(ControlClient, ClusterInfo)> {
+    fn find_primary(&self, old: u32) -> Option<(Arc<dyn ControlLink>, ClusterInfo)> {
         let nodes = self.info().nodes;
         for n in nodes.iter().filter(|n| n.node_id != old) {
             let Ok(addr) = control_addr(n, self.transport) else {
                 continue;
             };
-            let Ok(c) = ControlClient::connect(&addr, &self.secret, &self.name) else {
+            let Ok(c) = self.dial(&addr) else {
                 continue;
             };
             c.set_deadline(Duration::from_secs(1));
@@ -411,7 +439,7 @@ impl Cluster {
                 let Ok(addr) = control_addr(&seen.primary, self.transport) else {
                     continue;
                 };
-                match ControlClient::connect(&addr, &self.secret, &self.name) {
+                match self.dial(&addr) {
                     Ok(p) => p,
                     Err(_) => continue,
                 }
@@ -446,15 +474,19 @@ impl Cluster {
     /// files of this mount's session `from` (before the old connection closes, which would
     /// release them); per-session state (data connections, lock client, QoS, lease) starts
     /// afresh. Returns the new session's id.
-    fn take_over_session(&self, client: ControlClient, from: u64) -> Result<u64, ConnectError> {
+    fn take_over_session(
+        &self,
+        client: Arc<dyn ControlLink>,
+        from: u64,
+    ) -> Result<u64, ConnectError> {
         client.set_deadline(Duration::from_millis(
             self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed),
         ));
-        let id = session_of(&client)?;
+        let id = session_of(&*client)?;
         if let Err(e) = client.call(&ControlRequest::Adopt { from }) {
             warn!(error = %e, "the new session could not take over the open files");
         }
-        *self.primary.write().expect("primary lock") = (Arc::new(client), id);
+        *self.primary.write().expect("primary lock") = (client, id);
         self.nodes.write().expect("nodes lock").clear();
         *self.lock_client.lock().expect("lock client") = None;
         *self.qos.write().expect("qos lock") = None;
@@ -651,42 +683,44 @@ impl Cluster {
         })?;
         let lease = Arc::downgrade(&self.lease());
         let renew = move || client.call(&ControlRequest::Renew { of: session });
-        std::thread::Builder::new()
-            .name("lease".into())
-            .spawn(move || {
-                let mut every;
-                let mut failing = false;
-                loop {
-                    let result = renew();
-                    let Some(lease) = lease.upgrade() else { return };
-                    match result {
-                        Ok(ControlResponse::Lease { ms }) => {
-                            every = Duration::from_millis(ms / 4);
-                            if std::mem::take(&mut failing) {
-                                info!("lock lease renewed again");
-                            }
-                        }
-                        Err(RpcError::Refused {
-                            code: rackfs_proto::control::ErrorCode::Fenced,
-                            message,
-                        }) => {
-                            tracing::error!(
-                                "{message}; every operation of this mount now fails with EIO"
-                            );
-                            let _ = lease.fenced.set(message);
-                            return;
-                        }
-                        other => {
-                            if !std::mem::replace(&mut failing, true) {
-                                warn!(answer = ?other, "cannot renew the lock lease; retrying");
-                            }
-                            every = Duration::from_millis(100);
+        let clock = self.clock().clone();
+        let renewer = move || {
+            let mut every;
+            let mut failing = false;
+            loop {
+                let result = renew();
+                let Some(lease) = lease.upgrade() else { return };
+                match result {
+                    Ok(ControlResponse::Lease { ms }) => {
+                        every = Duration::from_millis(ms / 4);
+                        if std::mem::take(&mut failing) {
+                            info!("lock lease renewed again");
                         }
                     }
-                    drop(lease);
-                    std::thread::sleep(every);
+                    Err(RpcError::Refused {
+                        code: rackfs_proto::control::ErrorCode::Fenced,
+                        message,
+                    }) => {
+                        tracing::error!(
+                            "{message}; every operation of this mount now fails with EIO"
+                        );
+                        let _ = lease.fenced.set(message);
+                        return;
+                    }
+                    other => {
+                        if !std::mem::replace(&mut failing, true) {
+                            warn!(answer = ?other, "cannot renew the lock lease; retrying");
+                        }
+                        every = Duration::from_millis(100);
+                    }
                 }
-            })
+                drop(lease);
+                clock.sleep(every);
+            }
+        };
+        self.env
+            .spawn
+            .spawn("lease", Box::new(renewer))
             .map_err(|e| VerbsError::Connect {
                 peer: "lease thread".into(),
                 reason: e.to_string(),
@@ -769,19 +803,21 @@ impl Cluster {
     /// thread ends with the cluster.
     pub fn start_qos_ticker(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
-        let _ = std::thread::Builder::new()
-            .name("qos-ticker".into())
-            .spawn(move || loop {
-                // Busy engines refresh on their own (every δ, from their requests); idle ones
-                // only need their decay and reports kept roughly current.
-                std::thread::sleep(EngineConfig::default().delta * 4);
-                let Some(cl) = weak.upgrade() else { return };
-                for (_, e) in cl.qos_engines() {
-                    if let Err(err) = rackfs_verbs::block_on(e.tick()) {
-                        tracing::debug!(error = %err, "QoS refresh failed");
-                    }
+        let clock = self.clock().clone();
+        let ticker = move || loop {
+            // Busy engines refresh on their own (every δ, from their requests); idle ones
+            // only need their decay and reports kept roughly current.
+            clock.sleep(EngineConfig::default().delta * 4);
+            let Some(cl) = weak.upgrade() else { return };
+            for (_, e) in cl.qos_engines() {
+                if let Err(err) = rackfs_verbs::block_on(e.tick()) {
+                    tracing::debug!(error = %err, "QoS refresh failed");
                 }
-            });
+            }
+        };
+        if let Err(e) = self.env.spawn.spawn("qos-ticker", Box::new(ticker)) {
+            warn!(error = %e, "no QoS ticker: an idle mount's reservation decays only on use");
+        }
     }
 
     /// This mount's QoS engines by node, for `rackfs status`.
@@ -867,7 +903,7 @@ fn primary_lost(e: &RpcError) -> bool {
 }
 
 /// The session id of a control connection.
-fn session_of(c: &ControlClient) -> Result<u64, RpcError> {
+fn session_of(c: &dyn ControlLink) -> Result<u64, RpcError> {
     match c.call(&ControlRequest::Session)? {
         ControlResponse::Session { id } => Ok(id),
         other => Err(RpcError::Unexpected {

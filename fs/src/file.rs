@@ -32,7 +32,6 @@ use rackfs_proto::record::{
 };
 use rackfs_verbs::{Batch, Completions, RemoteAddr, VerbsError, WrId};
 
-use crate::clock::{clock_ns, now_ns};
 use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};
 use crate::lock::{self, FileLocks};
@@ -60,7 +59,7 @@ struct Layout {
 #[derive(Clone, Copy)]
 struct Cached {
     extent: StripeExtent,
-    /// `clock_ns` when the batch (or RPC) that last found the stripe live was sent; the node
+    /// [`crate::clock::Clock::mono_ns`] when the batch (or RPC) that last found the stripe live was sent; the node
     /// reuses its memory no sooner than a quarantine after that.
     live_at: u64,
 }
@@ -72,7 +71,8 @@ pub struct FileData {
     unit: u64,
     layout: RwLock<Layout>,
     size_hint: AtomicU64,
-    /// When `size_hint` was last read from the record (ns on the process clock).
+    /// When `size_hint` was last read from the record (the mount's `mono_ns`; 0: not since
+    /// forgotten).
     size_read_at: AtomicU64,
     /// How long reads may trust `size_hint` (the mount's `attr_timeout`).
     size_ttl: Duration,
@@ -166,14 +166,18 @@ impl FileData {
         (end > 0).then(|| (end, self.written_mtime.load(Ordering::Relaxed)))
     }
 
-    fn note_size(&self, size: u64) {
+    fn note_size(&self, cl: &Cluster, size: u64) {
         self.size_hint.store(size, Ordering::Relaxed);
-        self.size_read_at.store(clock_ns(), Ordering::Relaxed);
+        self.size_read_at
+            .store(cl.clock().mono_ns(), Ordering::Relaxed);
     }
 
     /// The size, if it was read from the record within `size_ttl`.
-    fn fresh_size(&self) -> Option<u64> {
-        let age = clock_ns().saturating_sub(self.size_read_at.load(Ordering::Relaxed));
+    fn fresh_size(&self, cl: &Cluster) -> Option<u64> {
+        let age = cl
+            .clock()
+            .mono_ns()
+            .saturating_sub(self.size_read_at.load(Ordering::Relaxed));
         (self.size_read_at.load(Ordering::Relaxed) != 0 && age < self.size_ttl.as_nanos() as u64)
             .then(|| self.size_hint.load(Ordering::Relaxed))
     }
@@ -229,7 +233,7 @@ impl FileData {
                     (k, b.read(RemoteAddr::new(p.rkey, at), entry_len))
                 })
                 .collect();
-            let sent = clock_ns();
+            let sent = cl.clock().mono_ns();
             let done =
                 p.qp.execute(b)
                     .map_err(|e| self.verbs_err(cl, primary, e))?;
@@ -250,7 +254,7 @@ impl FileData {
                 self.invalidate();
                 return Err(libc::ESTALE);
             }
-            self.note_size(size);
+            self.note_size(cl, size);
             let mut l = self.layout.write().expect("layout lock");
             if now != (table, cap, replicas) {
                 // The table grew (or first sight): entries read from the old copy may miss
@@ -294,7 +298,7 @@ impl FileData {
     /// Learns stripe `k`'s replicas from the service, which answers once a move or copy of it
     /// in progress is done (its entry is marked moving meanwhile).
     fn ask_stripe(&self, cl: &Cluster, k: u64) -> Result<(), i32> {
-        let sent = clock_ns();
+        let sent = cl.clock().mono_ns();
         let replicas = match cl.meta(MetaRequest::GetStripe {
             ino: self.ino,
             stripe: k,
@@ -372,7 +376,7 @@ impl FileData {
         tags: &[TagCheck],
         dead: &mut Vec<u32>,
     ) -> Result<Vec<u64>, i32> {
-        let now = clock_ns();
+        let now = cl.clock().mono_ns();
         let expired: Vec<TagCheck> = {
             let l = self.layout.read().expect("layout lock");
             tags.iter()
@@ -415,7 +419,7 @@ impl FileData {
                 .read(RemoteAddr::new(rkey, e.offset - TAG_SPACE), 8);
             checks.push((node, stripe, tag, id));
         }
-        let sent = clock_ns();
+        let sent = cl.clock().mono_ns();
         let out = self.run(cl, batches, None)?;
         let mut stale = stale_stripes(&checks, &out.done);
         self.seen_live(&checks, &stale, sent);
@@ -637,7 +641,7 @@ impl FileData {
         'attempt: for _ in 0..MAX_ATTEMPTS {
             let missing = self.uncached(&ps);
             let mut size = if missing.is_empty() {
-                self.fresh_size()
+                self.fresh_size(cl)
             } else {
                 Some(self.refresh(cl, &missing)?)
             };
@@ -695,7 +699,7 @@ impl FileData {
                     continue;
                 }
             };
-            let sent = clock_ns();
+            let sent = cl.clock().mono_ns();
             let out = self.run(cl, batches, None)?;
             if !out.failed.is_empty() {
                 if out.failed.iter().any(|(n, _)| *n == primary) && size_id.is_some() {
@@ -715,7 +719,7 @@ impl FileData {
             }
             if let Some(id) = size_id {
                 let s = word(done[&primary].data(id).map_err(|_| libc::EIO)?, 0);
-                self.note_size(s);
+                self.note_size(cl, s);
                 size = Some(s);
             }
             let size = size.expect("size read one way or the other");
@@ -900,7 +904,7 @@ impl FileData {
                 let stripes: Vec<u64> = short.iter().map(|s| s.0).collect();
                 self.refresh(cl, &stripes)?;
                 for (k, end) in self.short(&ps) {
-                    let sent = clock_ns();
+                    let sent = cl.clock().mono_ns();
                     let s = match cl.meta(MetaRequest::AllocStripe {
                         ino: self.ino,
                         stripe: k,
@@ -963,7 +967,7 @@ impl FileData {
             let hint = self.size_hint.load(Ordering::Relaxed);
             let size_addr = RemoteAddr::new(pr.rkey, self.record + REC_SIZE);
             let b = batches.entry(primary).or_default();
-            let mtime = now_ns();
+            let mtime = cl.clock().wall_ns();
             b.write_u64(RemoteAddr::new(pr.rkey, self.record + REC_MTIME), mtime);
             let size_id = b.read(size_addr, 8);
             let cas = (end > hint).then(|| b.cas(size_addr, hint, end));
@@ -981,7 +985,7 @@ impl FileData {
                 self.evict(&expired);
                 continue;
             }
-            let sent = clock_ns();
+            let sent = cl.clock().mono_ns();
             let out = self.run(cl, batches, session)?;
             if !out.failed.is_empty() {
                 // A replica's node failed: once it is dropped from the stripes (or found
@@ -1034,7 +1038,7 @@ impl FileData {
                 .map_err(|e| self.verbs_err(cl, primary, e))?;
             seen = if old == seen { end } else { old };
         }
-        self.note_size(seen);
+        self.note_size(cl, seen);
         Ok(())
     }
 

@@ -9,8 +9,19 @@
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
+//! * [`clock`]: the time the core takes ([`clock::Clock`]); [`link`]: control connections
+//!   ([`link::ControlLink`], opened by a [`link::Dial`]: the network's, or [`link::Loopback`] in
+//!   process); [`spawn`]: the core's threads, started through a [`spawn::Spawn`]; [`env`](mod@env):
+//!   everything the core takes from its surroundings instead of the operating system, handed
+//!   in by the mount.
 //! * [`mount`]: from a cluster address and options to a live FUSE session, in the foreground
 //!   or as a daemon; the mount's record of its QoS slot. `rackfs` and `mount.rackfs` share it.
+//!
+//! Everything but [`fuse`] and [`mount`] is the *client core*: it reads no clock of the host,
+//! never sleeps on it and starts no thread itself (it asks [`clock::Clock`] and
+//! [`spawn::Spawn`], a rule `fs/tests/core_isolation.rs` enforces), and opens control connections
+//! only through [`link::Dial`], so it runs on virtual time against an in-process cluster in
+//! tests and under simulation.
 //!
 //! The operator commands (`rackfs up`, `down`, `status`, `qos`) live in `rackfs-cli`.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -18,13 +29,16 @@
 pub mod client;
 pub mod clock;
 pub mod cluster;
+pub mod env;
 pub mod error;
 pub mod file;
 pub mod fuse;
 pub mod layout;
+pub mod link;
 pub mod lock;
 pub mod mount;
 pub mod options;
 pub mod reclock;
 pub mod replica;
+pub mod spawn;
 pub mod watch;

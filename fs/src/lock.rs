@@ -20,7 +20,6 @@ use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::record::REC_LOCKS;
 use rackfs_verbs::{block_on, RemoteAddr, VerbsError};
 
-use crate::clock::clock_ns;
 use crate::cluster::Cluster;
 
 /// Bytes per lock unit.
@@ -46,7 +45,7 @@ struct Tree {
     tree: LockTree,
     /// The mount's session whose lock slot and connection the tree handle uses.
     session: u64,
-    /// When an acquisition last saw the tree live (ns on the process clock).
+    /// When an acquisition last saw the tree live (the mount's `mono_ns`).
     seen_live: AtomicU64,
 }
 
@@ -102,7 +101,10 @@ impl FileLocks {
     /// (created if the file has none).
     fn current(&self, cl: &Cluster, units: u64) -> Result<Arc<Tree>, i32> {
         if let Some(t) = self.tree.read().expect("tree lock").as_ref() {
-            let age = clock_ns().saturating_sub(t.seen_live.load(Ordering::Relaxed));
+            let age = cl
+                .clock()
+                .mono_ns()
+                .saturating_sub(t.seen_live.load(Ordering::Relaxed));
             if age < LAYOUT_LEASE.as_nanos() as u64 && t.session == cl.session() {
                 return Ok(t.clone());
             }
@@ -130,7 +132,7 @@ impl FileLocks {
                 cfg,
                 slot,
             ),
-            seen_live: AtomicU64::new(clock_ns()),
+            seen_live: AtomicU64::new(cl.clock().mono_ns()),
             session,
         });
         *self.tree.write().expect("tree lock") = Some(t.clone());
@@ -147,9 +149,10 @@ impl FileLocks {
     /// Locks units `[l, r)` (`r = u64::MAX`: to infinity), growing the tree first if the range
     /// reaches beyond it. Waits while others hold overlapping ranges.
     pub fn lock(&self, cl: &Cluster, l: u64, r: u64) -> Result<Held, i32> {
-        let started = std::time::Instant::now();
+        let clock = cl.clock();
+        let started = clock.now();
         let mut backoff = Duration::from_micros(50);
-        while started.elapsed() < REPLACEMENT_PATIENCE {
+        while clock.now().saturating_sub(started) < REPLACEMENT_PATIENCE {
             // A new tree is sized for the range (an open-ended one: for its start).
             let t = self.current(cl, if r == u64::MAX { l + 1 } else { r })?;
             let (geo, _) = geometry(t.word).expect("a published tree");
@@ -159,13 +162,13 @@ impl FileLocks {
             }
             match block_on(t.tree.acquire(l, r)) {
                 Ok(guard) => {
-                    t.seen_live.store(clock_ns(), Ordering::Relaxed);
+                    t.seen_live.store(cl.clock().mono_ns(), Ordering::Relaxed);
                     return Ok(Held { tree: t, guard });
                 }
                 Err(LockError::Retired) => {
                     // Replaced, or being recovered: the new tree is published soon.
                     self.forget(&t);
-                    std::thread::sleep(backoff);
+                    clock.sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(10));
                 }
                 Err(LockError::Verbs(e)) => {
@@ -181,13 +184,13 @@ impl FileLocks {
 
     /// Scale-up: holding the whole tree, have the primary publish one covering `units`.
     fn grow(&self, cl: &Cluster, t: &Arc<Tree>, units: u64) -> Result<(), i32> {
-        let started = std::time::Instant::now();
+        let started = cl.clock().now();
         let guard = match block_on(t.tree.acquire(0, u64::MAX)) {
             Ok(g) => g,
             Err(LockError::Retired) => {
                 // Being replaced by someone else: give them a moment.
                 self.forget(t);
-                std::thread::sleep(Duration::from_millis(1));
+                cl.clock().sleep(Duration::from_millis(1));
                 return Ok(());
             }
             Err(e) => {
@@ -205,7 +208,7 @@ impl FileLocks {
             ino = self.ino,
             from = ?t.word.tree().map(|(h, _)| h),
             to = ?new.tree().map(|(h, _)| h),
-            took = ?started.elapsed(),
+            took = ?cl.clock().now().saturating_sub(started),
             "lock tree grown"
         );
         Ok(())

@@ -11,6 +11,7 @@ use rackfs_verbs::Secret;
 use tracing::info;
 
 use crate::cluster::Cluster;
+use crate::env::Env;
 use crate::error::{io, FsError};
 use crate::fuse::RackFs;
 use crate::options::MountOptions;
@@ -202,7 +203,9 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
     let dir = check_mount_point(dir)?;
     let secret = Secret::from_file(&opts.secret_file)?;
     let name = format!("mount:{}", dir.display());
+    // The mount is where the core meets the host: its clocks.
     let cluster = Cluster::connect(
+        Env::real(),
         &addrs,
         secret,
         opts.transport,

@@ -277,7 +277,7 @@ impl FileRecordLocks {
                 if interrupted() {
                     return Err(libc::EINTR);
                 }
-                std::thread::sleep(pause);
+                cl.clock().sleep(pause);
                 pause = (pause * 2).min(MAX_POLL);
                 if version()? != seen {
                     break;

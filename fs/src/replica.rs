@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLock};
 
 use rackfs_proto::namespace::StripeExtent;
 
-use crate::clock::clock_ns;
+use crate::clock::SharedClock;
 use crate::options::ReadPolicy;
 
 /// How long a node that failed an operation is passed over by reads (ns), doubled with every
@@ -31,7 +31,7 @@ pub struct Load {
     outstanding: AtomicU64,
     /// Recent batch latency, ns (exponentially weighted; 0 before the first sample).
     latency_ns: AtomicU64,
-    /// When it last failed (`clock_ns`; 0: never).
+    /// When it last failed ([`crate::clock::Clock::mono_ns`]; 0: never).
     failed_at: AtomicU64,
     /// Failures since its last success.
     failures: AtomicU64,
@@ -55,6 +55,7 @@ impl Load {
 /// sampled (only if it succeeded: a failure is noted by [`NodeLoads::failed`]).
 pub struct InFlight {
     load: Arc<Load>,
+    clock: SharedClock,
     started: u64,
     ok: bool,
 }
@@ -71,7 +72,7 @@ impl Drop for InFlight {
         self.load.outstanding.fetch_sub(1, Ordering::Relaxed);
         if self.ok {
             self.load.failures.store(0, Ordering::Relaxed);
-            let sample = clock_ns().saturating_sub(self.started);
+            let sample = self.clock.mono_ns().saturating_sub(self.started);
             let old = self.load.latency_ns.load(Ordering::Relaxed);
             let new = if old == 0 {
                 sample
@@ -87,13 +88,16 @@ impl Drop for InFlight {
 pub struct NodeLoads {
     policy: RwLock<ReadPolicy>,
     nodes: RwLock<HashMap<u32, Arc<Load>>>,
+    /// Times latencies and how long a failed node is passed over.
+    clock: SharedClock,
 }
 
 impl NodeLoads {
-    pub fn new(policy: ReadPolicy) -> NodeLoads {
+    pub fn new(policy: ReadPolicy, clock: SharedClock) -> NodeLoads {
         NodeLoads {
             policy: RwLock::new(policy),
             nodes: RwLock::default(),
+            clock,
         }
     }
 
@@ -119,7 +123,8 @@ impl NodeLoads {
         load.outstanding.fetch_add(1, Ordering::Relaxed);
         InFlight {
             load,
-            started: clock_ns(),
+            clock: self.clock.clone(),
+            started: self.clock.mono_ns(),
             ok: false,
         }
     }
@@ -127,7 +132,7 @@ impl NodeLoads {
     /// An operation on `node` failed: reads pass it over for a while.
     pub fn failed(&self, node: u32) {
         let l = self.load(node);
-        l.failed_at.store(clock_ns(), Ordering::Relaxed);
+        l.failed_at.store(self.clock.mono_ns(), Ordering::Relaxed);
         l.failures.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -144,7 +149,7 @@ impl NodeLoads {
         if let [only] = replicas {
             return (!avoid.contains(&only.node)).then_some(*only);
         }
-        let now = clock_ns();
+        let now = self.clock.mono_ns();
         let open: Vec<(StripeExtent, Arc<Load>)> = replicas
             .iter()
             .filter(|e| !avoid.contains(&e.node))
@@ -190,6 +195,8 @@ fn static_index(ino: u64, stripe: u64, n: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::{Clock, ManualClock};
+    use std::time::Duration;
 
     fn ext(node: u32) -> StripeExtent {
         StripeExtent {
@@ -199,9 +206,14 @@ mod tests {
         }
     }
 
+    fn loads(policy: ReadPolicy) -> (NodeLoads, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::default());
+        (NodeLoads::new(policy, clock.clone()), clock)
+    }
+
     #[test]
     fn static_reads_spread_over_replicas_and_stick_to_one_per_stripe() {
-        let l = NodeLoads::new(ReadPolicy::Static);
+        let (l, _) = loads(ReadPolicy::Static);
         let r = [ext(0), ext(1)];
         let mut per_node = [0; 2];
         for stripe in 0..1000 {
@@ -214,7 +226,7 @@ mod tests {
 
     #[test]
     fn adaptive_reads_avoid_a_busy_node_and_everyone_avoids_a_failed_one() {
-        let l = NodeLoads::new(ReadPolicy::Adaptive);
+        let (l, _) = loads(ReadPolicy::Adaptive);
         let r = [ext(0), ext(1)];
         let _busy: Vec<InFlight> = (0..4).map(|_| l.start(1)).collect();
         for stripe in 0..100 {
@@ -225,5 +237,74 @@ mod tests {
         // Avoided outright: only the other one; both avoided: none.
         assert_eq!(l.choose(7, 3, &r, &[1]).unwrap().node, 0);
         assert_eq!(l.choose(7, 3, &r, &[0, 1]), None);
+    }
+
+    #[test]
+    fn a_failed_node_is_passed_over_for_a_time_that_doubles_per_failure_until_a_success() {
+        let (l, clock) = loads(ReadPolicy::Static);
+        let r = [ext(0), ext(1)];
+        // A stripe the static policy reads from node 0.
+        let stripe = (0..100)
+            .find(|&k| l.choose(7, k, &r, &[]).unwrap().node == 0)
+            .expect("some stripe reads from node 0");
+        let read_from = |l: &NodeLoads| l.choose(7, stripe, &r, &[]).unwrap().node;
+        let s = Duration::from_secs(1);
+
+        l.failed(0);
+        assert_eq!(read_from(&l), 1, "just failed");
+        clock.advance(s * 2 - Duration::from_nanos(1));
+        assert_eq!(read_from(&l), 1, "still within 2 s");
+        clock.advance(Duration::from_nanos(1));
+        assert_eq!(read_from(&l), 0, "2 s after one failure");
+
+        // A second failure in a row: 4 s.
+        l.failed(0);
+        clock.advance(s * 3);
+        assert_eq!(read_from(&l), 1, "3 s after the second failure in a row");
+        clock.advance(s);
+        assert_eq!(read_from(&l), 0, "4 s after it");
+
+        // Many in a row: capped at 32 s.
+        for _ in 0..10 {
+            l.failed(0);
+        }
+        clock.advance(s * 31);
+        assert_eq!(read_from(&l), 1);
+        clock.advance(s);
+        assert_eq!(read_from(&l), 0, "never longer than 32 s");
+
+        // A success resets the count: the next failure costs 2 s again.
+        l.start(0).done();
+        l.failed(0);
+        assert_eq!(read_from(&l), 1);
+        clock.advance(s * 2);
+        assert_eq!(read_from(&l), 0);
+    }
+
+    #[test]
+    fn a_batchs_latency_is_what_the_clock_says_it_took() {
+        let (l, clock) = loads(ReadPolicy::Adaptive);
+        let r = [ext(0), ext(1)];
+        let batch = l.start(0);
+        clock.advance(Duration::from_micros(800));
+        batch.done();
+        let batch = l.start(1);
+        clock.advance(Duration::from_micros(100));
+        batch.done();
+        assert_eq!(l.load(0).latency_ns.load(Ordering::Relaxed), 800_000);
+        assert_eq!(l.load(1).latency_ns.load(Ordering::Relaxed), 100_000);
+        // The faster node gets every read, whichever the static choice.
+        for stripe in 0..50 {
+            assert_eq!(l.choose(7, stripe, &r, &[]).unwrap().node, 1);
+        }
+        // A failed batch is not sampled.
+        let batch = l.start(1);
+        clock.advance(Duration::from_secs(1));
+        drop(batch);
+        assert_eq!(l.load(1).latency_ns.load(Ordering::Relaxed), 100_000);
+        assert_eq!(
+            clock.now(),
+            Duration::from_micros(900) + Duration::from_secs(1)
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! mounts changed, before their operations return (see `rackfs_memnode::watch` for the
 //! primary's side and the guarantee).
 //!
-//! A thread polls the primary with `Watch` on a control connection of its own. For each
+//! A thread (started through the mount's [`crate::spawn::Spawn`]) polls the primary with `Watch` on a control connection of its own. For each
 //! change it tells the kernel through fuser's notifier (`inval_entry`, `inval_inode`) and
 //! drops this mount's cached file size, then acknowledges. A lost connection is logged with
 //! the node's name and retried; meanwhile the primary stops waiting for this mount after its
@@ -18,11 +18,11 @@ use fuser::{INodeNo, Notifier};
 use rackfs_proto::client::RPC_DEADLINE;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::Change;
-use rackfs_proto::ControlClient;
 use tracing::{debug, warn};
 
 use crate::cluster::Cluster;
 use crate::file::FileData;
+use crate::link::ControlLink;
 
 /// How long one poll waits for changes at the primary.
 const POLL: Duration = Duration::from_secs(5);
@@ -35,34 +35,34 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
     if ttl.is_zero() {
         return;
     }
-    let spawned = std::thread::Builder::new()
-        .name("rackfs-watch".into())
-        .spawn(move || loop {
-            // The mount's current session (a fenced mount starts a new one here).
-            let of = cluster.primary_session().1;
-            match cluster.connect_primary() {
-                Ok(c) => match serve(&c, of, ttl, &notifier, &files) {
-                    rackfs_proto::RpcError::Refused {
-                        code: ErrorCode::Fenced,
-                        ..
-                    } => debug!(session = of, "the watcher's session was fenced"),
-                    e => {
-                        warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting")
-                    }
-                },
-                Err(e) => {
-                    warn!(error = %e, "the watcher cannot reach the primary; retrying");
-                    // An idle mount follows a primary that took over from here (its record
-                    // locks must be reclaimed within the new primary's grace period).
-                    if cluster.elects_primary() {
-                        if let Err(e) = cluster.failover(of) {
-                            warn!(error = %e, "no primary took over yet");
-                        }
+    let spawn = cluster.env().spawn.clone();
+    let watcher = move || loop {
+        // The mount's current session (a fenced mount starts a new one here).
+        let of = cluster.primary_session().1;
+        match cluster.connect_primary() {
+            Ok(c) => match serve(&*c, of, ttl, &notifier, &files) {
+                rackfs_proto::RpcError::Refused {
+                    code: ErrorCode::Fenced,
+                    ..
+                } => debug!(session = of, "the watcher's session was fenced"),
+                e => {
+                    warn!(node = c.node_name(), error = %e, "the watcher lost the primary; reconnecting")
+                }
+            },
+            Err(e) => {
+                warn!(error = %e, "the watcher cannot reach the primary; retrying");
+                // An idle mount follows a primary that took over from here (its record
+                // locks must be reclaimed within the new primary's grace period).
+                if cluster.elects_primary() {
+                    if let Err(e) = cluster.failover(of) {
+                        warn!(error = %e, "no primary took over yet");
                     }
                 }
             }
-            std::thread::sleep(Duration::from_secs(1));
-        });
+        }
+        cluster.clock().sleep(Duration::from_secs(1));
+    };
+    let spawned = spawn.spawn("rackfs-watch", Box::new(watcher));
     if let Err(e) = spawned {
         warn!(error = %e, "no watcher thread");
     }
@@ -70,7 +70,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
 
 /// Polls and applies changes until the connection fails.
 fn serve(
-    c: &ControlClient,
+    c: &dyn ControlLink,
     of: u64,
     ttl: Duration,
     notifier: &Notifier,

@@ -7,6 +7,7 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use rackfs_fs::cluster::Cluster;
+use rackfs_fs::env::Env;
 use rackfs_fs::lock::FileLocks;
 use rackfs_fs::options::TransportChoice;
 use rackfs_proto::control::ControlResponse;
@@ -37,8 +38,15 @@ fn main() {
             (l.parse::<u64>().expect("l"), r)
         })
         .expect("--range L:R");
-    let cl = Cluster::connect(&[get("--cluster")], secret, transport, None, "lock-holder")
-        .expect("connect");
+    let cl = Cluster::connect(
+        Env::real(),
+        &[get("--cluster")],
+        secret,
+        transport,
+        None,
+        "lock-holder",
+    )
+    .expect("connect");
     let attr = match cl.primary().meta(MetaRequest::Lookup {
         parent: ROOT_INO,
         name: get("--file").into_bytes(),
