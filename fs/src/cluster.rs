@@ -23,6 +23,7 @@ use tracing::{info, warn};
 use crate::clock::SharedClock;
 use crate::env::Env;
 use crate::link::ControlLink;
+use crate::metrics::{Metered, MountMetrics};
 use crate::options::{ReadPolicy, TransportChoice};
 use crate::replica::NodeLoads;
 
@@ -87,6 +88,8 @@ pub struct Cluster {
     pub loads: NodeLoads,
     /// What the core takes from its surroundings (time; see [`crate::env`]).
     env: Env,
+    /// This mount's counters and latencies (see [`crate::metrics`]).
+    metrics: Arc<MountMetrics>,
 }
 
 /// Told each new session's QoS slot and the primary's address (it changes on a failover).
@@ -178,6 +181,12 @@ impl Cluster {
         if addrs.is_empty() {
             return Err(ConnectError::NoAddress);
         }
+        // Every control connection the core opens is timed into the mount's metrics.
+        let metrics = Arc::new(MountMetrics::default());
+        let env = Env {
+            dial: Arc::new(Metered::new(env.dial, metrics.clone(), env.clock.clone())),
+            ..env
+        };
         let mut last = String::new();
         for addr in addrs {
             let first = match env.dial.connect(addr, &secret, name) {
@@ -226,6 +235,7 @@ impl Cluster {
                 recovering: Mutex::new(()),
                 loads: NodeLoads::new(ReadPolicy::Adaptive, env.clock.clone()),
                 env,
+                metrics,
             });
         }
         Err(ConnectError::Unreachable {
@@ -754,9 +764,64 @@ impl Cluster {
         }
     }
 
+    /// This mount's counters and latencies.
+    pub fn metrics(&self) -> &Arc<MountMetrics> {
+        &self.metrics
+    }
+
+    /// The Prometheus text of this mount (mounted at `mount`): its metrics, and per node its
+    /// QoS tokens spent from the reservation and from the pool, beside what it asked for.
+    pub fn render_metrics(&self, mount: &str) -> String {
+        let mut p = rackfs_metrics::Page::new();
+        self.metrics.render(&mut p, mount);
+        if let Some((reservation, limit, weight)) =
+            *self.qos_wanted.lock().expect("qos wanted lock")
+        {
+            for (what, v) in [
+                ("reservation", reservation),
+                ("limit", limit),
+                ("weight", weight as u64),
+            ] {
+                p.gauge(
+                    "mount_qos_asked",
+                    "The QoS the mount asked for: reservation and limit in IOPS, weight.",
+                    &[("mount", mount), ("what", what)],
+                    v,
+                );
+            }
+        }
+        let engines: Vec<(u32, Arc<QosEngine>)> = match self.qos.read().expect("qos lock").as_ref()
+        {
+            Some(q) => q.engines.iter().map(|(&n, e)| (n, e.clone())).collect(),
+            None => Vec::new(),
+        };
+        for (node, e) in engines {
+            let t = e.totals();
+            let node = node.to_string();
+            for (source, v) in [("reservation", t.from_reservation), ("pool", t.from_pool)] {
+                p.counter(
+                    "mount_qos_tokens_total",
+                    "QoS tokens the mount spent (one per 4 KiB operation), by node and source.",
+                    &[("mount", mount), ("node", &node), ("source", source)],
+                    v,
+                );
+            }
+        }
+        p.finish()
+    }
+
     /// Waits until this mount may spend `tokens` on one-sided data operations on `node`
     /// (immediately without QoS); hold the result until the operations are done.
     pub fn admit(&self, node: u32, tokens: u64) -> Result<Option<InFlight>, VerbsError> {
+        let started = self.clock().now();
+        let r = self.admit_untimed(node, tokens);
+        self.metrics
+            .qos_wait
+            .observe(self.clock().now().saturating_sub(started));
+        r
+    }
+
+    fn admit_untimed(&self, node: u32, tokens: u64) -> Result<Option<InFlight>, VerbsError> {
         let engine = {
             let q = self.qos.read().expect("qos lock");
             let Some(q) = q.as_ref() else { return Ok(None) };

@@ -48,8 +48,14 @@ pub enum FsError {
     },
     #[error("FUSE session ended with an error: {0}")]
     Session(#[source] std::io::Error),
-    #[error("cannot install signal handlers: {0}")]
+    #[error("cannot install signal handlers or start a thread: {0}")]
     Signals(#[source] std::io::Error),
+    #[error("cannot serve metrics on {addr} (metrics=): {err}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        err: std::io::Error,
+    },
     /// A daemon (`mount` in the background, `rackfs up --detach`) exited early.
     #[error("{what} failed ({status}): {last}")]
     Exited {

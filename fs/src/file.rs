@@ -579,6 +579,7 @@ impl FileData {
     ) -> Result<Outcome, i32> {
         let mut posted = Vec::with_capacity(batches.len());
         let mut failed = Vec::new();
+        let started = cl.clock().now();
         for (node, b) in batches {
             match self.node(cl, node, session) {
                 Ok(n) => posted.push((node, cl.loads.start(node), n.qp.post(b))),
@@ -588,7 +589,10 @@ impl FileData {
         }
         let mut done = BTreeMap::new();
         for (node, flight, p) in posted {
-            match p.wait().and_then(|d| d.check().map(|_| d)) {
+            let r = p.wait().and_then(|d| d.check().map(|_| d));
+            let took = cl.clock().now().saturating_sub(started);
+            cl.metrics().batches.observe(took);
+            match r {
                 Ok(d) => {
                     flight.done();
                     done.insert(node, d);

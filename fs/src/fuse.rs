@@ -119,6 +119,17 @@ impl RackFs {
         &self.client
     }
 
+    /// Runs one filesystem operation of the core, recorded in the mount's metrics.
+    fn timed<T>(&self, op: &str, f: impl FnOnce() -> Result<T, Errno>) -> Result<T, Errno> {
+        let cl = self.client.cluster();
+        let started = cl.clock().now();
+        let r = f();
+        let took = cl.clock().now().saturating_sub(started);
+        cl.metrics()
+            .op(op, took, r.as_ref().err().map(|e| e.code()));
+        r
+    }
+
     /// This mount's open files (the watcher forgets their sizes on change).
     pub fn files(&self) -> crate::watch::Files {
         self.client.files()
@@ -178,11 +189,14 @@ impl Filesystem for RackFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.reply_entry(self.client.lookup(parent.0, name), reply)
+        self.reply_entry(
+            self.timed("lookup", || self.client.lookup(parent.0, name)),
+            reply,
+        )
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.reply_attr(self.client.getattr(ino.0), reply)
+        self.reply_attr(self.timed("getattr", || self.client.getattr(ino.0)), reply)
     }
 
     fn setattr(
@@ -211,7 +225,10 @@ impl Filesystem for RackFs {
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
         };
-        self.reply_attr(self.client.setattr(ino.0, change), reply)
+        self.reply_attr(
+            self.timed("setattr", || self.client.setattr(ino.0, change)),
+            reply,
+        )
     }
 
     fn fallocate(
@@ -224,7 +241,12 @@ impl Filesystem for RackFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        reply_empty(self.client.fallocate(ino.0, offset, length, mode), reply)
+        reply_empty(
+            self.timed("fallocate", || {
+                self.client.fallocate(ino.0, offset, length, mode)
+            }),
+            reply,
+        )
     }
 
     fn setxattr(
@@ -237,24 +259,35 @@ impl Filesystem for RackFs {
         position: u32,
         reply: ReplyEmpty,
     ) {
-        let res = self.client.setxattr(ino.0, name, value, flags, position);
+        let res = self.timed("setxattr", || {
+            self.client.setxattr(ino.0, name, value, flags, position)
+        });
         reply_empty(res, reply)
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        reply_xattr(self.client.getxattr(ino.0, name, size), reply)
+        reply_xattr(
+            self.timed("getxattr", || self.client.getxattr(ino.0, name, size)),
+            reply,
+        )
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        reply_xattr(self.client.listxattr(ino.0, size), reply)
+        reply_xattr(
+            self.timed("listxattr", || self.client.listxattr(ino.0, size)),
+            reply,
+        )
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        reply_empty(self.client.removexattr(ino.0, name), reply)
+        reply_empty(
+            self.timed("removexattr", || self.client.removexattr(ino.0, name)),
+            reply,
+        )
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.client.readlink(ino.0) {
+        match self.timed("readlink", || self.client.readlink(ino.0)) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno(e)),
         }
@@ -270,9 +303,10 @@ impl Filesystem for RackFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let res = self
-            .client
-            .mknod(parent.0, name, mode, umask, rdev, caller(req));
+        let res = self.timed("mknod", || {
+            self.client
+                .mknod(parent.0, name, mode, umask, rdev, caller(req))
+        });
         self.reply_entry(res, reply)
     }
 
@@ -285,16 +319,24 @@ impl Filesystem for RackFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let res = self.client.mkdir(parent.0, name, mode, umask, caller(req));
+        let res = self.timed("mkdir", || {
+            self.client.mkdir(parent.0, name, mode, umask, caller(req))
+        });
         self.reply_entry(res, reply)
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        reply_empty(self.client.unlink(parent.0, name), reply)
+        reply_empty(
+            self.timed("unlink", || self.client.unlink(parent.0, name)),
+            reply,
+        )
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        reply_empty(self.client.rmdir(parent.0, name), reply)
+        reply_empty(
+            self.timed("rmdir", || self.client.rmdir(parent.0, name)),
+            reply,
+        )
     }
 
     fn symlink(
@@ -305,9 +347,10 @@ impl Filesystem for RackFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let res = self
-            .client
-            .symlink(parent.0, link_name, target, caller(req));
+        let res = self.timed("symlink", || {
+            self.client
+                .symlink(parent.0, link_name, target, caller(req))
+        });
         self.reply_entry(res, reply)
     }
 
@@ -321,9 +364,10 @@ impl Filesystem for RackFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let res = self
-            .client
-            .rename(parent.0, name, newparent.0, newname, flags.bits());
+        let res = self.timed("rename", || {
+            self.client
+                .rename(parent.0, name, newparent.0, newname, flags.bits())
+        });
         reply_empty(res, reply)
     }
 
@@ -335,11 +379,14 @@ impl Filesystem for RackFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        self.reply_entry(self.client.link(ino.0, newparent.0, newname), reply)
+        self.reply_entry(
+            self.timed("link", || self.client.link(ino.0, newparent.0, newname)),
+            reply,
+        )
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.client.open(ino.0, flags.0) {
+        match self.timed("open", || self.client.open(ino.0, flags.0)) {
             Ok(o) => reply.opened(FileHandle(o.fh), open_flags(o.caching)),
             Err(e) => reply.error(errno(e)),
         }
@@ -355,9 +402,10 @@ impl Filesystem for RackFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let res = self
-            .client
-            .create(parent.0, name, mode, umask, flags, caller(req));
+        let res = self.timed("create", || {
+            self.client
+                .create(parent.0, name, mode, umask, flags, caller(req))
+        });
         match res {
             Ok((a, o)) => reply.created(
                 &self.client.ttl(),
@@ -383,10 +431,12 @@ impl Filesystem for RackFs {
     ) {
         // The data is replied straight from the core's buffer; an error only if none was.
         let mut reply = Some(reply);
-        let res = self.client.read(ino.0, offset, size, |d| {
-            if let Some(r) = reply.take() {
-                r.data(d)
-            }
+        let res = self.timed("read", || {
+            self.client.read(ino.0, offset, size, |d| {
+                if let Some(r) = reply.take() {
+                    r.data(d)
+                }
+            })
         });
         if let (Err(e), Some(r)) = (res, reply.take()) {
             r.error(errno(e));
@@ -406,7 +456,9 @@ impl Filesystem for RackFs {
         reply: ReplyWrite,
     ) {
         let kill_suidgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        match self.client.write(ino.0, fh.0, offset, data, kill_suidgid) {
+        match self.timed("write", || {
+            self.client.write(ino.0, fh.0, offset, data, kill_suidgid)
+        }) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -420,7 +472,10 @@ impl Filesystem for RackFs {
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        reply_empty(self.client.flush(ino.0, lock_owner.0), reply)
+        reply_empty(
+            self.timed("flush", || self.client.flush(ino.0, lock_owner.0)),
+            reply,
+        )
     }
 
     fn getlk(
@@ -436,7 +491,7 @@ impl Filesystem for RackFs {
         reply: ReplyLock,
     ) {
         let r = reclock::Request::new(lock_owner.0, pid, start, end, typ);
-        match self.client.getlk(ino.0, &r) {
+        match self.timed("getlk", || self.client.getlk(ino.0, &r)) {
             Ok(Some((start, end, typ, pid))) => reply.locked(start, end, typ, pid),
             Ok(None) => reply.locked(0, 0, libc::F_UNLCK, 0),
             Err(e) => reply.error(errno(e)),
@@ -469,7 +524,7 @@ impl Filesystem for RackFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        reply_empty(self.client.fsync(ino.0), reply)
+        reply_empty(self.timed("fsync", || self.client.fsync(ino.0)), reply)
     }
 
     fn release(
@@ -482,7 +537,10 @@ impl Filesystem for RackFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        reply_empty(self.client.release(ino.0, fh.0), reply)
+        reply_empty(
+            self.timed("release", || self.client.release(ino.0, fh.0)),
+            reply,
+        )
     }
 
     fn readdir(
@@ -493,9 +551,11 @@ impl Filesystem for RackFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let res = self.client.readdir(ino.0, offset, |e| {
-            let name = OsStr::from_bytes(&e.name);
-            reply.add(INodeNo(e.ino), e.cookie, kind(e.kind), name)
+        let res = self.timed("readdir", || {
+            self.client.readdir(ino.0, offset, |e| {
+                let name = OsStr::from_bytes(&e.name);
+                reply.add(INodeNo(e.ino), e.cookie, kind(e.kind), name)
+            })
         });
         match res {
             Ok(()) => reply.ok(),
@@ -504,7 +564,7 @@ impl Filesystem for RackFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match self.client.statfs() {
+        match self.timed("statfs", || self.client.statfs()) {
             Ok(s) => reply.statfs(
                 s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
             ),

@@ -36,6 +36,7 @@ pub mod fuse;
 pub mod layout;
 pub mod link;
 pub mod lock;
+pub mod metrics;
 pub mod mount;
 pub mod options;
 pub mod reclock;

@@ -163,6 +163,8 @@ impl FileLocks {
             match block_on(t.tree.acquire(l, r)) {
                 Ok(guard) => {
                     t.seen_live.store(cl.clock().mono_ns(), Ordering::Relaxed);
+                    let waited = clock.now().saturating_sub(started);
+                    cl.metrics().lock_wait.observe(waited);
                     return Ok(Held { tree: t, guard });
                 }
                 Err(LockError::Retired) => {

@@ -195,12 +195,21 @@ pub struct Prepared {
     pub config: Config,
     pub dir: PathBuf,
     pub record: RecordGuard,
+    /// Where the mount's metrics are served (`-o metrics=ADDR`), bound already.
+    pub metrics: Option<std::net::TcpListener>,
 }
 
 /// Connects to the cluster and builds the FUSE configuration for a mount.
 pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared, FsError> {
     let addrs = parse_source(source)?;
     let dir = check_mount_point(dir)?;
+    // Bound before anything else: an address that cannot be served fails the mount at once.
+    let metrics = match opts.metrics {
+        Some(addr) => {
+            Some(std::net::TcpListener::bind(addr).map_err(|err| FsError::Metrics { addr, err })?)
+        }
+        None => None,
+    };
     let secret = Secret::from_file(&opts.secret_file)?;
     let name = format!("mount:{}", dir.display());
     // The mount is where the core meets the host: its clocks.
@@ -271,6 +280,7 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
         config,
         dir,
         record,
+        metrics,
     })
 }
 
@@ -281,8 +291,17 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         config,
         dir,
         record,
+        metrics,
     } = prepare(source, dir, opts)?;
     let (cluster, files) = (fs.cluster(), fs.files());
+    if let Some(listener) = metrics {
+        let (cl, mount) = (cluster.clone(), dir.display().to_string());
+        info!(addr = ?listener.local_addr().ok(), "serving the mount's metrics");
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || rackfs_metrics::serve(listener, || cl.render_metrics(&mount)))
+            .map_err(FsError::Signals)?;
+    }
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
     crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
     let mut unmounter = session.unmount_callable();

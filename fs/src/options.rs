@@ -1,5 +1,6 @@
 //! Mount options: what `-o` accepts, with a clear error for anything else.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -70,6 +71,8 @@ pub struct MountOptions {
     pub limit: u64,
     /// Share of spare capacity relative to other mounts.
     pub weight: u32,
+    /// Where the mount serves its Prometheus text metrics (`None`: nowhere).
+    pub metrics: Option<SocketAddr>,
     /// Options accepted for compatibility with mount(8)/fstab and ignored.
     pub ignored: Vec<String>,
 }
@@ -96,6 +99,7 @@ impl Default for MountOptions {
             reservation: 0,
             limit: 0,
             weight: 1,
+            metrics: None,
             ignored: Vec::new(),
         }
     }
@@ -289,6 +293,19 @@ impl MountOptions {
                         o.limit = n;
                     }
                 }
+                "metrics" => {
+                    let v = need(key, value)?;
+                    let local = v
+                        .strip_prefix("localhost:")
+                        .map(|p| format!("127.0.0.1:{p}"));
+                    o.metrics = Some(local.as_deref().unwrap_or(v).parse().map_err(|_| {
+                        bad(
+                            key,
+                            v,
+                            "HOST:PORT with an IP address (or localhost), e.g. 127.0.0.1:9101",
+                        )
+                    })?);
+                }
                 "weight" => {
                     let v = need(key, value)?;
                     o.weight = v
@@ -320,6 +337,10 @@ mod tests {
         assert!(o.allow_other);
         assert_eq!(o.attr_timeout, Duration::from_millis(500));
         assert_eq!(o.ignored, vec!["_netdev"]);
+        let m = MountOptions::parse("metrics=localhost:9101").unwrap();
+        assert_eq!(m.metrics, Some("127.0.0.1:9101".parse().unwrap()));
+        let m = MountOptions::parse("metrics=[::1]:9101").unwrap();
+        assert_eq!(m.metrics, Some("[::1]:9101".parse().unwrap()));
         assert_eq!(MountOptions::parse("").unwrap(), MountOptions::default());
         for (bad, says) in [
             ("bogus", "unknown mount option \"bogus\""),
@@ -341,6 +362,10 @@ mod tests {
             ("replicas=0", "from 1 to 4"),
             ("replicas=5", "from 1 to 4"),
             ("read_policy=random", "adaptive or static"),
+            ("metrics=9101", "HOST:PORT"),
+            ("metrics=host.example:9101", "HOST:PORT"),
+            ("metrics=127.0.0.1:99999", "HOST:PORT"),
+            ("metrics=", "needs a value"),
         ] {
             let e = MountOptions::parse(bad).unwrap_err();
             assert!(e.to_string().contains(says), "{bad}: {e}");

@@ -4,8 +4,6 @@
 //! connection, any path.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::TcpListener;
 
 use rackfs_verbs::Opcode;
 
@@ -124,18 +122,5 @@ pub fn render(s: &NodeStats, qos: Option<&QosNodeStatus>) -> String {
     o
 }
 
-/// Serves `render(stats())` on `listener` until the process ends.
-pub fn serve(listener: TcpListener, page: impl Fn() -> String) {
-    for conn in listener.incoming() {
-        let Ok(mut c) = conn else { continue };
-        let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-        let mut buf = [0u8; 2048];
-        let _ = c.read(&mut buf);
-        let body = page();
-        let _ = write!(
-            c,
-            "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-    }
-}
+/// Serves `page()` on `listener` until the process ends.
+pub use rackfs_metrics::serve;
