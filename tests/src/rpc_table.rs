@@ -165,8 +165,12 @@ impl Op {
                 let mut buf = [0u8; 4096];
                 File::open("f")?.read_exact(&mut buf)?;
             }
-            Op::Stat => drop(fs::metadata("f")?),
-            Op::StatLapsed => drop(fs::metadata(&name)?),
+            Op::Stat => {
+                fs::metadata("f")?;
+            }
+            Op::StatLapsed => {
+                fs::metadata(&name)?;
+            }
             Op::Readdir => {
                 let n = fs::read_dir("d")?.collect::<Result<Vec<_>, _>>()?;
                 assert_eq!(n.len(), 100, "readdir lists every entry");
@@ -175,7 +179,7 @@ impl Op {
             Op::Rename => fs::rename(&name, format!("g{i}"))?,
             Op::Mkdir => fs::create_dir(&name)?,
             Op::Chmod => {
-                let mode = if i % 2 == 0 { 0o600 } else { 0o644 };
+                let mode = if i.is_multiple_of(2) { 0o600 } else { 0o644 };
                 fs::set_permissions("f", fs::Permissions::from_mode(mode))?
             }
             Op::Truncate => {
@@ -183,7 +187,7 @@ impl Op {
                     *open = Some(OpenOptions::new().write(true).open("f")?);
                 }
                 let f = open.as_ref().expect("opened above");
-                f.set_len(if i % 2 == 0 { 0 } else { 4096 })?
+                f.set_len(if i.is_multiple_of(2) { 0 } else { 4096 })?
             }
         }
         Ok(())
