@@ -11,6 +11,7 @@ mod qos_mounts;
 mod qos_pshift;
 mod reclocks;
 mod replicas;
+mod rpc_table;
 mod shared;
 mod stats;
 mod suite;
@@ -197,6 +198,23 @@ enum Cmd {
         /// F_SETLKW instead of F_SETLK.
         #[arg(long)]
         wait: bool,
+    },
+    /// Control RPCs and verbs per file operation (create, open+read, stat, readdir, unlink,
+    /// rename, mkdir, chmod, truncate) from the nodes' counters, through a real mount (needs
+    /// root).
+    RpcTable {
+        /// Operations counted per row (quick: 50).
+        #[arg(long, default_value_t = 200)]
+        ops: usize,
+        /// Memory nodes (stripes keep the default 2 replicas).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(2..=4))]
+        nodes: u16,
+        /// Fewer operations per row.
+        #[arg(long)]
+        quick: bool,
+        /// Also write the markdown to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -509,6 +527,15 @@ fn main() {
                 std::process::exit(1);
             }
         },
+        Cmd::RpcTable {
+            ops,
+            nodes,
+            quick,
+            out,
+        } => {
+            let md = rpc_table::run(if quick { 50 } else { ops.max(10) }, nodes.into());
+            report(&md, out);
+        }
         Cmd::Shared { run, runtime } => {
             let cfg = shared::Config {
                 runs: run.runs(),

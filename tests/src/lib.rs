@@ -11,6 +11,7 @@ pub mod mount;
 pub mod node;
 pub mod process;
 pub mod rng;
+pub mod rpc_table;
 
 pub use env::{connect, Env, NodeEnv, SimEnv, Via};
 pub use fio::{Fio, FioJob, FioReport, FioSide};
