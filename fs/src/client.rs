@@ -692,9 +692,14 @@ impl Client {
             Ok(a) => a,
             // Another mount created the name since the kernel looked it up: without O_EXCL
             // the open succeeds on that file, as on a local filesystem, and O_TRUNC empties it
-            // (as when two local opens race: the later one truncates).
+            // (as when two local opens race: the later one truncates). Only a regular file is
+            // opened here (the kernel fails a create answered with anything else with EIO): a
+            // directory is EISDIR, as open(2) answers; for a symlink or special file ESTALE
+            // makes the kernel look the name up again and open what it finds as it should.
             Err(Errno(libc::EEXIST)) if flags & libc::O_EXCL == 0 => {
                 match self.lookup(parent, name)? {
+                    a if a.kind == Kind::Dir => return Err(Errno(libc::EISDIR)),
+                    a if a.kind != Kind::File => return Err(Errno(libc::ESTALE)),
                     a if flags & libc::O_TRUNC != 0 && a.kind == Kind::File => self.set_size(
                         a.ino,
                         SetAttr {

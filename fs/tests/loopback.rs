@@ -296,3 +296,48 @@ fn without_a_new_primary_a_mount_gives_up_with_eio_after_the_failover_wait() {
     assert_eq!(a.cluster().failovers(), 0);
     assert!(w.threads.waiting().is_empty(), "no failover, no reclaim");
 }
+
+#[test]
+fn a_create_without_o_excl_opens_only_a_regular_file_another_mount_made() {
+    // The kernel fails a create answered with anything but a regular file with EIO (and the
+    // open it made was never released); a directory is EISDIR, as open(2) answers, anything
+    // else ESTALE, so the kernel looks the name up again.
+    let w = World::new(1, false, |_| 0);
+    let (a, b) = (
+        w.mount(MountOptions::default()),
+        w.mount(MountOptions::default()),
+    );
+    b.mkdir(ROOT_INO, name("d"), 0o755, 0, ME).unwrap();
+    b.symlink(ROOT_INO, name("l"), std::path::Path::new("d"), ME)
+        .unwrap();
+    b.mknod(ROOT_INO, name("p"), libc::S_IFIFO | 0o644, 0, 0, ME)
+        .unwrap();
+    let create = |n| {
+        a.create(
+            ROOT_INO,
+            name(n),
+            0o644,
+            0,
+            libc::O_RDWR | libc::O_CREAT,
+            ME,
+        )
+        .map(|(attr, _)| attr.kind)
+    };
+    assert_eq!(create("d"), Err(errno(libc::EISDIR)));
+    assert_eq!(create("l"), Err(errno(libc::ESTALE)));
+    assert_eq!(create("p"), Err(errno(libc::ESTALE)));
+    b.create(
+        ROOT_INO,
+        name("f"),
+        0o644,
+        0,
+        libc::O_RDWR | libc::O_CREAT,
+        ME,
+    )
+    .unwrap();
+    assert_eq!(create("f"), Ok(Kind::File), "a regular file is opened");
+    // Nothing was left open: the directory goes with its name.
+    let d = b.lookup(ROOT_INO, name("d")).unwrap();
+    b.rmdir(ROOT_INO, name("d")).unwrap();
+    assert_eq!(a.getattr(d.ino), Err(errno(libc::ENOENT)));
+}

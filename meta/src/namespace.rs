@@ -754,6 +754,10 @@ impl Namespace {
             for ino in [src, dst, parent, new_parent] {
                 self.get_mut(ino)?.ctime = t;
             }
+            // Both directories' entries changed, as in any rename (tmpfs and ext4 do the same).
+            for dir in [parent, new_parent] {
+                self.get_mut(dir)?.mtime = t;
+            }
             return Ok(());
         }
         if let Some(dst) = dst {

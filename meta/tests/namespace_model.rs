@@ -843,3 +843,44 @@ fn a_hard_link_survives_the_rename_of_its_other_name() {
     ])
     .unwrap();
 }
+
+#[test]
+fn an_exchange_moves_the_mtime_of_both_directories() {
+    // As any rename, and as tmpfs and ext4 do for RENAME_EXCHANGE.
+    let st = MemStorage::new(1, 1 << 20);
+    let mut svc = MetaService::new(std::time::Duration::from_secs(2), st.wall_ns());
+    let create = |svc: &mut MetaService, parent, name: &[u8], kind| {
+        let req = MetaRequest::Create {
+            parent,
+            name: name.to_vec(),
+            kind,
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+        };
+        match call(svc, &st, req) {
+            Ok(ControlResponse::Attr(a)) => a.ino,
+            other => panic!("{other:?}"),
+        }
+    };
+    let d = create(&mut svc, ROOT_INO, b"d", NewKind::Dir);
+    create(&mut svc, ROOT_INO, b"a", NewKind::Dir);
+    create(&mut svc, d, b"b", NewKind::Symlink(b"t".to_vec()));
+    st.advance(std::time::Duration::from_secs(1));
+    let exchange = MetaRequest::Rename {
+        parent: ROOT_INO,
+        name: b"a".to_vec(),
+        new_parent: d,
+        new_name: b"b".to_vec(),
+        flags: RENAME_EXCHANGE,
+    };
+    assert_eq!(call(&mut svc, &st, exchange), Ok(ControlResponse::Ok));
+    for dir in [ROOT_INO, d] {
+        let a = attr(&mut svc, &st, dir).unwrap();
+        assert_eq!(
+            (a.mtime_ns, a.ctime_ns),
+            (st.wall_ns(), st.wall_ns()),
+            "{dir}"
+        );
+    }
+}
