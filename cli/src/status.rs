@@ -14,7 +14,8 @@ use crate::outln;
 use crate::up::{pid_alive, read_state, state_value};
 
 /// `rackfs status [MOUNTPOINT | --cluster ADDR]`: this host's RackFS mounts, then each
-/// cluster's nodes, health, locks and QoS (every `rackfs up` instance's when none is named).
+/// cluster's nodes, space (raw and usable), health, locks and QoS (every `rackfs up`
+/// instance's when none is named).
 pub fn status(
     mountpoint: Option<PathBuf>,
     cluster: Option<String>,
