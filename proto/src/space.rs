@@ -131,7 +131,8 @@ mod tests {
         let u = usable(&[node(0, 100), node(1, 100)], 4, MIB);
         assert_eq!(u.replicas, 2);
         assert_eq!(u.free, 99 * MIB);
-        assert_eq!(usable(&[], 2, MIB), Usable::default());
+        let none = usable(&[], 2, MIB);
+        assert_eq!((none.capacity, none.free), (0, 0), "no node, no space");
     }
 
     proptest! {
