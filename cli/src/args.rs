@@ -70,7 +70,8 @@ pub enum Cmd {
         #[command(subcommand)]
         cmd: QosCmd,
     },
-    /// Show mounts, memory nodes, capacity, usage and verb counters.
+    /// Show mounts, memory nodes, capacity (raw, and usable with the default replicas), usage
+    /// and verb counters.
     Status {
         /// A RackFS mount point: show its cluster, and its own QoS first.
         mountpoint: Option<PathBuf>,

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use rackfs_fs::mount::{state_dir, MountRecord};
-use rackfs_proto::control::{ControlRequest, ControlResponse};
+use rackfs_proto::control::{ControlRequest, ControlResponse, FsStat};
+use rackfs_proto::namespace::{MetaRequest, DEFAULT_STRIPE_UNIT};
 use rackfs_proto::size::format_size;
 use rackfs_proto::ControlClient;
 use rackfs_verbs::{Opcode, Secret};
@@ -13,7 +14,8 @@ use crate::outln;
 use crate::up::{pid_alive, read_state, state_value};
 
 /// `rackfs status [MOUNTPOINT | --cluster ADDR]`: this host's RackFS mounts, then each
-/// cluster's nodes, health, locks and QoS (every `rackfs up` instance's when none is named).
+/// cluster's nodes, space (raw and usable), health, locks and QoS (every `rackfs up`
+/// instance's when none is named).
 pub fn status(
     mountpoint: Option<PathBuf>,
     cluster: Option<String>,
@@ -173,6 +175,15 @@ pub fn status(
                 }
             }
         }
+        match c.meta(MetaRequest::StatFs) {
+            Ok(ControlResponse::FsStat(fs)) => {
+                for l in space_lines(&fs) {
+                    outln!("{l}");
+                }
+            }
+            Ok(other) => outln!("  space: unknown (the primary answered {other:?})"),
+            Err(e) => outln!("  space: unknown ({e})"),
+        }
         let s = c.stats().map_err(unreachable)?;
         let by_op: Vec<String> = Opcode::ALL
             .iter()
@@ -206,6 +217,33 @@ pub fn status(
         }
     }
     Ok(())
+}
+
+/// The space part of `rackfs status`: the raw figures (the sum of the data nodes' memory for
+/// files) and the usable ones, what files of the cluster's default replica count and the
+/// default stripe unit can fill (what `df` shows on a mount that sets neither).
+pub fn space_lines(fs: &FsStat) -> [String; 2] {
+    let u = fs.usable(0, DEFAULT_STRIPE_UNIT);
+    let nodes = match fs.nodes.len() {
+        1 => "the 1 data node".to_string(),
+        n => format!("the {n} data nodes"),
+    };
+    [
+        format!(
+            "  space, raw (sum of {nodes} taking data): {} capacity, {} free",
+            format_size(fs.capacity),
+            format_size(fs.free)
+        ),
+        format!(
+            "  space, usable ({} replica{}, the cluster's default; {} stripes): {} capacity, {} \
+             free (what df shows on a mount without replicas= or stripe_unit=)",
+            u.replicas,
+            if u.replicas == 1 { "" } else { "s" },
+            format_size(DEFAULT_STRIPE_UNIT),
+            format_size(u.capacity),
+            format_size(u.free)
+        ),
+    ]
 }
 
 /// A cluster to show, and what to call it when it does not answer.
@@ -329,6 +367,40 @@ pub fn print_qos(q: &rackfs_proto::control::QosStatus, own: Option<u16>) {
             res,
             pool,
             missed
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfs_proto::space::NodeSpace;
+
+    #[test]
+    fn status_shows_raw_and_usable_space_with_the_replica_count() {
+        let node = |node| NodeSpace {
+            node,
+            capacity: 60 << 20,
+            free: 50 << 20,
+        };
+        let fs = FsStat {
+            capacity: 120 << 20,
+            free: 100 << 20,
+            files: 1,
+            replicas: 2,
+            nodes: vec![node(0), node(1)],
+        };
+        let [raw, usable] = space_lines(&fs);
+        assert_eq!(
+            raw,
+            "  space, raw (sum of the 2 data nodes taking data): 120.00 MiB capacity, 100.00 MiB free"
+        );
+        assert!(
+            usable.starts_with(
+                "  space, usable (2 replicas, the cluster's default; 1.00 MiB stripes): 59.00 MiB \
+                 capacity, 49.00 MiB free"
+            ),
+            "{usable}"
         );
     }
 }

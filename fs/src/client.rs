@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rackfs_proto::control::{ControlResponse, ErrorCode};
+use rackfs_proto::control::{ControlResponse, ErrorCode, FsStat};
 use rackfs_proto::namespace::{
     Attr, DirEntry, Kind, MetaRequest, NewKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE,
 };
@@ -884,27 +884,74 @@ impl Client {
         }
     }
 
-    /// The filesystem's capacity and free space, in 4 KiB blocks.
+    /// The filesystem's capacity and free space as this mount's files can fill them, in
+    /// 4 KiB blocks: what stripes of its `stripe_unit=` with its `replicas=` (or the
+    /// cluster's default) fit on the data nodes, every replica on a different node (see
+    /// [`rackfs_proto::space`]). A file given another count through `rackfs.replicas` takes
+    /// more or less than this predicts.
     pub fn statfs(&self) -> Result<StatFs, Errno> {
         match self.meta(MetaRequest::StatFs)? {
-            ControlResponse::FsStat(s) => Ok(StatFs {
-                blocks: s.capacity / 4096,
-                bfree: s.free / 4096,
-                bavail: s.free / 4096,
-                files: s.files,
-                ffree: u32::MAX as u64,
-                bsize: 4096,
-                namelen: 255,
-                frsize: 4096,
-            }),
+            ControlResponse::FsStat(s) => Ok(statfs_blocks(&s, &self.opts)),
             _ => Err(Errno(libc::EIO)),
         }
+    }
+}
+
+/// `statfs` figures from the nodes' memory, for files of `opts`' replica count and stripe
+/// unit: blocks and free blocks both usable ones, so `bavail <= bfree <= blocks`.
+fn statfs_blocks(s: &FsStat, opts: &MountOptions) -> StatFs {
+    let u = s.usable(opts.replicas, opts.stripe_unit);
+    StatFs {
+        blocks: u.capacity / 4096,
+        bfree: u.free / 4096,
+        bavail: u.free / 4096,
+        files: s.files,
+        ffree: u32::MAX as u64,
+        bsize: 4096,
+        namelen: 255,
+        frsize: 4096,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn statfs_counts_what_the_mounts_replicas_and_stripes_can_fill() {
+        use rackfs_proto::space::NodeSpace;
+        let node = |node, free| NodeSpace {
+            node,
+            capacity: 60 << 20,
+            free,
+        };
+        let s = FsStat {
+            capacity: 120 << 20,
+            free: 100 << 20,
+            files: 3,
+            replicas: 2,
+            nodes: vec![node(0, 50 << 20), node(1, 50 << 20)],
+        };
+        let mut opts = MountOptions::default();
+        let two = statfs_blocks(&s, &opts);
+        // 1 MiB stripes plus their tags: 59 fit in 60 MiB, 49 in 50 MiB; two copies each.
+        assert_eq!(
+            (two.blocks, two.bfree, two.bavail),
+            (59 * 256, 49 * 256, 49 * 256)
+        );
+        opts.replicas = 1;
+        let one = statfs_blocks(&s, &opts);
+        assert_eq!((one.blocks, one.bfree), (2 * 59 * 256, 2 * 49 * 256));
+        // A node with less room bounds two-replica stripes: none of them takes two copies.
+        let lopsided = FsStat {
+            nodes: vec![node(0, 10 << 20), node(1, 50 << 20)],
+            ..s
+        };
+        opts.replicas = 0;
+        let st = statfs_blocks(&lopsided, &opts);
+        assert_eq!(st.bavail, 9 * 256);
+        assert!(st.bavail <= st.bfree && st.bfree <= st.blocks);
+    }
 
     #[test]
     fn an_unprivileged_write_clears_setuid_and_executable_setgid_only() {

@@ -86,7 +86,7 @@ impl Default for MountOptions {
             transport: TransportChoice::Auto,
             rdma_device: None,
             cache: CacheMode::None,
-            stripe_unit: 1 << 20,
+            stripe_unit: rackfs_proto::namespace::DEFAULT_STRIPE_UNIT,
             replicas: 0,
             read_policy: ReadPolicy::Adaptive,
             threads: 4,

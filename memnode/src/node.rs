@@ -14,10 +14,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats};
+use rackfs_proto::space::NodeSpace;
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Region, RegionTable};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::alloc::GRANULE;
 use crate::baseline::BaselineLocks;
@@ -478,19 +479,41 @@ impl Storage for Node {
         self.data_region().load(offset).expect("word in region")
     }
 
+    /// The nodes that take new data ([`Storage::data_nodes`]: placement's own list) with
+    /// their memory; a peer that does not answer counts as none. Quarantined memory counts as
+    /// free: an allocation waits for it rather than failing.
     fn fs_stat(&self) -> FsStat {
-        // Not `self.stats()`: that takes the metadata lock, which the caller holds.
-        let (mut capacity, mut free) = self.store.capacity_free();
-        for (_, p) in self.members.live_peers() {
-            if let Ok(st) = p.stats() {
-                capacity += st.capacity;
-                free += st.free;
+        let data = self.data_nodes();
+        let mut nodes = Vec::with_capacity(data.len());
+        if data.contains(&self.cfg.node_id) {
+            // Not `self.stats()`: that takes the metadata lock, which the caller holds.
+            let (capacity, free) = self.store.capacity_free();
+            nodes.push(NodeSpace {
+                node: self.cfg.node_id,
+                capacity,
+                free,
+            });
+        }
+        for (node, p) in self.members.live_peers() {
+            if !data.contains(&node) {
+                continue;
+            }
+            match p.stats() {
+                Ok(st) => nodes.push(NodeSpace {
+                    node,
+                    capacity: st.capacity,
+                    free: st.free + st.quarantined,
+                }),
+                Err(e) => {
+                    debug!(node, error = %e, "statfs: a data node did not answer; its memory is not counted")
+                }
             }
         }
         FsStat {
-            capacity,
-            free,
-            files: 0,
+            capacity: nodes.iter().map(|n| n.capacity).sum(),
+            free: nodes.iter().map(|n| n.free).sum(),
+            nodes,
+            ..FsStat::default()
         }
     }
 

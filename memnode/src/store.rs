@@ -377,10 +377,18 @@ impl Store {
             .sum();
     }
 
-    /// Capacity and free bytes.
+    /// Capacity and the bytes files can still have: free, or quarantined (an allocation
+    /// waits for the quarantine rather than failing).
     pub fn capacity_free(&self) -> (u64, u64) {
         let a = self.allocator.lock().expect("allocator lock").stats();
-        (a.capacity, a.free)
+        let held: u64 = self
+            .quarantine
+            .lock()
+            .expect("quarantine lock")
+            .iter()
+            .map(|q| q.2)
+            .sum();
+        (a.capacity, a.free + held)
     }
 }
 

@@ -208,7 +208,7 @@ impl Storage for Recorder<'_> {
         self.keep(self.inner.load(offset), |&w| Answer::Word(w))
     }
     fn fs_stat(&self) -> FsStat {
-        self.keep(self.inner.fs_stat(), |&s| Answer::Stat(s))
+        self.keep(self.inner.fs_stat(), |s| Answer::Stat(s.clone()))
     }
     fn wall_ns(&self) -> u64 {
         self.keep(self.inner.wall_ns(), |&t| Answer::Time(t))

@@ -226,6 +226,8 @@ impl Namespace {
             MetaRequest::StatFs => {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
+                // What a file created without a replica count gets (see Create).
+                s.replicas = self.default_replicas.min(st.cluster_size() as u32).max(1);
                 Ok(ControlResponse::FsStat(s))
             }
         };

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use rackfs_proto::control::{ErrorCode, FsStat};
 use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::space::NodeSpace;
 use rackfs_proto::Refusal;
 use rackfs_verbs::{Access, Region};
 
@@ -381,12 +382,20 @@ impl Storage for MemStorage {
     }
 
     fn fs_stat(&self) -> FsStat {
-        let n = self.nodes.len() as u64;
-        let used: u64 = (0..n as u32).map(|i| self.used(i)).sum();
+        let nodes: Vec<NodeSpace> = self
+            .data_nodes()
+            .into_iter()
+            .map(|node| NodeSpace {
+                node,
+                capacity: self.capacity,
+                free: self.capacity.saturating_sub(self.used(node)),
+            })
+            .collect();
         FsStat {
-            capacity: self.capacity * n,
-            free: self.capacity * n - used,
-            files: 0,
+            capacity: nodes.iter().map(|n| n.capacity).sum(),
+            free: nodes.iter().map(|n| n.free).sum(),
+            nodes,
+            ..FsStat::default()
         }
     }
 

@@ -16,10 +16,11 @@ use rackfs_verbs::VerbTotals;
 use serde::{Deserialize, Serialize};
 
 use crate::namespace::{Attr, Change, DirEntry, MetaRequest, StripeExtent};
+use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
 pub const RPC_KINDS: [&str; 28] = [
@@ -467,12 +468,34 @@ pub struct QosStatus {
     pub nodes: Vec<QosNodeStatus>,
 }
 
-/// Filesystem-wide capacity, for `statfs`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Filesystem-wide capacity, for `statfs` and `rackfs status`: the raw figures, summed over
+/// the data nodes that take new data, and each node's, from which a mount works out what its
+/// files can fill ([`FsStat::usable`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsStat {
+    /// Sum of the nodes' memory for file data (their regions past the metadata areas).
     pub capacity: u64,
+    /// Sum of their free memory, quarantined memory included.
     pub free: u64,
     pub files: u64,
+    /// The replica count a new file gets when its mount does not ask (the cluster's default,
+    /// at most its nodes).
+    pub replicas: u32,
+    /// Each node's share of `capacity` and `free`.
+    pub nodes: Vec<NodeSpace>,
+}
+
+impl FsStat {
+    /// What files of `replicas` copies (0: the cluster's default) and `stripe_unit`-byte
+    /// stripes can fill (see [`crate::space`]).
+    pub fn usable(&self, replicas: u32, stripe_unit: u64) -> Usable {
+        let r = if replicas == 0 {
+            self.replicas
+        } else {
+            replicas
+        };
+        crate::space::usable(&self.nodes, r, stripe_unit)
+    }
 }
 
 /// A request the node refused: the error class and a message saying why.

@@ -12,6 +12,7 @@ pub mod locktree;
 pub mod namespace;
 pub mod record;
 pub mod size;
+pub mod space;
 
 pub use client::{ControlClient, RpcError};
 pub use control::{ControlRequest, ControlResponse, ErrorCode, Refusal, PROTOCOL_VERSION};

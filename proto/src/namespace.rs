@@ -10,6 +10,8 @@ pub const MAX_FILE_SIZE: u64 = 1 << 46;
 pub const MAX_NAME: usize = 255;
 /// Stripe units allowed: multiples of 4 KiB from 4 KiB to 64 MiB.
 pub const MAX_STRIPE_UNIT: u64 = 64 << 20;
+/// The stripe unit of files whose mount does not set `stripe_unit=`.
+pub const DEFAULT_STRIPE_UNIT: u64 = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Kind {

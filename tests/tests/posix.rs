@@ -387,8 +387,14 @@ fn statfs_reports_cluster_capacity() {
     let s = String::from_utf8_lossy(&out.stdout);
     let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
     assert_eq!(v[0], 4096);
-    // Two 32 MiB nodes, each keeping a sixteenth of its region for the metadata area.
-    assert_eq!(v[0] * v[1], 2 * (32 << 20) * 15 / 16, "two 32 MiB nodes");
+    // Two 32 MiB nodes, each keeping a sixteenth of its region for the metadata area; every
+    // 64 KiB stripe has a copy on each, in an extent with a 64-byte tag: 479 stripes fit.
+    let per_node = (32 << 20) * 15 / 16 / ((64 << 10) + 64);
+    assert_eq!(
+        v[0] * v[1],
+        per_node * (64 << 10),
+        "two 32 MiB nodes, two replicas"
+    );
     assert!(v[2] <= v[1]);
 }
 
