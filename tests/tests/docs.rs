@@ -17,6 +17,7 @@ fn semantics_doc_names_existing_tests() {
         // memnode/src, the record-lock rules in locks/src).
         let src = [
             "tests/tests",
+            "fs/tests",
             "meta/tests",
             "meta/src",
             "memnode/src",
