@@ -82,9 +82,12 @@ pub fn members(c: &dyn Coordinator) -> Result<Vec<(u32, LeaseId)>, CoordError> {
         .collect())
 }
 
+/// A node's coordinator and, for a data node on the embedded one, the [`Remote`] behind it.
+pub type Opened = (Arc<dyn Coordinator>, Option<Arc<Remote>>);
+
 /// The coordinator of a node with configuration `cfg`, and, for a data node on the embedded
 /// one, the [`Remote`] itself: it is pointed at the primary once the node found it.
-pub fn open(cfg: &NodeConfig) -> Result<(Arc<dyn Coordinator>, Option<Arc<Remote>>), CoordError> {
+pub fn open(cfg: &NodeConfig) -> Result<Opened, CoordError> {
     let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
     if let Some(endpoints) = &cfg.etcd {
         return Ok((
