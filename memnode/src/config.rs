@@ -58,8 +58,10 @@ pub struct NodeConfig {
 pub enum Role {
     /// Runs the metadata service; other nodes join it.
     Primary,
-    /// Offers its region to the primary at this address (`host:port` or `unix:PATH`).
-    Join(String),
+    /// Offers its region to the primary, found at one of these addresses (`host:port` or
+    /// `unix:PATH`, asked in turn) or, with etcd, at the one the coordinator's `primary` key
+    /// names (then the list may be empty).
+    Join(Vec<String>),
     /// Serves verbs and allocation only (no namespace).
     Standalone,
 }

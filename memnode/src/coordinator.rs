@@ -82,22 +82,34 @@ pub fn members(c: &dyn Coordinator) -> Result<Vec<(u32, LeaseId)>, CoordError> {
         .collect())
 }
 
-/// The coordinator of a node with configuration `cfg`.
-pub fn open(cfg: &NodeConfig) -> Result<Arc<dyn Coordinator>, CoordError> {
+/// A node's coordinator and, for a data node on the embedded one, the [`Remote`] behind it.
+pub type Opened = (Arc<dyn Coordinator>, Option<Arc<Remote>>);
+
+/// The coordinator of a node with configuration `cfg`, and, for a data node on the embedded
+/// one, the [`Remote`] itself: it is pointed at the primary once the node found it.
+pub fn open(cfg: &NodeConfig) -> Result<Opened, CoordError> {
     let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
     if let Some(endpoints) = &cfg.etcd {
-        return Ok(Arc::new(Etcd::new(endpoints, &cfg.cluster, deadline)?));
+        return Ok((
+            Arc::new(Etcd::new(endpoints, &cfg.cluster, deadline)?),
+            None,
+        ));
     }
     Ok(match &cfg.role {
-        Role::Join(primary) => Arc::new(Remote::new(primary, &cfg.secret, &cfg.name, deadline)),
+        Role::Join(addrs) => {
+            let first = addrs.first().map_or("", String::as_str);
+            let r = Arc::new(Remote::new(first, &cfg.secret, &cfg.name, deadline));
+            (r.clone(), Some(r))
+        }
         // The primary asks it at least every member check, an eighth of a lease.
-        _ => Arc::new(Local::new(cfg.node_lease / 4)),
+        _ => (Arc::new(Local::new(cfg.node_lease / 4)), None),
     })
 }
 
 /// The embedded coordinator, reached on the primary.
 pub struct Remote {
-    primary: String,
+    /// The primary's address: where the node joined.
+    primary: Mutex<String>,
     secret: Secret,
     name: String,
     deadline: Duration,
@@ -107,12 +119,23 @@ pub struct Remote {
 impl Remote {
     pub fn new(primary: &str, secret: &Secret, name: &str, deadline: Duration) -> Remote {
         Remote {
-            primary: primary.into(),
+            primary: Mutex::new(primary.into()),
             secret: secret.clone(),
             name: format!("coord-{name}"),
             deadline,
             conn: Mutex::new(None),
         }
+    }
+
+    /// From now on, asks the primary at `addr` (the one the node joined).
+    pub fn point_at(&self, addr: &str) {
+        let mut conn = self.conn.lock().expect("coordinator connection lock");
+        *self.primary.lock().expect("primary address lock") = addr.into();
+        *conn = None;
+    }
+
+    fn primary(&self) -> String {
+        self.primary.lock().expect("primary address lock").clone()
     }
 
     fn call(&self, call: CoordCall) -> Result<CoordAnswer, CoordError> {
@@ -129,15 +152,16 @@ impl Remote {
             CoordCall::WriteIf { guard, .. } => Some(guard.clone()),
             _ => None,
         };
+        let primary = self.primary();
         let unreachable = |e: RpcError| CoordError::Unreachable {
-            endpoints: self.primary.clone(),
+            endpoints: primary.clone(),
             why: e.to_string(),
         };
         let mut conn = self.conn.lock().expect("coordinator connection lock");
         let c = match conn.take() {
             Some(c) => c,
             None => {
-                let c = ControlClient::connect(&self.primary, &self.secret, &self.name)
+                let c = ControlClient::connect(&primary, &self.secret, &self.name)
                     .map_err(unreachable)?;
                 c.set_deadline(self.deadline);
                 c
@@ -149,7 +173,7 @@ impl Remote {
                 Ok(a)
             }
             Ok(other) => Err(CoordError::Protocol {
-                endpoint: self.primary.clone(),
+                endpoint: primary.clone(),
                 what: format!("{other:?}"),
             }),
             Err(RpcError::Refused {
@@ -274,7 +298,7 @@ impl Coordinator for Remote {
     }
 
     fn describe(&self) -> String {
-        format!("embedded, in the primary at {}", self.primary)
+        format!("embedded, in the primary at {}", self.primary())
     }
 }
 

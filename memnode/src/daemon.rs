@@ -54,12 +54,8 @@ pub enum StartError {
     Coordinator(#[from] rackfs_coord::CoordError),
     #[error("{0}")]
     Election(#[from] crate::election::ElectionError),
-    #[error("cannot join the primary at {addr}: {err}")]
-    Join {
-        addr: String,
-        #[source]
-        err: rackfs_proto::RpcError,
-    },
+    #[error("cannot join the cluster: {0}")]
+    Join(#[from] crate::discover::JoinError),
 }
 
 /// Makes `node` the primary, serving `meta`: the metadata service, the QoS controller, the
@@ -202,6 +198,7 @@ impl MemNode {
         if cfg.region_len < 1 << 20 {
             return Err(StartError::RegionTooSmall(cfg.region_len));
         }
+        crate::discover::check(&cfg.role, cfg.etcd.as_deref())?;
         let len = cfg.region_len.next_multiple_of(4096);
         let data = Region::create_memfd("rackfs-region", len, random_rkey(), Access::ALL)
             .map_err(|err| StartError::Region { len, err })?;
@@ -274,7 +271,7 @@ impl MemNode {
             domain: cfg.domain.clone(),
         };
         let is_primary = cfg.role == Role::Primary;
-        let coord = crate::coordinator::open(&cfg)?;
+        let (coord, remote) = crate::coordinator::open(&cfg)?;
         let sessions_from = first_session();
         let primacy = match (is_primary, &cfg.etcd) {
             (true, Some(_)) => Some(crate::election::Primacy::campaign(
@@ -377,15 +374,23 @@ impl MemNode {
                 crate::conn::accept_unix(l, n)
             });
         }
-        if let Role::Join(addr) = &node.cfg.role {
-            node.members
-                .join(addr, &node.cfg.secret, None)
-                .map_err(|err| StartError::Join {
-                    addr: addr.clone(),
-                    err,
-                })?;
+        if let Role::Join(addrs) = &node.cfg.role {
+            let primary = match crate::discover::join(&node, addrs) {
+                Ok(p) => p,
+                Err(e) => {
+                    // Stops the listeners and removes the Unix socket: the process ends.
+                    drop(MemNode {
+                        node: node.clone(),
+                        tcp_addr,
+                    });
+                    return Err(e.into());
+                }
+            };
+            if let Some(r) = &remote {
+                r.point_at(&primary);
+            }
             // The first lease before anyone is served: data connections are refused without.
-            let mut lease = Renewer::new(node.coord.clone(), addr, TAKE_OVER);
+            let mut lease = Renewer::new(node.coord.clone(), &primary, TAKE_OVER);
             lease.renew(&node);
             thread(&node, "node-lease", move |n| lease.run(&n));
         }

@@ -20,6 +20,7 @@ pub mod control;
 pub mod coordinator;
 pub mod counters;
 pub mod daemon;
+pub mod discover;
 pub mod election;
 pub mod epochs;
 pub mod fence;

@@ -43,9 +43,11 @@ struct Args {
     /// Run the cluster's metadata service (one node per cluster).
     #[arg(long, conflicts_with = "join")]
     primary: bool,
-    /// Join the cluster whose primary is at ADDR (host:port or unix:PATH).
-    #[arg(long, value_name = "ADDR")]
-    join: Option<String>,
+    /// Join the cluster whose primary is at one of these addresses (host:port or unix:PATH;
+    /// comma-separated or repeated), asked in turn; with --etcd the primary is also found in
+    /// etcd, and --join may be left out.
+    #[arg(long, value_name = "ADDR[,ADDR...]", value_delimiter = ',', value_parser = parse_join)]
+    join: Vec<String>,
     /// Milliseconds freed file data is held back before reuse (protects stale readers).
     #[arg(long, default_value_t = 2000)]
     quarantine_ms: u64,
@@ -114,6 +116,11 @@ struct Args {
     profile: Option<u64>,
 }
 
+/// One `--join` address, checked (`host:port` or `unix:PATH`).
+fn parse_join(s: &str) -> Result<String, String> {
+    rackfs_memnode::discover::parse_addr(s).map_err(|e| e.to_string())
+}
+
 /// A rate in bytes per second: a size such as `64M`, at least 1 MiB.
 fn parse_rate(s: &str) -> Result<u64, String> {
     let v = rackfs_proto::size::parse_size(s).map_err(|e| e.to_string())?;
@@ -157,8 +164,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         role: match (args.primary, args.join, profile) {
             (_, _, Some(_)) => Role::Standalone,
             (true, _, _) => Role::Primary,
-            (false, Some(addr), _) => Role::Join(addr),
-            (false, None, _) => Role::Standalone,
+            // With etcd and no address, the primary is found in etcd.
+            (false, addrs, _) if !addrs.is_empty() || args.etcd.is_some() => Role::Join(addrs),
+            (false, _, _) => Role::Standalone,
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),

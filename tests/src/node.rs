@@ -209,6 +209,23 @@ impl TestCluster {
         ));
     }
 
+    /// Starts one more node with exactly `flags` (besides its listeners, region and the
+    /// cluster's secret, which every node gets); returns its index, to restart or kill it.
+    pub fn add(&mut self, flags: &[&str]) -> usize {
+        self.flags
+            .push(flags.iter().map(|s| s.to_string()).collect());
+        self.nodes.push(None);
+        let i = self.nodes.len() - 1;
+        self.restart(i);
+        i
+    }
+
+    /// The flags node `i` is started with (its command line, but for listeners, region and
+    /// secret).
+    pub fn flags(&self, i: usize) -> &[String] {
+        &self.flags[i]
+    }
+
     /// The etcd client endpoints, comma-separated (clusters on etcd only).
     pub fn etcd_endpoints(&self) -> String {
         self.etcd.as_ref().expect("a cluster on etcd").endpoints()
