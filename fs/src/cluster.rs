@@ -813,15 +813,6 @@ impl Cluster {
     /// Waits until this mount may spend `tokens` on one-sided data operations on `node`
     /// (immediately without QoS); hold the result until the operations are done.
     pub fn admit(&self, node: u32, tokens: u64) -> Result<Option<InFlight>, VerbsError> {
-        let started = self.clock().now();
-        let r = self.admit_untimed(node, tokens);
-        self.metrics
-            .qos_wait
-            .observe(self.clock().now().saturating_sub(started));
-        r
-    }
-
-    fn admit_untimed(&self, node: u32, tokens: u64) -> Result<Option<InFlight>, VerbsError> {
         let engine = {
             let q = self.qos.read().expect("qos lock");
             let Some(q) = q.as_ref() else { return Ok(None) };
@@ -857,10 +848,17 @@ impl Cluster {
                     .clone()
             }
         };
-        match engine.try_admit(tokens) {
-            Some(admitted) => Ok(Some(admitted)),
-            None => rackfs_verbs::block_on(engine.admit(tokens)).map(Some),
+        // Admitted at once (the common case) is a wait of zero, recorded without the clock.
+        if let Some(admitted) = engine.try_admit(tokens) {
+            self.metrics.qos_wait.observe(Duration::ZERO);
+            return Ok(Some(admitted));
         }
+        let started = self.clock().now();
+        let r = rackfs_verbs::block_on(engine.admit(tokens)).map(Some);
+        self.metrics
+            .qos_wait
+            .observe(self.clock().now().saturating_sub(started));
+        r
     }
 
     /// Keeps this mount's QoS engines fresh while it is idle (every δ), so its unused

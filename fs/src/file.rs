@@ -579,7 +579,6 @@ impl FileData {
     ) -> Result<Outcome, i32> {
         let mut posted = Vec::with_capacity(batches.len());
         let mut failed = Vec::new();
-        let started = cl.clock().now();
         for (node, b) in batches {
             match self.node(cl, node, session) {
                 Ok(n) => posted.push((node, cl.loads.start(node), n.qp.post(b))),
@@ -589,12 +588,9 @@ impl FileData {
         }
         let mut done = BTreeMap::new();
         for (node, flight, p) in posted {
-            let r = p.wait().and_then(|d| d.check().map(|_| d));
-            let took = cl.clock().now().saturating_sub(started);
-            cl.metrics().batches.observe(took);
-            match r {
+            match p.wait().and_then(|d| d.check().map(|_| d)) {
                 Ok(d) => {
-                    flight.done();
+                    cl.metrics().batches.observe(flight.done());
                     done.insert(node, d);
                 }
                 Err(e) => failed.push((node, e)),

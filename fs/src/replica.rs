@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use rackfs_proto::namespace::StripeExtent;
 
@@ -57,22 +58,24 @@ pub struct InFlight {
     load: Arc<Load>,
     clock: SharedClock,
     started: u64,
-    ok: bool,
+    /// The batch's latency, once it completed.
+    took: Option<u64>,
 }
 
 impl InFlight {
-    /// The batch completed.
-    pub fn done(mut self) {
-        self.ok = true;
+    /// The batch completed; returns how long it took (posted to completed).
+    pub fn done(mut self) -> Duration {
+        let took = self.clock.mono_ns().saturating_sub(self.started);
+        self.took = Some(took);
+        Duration::from_nanos(took)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.load.outstanding.fetch_sub(1, Ordering::Relaxed);
-        if self.ok {
+        if let Some(sample) = self.took {
             self.load.failures.store(0, Ordering::Relaxed);
-            let sample = self.clock.mono_ns().saturating_sub(self.started);
             let old = self.load.latency_ns.load(Ordering::Relaxed);
             let new = if old == 0 {
                 sample
@@ -125,7 +128,7 @@ impl NodeLoads {
             load,
             clock: self.clock.clone(),
             started: self.clock.mono_ns(),
-            ok: false,
+            took: None,
         }
     }
 
