@@ -131,6 +131,18 @@ fn parse_rate(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    // `rackfs-memnode generate-man DIR` (hidden, for scripts/install): the man page from the
+    // flags' own definitions, so it never drifts from them and none is kept in git.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("generate-man") {
+        return match argv.get(2) {
+            Some(dir) => generate_man(std::path::Path::new(dir)),
+            None => {
+                eprintln!("rackfs-memnode: generate-man needs a directory");
+                ExitCode::FAILURE
+            }
+        };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -145,6 +157,31 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes `rackfs-memnode.1` into `dir`.
+fn generate_man(dir: &std::path::Path) -> ExitCode {
+    use clap::CommandFactory;
+    let page = dir.join("rackfs-memnode.1");
+    let written = std::fs::create_dir_all(dir).and_then(|()| {
+        let mut out = Vec::new();
+        clap_mangen::Man::new(Args::command()).render(&mut out)?;
+        std::fs::write(&page, out)
+    });
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rackfs-memnode: cannot write {}: {e}", page.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One line on stdout; a reader that went away (`| head`) ends nothing: the node keeps
+/// serving, where `println!` would panic.
+fn say(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -237,16 +274,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }
             best = best.max(rate);
         }
-        println!(
+        say(format_args!(
             "profile ({transport}, 4 KiB READs): C_G = {} IOPS, C_L = {} IOPS\n\
              start the node with --qos-capacity {} --qos-client-capacity {}",
             best as u64, one as u64, best as u64, one as u64
-        );
+        ));
         node.shutdown();
         return Ok(());
     }
     // One machine-readable line on stdout, for scripts and tests that start nodes on port 0.
-    println!(
+    say(format_args!(
         "rackfs-memnode ready: node={} tcp={} shm={} region={}",
         args.node_id,
         node.tcp_addr()
@@ -255,7 +292,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .as_ref()
             .map_or_else(|| "-".into(), |p| p.display().to_string()),
         args.region
-    );
+    ));
     let signal = signals.forever().next();
     info!(?signal, "shutting down");
     node.shutdown();
