@@ -93,14 +93,7 @@ impl Leases {
                 value: format!("{{\"session\":{session}}}").into_bytes(),
                 lease: Some(id),
             };
-            let written = match &guard {
-                Some(g) => c.write_if(g, key),
-                None => Err(CoordError::NotHeld {
-                    key: "primary".into(),
-                    lease: 0,
-                }),
-            };
-            if let Err(e) = written {
+            if let Err(e) = crate::term::write_guarded(&**c, guard.as_ref(), key) {
                 let _ = c.revoke(id);
                 return Err(e);
             }

@@ -185,18 +185,10 @@ impl Standby {
         m.set_journaling(false);
         *self.follower.lock().expect("follower lock") = None;
         *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
-        let withdrawn = match guard {
-            Some(g) => coord.write_if(
-                &g,
-                Write::Delete {
-                    key: "standby".into(),
-                },
-            ),
-            None => Err(CoordError::NotHeld {
-                key: "primary".into(),
-                lease: 0,
-            }),
+        let clear = Write::Delete {
+            key: "standby".into(),
         };
+        let withdrawn = crate::term::write_guarded(coord, guard.as_ref(), clear);
         match withdrawn {
             Ok(()) => {
                 warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync")

@@ -368,27 +368,24 @@ impl Store {
         s.free = a.free;
         s.largest_free = a.largest_free;
         s.extents = a.extents;
-        s.quarantined = self
-            .quarantine
+        s.quarantined = self.quarantined();
+    }
+
+    /// Bytes freed but held back from reuse.
+    fn quarantined(&self) -> u64 {
+        self.quarantine
             .lock()
             .expect("quarantine lock")
             .iter()
             .map(|q| q.2)
-            .sum();
+            .sum()
     }
 
     /// Capacity and the bytes files can still have: free, or quarantined (an allocation
     /// waits for the quarantine rather than failing).
     pub fn capacity_free(&self) -> (u64, u64) {
         let a = self.allocator.lock().expect("allocator lock").stats();
-        let held: u64 = self
-            .quarantine
-            .lock()
-            .expect("quarantine lock")
-            .iter()
-            .map(|q| q.2)
-            .sum();
-        (a.capacity, a.free + held)
+        (a.capacity, a.free + self.quarantined())
     }
 }
 

@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use rackfs_coord::Guard;
+use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
 use rackfs_verbs::Secret;
@@ -63,6 +63,22 @@ impl Term {
             .expect("term lock")
             .as_ref()
             .map_or(0, |t| t.1)
+    }
+}
+
+/// Makes `write` on `coord` only while `guard` holds; without a guard (not a primary) it is
+/// refused as [`CoordError::NotHeld`] like a deposed primary's.
+pub fn write_guarded(
+    coord: &dyn Coordinator,
+    guard: Option<&Guard>,
+    write: Write,
+) -> Result<(), CoordError> {
+    match guard {
+        Some(g) => coord.write_if(g, write),
+        None => Err(CoordError::NotHeld {
+            key: PRIMARY_KEY.into(),
+            lease: 0,
+        }),
     }
 }
 
