@@ -306,6 +306,10 @@ fn primary_action_allowed(node: &Node, session: u64, req: &ControlRequest) -> Re
 fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<ClusterInfo, Refusal> {
     let id = addr.node_id;
     let known = node.members.peer(id).is_ok();
+    if known && node.epochs.get().is_some_and(|e| e.is_live(id)) {
+        // The last look may predate the old holder's lapse: look again before refusing.
+        crate::liveness::check_members(node);
+    }
     // Only once the join is accepted: a refused one (an id already taken by a node at
     // another address) leaves the running node's replicas alone.
     let live = |id| node.epochs.get().is_some_and(|e| e.is_live(id));
