@@ -18,7 +18,7 @@ use rackfs_proto::size::format_size;
 use rackfs_verbs::Secret;
 
 use rackfs_fs::error::{io, FsError};
-use rackfs_fs::mount::{is_rackfs_mount, mount_type, path_tag, prepare, state_dir};
+use rackfs_fs::mount::{is_rackfs_mount, mount_type, path_tag, prepare, serve_metrics, state_dir};
 use rackfs_fs::options::{MountOptions, TransportChoice};
 
 use crate::error::CliError;
@@ -307,6 +307,7 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         let source = nodes[0].tcp.clone();
         let prepared = prepare(&source, &dir, &opts)?;
         let (cluster, files) = (prepared.fs.cluster(), prepared.fs.files());
+        serve_metrics(prepared.metrics, &cluster, &dir)?;
         let session =
             fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
         rackfs_fs::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);

@@ -284,6 +284,24 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
     })
 }
 
+/// Serves mount `dir`'s metrics on `listener` (`-o metrics=ADDR`), if any, from a thread.
+pub fn serve_metrics(
+    listener: Option<std::net::TcpListener>,
+    cluster: &Arc<Cluster>,
+    dir: &Path,
+) -> Result<(), FsError> {
+    let Some(listener) = listener else {
+        return Ok(());
+    };
+    let (cl, mount) = (cluster.clone(), dir.display().to_string());
+    info!(addr = ?listener.local_addr().ok(), "serving the mount's metrics");
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || rackfs_metrics::serve(listener, || cl.render_metrics(&mount)))
+        .map(|_| ())
+        .map_err(FsError::Signals)
+}
+
 /// Mounts and serves until unmounted or signalled (SIGTERM, SIGINT, SIGHUP unmount cleanly).
 pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(), FsError> {
     let Prepared {
@@ -294,14 +312,7 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         metrics,
     } = prepare(source, dir, opts)?;
     let (cluster, files) = (fs.cluster(), fs.files());
-    if let Some(listener) = metrics {
-        let (cl, mount) = (cluster.clone(), dir.display().to_string());
-        info!(addr = ?listener.local_addr().ok(), "serving the mount's metrics");
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || rackfs_metrics::serve(listener, || cl.render_metrics(&mount)))
-            .map_err(FsError::Signals)?;
-    }
+    serve_metrics(metrics, &cluster, &dir)?;
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
     crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
     let mut unmounter = session.unmount_callable();

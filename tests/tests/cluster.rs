@@ -567,6 +567,11 @@ fn rackfs_up_and_down_leave_nothing_behind() {
         "{out:?}"
     );
     assert!(!is_rackfs_mount(&d));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let out = run_rackfs(&[
         "up",
         ds,
@@ -574,7 +579,7 @@ fn rackfs_up_and_down_leave_nothing_behind() {
         "--region",
         "64M",
         "-o",
-        "limit=50000,stripe_unit=64K",
+        &format!("limit=50000,stripe_unit=64K,metrics=127.0.0.1:{port}"),
     ]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -611,6 +616,16 @@ fn rackfs_up_and_down_leave_nothing_behind() {
     assert!(record.qos_slot.is_some());
     fs::write(d.join("hello"), b"hello").unwrap();
     assert_eq!(fs::read(d.join("hello")).unwrap(), b"hello");
+    // `-o metrics=` serves the mount's metrics under `rackfs up` too.
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    std::io::Write::write_all(&mut c, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut page = String::new();
+    std::io::Read::read_to_string(&mut c, &mut page).expect("the metrics page within 10 s");
+    assert!(
+        page.starts_with("HTTP/1.0 200 OK") && page.contains("rackfs_mount_op_seconds_count"),
+        "{page}"
+    );
     let status = run_rackfs(&["status"]);
     assert!(
         String::from_utf8_lossy(&status.stdout).contains("mn1"),
