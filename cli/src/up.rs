@@ -306,11 +306,11 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         };
         let source = nodes[0].tcp.clone();
         let prepared = prepare(&source, &dir, &opts)?;
-        let (cluster, files) = (prepared.fs.cluster(), prepared.fs.files());
+        let (cluster, caches) = (prepared.fs.cluster(), prepared.fs.caches());
         serve_metrics(prepared.metrics, &cluster, &dir)?;
         let session =
             fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
-        rackfs_fs::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
+        rackfs_fs::watch::spawn(cluster, session.notifier(), caches, opts.attr_timeout);
         let _record = prepared.record;
         let state = format!(
             "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",

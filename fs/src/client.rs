@@ -42,6 +42,7 @@ use rackfs_proto::namespace::{
 };
 use rackfs_proto::RpcError;
 
+use crate::caches::Caches;
 use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::file::FileData;
@@ -238,6 +239,33 @@ fn new_perm(mode: u32, umask: u32) -> u16 {
     (mode & !umask & 0o7777) as u16
 }
 
+/// Bytes of stripe 0 a file created for writing gets placed by its create (a 4 KiB page, as a
+/// local filesystem's first block); the last close trims a smaller file's extent to its size.
+const CREATE_RESERVE: u64 = 4096;
+
+/// Whether `req` leaves every directory's attributes as they were (so the attributes this
+/// mount learnt stay true).
+fn reads_only(req: &MetaRequest) -> bool {
+    matches!(
+        req,
+        MetaRequest::Lookup { .. }
+            | MetaRequest::GetAttr { .. }
+            | MetaRequest::ReadDir { .. }
+            | MetaRequest::ReadLink { .. }
+            | MetaRequest::Open { .. }
+            | MetaRequest::Release { .. }
+            | MetaRequest::AllocStripe { .. }
+            | MetaRequest::GetStripe { .. }
+            | MetaRequest::StatFs
+            | MetaRequest::LockSlot
+            | MetaRequest::LockTree { .. }
+            | MetaRequest::GetXattr { .. }
+            | MetaRequest::ListXattr { .. }
+            | MetaRequest::RecordLocks { .. }
+            | MetaRequest::Settle { .. }
+    )
+}
+
 /// `t` in nanoseconds since the epoch; `Now` is `clock`'s wall time.
 fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
     match t {
@@ -252,7 +280,7 @@ fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
 pub struct Client {
     cluster: Arc<Cluster>,
     opts: MountOptions,
-    files: crate::watch::Files,
+    caches: Caches,
     /// Open handles.
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
@@ -262,11 +290,11 @@ impl Client {
     /// The filesystem of a mount on `cluster` with options `opts`; registers what the mount
     /// does when it continues on a primary that took over.
     pub fn new(cluster: Arc<Cluster>, opts: MountOptions) -> Client {
-        let files: crate::watch::Files = Default::default();
+        let caches = Caches::default();
         {
             // On a primary that took over: cached layouts go, and what this mount wrote to
             // its open files (sizes written one-sidedly to the old primary) is reported again.
-            let (weak, files) = (Arc::downgrade(&cluster), files.clone());
+            let (weak, files) = (Arc::downgrade(&cluster), caches.files.clone());
             cluster.on_failover(move || {
                 let Some(cl) = weak.upgrade() else { return };
                 let open: Vec<_> = files.lock().expect("files lock").values().cloned().collect();
@@ -295,15 +323,15 @@ impl Client {
         Client {
             cluster,
             opts,
-            files,
+            caches,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
         }
     }
 
-    /// This mount's open files (the watcher forgets their sizes on change).
-    pub fn files(&self) -> crate::watch::Files {
-        self.files.clone()
+    /// This mount's caches (the watcher makes them forget other mounts' changes).
+    pub fn caches(&self) -> Caches {
+        self.caches.clone()
     }
 
     /// The cluster this filesystem serves.
@@ -336,7 +364,35 @@ impl Client {
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
-        self.cluster.meta(req).map_err(rpc)
+        let changes = !reads_only(&req);
+        let r = self.cluster.meta(req).map_err(rpc);
+        if changes {
+            self.caches.attrs.changed();
+        }
+        r
+    }
+
+    /// A change whose answer carries a directory's attributes after it (create, unlink,
+    /// rmdir): they are kept for the kernel's next getattr of it (see [`crate::caches::LearntAttrs`]).
+    fn meta_learning(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+        let sent = self.caches.attrs.generation();
+        let r = self.cluster.meta(req).map_err(rpc);
+        let now = self.cluster.clock().mono_ns();
+        match &r {
+            Ok(ControlResponse::Attr(dir)) if self.learns() => {
+                self.caches.attrs.keep(dir.clone(), sent, now)
+            }
+            Ok(ControlResponse::Created(c)) if self.learns() => {
+                self.caches.attrs.keep(c.parent.clone(), sent, now)
+            }
+            _ => self.caches.attrs.changed(),
+        }
+        r
+    }
+
+    /// Whether the kernel caches attributes at all (else nothing is kept for it).
+    fn learns(&self) -> bool {
+        !self.opts.attr_timeout.is_zero()
     }
 
     fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {
@@ -358,6 +414,7 @@ impl Client {
     fn file(&self, a: &Attr) -> Result<Arc<FileData>, Errno> {
         let layout = a.layout.ok_or(Errno(libc::EISDIR))?;
         Ok(self
+            .caches
             .files
             .lock()
             .expect("files lock")
@@ -374,7 +431,12 @@ impl Client {
     }
 
     fn cached_file(&self, ino: u64) -> Option<Arc<FileData>> {
-        self.files.lock().expect("files lock").get(&ino).cloned()
+        self.caches
+            .files
+            .lock()
+            .expect("files lock")
+            .get(&ino)
+            .cloned()
     }
 
     /// The data path of open file `ino`; EBADF if this mount has not opened it.
@@ -382,21 +444,28 @@ impl Client {
         self.cached_file(ino).ok_or(Errno(libc::EBADF))
     }
 
-    /// Registers an open with the metadata service and returns a new handle.
-    fn open_handle(&self, a: &Attr, flags: i32) -> Result<Opened, Errno> {
+    /// Registers an open with the metadata service (one round trip, answered with the
+    /// attributes) and returns them with a new handle.
+    fn open_handle(&self, ino: u64, flags: i32) -> Result<(Attr, Opened), Errno> {
+        let a = self.attr_of(MetaRequest::Open { ino })?;
         if a.kind == Kind::File {
-            self.file(a)?;
+            self.file(&a)?;
         }
-        self.meta(MetaRequest::Open { ino: a.ino })?;
+        let opened = self.new_handle(flags, a.perm);
+        Ok((a, opened))
+    }
+
+    /// A new handle of an opened inode.
+    fn new_handle(&self, flags: i32, perm: u16) -> Opened {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles
             .lock()
             .expect("handles lock")
-            .insert(fh, Handle::opened(flags, a.perm));
-        Ok(Opened {
+            .insert(fh, Handle::opened(flags, perm));
+        Opened {
             fh,
             caching: self.caching(),
-        })
+        }
     }
 
     fn create_node(
@@ -455,7 +524,13 @@ impl Client {
         })
     }
 
+    /// An inode's attributes: those this mount's last change of it was answered with, if
+    /// still fresh (see [`crate::caches::LearntAttrs`]), else the primary's.
     pub fn getattr(&self, ino: u64) -> Result<Attr, Errno> {
+        let now = self.cluster.clock().mono_ns();
+        if let Some(a) = self.caches.attrs.take(ino, now, self.opts.attr_timeout) {
+            return Ok(a);
+        }
         self.attr_of(MetaRequest::GetAttr { ino })
     }
 
@@ -617,7 +692,7 @@ impl Client {
         } else {
             MetaRequest::Unlink { parent, name }
         };
-        self.meta(req).map(|_| ())
+        self.meta_learning(req).map(|_| ())
     }
 
     pub fn symlink(
@@ -666,15 +741,13 @@ impl Client {
         if self.opts.read_only && flags & libc::O_ACCMODE != libc::O_RDONLY {
             return Err(Errno(libc::EROFS));
         }
-        let a = match self.getattr(ino) {
-            Ok(a) => a,
+        match self.open_handle(ino, flags) {
             // The kernel's cached name points at a file another mount removed: ESTALE makes
             // the kernel look the name up again and retry the open (it then creates the file
             // for O_CREAT, or returns ENOENT), as NFS clients do.
-            Err(Errno(libc::ENOENT)) => return Err(Errno(libc::ESTALE)),
-            Err(e) => return Err(e),
-        };
-        self.open_handle(&a, flags)
+            Err(Errno(libc::ENOENT)) => Err(Errno(libc::ESTALE)),
+            r => r.map(|(_, opened)| opened),
+        }
     }
 
     /// Creates regular file `name` in `parent` and opens it with open flags `flags`.
@@ -687,9 +760,38 @@ impl Client {
         flags: i32,
         caller: Caller,
     ) -> Result<(Attr, Opened), Errno> {
-        let kind = self.new_file();
-        let a = match self.create_node(parent, name, kind, new_perm(mode, umask), caller) {
-            Ok(a) => a,
+        self.writable()?;
+        let (stripe_unit, replicas) = (self.opts.stripe_unit, self.opts.replicas);
+        // A writer's first bytes go to memory placed by the create itself, under a lock tree
+        // published by it too: no further round trip before the first write.
+        let reserve = match flags & libc::O_ACCMODE {
+            libc::O_RDONLY => 0,
+            _ => CREATE_RESERVE,
+        };
+        let req = MetaRequest::CreateOpen {
+            parent,
+            name: name.as_bytes().to_vec(),
+            stripe_unit,
+            replicas,
+            perm: new_perm(mode, umask),
+            uid: caller.uid,
+            gid: caller.gid,
+            reserve,
+            lock_units: if self.opts.locks {
+                reserve.div_ceil(crate::lock::LOCK_UNIT).max(1)
+            } else {
+                0
+            },
+        };
+        let sent = self.cluster.clock().mono_ns();
+        let a = match self.meta_learning(req) {
+            Ok(ControlResponse::Created(c)) => {
+                let f = self.file(&c.attr)?;
+                f.cache_stripe(0, c.stripe, sent);
+                let opened = self.new_handle(flags, c.attr.perm);
+                return Ok((c.attr, opened));
+            }
+            Ok(_) => return Err(Errno(libc::EIO)),
             // Another mount created the name since the kernel looked it up: without O_EXCL
             // the open succeeds on that file, as on a local filesystem, and O_TRUNC empties it
             // (as when two local opens race: the later one truncates). Only a regular file is
@@ -712,8 +814,7 @@ impl Client {
             }
             Err(e) => return Err(e),
         };
-        let opened = self.open_handle(&a, flags)?;
-        Ok((a, opened))
+        self.open_handle(a.ino, flags)
     }
 
     /// Reads up to `size` bytes at `offset` of open file `ino`, handing them to `deliver`

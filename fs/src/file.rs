@@ -312,7 +312,7 @@ impl FileData {
     }
 
     /// Caches stripe `k`'s replicas, learnt from the service by an RPC sent at `sent`.
-    fn cache_stripe(&self, k: u64, replicas: Vec<StripeExtent>, sent: u64) {
+    pub(crate) fn cache_stripe(&self, k: u64, replicas: Vec<StripeExtent>, sent: u64) {
         if replicas.is_empty() {
             return;
         }

@@ -130,9 +130,9 @@ impl RackFs {
         r
     }
 
-    /// This mount's open files (the watcher forgets their sizes on change).
-    pub fn files(&self) -> crate::watch::Files {
-        self.client.files()
+    /// This mount's caches (the watcher makes them forget other mounts' changes).
+    pub fn caches(&self) -> crate::caches::Caches {
+        self.client.caches()
     }
 
     /// The cluster this filesystem serves.

@@ -3,6 +3,8 @@
 //!
 //! * [`client`]: the client core, one method per filesystem operation, and every policy of a
 //!   mount (failover retries, set-user-ID clearing, O_APPEND, open handles, record locks).
+//! * [`caches`]: what a mount keeps between requests (open files, attributes its own changes
+//!   were answered with), forgotten on other mounts' changes.
 //! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: the FUSE adapter, kernel requests translated into [`client`] calls and back.
@@ -26,6 +28,7 @@
 //! The operator commands (`rackfs up`, `down`, `status`, `qos`) live in `rackfs-cli`.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod caches;
 pub mod client;
 pub mod clock;
 pub mod cluster;

@@ -311,10 +311,10 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         record,
         metrics,
     } = prepare(source, dir, opts)?;
-    let (cluster, files) = (fs.cluster(), fs.files());
+    let (cluster, caches) = (fs.cluster(), fs.caches());
     serve_metrics(metrics, &cluster, &dir)?;
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
-    crate::watch::spawn(cluster, session.notifier(), files, opts.attr_timeout);
+    crate::watch::spawn(cluster, session.notifier(), caches, opts.attr_timeout);
     let mut unmounter = session.unmount_callable();
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])

@@ -4,14 +4,13 @@
 //!
 //! A thread (started through the mount's [`crate::spawn::Spawn`]) polls the primary with `Watch` on a control connection of its own. For each
 //! change it tells the kernel through fuser's notifier (`inval_entry`, `inval_inode`) and
-//! drops this mount's cached file size, then acknowledges. A lost connection is logged with
+//! drops what this mount's [`Caches`] knew of it, then acknowledges. A lost connection is logged with
 //! the node's name and retried; meanwhile the primary stops waiting for this mount after its
 //! `attr_timeout`, and the kernel's cache expires on its own.
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fuser::{INodeNo, Notifier};
@@ -20,18 +19,15 @@ use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::Change;
 use tracing::{debug, warn};
 
+use crate::caches::Caches;
 use crate::cluster::Cluster;
-use crate::file::FileData;
 use crate::link::ControlLink;
 
 /// How long one poll waits for changes at the primary.
 const POLL: Duration = Duration::from_secs(5);
 
-/// This mount's open files, shared with the filesystem (their sizes are forgotten on change).
-pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
-
 /// Starts the watcher thread of a mount whose kernel caches for `ttl` (nothing to do when 0).
-pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Duration) {
+pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Duration) {
     if ttl.is_zero() {
         return;
     }
@@ -40,7 +36,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, files: Files, ttl: Durat
         // The mount's current session (a fenced mount starts a new one here).
         let of = cluster.primary_session().1;
         match cluster.connect_primary() {
-            Ok(c) => match serve(&*c, of, ttl, &notifier, &files) {
+            Ok(c) => match serve(&*c, of, ttl, &notifier, &caches) {
                 rackfs_proto::RpcError::Refused {
                     code: ErrorCode::Fenced,
                     ..
@@ -74,7 +70,7 @@ fn serve(
     of: u64,
     ttl: Duration,
     notifier: &Notifier,
-    files: &Files,
+    caches: &Caches,
 ) -> rackfs_proto::RpcError {
     c.set_deadline(POLL + RPC_DEADLINE);
     let mut acked = 0;
@@ -91,7 +87,7 @@ fn serve(
                     warn!("the primary dropped changes while this mount lagged");
                 }
                 for ch in &changes {
-                    apply(ch, notifier, files);
+                    apply(ch, notifier, caches);
                 }
                 acked = seq;
             }
@@ -106,18 +102,14 @@ fn serve(
     }
 }
 
-fn apply(ch: &Change, notifier: &Notifier, files: &Files) {
+fn apply(ch: &Change, notifier: &Notifier, caches: &Caches) {
+    caches.forget(ch);
     // ENOENT: the kernel had nothing cached for it, which is fine.
     let r = match ch {
         Change::Entry { parent, name } => {
             notifier.inval_entry(INodeNo(*parent), OsStr::from_bytes(name))
         }
-        Change::Inode { ino } => {
-            if let Some(f) = files.lock().expect("files lock").get(ino) {
-                f.forget_size();
-            }
-            notifier.inval_inode(INodeNo(*ino), 0, 0)
-        }
+        Change::Inode { ino } => notifier.inval_inode(INodeNo(*ino), 0, 0),
     };
     if let Err(e) = r {
         debug!(change = ?ch, error = %e, "kernel cache invalidation");

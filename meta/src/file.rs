@@ -104,20 +104,34 @@ impl File {
         }
     }
 
-    /// Sets the replica count of a file that has no stripe yet (its extent table's layout
-    /// depends on it).
-    pub fn set_replicas(&mut self, replicas: u32, region: &Region) -> Result<(), Refusal> {
+    /// Sets the replica count of a file that holds no data yet (size 0). Its extent table's
+    /// layout depends on the count, so the table is retired and the stripes placed so far
+    /// (by its create, for a first write) are freed: a mount writing to them meanwhile finds
+    /// them quarantined and writes again to the stripes placed anew.
+    pub fn set_replicas(&mut self, replicas: u32, st: &dyn Storage) -> Result<(), Refusal> {
         if !(1..=MAX_REPLICAS).contains(&replicas) {
             return Err(Refusal::new(
                 ErrorCode::Invalid,
                 format!("a file has 1 to {MAX_REPLICAS} replicas, not {replicas}"),
             ));
         }
-        if self.table != 0 {
+        let (_, region) = st.local();
+        if self.table != 0 && st.load(self.record + REC_SIZE) > 0 {
             return Err(Refusal::new(
                 ErrorCode::Invalid,
-                "a file's replica count is set before its first write (it has stripes)",
+                "a file's replica count is set before its first write (it holds data)",
             ));
+        }
+        for (k, r) in std::mem::take(&mut self.stripes) {
+            self.clear(region, k);
+            free_all(&r, st);
+        }
+        if self.table != 0 {
+            self.retired_tables
+                .push((self.table, self.table_bytes(self.table_cap)));
+            (self.table, self.table_cap) = (0, 0);
+            write_word(region, self.record + REC_TABLE, 0);
+            write_word(region, self.record + REC_TABLE_CAP, 0);
         }
         write_word(region, self.record + REC_REPLICAS, replicas as u64);
         self.replicas = replicas;
@@ -455,12 +469,20 @@ impl File {
     }
 
     /// Shrinks the last stripe's extents to what the file's size needs, when that saves more
-    /// than an eighth of them (a file that grew by doubling, or was truncated).
+    /// than an eighth of them (a file that grew by doubling, or was truncated); frees it if
+    /// the file ends before it.
     pub fn trim(&mut self, serial: u64, st: &dyn Storage) -> MetaResult<()> {
         let size = st.load(self.record + REC_SIZE).max(self.reserved);
         let Some((&k, r)) = self.stripes.iter().next_back() else {
             return Ok(());
         };
+        if size <= k * self.stripe_unit {
+            // None of the file is in it (the stripe an empty file's create placed): free it.
+            let r = self.stripes.remove(&k).expect("present");
+            self.clear(st.local().1, k);
+            free_all(&r, st);
+            return Ok(());
+        }
         let need = size
             .saturating_sub(k * self.stripe_unit)
             .clamp(1, self.stripe_unit)

@@ -139,15 +139,28 @@ impl MetaService {
             other if !Step::changes(&other) => self.namespace.handle(session, other, st),
             other => {
                 let changes = self.namespace.changes_of(&other);
+                let lock_units = match other {
+                    MetaRequest::CreateOpen { lock_units, .. } => lock_units,
+                    _ => 0,
+                };
                 let step = Step::Handle {
                     session,
                     req: other,
                 };
-                let Outcome::Response(resp) = self.step(step, st) else {
+                let Outcome::Response(mut resp) = self.step(step, st) else {
                     unreachable!("a request step answers a response")
                 };
                 if !matches!(resp, ControlResponse::Error { .. }) {
                     self.changes.extend(changes);
+                }
+                if let (ControlResponse::Created(c), 1..) = (&mut resp, lock_units) {
+                    // Lock trees are not journaled (a primary that takes over starts afresh).
+                    match self.publish_tree(c.attr.ino, 0, lock_units, st) {
+                        Ok(w) => c.lock_tree = w.0,
+                        Err(e) => {
+                            tracing::debug!(ino = c.attr.ino, error = %e, "no lock tree at create")
+                        }
+                    }
                 }
                 resp
             }

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode};
 use rackfs_proto::namespace::{
-    Attr, Change, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
+    Attr, Change, Created, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
     FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, MAX_FILE_SIZE, MAX_NAME,
     MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
@@ -143,10 +143,10 @@ impl Namespace {
             MetaRequest::Link { ino, parent, name } => self.link(ino, parent, &name, st),
             MetaRequest::Unlink { parent, name } => self
                 .remove(parent, &name, false, st)
-                .map(|_| ControlResponse::Ok),
+                .and_then(|_| self.attr(parent, st)),
             MetaRequest::Rmdir { parent, name } => self
                 .remove(parent, &name, true, st)
-                .map(|_| ControlResponse::Ok),
+                .and_then(|_| self.attr(parent, st)),
             MetaRequest::Rename {
                 parent,
                 name,
@@ -161,7 +161,24 @@ impl Namespace {
                 Kind::Symlink => Ok(ControlResponse::Target(i.target.clone())),
                 _ => err(ErrorCode::Invalid, "not a symbolic link"),
             }),
-            MetaRequest::Open { ino } => self.open(session, ino).map(|_| ControlResponse::Ok),
+            MetaRequest::Open { ino } => self.open(session, ino).and_then(|_| self.attr(ino, st)),
+            MetaRequest::CreateOpen {
+                parent,
+                name,
+                stripe_unit,
+                replicas,
+                perm,
+                uid,
+                gid,
+                reserve,
+                lock_units: _,
+            } => {
+                let kind = NewKind::File {
+                    stripe_unit,
+                    replicas,
+                };
+                self.create_open(session, parent, &name, kind, (perm, uid, gid), reserve, st)
+            }
             MetaRequest::Release { ino } => {
                 self.release(session, ino, st);
                 Ok(ControlResponse::Ok)
@@ -346,7 +363,6 @@ impl Namespace {
                     format!("{} is not a replica count", String::from_utf8_lossy(value)),
                 )
             })?;
-        let (_, region) = st.local();
         let t = st.wall_ns();
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
@@ -355,7 +371,7 @@ impl Namespace {
                 "only regular files have a replica count",
             );
         };
-        f.set_replicas(n, region)?;
+        f.set_replicas(n, st)?;
         i.ctime = t;
         Ok(())
     }
@@ -566,6 +582,46 @@ impl Namespace {
             self.get_mut(parent)?.nlink += 1;
         }
         self.attr(ino, st)
+    }
+
+    /// [`MetaRequest::CreateOpen`]'s namespace part: create, open, then place stripe 0 for
+    /// `reserve` bytes if there is memory for it (without, the first write asks).
+    #[allow(clippy::too_many_arguments)]
+    fn create_open(
+        &mut self,
+        session: u64,
+        parent: u64,
+        name: &[u8],
+        kind: NewKind,
+        (perm, uid, gid): (u16, u32, u32),
+        reserve: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<ControlResponse> {
+        let ControlResponse::Attr(attr) = self.create(parent, name, kind, perm, uid, gid, st)?
+        else {
+            unreachable!("create answers the new inode's attributes")
+        };
+        self.open(session, attr.ino)?;
+        let unit = attr.layout.as_ref().map_or(0, |l| l.stripe_unit);
+        let stripe = match reserve.min(unit) {
+            0 => Vec::new(),
+            end => self.alloc_stripe(attr.ino, 0, end, st).unwrap_or_else(|e| {
+                tracing::debug!(ino = attr.ino, error = %e, "no stripe placed at create");
+                Vec::new()
+            }),
+        };
+        let ControlResponse::Attr(parent) = self.attr(parent, st)? else {
+            unreachable!("attr answers attributes")
+        };
+        let ControlResponse::Attr(attr) = self.attr(attr.ino, st)? else {
+            unreachable!("attr answers attributes")
+        };
+        Ok(ControlResponse::Created(Box::new(Created {
+            attr,
+            parent,
+            stripe,
+            lock_tree: 0,
+        })))
     }
 
     fn add_entry(&mut self, parent: u64, name: &[u8], ino: u64, t: u64) -> MetaResult<()> {

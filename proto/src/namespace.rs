@@ -172,10 +172,12 @@ pub enum MetaRequest {
         parent: u64,
         name: Vec<u8>,
     },
+    /// Removes a name (answered with the directory's attributes after the change).
     Unlink {
         parent: u64,
         name: Vec<u8>,
     },
+    /// Removes an empty directory (answered like [`MetaRequest::Unlink`]).
     Rmdir {
         parent: u64,
         name: Vec<u8>,
@@ -196,7 +198,8 @@ pub enum MetaRequest {
     ReadLink {
         ino: u64,
     },
-    /// A mount opened the file: it is kept, even unlinked, until released.
+    /// A mount opened the file: it is kept, even unlinked, until released. Answered with its
+    /// attributes.
     Open {
         ino: u64,
     },
@@ -287,4 +290,31 @@ pub enum MetaRequest {
         from: u64,
         req: Box<MetaRequest>,
     },
+    /// A regular file's `open(O_CREAT)` in one round trip: [`MetaRequest::Create`], then an
+    /// open by the caller's session, then (if `reserve` > 0) stripe 0 placed for its first
+    /// `reserve` bytes and (if `lock_units` > 0) its lock tree published for that many units.
+    /// Answered with `ControlResponse::Created`; a failure after the create (no memory for
+    /// the stripe) leaves that part out, for the mount to ask later.
+    CreateOpen {
+        parent: u64,
+        name: Vec<u8>,
+        stripe_unit: u64,
+        replicas: u32,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+        reserve: u64,
+        lock_units: u64,
+    },
+}
+
+/// The answer to [`MetaRequest::CreateOpen`]: the new file, its directory's attributes after
+/// the change, stripe 0's replicas (empty if none was placed) and the published lock-tree
+/// word (0 for none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Created {
+    pub attr: Attr,
+    pub parent: Attr,
+    pub stripe: Vec<StripeExtent>,
+    pub lock_tree: u64,
 }
