@@ -306,10 +306,12 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         };
         let source = nodes[0].tcp.clone();
         let prepared = prepare(&source, &dir, &opts)?;
-        let (cluster, caches) = (prepared.fs.cluster(), prepared.fs.caches());
+        let fs = &prepared.fs;
+        let (cluster, caches, releases) = (fs.cluster(), fs.caches(), fs.releases());
         serve_metrics(prepared.metrics, &cluster, &dir)?;
         let session =
             fuser::spawn_mount(prepared.fs, &dir, &prepared.config).map_err(io("mount", &dir))?;
+        rackfs_fs::releases::spawn(&cluster, releases);
         rackfs_fs::watch::spawn(cluster, session.notifier(), caches, opts.attr_timeout);
         let _record = prepared.record;
         let state = format!(

@@ -48,6 +48,7 @@ use crate::cluster::Cluster;
 use crate::file::FileData;
 use crate::options::{CacheMode, MountOptions};
 use crate::reclock;
+use crate::releases::Releases;
 
 /// Why an operation failed: the errno its caller gets. Always positive (anything else is
 /// EIO), so two errors compare equal exactly when the caller would see the same errno.
@@ -254,6 +255,7 @@ fn reads_only(req: &MetaRequest) -> bool {
             | MetaRequest::ReadLink { .. }
             | MetaRequest::Open { .. }
             | MetaRequest::Release { .. }
+            | MetaRequest::Releases { .. }
             | MetaRequest::AllocStripe { .. }
             | MetaRequest::GetStripe { .. }
             | MetaRequest::StatFs
@@ -281,6 +283,8 @@ pub struct Client {
     cluster: Arc<Cluster>,
     opts: MountOptions,
     caches: Caches,
+    /// Last closes not told to the primary yet.
+    releases: Arc<Releases>,
     /// Open handles.
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
@@ -324,6 +328,7 @@ impl Client {
             cluster,
             opts,
             caches,
+            releases: Arc::default(),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
         }
@@ -332,6 +337,11 @@ impl Client {
     /// This mount's caches (the watcher makes them forget other mounts' changes).
     pub fn caches(&self) -> Caches {
         self.caches.clone()
+    }
+
+    /// This mount's queued last closes (sent by `releases::spawn`'s thread).
+    pub fn releases(&self) -> Arc<Releases> {
+        self.releases.clone()
     }
 
     /// The cluster this filesystem serves.
@@ -686,6 +696,8 @@ impl Client {
     /// unlink (`dir` false) or rmdir (`dir` true).
     fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<(), Errno> {
         self.writable()?;
+        // A file this mount closed and now removes is freed when the removal returns.
+        self.releases.send(&self.cluster);
         let name = name.as_bytes().to_vec();
         let req = if dir {
             MetaRequest::Rmdir { parent, name }
@@ -717,6 +729,8 @@ impl Client {
     ) -> Result<(), Errno> {
         self.writable()?;
         let flags = rename_flags(flags)?;
+        // A file this mount closed and now renames over is freed when the rename returns.
+        self.releases.send(&self.cluster);
         self.meta(MetaRequest::Rename {
             parent,
             name: name.as_bytes().to_vec(),
@@ -940,7 +954,7 @@ impl Client {
     }
 
     /// The last close of handle `fh` of `ino`: drops its flock and OFD locks, forgets the
-    /// handle and tells the metadata service.
+    /// handle and queues the release for the metadata service (see [`crate::releases`]).
     pub fn release(&self, ino: u64, fh: u64) -> Result<(), Errno> {
         if let Some(f) = self.cached_file(ino) {
             if let Err(e) = f.record_locks.released(&self.cluster, fh) {
@@ -952,7 +966,10 @@ impl Client {
             }
         }
         self.handles.lock().expect("handles lock").remove(&fh);
-        self.meta(MetaRequest::Release { ino }).map(|_| ())
+        if self.releases.add(ino) {
+            self.releases.send(&self.cluster);
+        }
+        Ok(())
     }
 
     /// Lists directory `ino` from after cookie `offset`, handing each entry to `add` until it
@@ -991,6 +1008,7 @@ impl Client {
     /// [`rackfs_proto::space`]). A file given another count through `rackfs.replicas` takes
     /// more or less than this predicts.
     pub fn statfs(&self) -> Result<StatFs, Errno> {
+        self.releases.send(&self.cluster);
         match self.meta(MetaRequest::StatFs)? {
             ControlResponse::FsStat(s) => Ok(statfs_blocks(&s, &self.opts)),
             _ => Err(Errno(libc::EIO)),

@@ -135,6 +135,11 @@ impl RackFs {
         self.client.caches()
     }
 
+    /// This mount's queued last closes (see [`crate::releases`]).
+    pub fn releases(&self) -> std::sync::Arc<crate::releases::Releases> {
+        self.client.releases()
+    }
+
     /// The cluster this filesystem serves.
     pub fn cluster(&self) -> Arc<Cluster> {
         self.client.cluster()

@@ -9,6 +9,7 @@
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: the FUSE adapter, kernel requests translated into [`client`] calls and back.
 //! * [`lock`]: range locks on files (Citron trees on the primary) for writes and truncate.
+//! * [`releases`]: last closes, told to the primary in batches.
 //! * [`replica`]: which replica of a stripe a read goes to.
 //! * [`layout`]: stripe arithmetic. [`options`]: mount options.
 //! * [`clock`]: the time the core takes ([`clock::Clock`]); [`link`]: control connections
@@ -43,6 +44,7 @@ pub mod metrics;
 pub mod mount;
 pub mod options;
 pub mod reclock;
+pub mod releases;
 pub mod replica;
 pub mod spawn;
 pub mod watch;

@@ -311,9 +311,10 @@ pub fn run_foreground(source: &str, dir: &Path, opts: &MountOptions) -> Result<(
         record,
         metrics,
     } = prepare(source, dir, opts)?;
-    let (cluster, caches) = (fs.cluster(), fs.caches());
+    let (cluster, caches, releases) = (fs.cluster(), fs.caches(), fs.releases());
     serve_metrics(metrics, &cluster, &dir)?;
     let mut session = fuser::Session::new(fs, &dir, &config).map_err(io("mount", &dir))?;
+    crate::releases::spawn(&cluster, releases);
     crate::watch::spawn(cluster, session.notifier(), caches, opts.attr_timeout);
     let mut unmounter = session.unmount_callable();
     let mut signals =

@@ -9,6 +9,7 @@
 //! | `lease` | `Cluster::lock_client`, the first range or record lock of a session | the cluster is dropped, or the primary fenced the session |
 //! | `qos-ticker` | `Cluster::start_qos_ticker`, by `mount::prepare` when `qos=on` | the cluster is dropped |
 //! | `rackfs-watch` | `watch::spawn`, by the mount once its FUSE session exists (`attr_timeout` > 0) | the process ends |
+//! | `rackfs-release` | `releases::spawn`, by the mount once its FUSE session exists | the cluster is dropped (at the next queued release) |
 //! | `rackfs-lockwait` | `Client::setlk`, one per `F_SETLKW`/`flock` that must wait | the lock is granted or the wait interrupted |
 //! | `rackfs-reclaim` | the failover hook `Client::new` registers, once per failover | the mount's record locks are reclaimed from the new primary |
 //!

@@ -18,7 +18,9 @@
 //! operation returns, so the model's answer is the tree's.
 //!
 //! Paths are resolved by each mount's own lookups, as the kernel would (ENOTDIR for a
-//! non-directory on the way, no symlinks followed).
+//! non-directory on the way, no symlinks followed). A mount's last closes are queued (see
+//! `rackfs_fs::releases`); before each step the other mounts' go out, as their sender threads
+//! would within the window, while the stepping mount's own must go with its removals.
 //!
 //! Left out: reads, writes, fallocate and record locks (one-sided verbs; no data nodes here);
 //! truncate under the whole-file range lock (verbs too), so mounts run with `locks=off`, where
@@ -1664,6 +1666,13 @@ fn run(case: &Case) -> Result<BTreeMap<&'static str, (u64, u64)>, TestCaseError>
     for (i, step) in case.steps.iter().enumerate() {
         w.tick();
         (m.now, m.mount_now) = w.now();
+        // The other mounts' queued last closes go out, as their sender threads would send
+        // them within the window; the stepping mount's own must go with its removals.
+        for (j, c) in mounts.iter().enumerate() {
+            if j != step.mount {
+                c.releases().send(&c.cluster());
+            }
+        }
         let c = &mounts[step.mount];
         let pushed = pushed_by(&m, &step.op);
         let learns = learning_dir(&m, &step.op).filter(|_| step.mount != 1);
@@ -1705,7 +1714,11 @@ fn run(case: &Case) -> Result<BTreeMap<&'static str, (u64, u64)>, TestCaseError>
         compare(c, &m, j, Some(&mut learnt[j]))
             .map_err(|e| TestCaseError::fail(format!("after the last step: {e}")))?;
     }
-    // Every inode the model dropped is gone from the service (no open or name kept it).
+    // Every inode the model dropped is gone from the service (no open or name kept it) once
+    // the mounts' queued last closes went out.
+    for c in &mounts {
+        c.releases().send(&c.cluster());
+    }
     for &ino in &m.ever {
         if !m.inodes.contains_key(&ino) {
             prop_assert_eq!(
@@ -1814,4 +1827,29 @@ fn shrunk_sequences_found_so_far_agree_with_the_model() {
         flags: libc::RENAME_EXCHANGE,
     };
     replay(2, vec![(0, fifo), (1, mkdir(b)), (0, exchange)]);
+    // A file this mount closed (its release still queued) and then removed is gone when the
+    // removal returns.
+    let create = |n| Op::Create {
+        at: At(root(), n),
+        mode: Mode(0o644),
+        umask: Mode(0),
+        excl: false,
+        trunc: false,
+        root: false,
+    };
+    let unlink = Op::Unlink { at: At(root(), a) };
+    replay(
+        1,
+        vec![(0, create(a)), (0, unlink), (0, Op::StatIno { index: 1 })],
+    );
+    let rename = Op::Rename {
+        from: At(root(), b),
+        to: At(root(), a),
+        flags: 0,
+    };
+    let stat_a = Op::StatIno { index: 1 };
+    replay(
+        1,
+        vec![(0, create(a)), (0, create(b)), (0, rename), (0, stat_a)],
+    );
 }

@@ -183,6 +183,12 @@ impl Namespace {
                 self.release(session, ino, st);
                 Ok(ControlResponse::Ok)
             }
+            MetaRequest::Releases { inos } => {
+                for ino in inos {
+                    self.release(session, ino, st);
+                }
+                Ok(ControlResponse::Ok)
+            }
             MetaRequest::AllocStripe { ino, stripe, end } => self
                 .alloc_stripe(ino, stripe, end, st)
                 .map(ControlResponse::Stripe),

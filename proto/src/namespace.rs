@@ -290,6 +290,10 @@ pub enum MetaRequest {
         from: u64,
         req: Box<MetaRequest>,
     },
+    /// Several [`MetaRequest::Release`]s at once (a mount sends its last closes in batches).
+    Releases {
+        inos: Vec<u64>,
+    },
     /// A regular file's `open(O_CREAT)` in one round trip: [`MetaRequest::Create`], then an
     /// open by the caller's session, then (if `reserve` > 0) stripe 0 placed for its first
     /// `reserve` bytes and (if `lock_units` > 0) its lock tree published for that many units.

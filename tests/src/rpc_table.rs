@@ -458,12 +458,17 @@ fn measure_op(op: Op, dir: &Path, cfg: &Config, counters: &Counters) -> std::io:
         for i in 0..cfg.warmup {
             op.run(i, &mut open)?;
         }
+        // Last closes go to the primary in batches a little later (`rackfs_fs::releases`):
+        // the warm-up's before counting starts, the counted operations' before it ends.
+        let settle = rackfs_fs::releases::WINDOW * 5;
+        std::thread::sleep(settle);
         let a = counters.snapshot();
         let t = Instant::now();
         for i in cfg.warmup..total {
             op.run(i, &mut open)?;
         }
         let elapsed = t.elapsed();
+        std::thread::sleep(settle);
         let b = counters.snapshot();
         drop(open);
         Ok(Delta::between(&a, &b, elapsed))

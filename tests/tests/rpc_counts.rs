@@ -7,9 +7,9 @@ use rackfs_tests::rpc_table::{measure, Config, Op, Options};
 /// Most control RPCs per operation (periodic kinds left out): in all, and to the primary.
 /// Today's measured counts; lower them when an operation gets cheaper.
 const BOUNDS: [(Op, Options, f64, f64); 21] = [
-    (Op::Create, Options::Default, 5.0, 3.0),
-    (Op::CreateWrite, Options::Default, 4.0, 3.0),
-    (Op::OpenRead, Options::Default, 2.0, 2.0),
+    (Op::Create, Options::Default, 4.0, 2.0),
+    (Op::CreateWrite, Options::Default, 3.0, 2.0),
+    (Op::OpenRead, Options::Default, 1.0, 1.0),
     (Op::Stat, Options::Default, 0.0, 0.0),
     (Op::StatLapsed, Options::Default, 1.0, 1.0),
     (Op::Readdir, Options::Default, 4.0, 4.0),
@@ -18,9 +18,9 @@ const BOUNDS: [(Op, Options, f64, f64); 21] = [
     (Op::Mkdir, Options::Default, 3.0, 3.0),
     (Op::Chmod, Options::Default, 1.0, 1.0),
     (Op::Truncate, Options::Default, 2.0, 2.0),
-    (Op::Create, Options::NoCache, 8.0, 6.0),
-    (Op::CreateWrite, Options::NoCache, 7.0, 6.0),
-    (Op::OpenRead, Options::NoCache, 5.0, 5.0),
+    (Op::Create, Options::NoCache, 7.0, 5.0),
+    (Op::CreateWrite, Options::NoCache, 6.0, 5.0),
+    (Op::OpenRead, Options::NoCache, 4.0, 4.0),
     (Op::Stat, Options::NoCache, 3.0, 3.0),
     (Op::Readdir, Options::NoCache, 7.0, 7.0),
     (Op::Unlink, Options::NoCache, 4.0, 4.0),
