@@ -133,6 +133,57 @@ impl Rig {
         }
     }
 
+    /// Adds bindfs (`bindfs -f SRC DST`, default options: one thread) over a directory on the
+    /// rig's tmpfs, as the system after tmpfs, its daemon pinned to `cpus`. Errs, mounting
+    /// nothing, when bindfs is not installed or does not mount.
+    pub fn add_bindfs(&mut self, cpus: &str) -> Result<(), String> {
+        let (src, dst) = (
+            self.systems[0].dir.join("bindfs-src"),
+            self._tmp.path().join("bindfs"),
+        );
+        for d in [&src, &dst] {
+            std::fs::create_dir_all(d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
+        }
+        let probe = Command::new("bindfs")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !probe.is_ok_and(|s| s.success()) {
+            return Err("bindfs is not installed (apt-get install bindfs)".into());
+        }
+        let mut child = Command::new("taskset")
+            .args(["-c", cpus, "bindfs", "-f"])
+            .arg(&src)
+            .arg(&dst)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("start bindfs: {e}"))?;
+        let up = wait_for(Duration::from_secs(10), || {
+            fuse_mounted(&dst) || !matches!(child.try_wait(), Ok(None))
+        });
+        if !up || !fuse_mounted(&dst) {
+            let _ = Command::new("umount").arg("-l").arg(&dst).status();
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("bindfs did not mount {}", dst.display()));
+        }
+        // Unmounted first on drop: it sits on the tmpfs.
+        self.mounts.insert(0, dst.clone());
+        self.daemons.push(child);
+        self.systems.insert(
+            1,
+            System {
+                name: "bindfs",
+                dir: dst,
+                direct: false,
+                rackfs: false,
+            },
+        );
+        Ok(())
+    }
+
     /// Mounts the rig's cluster once more with extra mount options, its daemon on `cpus`.
     pub fn mount_rackfs(&mut self, options: &str, cpus: &str) -> PathBuf {
         let m = Mount::try_new(&self.addr, &self.secret_file, options)
@@ -157,6 +208,17 @@ fn mounted(dir: &Path, fstype_prefix: &str) -> bool {
         .any(|l| {
             let f: Vec<&str> = l.split(' ').collect();
             f.len() > 2 && Path::new(f[1]) == dir && f[0].starts_with(fstype_prefix)
+        })
+}
+
+/// Whether a FUSE filesystem is mounted on `dir`.
+fn fuse_mounted(dir: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            f.len() > 2 && Path::new(f[1]) == dir && f[2].starts_with("fuse")
         })
 }
 

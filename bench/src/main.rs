@@ -3,6 +3,7 @@
 mod failover;
 mod fio;
 mod locks;
+mod meta;
 mod mounts;
 mod plot;
 mod qos;
@@ -215,6 +216,19 @@ enum Cmd {
         /// Also write the markdown to this file.
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// Metadata and small files on tmpfs, bindfs over tmpfs, the FUSE ceiling and RackFS over
+    /// shm and tcp: a create/stat/open+read/unlink loop of 4 KiB files with 1 and 8 threads, and
+    /// untar, find, grep -r and rm -rf of a source tree (needs root; bindfs if installed).
+    Meta {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Files of the small-file loop, split over the threads (quick: 300).
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
+        /// MiB of file data in the source tree, in whole crates (quick: 8).
+        #[arg(long, default_value_t = 32)]
+        tree_mib: u64,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -535,6 +549,24 @@ fn main() {
         } => {
             let md = rpc_table::run(if quick { 50 } else { ops.max(10) }, nodes.into());
             report(&md, out);
+        }
+        Cmd::Meta {
+            run,
+            files,
+            tree_mib,
+        } => {
+            let cfg = meta::Config {
+                runs: run.runs(),
+                files: if run.quick { 300 } else { files.max(8) },
+                tree_mib: if run.quick { 8 } else { tree_mib.max(1) },
+            };
+            match meta::run(&cfg) {
+                Ok(md) => report(&md, run.out),
+                Err(e) => {
+                    eprintln!("rackfs-bench meta: {e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Cmd::Shared { run, runtime } => {
             let cfg = shared::Config {

@@ -968,7 +968,7 @@ fn scale_down(cfg: &Config) -> String {
 }
 
 /// The crate registry's sources (a tree of many small files, as a user's source tree is).
-fn registry_sources() -> Option<PathBuf> {
+pub(crate) fn registry_sources() -> Option<PathBuf> {
     let home = std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;

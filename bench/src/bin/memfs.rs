@@ -1,7 +1,8 @@
 //! `rackfs-memfs DIR`: the FUSE ceiling baseline for benchmarks — a minimal in-memory
 //! filesystem on fuser with the same configuration as a RackFS mount (4 threads, `clone_fd`,
-//! direct I/O with parallel direct writes). One flat directory of regular files; enough for
-//! fio. Unmounts on SIGTERM/SIGINT.
+//! direct I/O with parallel direct writes). Regular files in a tree of directories; enough for
+//! fio and for untarring a source tree (modes, owners and times are not kept). Unmounts on
+//! SIGTERM/SIGINT.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -17,11 +18,21 @@ use fuser::{
 
 const TTL: Duration = Duration::from_secs(1);
 
-#[derive(Default)]
 struct MemFs {
-    names: Mutex<HashMap<Vec<u8>, u64>>,
+    /// Each directory's entries (name to inode), by the directory's inode; the root is 1.
+    dirs: Mutex<HashMap<u64, HashMap<Vec<u8>, u64>>>,
     files: RwLock<HashMap<u64, RwLock<Vec<u8>>>>,
     next: Mutex<u64>,
+}
+
+impl Default for MemFs {
+    fn default() -> MemFs {
+        MemFs {
+            dirs: Mutex::new(HashMap::from([(1, HashMap::new())])),
+            files: RwLock::default(),
+            next: Mutex::new(1),
+        }
+    }
 }
 
 fn attr(ino: u64, size: u64, dir: bool) -> FileAttr {
@@ -61,7 +72,18 @@ impl MemFs {
         if ino == 1 {
             return Some(attr(1, 4096, true));
         }
-        self.size(ino).map(|s| attr(ino, s, false))
+        self.size(ino).map(|s| attr(ino, s, false)).or_else(|| {
+            self.dirs
+                .lock()
+                .unwrap()
+                .contains_key(&ino)
+                .then(|| attr(ino, 4096, true))
+        })
+    }
+    fn new_ino(&self) -> u64 {
+        let mut n = self.next.lock().unwrap();
+        *n += 1;
+        *n
     }
 }
 
@@ -70,15 +92,12 @@ const FLAGS: FopenFlags =
 
 impl Filesystem for MemFs {
     fn lookup(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let ino = (parent.0 == 1)
-            .then(|| {
-                self.names
-                    .lock()
-                    .unwrap()
-                    .get(name.as_encoded_bytes())
-                    .copied()
-            })
-            .flatten();
+        let ino = self
+            .dirs
+            .lock()
+            .unwrap()
+            .get(&parent.0)
+            .and_then(|d| d.get(name.as_encoded_bytes()).copied());
         match ino.and_then(|i| self.attr_of(i)) {
             Some(a) => reply.entry(&TTL, &a, Generation(0)),
             None => reply.error(Errno::ENOENT),
@@ -121,21 +140,24 @@ impl Filesystem for MemFs {
     fn create(
         &self,
         _r: &Request,
-        _p: INodeNo,
+        parent: INodeNo,
         name: &OsStr,
         _m: u32,
         _u: u32,
         _f: i32,
         reply: ReplyCreate,
     ) {
-        let mut names = self.names.lock().unwrap();
+        let mut dirs = self.dirs.lock().unwrap();
+        let Some(names) = dirs.get_mut(&parent.0) else {
+            return reply.error(Errno::ENOENT);
+        };
         let ino = *names
             .entry(name.as_encoded_bytes().to_vec())
-            .or_insert_with(|| {
-                let mut n = self.next.lock().unwrap();
-                *n += 1;
-                *n + 1
-            });
+            .or_insert_with(|| self.new_ino());
+        if dirs.contains_key(&ino) {
+            return reply.error(Errno::EISDIR);
+        }
+        drop(dirs);
         self.files.write().unwrap().entry(ino).or_default();
         reply.created(
             &TTL,
@@ -195,14 +217,63 @@ impl Filesystem for MemFs {
     fn flush(&self, _r: &Request, _i: INodeNo, _fh: FileHandle, _l: LockOwner, reply: ReplyEmpty) {
         reply.ok();
     }
-    fn unlink(&self, _r: &Request, _p: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.names.lock().unwrap().remove(name.as_encoded_bytes()) {
-            Some(ino) => {
-                self.files.write().unwrap().remove(&ino);
-                reply.ok()
-            }
-            None => reply.error(Errno::ENOENT),
+    fn mkdir(
+        &self,
+        _r: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let mut dirs = self.dirs.lock().unwrap();
+        let Some(names) = dirs.get_mut(&parent.0) else {
+            return reply.error(Errno::ENOENT);
+        };
+        if names.contains_key(name.as_encoded_bytes()) {
+            return reply.error(Errno::EEXIST);
         }
+        let ino = self.new_ino();
+        names.insert(name.as_encoded_bytes().to_vec(), ino);
+        dirs.insert(ino, HashMap::new());
+        reply.entry(&TTL, &attr(ino, 4096, true), Generation(0));
+    }
+    fn unlink(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let mut dirs = self.dirs.lock().unwrap();
+        let Some(&ino) = dirs
+            .get(&parent.0)
+            .and_then(|d| d.get(name.as_encoded_bytes()))
+        else {
+            return reply.error(Errno::ENOENT);
+        };
+        if dirs.contains_key(&ino) {
+            return reply.error(Errno::EISDIR);
+        }
+        dirs.get_mut(&parent.0)
+            .unwrap()
+            .remove(name.as_encoded_bytes());
+        drop(dirs);
+        self.files.write().unwrap().remove(&ino);
+        reply.ok()
+    }
+    fn rmdir(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let mut dirs = self.dirs.lock().unwrap();
+        let Some(&ino) = dirs
+            .get(&parent.0)
+            .and_then(|d| d.get(name.as_encoded_bytes()))
+        else {
+            return reply.error(Errno::ENOENT);
+        };
+        match dirs.get(&ino) {
+            None => return reply.error(Errno::ENOTDIR),
+            Some(d) if !d.is_empty() => return reply.error(Errno::ENOTEMPTY),
+            Some(_) => {}
+        }
+        dirs.remove(&ino);
+        dirs.get_mut(&parent.0)
+            .unwrap()
+            .remove(name.as_encoded_bytes());
+        reply.ok()
     }
     fn readdir(
         &self,
@@ -212,19 +283,19 @@ impl Filesystem for MemFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        if ino.0 != 1 {
+        let dirs = self.dirs.lock().unwrap();
+        let Some(names) = dirs.get(&ino.0) else {
             return reply.error(Errno::ENOTDIR);
-        }
-        let names = self.names.lock().unwrap();
+        };
         let mut all: Vec<(Vec<u8>, u64)> = names.iter().map(|(n, i)| (n.clone(), *i)).collect();
         all.sort();
         for (i, (n, ino)) in all.iter().enumerate().skip(offset as usize) {
-            if reply.add(
-                INodeNo(*ino),
-                i as u64 + 1,
-                FileType::RegularFile,
-                OsStr::from_bytes(n),
-            ) {
+            let kind = if dirs.contains_key(ino) {
+                FileType::Directory
+            } else {
+                FileType::RegularFile
+            };
+            if reply.add(INodeNo(*ino), i as u64 + 1, kind, OsStr::from_bytes(n)) {
                 break;
             }
         }
