@@ -124,6 +124,13 @@ impl Drop for Rig {
 
 impl Rig {
     /// Pins every FUSE daemon (all threads) to `cpus`.
+    /// Lets the embedded memory nodes run on `cpus` (the rig starts them on CPU 1).
+    pub fn pin_nodes(&self, cpus: &str) {
+        for n in self.cluster.iter().flat_map(|c| c.nodes.iter().flatten()) {
+            pin(n.child.id(), cpus);
+        }
+    }
+
     pub fn pin_daemons(&self, cpus: &str) {
         for d in &self.daemons {
             pin(d.id(), cpus);

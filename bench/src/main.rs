@@ -229,6 +229,10 @@ enum Cmd {
         /// MiB of file data in the source tree, in whole crates (quick: 8).
         #[arg(long, default_value_t = 32)]
         tree_mib: u64,
+        /// Pin single-threaded points to CPU 0 with the FUSE daemons and the memory nodes to
+        /// CPU 1 (default: no pinning, as a user runs them).
+        #[arg(long)]
+        pinned: bool,
     },
     /// fio writers on two mounts sharing one file: disjoint regions with and without range
     /// locks, and overlapping writers checked for mixed 4 KiB units (needs root).
@@ -554,11 +558,13 @@ fn main() {
             run,
             files,
             tree_mib,
+            pinned,
         } => {
             let cfg = meta::Config {
                 runs: run.runs(),
                 files: if run.quick { 300 } else { files.max(8) },
                 tree_mib: if run.quick { 8 } else { tree_mib.max(1) },
+                pinned,
             };
             match meta::run(&cfg) {
                 Ok(md) => report(&md, run.out),

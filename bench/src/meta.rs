@@ -37,6 +37,9 @@ pub struct Config {
     pub files: usize,
     /// About this many MiB of file data in the source tree.
     pub tree_mib: u64,
+    /// Single-threaded points on CPU 0 with the FUSE daemons, memory nodes on CPU 1; else
+    /// every process may run on any CPU, as a user runs them.
+    pub pinned: bool,
 }
 
 const LOOP_PHASES: [&str; 4] = ["create", "stat", "open+read", "unlink"];
@@ -411,6 +414,19 @@ fn tree_run(root: &Path, tree: &Tree) -> Result<[f64; 4], String> {
     Ok([untar, find, grep, rm])
 }
 
+/// Pinned: the benchmark and the FUSE daemons on CPUs 0 to `last_cpu`, the memory nodes on
+/// CPU 1. Unpinned: everything anywhere.
+fn place(rig: &crate::fio::Rig, pinned: bool, last_cpu: usize) {
+    if pinned {
+        rig.pin_daemons(if last_cpu == 0 { "0" } else { "0-1" });
+        pin_self(0, last_cpu);
+    } else {
+        rig.pin_daemons("0-1");
+        rig.pin_nodes("0-1");
+        pin_self(0, 1);
+    }
+}
+
 /// Runs every workload on every system; the report in markdown.
 pub fn run(cfg: &Config) -> Result<String, String> {
     let tree = build_tree(cfg.tree_mib)?;
@@ -429,16 +445,13 @@ pub fn run(cfg: &Config) -> Result<String, String> {
     let systems: Vec<&'static str> = rig.systems.iter().map(|s| s.name).collect();
     let n = systems.len();
     // Untimed: a fresh RackFS mount's first creates are several times slower than the rest.
-    rig.pin_daemons("0");
-    pin_self(0, 0);
+    place(&rig, cfg.pinned, 0);
     for (s, name) in rig.systems.iter().zip(&systems) {
         small_files(&s.dir, WARMUP_FILES, 1).map_err(|e| format!("{name}: warm-up: {e}"))?;
     }
     let mut tables = Vec::new();
     for (threads, last_cpu) in [(1, 0), (8, 1)] {
-        let cpus = if last_cpu == 0 { "0" } else { "0-1" };
-        rig.pin_daemons(cpus);
-        pin_self(0, last_cpu);
+        place(&rig, cfg.pinned, last_cpu);
         let mut t = Table::new(
             format!(
                 "Small files, {threads} thread{}: {} files of 4 KiB",
@@ -465,8 +478,7 @@ pub fn run(cfg: &Config) -> Result<String, String> {
         }
         tables.push(t);
     }
-    rig.pin_daemons("0");
-    pin_self(0, 0);
+    place(&rig, cfg.pinned, 0);
     let mut t = Table::new(
         format!(
             "Source tree: {} ({} files, {:.1} MiB)",
@@ -497,10 +509,15 @@ pub fn run(cfg: &Config) -> Result<String, String> {
     drop(rig);
     let mut md = format!(
         "# Metadata and small files\n\n`rackfs-bench meta`: {} run(s) per point, systems \
-         rotating; RackFS on two memory nodes (default mount options); single-threaded points \
-         on CPU 0 with the FUSE daemons, memory nodes on CPU 1; each system ran an untimed \
-         {WARMUP_FILES}-file loop first.\n\n",
-        cfg.runs
+         rotating; RackFS on two memory nodes (default mount options); {}; each system ran an \
+         untimed {WARMUP_FILES}-file loop first.\n\n",
+        cfg.runs,
+        if cfg.pinned {
+            "pinned (`--pinned`): single-threaded points on CPU 0 with the FUSE daemons, memory \
+             nodes on CPU 1"
+        } else {
+            "not pinned: every process on any CPU, as a user runs them"
+        }
     );
     for t in &tables {
         md.push_str(&t.markdown());

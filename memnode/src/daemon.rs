@@ -317,6 +317,7 @@ impl MemNode {
             },
             lease_words: Default::default(),
             discards: Default::default(),
+            frees: Default::default(),
             rebuilds: Default::default(),
             baseline: cfg.baseline_lock_server.then(BaselineLocks::default),
             qos,
@@ -338,6 +339,12 @@ impl MemNode {
         if let Some((lease, epoch)) = term {
             node.term.begin(lease, epoch);
         }
+        thread(&node, "frees", |n| {
+            while !n.is_stopping() {
+                n.frees.wait(Duration::from_millis(500));
+                n.send_frees();
+            }
+        });
         every(&node, "quarantine", node.store.reap_interval(), |n| {
             n.store.reap()
         });

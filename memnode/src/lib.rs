@@ -5,7 +5,7 @@
 //! quarantine), [`membership`], [`counters`], [`qos`] (this node's monitor),
 //! [`qos_controller`] (the primary's placement loop), [`baseline`] (the benchmark-only CPU lock
 //! server), [`metrics`], and the state of the cluster's duties ([`lease_words`], [`epochs`],
-//! [`replicas`], [`standby_state`]); [`node`] puts them together. Above it, [`liveness`] (data
+//! [`replicas`], [`standby_state`], [`frees`]); [`node`] puts them together. Above it, [`liveness`] (data
 //! nodes' leases) and [`standby`] (the metadata standby) drive the parts, [`control`] answers
 //! the control RPC over all of them, [`conn`] serves connections and [`daemon`] starts it all
 //! and carries out role changes (a standby taking over). The modules form a one-way chain: a
@@ -24,6 +24,7 @@ pub mod discover;
 pub mod election;
 pub mod epochs;
 pub mod fence;
+pub mod frees;
 pub mod lease;
 pub mod lease_words;
 pub mod liveness;

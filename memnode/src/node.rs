@@ -71,6 +71,8 @@ pub struct Node {
     pub lease_words: LeaseWords,
     /// Replicas dropped from nodes declared dead, to free when they return (primary only).
     pub discards: Discards,
+    /// Tagged frees on other data nodes, sent by the `frees` thread.
+    pub frees: crate::frees::Frees,
     /// Re-replication progress (primary only).
     pub rebuilds: Rebuilds,
     /// The benchmark baseline lock server (only when asked for).
@@ -105,9 +107,7 @@ impl Node {
             .ship(&mut m, &self.members, &*self.coord, self.term.guard());
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in self.standby.take_deferred() {
-            if let Err(e) = self.free_now(node, offset, tag) {
-                warn!(node, offset, error = %e, "a released extent stays allocated");
-            }
+            self.free_soon(node, offset, tag);
         }
         Some(out)
     }
@@ -264,6 +264,28 @@ impl Node {
 impl Node {
     /// Frees the extent at `offset` on `node` now (with `tag`: only the stripe extent tagged
     /// so; a down node's when it is admitted again).
+    /// Frees an extent: on this node at once, a tagged one on another node from the frees
+    /// thread (see [`crate::frees`]).
+    fn free_soon(&self, node: u32, offset: u64, tag: Option<u64>) {
+        match tag {
+            Some(t) if node != self.cfg.node_id => self.frees.push((node, offset, t)),
+            _ => {
+                if let Err(e) = self.free_now(node, offset, tag) {
+                    warn!(node, offset, error = %e, "a released extent stays allocated");
+                }
+            }
+        }
+    }
+
+    /// Sends every free waiting for the frees thread.
+    pub fn send_frees(&self) {
+        self.frees.send(|(node, offset, tag)| {
+            if let Err(e) = self.free_now(node, offset, Some(tag)) {
+                warn!(node, offset, error = %e, "a released extent stays allocated");
+            }
+        });
+    }
+
     fn free_now(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         if node == self.cfg.node_id {
             return self.store.free(offset, tag).map(|_| ());
@@ -388,7 +410,11 @@ impl Storage for Node {
         if self.standby.defer_free(node, offset, tag) {
             return Ok(());
         }
-        self.free_now(node, offset, tag)
+        if node == self.cfg.node_id || tag.is_none() {
+            return self.free_now(node, offset, tag);
+        }
+        self.free_soon(node, offset, tag);
+        Ok(())
     }
 
     fn resize(
@@ -483,6 +509,8 @@ impl Storage for Node {
     /// their memory; a peer that does not answer counts as none. Quarantined memory counts as
     /// free: an allocation waits for it rather than failing.
     fn fs_stat(&self) -> FsStat {
+        // Memory being freed counts as free once it is.
+        self.send_frees();
         let data = self.data_nodes();
         let mut nodes = Vec::with_capacity(data.len());
         if data.contains(&self.cfg.node_id) {
