@@ -254,7 +254,6 @@ fn reads_only(req: &MetaRequest) -> bool {
             | MetaRequest::ReadDir { .. }
             | MetaRequest::ReadLink { .. }
             | MetaRequest::Open { .. }
-            | MetaRequest::Release { .. }
             | MetaRequest::Releases { .. }
             | MetaRequest::AllocStripe { .. }
             | MetaRequest::GetStripe { .. }

@@ -179,10 +179,6 @@ impl Namespace {
                 };
                 self.create_open(session, parent, &name, kind, (perm, uid, gid), reserve, st)
             }
-            MetaRequest::Release { ino } => {
-                self.release(session, ino, st);
-                Ok(ControlResponse::Ok)
-            }
             MetaRequest::Releases { inos } => {
                 for ino in inos {
                     self.release(session, ino, st);

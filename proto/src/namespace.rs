@@ -203,9 +203,6 @@ pub enum MetaRequest {
     Open {
         ino: u64,
     },
-    Release {
-        ino: u64,
-    },
     /// Make stripe `stripe` of a file hold at least its first `end` bytes (allocating it if
     /// it is a hole, growing its extents if they are smaller); returns its replicas' extents.
     AllocStripe {
@@ -290,7 +287,8 @@ pub enum MetaRequest {
         from: u64,
         req: Box<MetaRequest>,
     },
-    /// Several [`MetaRequest::Release`]s at once (a mount sends its last closes in batches).
+    /// The mount closed these files for the last time (each once per open it registered);
+    /// a mount sends its last closes in batches.
     Releases {
         inos: Vec<u64>,
     },
