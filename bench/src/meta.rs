@@ -263,25 +263,6 @@ struct Tree {
     _scratch: TempDir,
 }
 
-/// Regular files and their bytes under `dir` (symlinks not followed).
-fn tree_size(dir: &Path) -> (u64, u64) {
-    let (mut files, mut bytes) = (0, 0);
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            match e.file_type() {
-                Ok(t) if t.is_dir() => todo.push(e.path()),
-                Ok(t) if t.is_file() => {
-                    files += 1;
-                    bytes += e.metadata().map_or(0, |m| m.len());
-                }
-                _ => {}
-            }
-        }
-    }
-    (files, bytes)
-}
-
 /// Tars crates of the local cargo registry (whole crates, in name order, until about
 /// `mib` MiB of file data), or this repository's sources when there is no registry.
 fn build_tree(mib: u64) -> Result<Tree, String> {
@@ -303,7 +284,7 @@ fn build_tree(mib: u64) -> Result<Tree, String> {
             if bytes >= mib << 20 {
                 break;
             }
-            let (f, b) = tree_size(&d);
+            let (f, b) = crate::suite::tree_size(&d);
             files += f;
             bytes += b;
             crates.push(d.file_name().expect("crate dir name").to_owned());
@@ -328,7 +309,7 @@ fn build_tree(mib: u64) -> Result<Tree, String> {
             .collect();
         let (mut files, mut bytes) = (0, 0);
         for m in &members {
-            let (f, b) = tree_size(&repo.join(m));
+            let (f, b) = crate::suite::tree_size(&repo.join(m));
             files += f;
             bytes += b;
         }
@@ -414,6 +395,25 @@ fn tree_run(root: &Path, tree: &Tree) -> Result<[f64; 4], String> {
     Ok([untar, find, grep, rm])
 }
 
+/// Runs `point` (by system index) `runs` times on every system, the order rotating between
+/// runs, into `t`; an error names the system.
+fn rotating(
+    runs: usize,
+    systems: &[&str],
+    t: &mut Table,
+    mut point: impl FnMut(usize) -> Result<[f64; 4], String>,
+) -> Result<(), String> {
+    let n = systems.len();
+    for run in 0..runs {
+        for k in 0..n {
+            let i = (k + run) % n;
+            let r = point(i).map_err(|e| format!("{}: {e}", systems[i]))?;
+            t.add(i, r);
+        }
+    }
+    Ok(())
+}
+
 /// Pinned: the benchmark and the FUSE daemons on CPUs 0 to `last_cpu`, the memory nodes on
 /// CPU 1. Unpinned: everything anywhere.
 fn place(rig: &crate::fio::Rig, pinned: bool, last_cpu: usize) {
@@ -443,7 +443,6 @@ pub fn run(cfg: &Config) -> Result<String, String> {
         notes.push(format!("bindfs skipped: {e}."));
     }
     let systems: Vec<&'static str> = rig.systems.iter().map(|s| s.name).collect();
-    let n = systems.len();
     // Untimed: a fresh RackFS mount's first creates are several times slower than the rest.
     place(&rig, cfg.pinned, 0);
     for (s, name) in rig.systems.iter().zip(&systems) {
@@ -462,20 +461,12 @@ pub fn run(cfg: &Config) -> Result<String, String> {
             LOOP_PHASES,
             &systems,
         );
-        for run in 0..cfg.runs {
-            for k in 0..n {
-                let i = (k + run) % n;
-                let r = small_files(&rig.systems[i].dir, cfg.files, threads)
-                    .map_err(|e| format!("{}: {e}", systems[i]))?;
-                eprintln!(
-                    "small files, {threads} thread(s), run {}, {}: {}",
-                    run + 1,
-                    systems[i],
-                    r.map(rate).join(" / ")
-                );
-                t.add(i, r);
-            }
-        }
+        rotating(cfg.runs, &systems, &mut t, |i| {
+            let r = small_files(&rig.systems[i].dir, cfg.files, threads)?;
+            let shown = r.map(rate).join(" / ");
+            eprintln!("small files, {threads} thread(s), {}: {shown}", systems[i]);
+            Ok(r)
+        })?;
         tables.push(t);
     }
     place(&rig, cfg.pinned, 0);
@@ -490,20 +481,12 @@ pub fn run(cfg: &Config) -> Result<String, String> {
         TREE_PHASES,
         &systems,
     );
-    for run in 0..cfg.runs {
-        for k in 0..n {
-            let i = (k + run) % n;
-            let r =
-                tree_run(&rig.systems[i].dir, &tree).map_err(|e| format!("{}: {e}", systems[i]))?;
-            eprintln!(
-                "source tree, run {}, {}: {}",
-                run + 1,
-                systems[i],
-                r.map(|s| format!("{s:.2} s")).join(" / ")
-            );
-            t.add(i, r);
-        }
-    }
+    rotating(cfg.runs, &systems, &mut t, |i| {
+        let r = tree_run(&rig.systems[i].dir, &tree)?;
+        let shown = r.map(|s| format!("{s:.2} s")).join(" / ");
+        eprintln!("source tree, {}: {shown}", systems[i]);
+        Ok(r)
+    })?;
     tables.push(t);
     pin_self(0, 1);
     drop(rig);

@@ -977,8 +977,8 @@ pub(crate) fn registry_sources() -> Option<PathBuf> {
     index.is_dir().then_some(index)
 }
 
-/// Regular files and their bytes under `dir`.
-fn tree_size(dir: &Path) -> (u64, u64) {
+/// Regular files and their bytes under `dir` (symlinks not followed).
+pub(crate) fn tree_size(dir: &Path) -> (u64, u64) {
     let mut files = 0;
     let mut bytes = 0;
     let mut todo = vec![dir.to_path_buf()];

@@ -20,7 +20,7 @@ const TTL: Duration = Duration::from_secs(1);
 
 struct MemFs {
     /// Each directory's entries (name to inode), by the directory's inode; the root is 1.
-    dirs: Mutex<HashMap<u64, HashMap<Vec<u8>, u64>>>,
+    dirs: Mutex<Dirs>,
     files: RwLock<HashMap<u64, RwLock<Vec<u8>>>>,
     next: Mutex<u64>,
 }
@@ -33,6 +33,15 @@ impl Default for MemFs {
             next: Mutex::new(1),
         }
     }
+}
+
+/// Directories: each one's entries (name to inode), by the directory's inode.
+type Dirs = HashMap<u64, HashMap<Vec<u8>, u64>>;
+
+/// The inode `name` in directory `parent` names, if any.
+fn child(dirs: &Dirs, parent: INodeNo, name: &OsStr) -> Option<u64> {
+    dirs.get(&parent.0)
+        .and_then(|d| d.get(name.as_encoded_bytes()).copied())
 }
 
 fn attr(ino: u64, size: u64, dir: bool) -> FileAttr {
@@ -92,12 +101,7 @@ const FLAGS: FopenFlags =
 
 impl Filesystem for MemFs {
     fn lookup(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let ino = self
-            .dirs
-            .lock()
-            .unwrap()
-            .get(&parent.0)
-            .and_then(|d| d.get(name.as_encoded_bytes()).copied());
+        let ino = child(&self.dirs.lock().unwrap(), parent, name);
         match ino.and_then(|i| self.attr_of(i)) {
             Some(a) => reply.entry(&TTL, &a, Generation(0)),
             None => reply.error(Errno::ENOENT),
@@ -240,10 +244,7 @@ impl Filesystem for MemFs {
     }
     fn unlink(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let mut dirs = self.dirs.lock().unwrap();
-        let Some(&ino) = dirs
-            .get(&parent.0)
-            .and_then(|d| d.get(name.as_encoded_bytes()))
-        else {
+        let Some(ino) = child(&dirs, parent, name) else {
             return reply.error(Errno::ENOENT);
         };
         if dirs.contains_key(&ino) {
@@ -258,10 +259,7 @@ impl Filesystem for MemFs {
     }
     fn rmdir(&self, _r: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let mut dirs = self.dirs.lock().unwrap();
-        let Some(&ino) = dirs
-            .get(&parent.0)
-            .and_then(|d| d.get(name.as_encoded_bytes()))
-        else {
+        let Some(ino) = child(&dirs, parent, name) else {
             return reply.error(Errno::ENOENT);
         };
         match dirs.get(&ino) {
