@@ -12,8 +12,8 @@ use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
@@ -273,49 +273,132 @@ fn serve_shm(mut stream: UnixStream, node: &Node, fence: u64) {
     debug!("shm client disconnected");
 }
 
-/// Serves control RPCs; the connection is one client session (its opens end with it).
-fn serve_control(r: impl Read, w: impl Write, node: &Node) -> Result<(), WireError> {
+/// Serves control RPCs; the connection is one client session (its opens end with it once
+/// every request in flight is answered).
+fn serve_control(r: impl Read + Send, w: impl Write + Send, node: &Node) -> Result<(), WireError> {
     let session = node.next_session.fetch_add(1, Ordering::Relaxed);
-    let result = serve_session(r, w, node, session);
+    let conn = Session {
+        node,
+        id: session,
+        requests: Mutex::new(Requests {
+            reader: BufReader::new(r),
+            body: Vec::new(),
+            end: None,
+        }),
+        answers: Mutex::new(BufWriter::new(w)),
+        readers_waiting: AtomicUsize::new(0),
+        workers: AtomicUsize::new(1),
+        other_version: AtomicU32::new(0),
+    };
+    std::thread::scope(|s| conn.work(s));
     node.end_session(session);
-    result
+    conn.requests
+        .into_inner()
+        .map_or(Ok(()), |r| r.end.unwrap_or(Ok(())))
 }
 
-fn serve_session(r: impl Read, w: impl Write, node: &Node, session: u64) -> Result<(), WireError> {
-    let mut reader = BufReader::new(r);
-    let mut writer = BufWriter::new(w);
-    let mut body = Vec::new();
-    // The client's protocol version, once it said hello with another one than ours.
-    let mut other_version = None;
-    loop {
-        let kind = wire::read_frame(&mut reader, &mut body)?;
-        if kind != FrameKind::ControlRequest {
-            return Err(WireError::Unexpected {
-                expected: FrameKind::ControlRequest,
-                got: kind,
-            });
+/// How many requests of one session the node carries out at once (the threads serving it).
+const SESSION_WORKERS: usize = 8;
+
+/// The reading side of a control connection, and how it ended.
+struct Requests<R> {
+    reader: BufReader<R>,
+    body: Vec<u8>,
+    end: Option<Result<(), WireError>>,
+}
+
+/// One client session being served. Its requests are carried out concurrently, by up to
+/// [`SESSION_WORKERS`] threads: each reads one request, starts another thread if none is left
+/// to read the next (so a request that waits, on the metadata lock, the standby or a range
+/// lock, holds up no other), answers it and reads again. Answers go out in the order they are
+/// ready, each under its request's id.
+struct Session<'a, R, W: Write> {
+    node: &'a Node,
+    id: u64,
+    requests: Mutex<Requests<R>>,
+    answers: Mutex<BufWriter<W>>,
+    readers_waiting: AtomicUsize,
+    workers: AtomicUsize,
+    /// The client's protocol version once it said hello with another one than ours (0: none).
+    other_version: AtomicU32,
+}
+
+impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
+    fn work<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
+        while let Some((id, req)) = self.next_request() {
+            let idle = self.readers_waiting.load(Ordering::SeqCst) > 0;
+            if !idle && self.workers.load(Ordering::SeqCst) < SESSION_WORKERS {
+                self.workers.fetch_add(1, Ordering::SeqCst);
+                let started = std::thread::Builder::new()
+                    .name(format!("session-{}", self.id))
+                    .spawn_scoped(scope, move || self.work(scope));
+                if started.is_err() {
+                    self.workers.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            let resp = self.answer(req);
+            let mut w = self.answers.lock().expect("answers lock");
+            let sent = wire::write_frame(&mut *w, FrameKind::ControlResponse, &resp.encode(id))
+                .and_then(|()| w.flush());
+            if let Err(e) = sent {
+                self.end(Err(e.into()));
+                return;
+            }
         }
-        let (id, req) = ControlRequest::decode(&body)?;
+    }
+
+    /// The next request, or `None` once the connection ended (closed, broken or malformed).
+    fn next_request(&self) -> Option<(u64, ControlRequest)> {
+        self.readers_waiting.fetch_add(1, Ordering::SeqCst);
+        let mut r = self.requests.lock().expect("requests lock");
+        self.readers_waiting.fetch_sub(1, Ordering::SeqCst);
+        if r.end.is_some() {
+            return None;
+        }
+        let Requests { reader, body, .. } = &mut *r;
+        let read = wire::read_frame(reader, body).and_then(|kind| {
+            if kind != FrameKind::ControlRequest {
+                return Err(WireError::Unexpected {
+                    expected: FrameKind::ControlRequest,
+                    got: kind,
+                });
+            }
+            ControlRequest::decode(body)
+        });
+        match read {
+            Ok(req) => Some(req),
+            Err(e) => {
+                r.end = Some(Err(e));
+                None
+            }
+        }
+    }
+
+    /// Ends the session's reading (a failed answer: the client is gone).
+    fn end(&self, e: Result<(), WireError>) {
+        let mut r = self.requests.lock().expect("requests lock");
+        r.end.get_or_insert(e);
+    }
+
+    fn answer(&self, req: ControlRequest) -> rackfs_proto::control::ControlResponse {
         if let ControlRequest::Hello { version } = req {
             if version != PROTOCOL_VERSION {
                 warn!(
-                    session,
+                    session = self.id,
                     client = version,
                     node = PROTOCOL_VERSION,
                     "a client speaks another protocol version; refusing its requests"
                 );
-                other_version = Some(version);
+                self.other_version.store(version, Ordering::SeqCst);
             }
         }
-        let resp = match other_version {
-            Some(v) if !matches!(req, ControlRequest::Hello { .. }) => Refusal::new(
+        match self.other_version.load(Ordering::SeqCst) {
+            v if v != 0 && !matches!(req, ControlRequest::Hello { .. }) => Refusal::new(
                 ErrorCode::Version,
                 format!("this node speaks protocol version {PROTOCOL_VERSION}, the client {v}"),
             )
             .into(),
-            _ => crate::control::answer(node, session, req),
-        };
-        wire::write_frame(&mut writer, FrameKind::ControlResponse, &resp.encode(id))?;
-        writer.flush()?;
+            _ => crate::control::answer(self.node, self.id, req),
+        }
     }
 }

@@ -5,14 +5,18 @@
 //! otherwise): a node that stops answering (stopped, wedged, unreachable) turns into
 //! [`RpcError::Timeout`] naming the node, never a caller blocked for good. The connection, and
 //! with it the session (open files, lock slot, QoS slot), survives a timeout: the answer to a
-//! timed-out call is read and dropped by the next call, so the client serves again as soon as
+//! timed-out call is read and dropped by a later call, so the client serves again as soon as
 //! the node does. A call that timed out may still take effect when the node resumes.
+//!
+//! Calls from several threads share the connection: each request carries an id, the node may
+//! answer them in any order, and whichever caller is reading files the others' answers. Two
+//! calls are ordered only when one returned before the other began.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
@@ -77,12 +81,17 @@ pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
 /// A connected socket whose reads and writes can be bounded in time.
 trait Socket: Read + Write + Send {
     fn bound(&self, d: Duration) -> std::io::Result<()>;
+    /// A second handle on the same connection (one side reads, the other writes).
+    fn duplicate(&self) -> std::io::Result<Box<dyn Socket>>;
 }
 
 impl Socket for TcpStream {
     fn bound(&self, d: Duration) -> std::io::Result<()> {
         self.set_read_timeout(Some(d))?;
         self.set_write_timeout(Some(d))
+    }
+    fn duplicate(&self) -> std::io::Result<Box<dyn Socket>> {
+        Ok(Box::new(self.try_clone()?))
     }
 }
 
@@ -91,42 +100,98 @@ impl Socket for UnixStream {
         self.set_read_timeout(Some(d))?;
         self.set_write_timeout(Some(d))
     }
+    fn duplicate(&self) -> std::io::Result<Box<dyn Socket>> {
+        Ok(Box::new(self.try_clone()?))
+    }
 }
 
-/// The connection: the socket, bytes received that do not make a whole frame yet (a read cut
-/// short by the deadline leaves them here), and the next request id.
-struct Conn {
+/// The sending side: the socket, and the unsent rest of a request whose write the deadline
+/// cut short (sent first by the next call, so frames never interleave).
+struct Outbox {
     socket: Box<dyn Socket>,
-    inbox: Vec<u8>,
-    next_id: u64,
+    unsent: Vec<u8>,
 }
 
-impl Conn {
-    /// The next whole frame in the inbox, if there is one.
+impl Outbox {
+    /// Writes `frame` after whatever is unsent, within `left`; what the deadline leaves unsent
+    /// stays queued and the call times out.
+    fn send(&mut self, frame: &[u8], left: Duration) -> Result<(), std::io::Error> {
+        self.unsent.extend_from_slice(frame);
+        self.socket.bound(left)?;
+        while !self.unsent.is_empty() {
+            match self.socket.write(&self.unsent) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => drop(self.unsent.drain(..n)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.socket.flush()
+    }
+}
+
+/// The receiving side: the socket and bytes received that do not make a whole frame yet (a
+/// read cut short by the deadline leaves them here).
+struct Inbox {
+    socket: Box<dyn Socket>,
+    bytes: Vec<u8>,
+}
+
+impl Inbox {
+    /// The next whole frame received, if there is one.
     fn take_frame(&mut self) -> Result<Option<(FrameKind, Vec<u8>)>, wire::WireError> {
-        if self.inbox.len() < HEADER_LEN {
+        if self.bytes.len() < HEADER_LEN {
             return Ok(None);
         }
-        let h: [u8; HEADER_LEN] = self.inbox[..HEADER_LEN].try_into().expect("header");
+        let h: [u8; HEADER_LEN] = self.bytes[..HEADER_LEN].try_into().expect("header");
         let (kind, len) = wire::decode_header(&h)?;
         let end = HEADER_LEN + len as usize;
-        if self.inbox.len() < end {
+        if self.bytes.len() < end {
             return Ok(None);
         }
-        let body = self.inbox[HEADER_LEN..end].to_vec();
-        self.inbox.drain(..end);
+        let body = self.bytes[HEADER_LEN..end].to_vec();
+        self.bytes.drain(..end);
         Ok(Some((kind, body)))
     }
 }
 
-/// A blocking control-RPC client of one memory node.
+/// What one read of the connection brought.
+enum Received {
+    /// Whole responses, by request id (maybe none: the deadline passed first).
+    Answers(Vec<(u64, ControlResponse)>),
+    /// The connection is unusable from here on.
+    Broken(RpcError),
+}
+
+/// The calls in flight on one connection. At most one caller at a time reads the socket
+/// (`reading`); it files every answer it receives under its request id and wakes the others,
+/// so concurrent calls share the connection without a thread of its own and a lone caller
+/// reads its answer itself.
+#[derive(Default)]
+struct Calls {
+    next_id: u64,
+    /// Requests whose callers still wait (an answer to any other id is a late one, dropped).
+    waiting: std::collections::HashSet<u64>,
+    answers: std::collections::HashMap<u64, ControlResponse>,
+    reading: bool,
+    broken: Option<RpcError>,
+}
+
+/// A blocking control-RPC client of one memory node. Calls from several threads are in
+/// flight together on its one connection (multiplexed by request id); the node answers them
+/// in any order.
 pub struct ControlClient {
     peer: String,
     node_id: u32,
     node_name: String,
     regions: Vec<RegionInfo>,
     deadline: Mutex<Duration>,
-    conn: Mutex<Conn>,
+    outbox: Mutex<Outbox>,
+    /// Locked only by the caller that set [`Calls::reading`].
+    inbox: Mutex<Inbox>,
+    calls: Mutex<Calls>,
+    /// Signalled whenever answers are filed, the reader steps down or the connection breaks.
+    arrived: Condvar,
 }
 
 fn timed_out(e: &std::io::Error) -> bool {
@@ -182,17 +247,23 @@ impl ControlClient {
             0,
             &peer,
         )?;
+        let reading = socket.duplicate().map_err(io)?;
         let c = ControlClient {
             peer,
             node_id: acc.welcome.node_id,
             node_name: acc.node_name,
             regions: acc.welcome.regions,
             deadline: Mutex::new(RPC_DEADLINE),
-            conn: Mutex::new(Conn {
+            outbox: Mutex::new(Outbox {
                 socket,
-                inbox: Vec::new(),
-                next_id: 0,
+                unsent: Vec::new(),
             }),
+            inbox: Mutex::new(Inbox {
+                socket: reading,
+                bytes: Vec::new(),
+            }),
+            calls: Mutex::new(Calls::default()),
+            arrived: Condvar::new(),
         };
         c.hello(PROTOCOL_VERSION)?;
         Ok(c)
@@ -231,57 +302,54 @@ impl ControlClient {
         &self.regions
     }
 
+    fn lost(&self, reason: String) -> RpcError {
+        RpcError::Connection(VerbsError::ConnectionLost {
+            peer: self.peer.clone(),
+            reason,
+        })
+    }
+
     /// Sends one request and waits for its response, at most the deadline; an error response
-    /// becomes `Refused`.
+    /// becomes `Refused`. Other threads' calls proceed meanwhile on the same connection.
     pub fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
         let after = *self.deadline.lock().expect("deadline lock");
         let deadline = Instant::now() + after;
-        let lost = |reason: String| {
-            RpcError::Connection(VerbsError::ConnectionLost {
-                peer: self.peer.clone(),
-                reason,
-            })
-        };
         let timeout = || RpcError::Timeout {
             node: self.node_name.clone(),
             peer: self.peer.clone(),
             after,
         };
-        let unexpected = |what: String| RpcError::Unexpected {
-            peer: self.peer.clone(),
-            what,
+        let id = {
+            let mut calls = self.calls.lock().expect("calls lock");
+            if let Some(e) = &calls.broken {
+                return Err(e.clone());
+            }
+            let id = calls.next_id;
+            calls.next_id += 1;
+            calls.waiting.insert(id);
+            id
         };
-        let mut conn = self.conn.lock().expect("control connection lock");
-        let id = conn.next_id;
-        conn.next_id += 1;
         let body = req.encode(id);
         let mut frame = wire::encode_header(FrameKind::ControlRequest, body.len()).to_vec();
         frame.extend_from_slice(&body);
-        let left = deadline.saturating_duration_since(Instant::now());
-        conn.socket.bound(left).map_err(|e| lost(e.to_string()))?;
-        match conn
-            .socket
-            .write_all(&frame)
-            .and_then(|_| conn.socket.flush())
-        {
-            Ok(()) => {}
-            Err(e) if timed_out(&e) => return Err(timeout()),
-            Err(e) => return Err(lost(e.to_string())),
+        let sent = {
+            let mut out = self.outbox.lock().expect("control outbox lock");
+            out.send(&frame, deadline.saturating_duration_since(Instant::now()))
+        };
+        if let Err(e) = sent {
+            let mut calls = self.calls.lock().expect("calls lock");
+            calls.waiting.remove(&id);
+            if timed_out(&e) {
+                return Err(timeout());
+            }
+            let err = self.lost(e.to_string());
+            calls.broken = Some(err.clone());
+            self.arrived.notify_all();
+            return Err(err);
         }
-        let mut buf = [0u8; 16 << 10];
+        let mut calls = self.calls.lock().expect("calls lock");
         loop {
-            while let Some((kind, body)) = conn.take_frame().map_err(|e| lost(e.to_string()))? {
-                if kind != FrameKind::ControlResponse {
-                    return Err(unexpected(format!("a {kind:?} frame")));
-                }
-                let (rid, resp) =
-                    ControlResponse::decode(&body).map_err(|e| unexpected(e.to_string()))?;
-                if rid < id {
-                    continue; // the late answer to a call that timed out
-                }
-                if rid > id {
-                    return Err(unexpected(format!("response {rid} to request {id}")));
-                }
+            if let Some(resp) = calls.answers.remove(&id) {
                 return match resp {
                     ControlResponse::Error { code, message } => {
                         Err(RpcError::Refused { code, message })
@@ -290,17 +358,73 @@ impl ControlClient {
                 };
             }
             let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(e) = &calls.broken {
+                let e = e.clone();
+                calls.waiting.remove(&id);
+                return Err(e);
+            }
             if left.is_zero() {
+                calls.waiting.remove(&id);
                 return Err(timeout());
             }
-            conn.socket.bound(left).map_err(|e| lost(e.to_string()))?;
-            match conn.socket.read(&mut buf) {
-                Ok(0) => return Err(lost("the node closed the connection".into())),
-                Ok(n) => conn.inbox.extend_from_slice(&buf[..n]),
-                Err(e) if timed_out(&e) => return Err(timeout()),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(lost(e.to_string())),
+            if calls.reading {
+                calls = self.arrived.wait_timeout(calls, left).expect("calls lock").0;
+                continue;
             }
+            calls.reading = true;
+            drop(calls);
+            let got = self.receive(left);
+            calls = self.calls.lock().expect("calls lock");
+            calls.reading = false;
+            match got {
+                Received::Answers(answers) => {
+                    for (rid, resp) in answers {
+                        if calls.waiting.remove(&rid) {
+                            calls.answers.insert(rid, resp);
+                        }
+                    }
+                }
+                Received::Broken(e) => calls.broken = Some(e),
+            }
+            self.arrived.notify_all();
+        }
+    }
+
+    /// Reads the connection once (at most `left`) and returns the whole responses received.
+    /// Every read files all the whole frames it completes, so between reads the inbox holds
+    /// at most the start of one.
+    fn receive(&self, left: Duration) -> Received {
+        let mut inbox = self.inbox.lock().expect("control inbox lock");
+        let mut buf = [0u8; 16 << 10];
+        if let Err(e) = inbox.socket.bound(left) {
+            return Received::Broken(self.lost(e.to_string()));
+        }
+        match inbox.socket.read(&mut buf) {
+            Ok(0) => return Received::Broken(self.lost("the node closed the connection".into())),
+            Ok(n) => inbox.bytes.extend_from_slice(&buf[..n]),
+            Err(e) if timed_out(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Received::Broken(self.lost(e.to_string())),
+        }
+        let mut answers = Vec::new();
+        loop {
+            let what = match inbox.take_frame() {
+                Ok(None) => return Received::Answers(answers),
+                Ok(Some((FrameKind::ControlResponse, body))) => {
+                    match ControlResponse::decode(&body) {
+                        Ok(a) => {
+                            answers.push(a);
+                            continue;
+                        }
+                        Err(e) => e.to_string(),
+                    }
+                }
+                Ok(Some((kind, _))) => format!("a {kind:?} frame"),
+                Err(e) => return Received::Broken(self.lost(e.to_string())),
+            };
+            return Received::Broken(RpcError::Unexpected {
+                peer: self.peer.clone(),
+                what,
+            });
         }
     }
 

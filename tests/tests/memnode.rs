@@ -573,6 +573,58 @@ fn rpc_range_lock_server_excludes_overlaps_and_frees_dead_sessions() {
     .unwrap();
 }
 
+/// One control connection carries calls from several threads at once: while one of its calls
+/// waits on the node (a range held by another session), the same client's other calls are
+/// answered, and the waiting call completes once the range is free. (On a connection served
+/// one request at a time the pings queue behind the lock and time out.)
+#[test]
+fn a_waiting_call_holds_up_no_other_call_on_the_same_connection() {
+    use rackfs_proto::control::{ControlRequest, ControlResponse};
+    let node = MemNodeProcess::start_with("8M", Secret::generate(), &["--baseline-lock-server"]);
+    let holder = node.control();
+    let client = std::sync::Arc::new(node.control());
+    let range = ControlRequest::BaselineRangeLock {
+        space: 3,
+        l: 0,
+        r: 10,
+    };
+    holder.call(&range).unwrap();
+    let waiter = {
+        let c = client.clone();
+        let range = range.clone();
+        std::thread::spawn(move || c.call(&range))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!waiter.is_finished(), "the overlapping lock waits");
+    client.set_deadline(Duration::from_secs(2));
+    let pingers: Vec<_> = (0..4)
+        .map(|_| {
+            let c = client.clone();
+            std::thread::spawn(move || (0..50).map(|_| c.call(&ControlRequest::Ping)).collect())
+        })
+        .collect();
+    for p in pingers {
+        let answers: Vec<_> = p.join().unwrap();
+        for a in answers {
+            assert!(
+                matches!(a, Ok(ControlResponse::Pong)),
+                "a ping behind a waiting call: {a:?}"
+            );
+        }
+    }
+    assert!(!waiter.is_finished(), "the lock still waits for its holder");
+    holder
+        .call(&ControlRequest::BaselineRangeUnlock {
+            space: 3,
+            l: 0,
+            r: 10,
+        })
+        .unwrap();
+    assert!(matches!(waiter.join().unwrap(), Ok(ControlResponse::Ok)));
+    // The connection still serves in order after the concurrent calls.
+    assert!(matches!(client.call(&ControlRequest::Ping), Ok(ControlResponse::Pong)));
+}
+
 /// A stopped node does not execute, once resumed, even the *first* batch of a connection that
 /// reached it after the batch's deadline: the handshake gave the connection its first clock
 /// sample, so that batch is judged late too (it used to set the connection's clock offset
