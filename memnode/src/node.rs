@@ -98,15 +98,24 @@ pub struct Node {
 pub(crate) const FENCE_WAIT: Duration = Duration::from_secs(3);
 
 impl Node {
-    /// Runs `f` on the metadata service (primary only) under its lock; the journal entries it
-    /// made reach the standby before the lock is released, so before anything is answered.
+    /// Runs `f` on the metadata service (primary only) under its lock, then returns once the
+    /// journal entries it (and every change before it) made are on the standby, so before
+    /// anything is answered; the lock is not held meanwhile (group commit, see
+    /// [`Standby::commit`](crate::standby_state::Standby::commit)).
     pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
-        let mut m = self.meta.get()?.lock().expect("metadata lock");
-        let out = f(&mut m);
-        self.standby
-            .ship(&mut m, &self.members, &*self.coord, self.term.guard());
+        let meta = self.meta.get()?;
+        let (out, ticket) = {
+            let mut m = meta.lock().expect("metadata lock");
+            let out = f(&mut m);
+            (out, self.standby.queue(&mut m))
+        };
+        let frees = self
+            .standby
+            .commit(ticket, meta, &self.members, &*self.coord, || {
+                self.term.guard()
+            });
         // Only now that the standby has the change may the extents it released go.
-        for (node, offset, tag) in self.standby.take_deferred() {
+        for (node, offset, tag) in frees {
             self.free_soon(node, offset, tag);
         }
         Some(out)

@@ -7,10 +7,12 @@
 //!   namespace and the bytes of every record and table, which the standby writes at the same
 //!   offsets of its own metadata area. Then it writes the coordinator's `standby` key naming
 //!   the node. The key has no lease: it must outlive the primary.
-//! * **Journal.** Every change of the namespace is journaled (`rackfs_meta::journal`) and the
-//!   entries reach the standby ([`ControlRequest::Journal`]) before the metadata lock is
-//!   released, so before the change is answered ([`Standby::ship`]). A standby that does not take them
-//!   is dropped: the `standby` key is deleted first, then the primary goes on alone.
+//! * **Journal.** Every change of the namespace is journaled (`rackfs_meta::journal`), its
+//!   entries queued in order under the metadata lock ([`Standby::queue`]), and they reach the
+//!   standby ([`ControlRequest::Journal`]) before the change, or any request after it, is
+//!   answered ([`Standby::commit`]: group commit, many changes per round trip). A standby that
+//!   does not take them is dropped: the `standby` key is deleted first, then the primary goes
+//!   on alone.
 //!   **Invariant: while the `standby` key names a node, every change the primary answered is
 //!   in that node's mirror.**
 //! * **Take-over.** A data node with a mirror looks at the `primary` key with each renewal of
@@ -24,7 +26,8 @@
 //! What each side keeps between these steps is its [`Standby`].
 //!
 //! [`Standby`]: crate::standby_state::Standby
-//! [`Standby::ship`]: crate::standby_state::Standby::ship
+//! [`Standby::queue`]: crate::standby_state::Standby::queue
+//! [`Standby::commit`]: crate::standby_state::Standby::commit
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,10 +1,10 @@
 //! What both sides of the metadata standby keep ([`Standby`]; the protocol and its invariant
-//! are the `standby` module's): on the primary, the follower its journal goes to, shipped
-//! before the metadata lock is released ([`Standby::ship`]), and the extents whose freeing waits
-//! for it; on a data node, the snapshot coming in and the mirror the journal is replayed on,
+//! are the `standby` module's): on the primary, the follower its journal goes to, queued under
+//! the metadata lock ([`Standby::queue`]) and shipped by group commit before the changes are
+//! answered ([`Standby::commit`]), and the extents whose freeing waits for it; on a data node, the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
@@ -72,7 +72,27 @@ pub struct Standby {
     failed_at: Mutex<Option<Instant>>,
     /// Primary: extents a change released, freed once the standby has the change (see
     /// [`Standby::defer_free`]).
-    deferred: Mutex<Vec<(u32, u64, Option<u64>)>>,
+    deferred: Mutex<Vec<Free>>,
+    /// Primary: changes made and not yet on the standby (see [`Standby::commit`]).
+    outgoing: Mutex<Outgoing>,
+    /// Signalled when a shipment ends.
+    shipped: Condvar,
+}
+
+/// An extent to free on node `.0` at offset `.1` (with owner tag `.2`).
+pub type Free = (u32, u64, Option<u64>);
+
+/// Primary: journal entries queued under the metadata lock, in order, and the frees they hold
+/// back; `queued` counts the queueings, `acked` those whose entries the standby has (or that
+/// need it no more: no standby follows).
+#[derive(Default)]
+struct Outgoing {
+    entries: Vec<Entry>,
+    frees: Vec<Free>,
+    queued: u64,
+    acked: u64,
+    /// One caller ships at a time, everything queued when it starts.
+    shipping: bool,
 }
 
 impl Standby {
@@ -82,7 +102,7 @@ impl Standby {
     }
 
     /// Primary: while a standby follows, an extent a change releases is freed only after the
-    /// change reached the standby (`Node::with_meta`, [`Standby::ship`]): if the primary dies first, the standby's
+    /// change reached the standby (`Node::with_meta`, [`Standby::commit`]): if the primary dies first, the standby's
     /// layout, which lacks the change, still finds the stripe whole. Returns whether it was
     /// held back.
     pub fn defer_free(&self, node: u32, offset: u64, tag: Option<u64>) -> bool {
@@ -94,11 +114,6 @@ impl Standby {
             .expect("deferred lock")
             .push((node, offset, tag));
         true
-    }
-
-    /// The extents held back by [`Standby::defer_free`], to free now.
-    pub fn take_deferred(&self) -> Vec<(u32, u64, Option<u64>)> {
-        std::mem::take(&mut *self.deferred.lock().expect("deferred lock"))
     }
 
     /// The standby the primary keeps in sync, if any.
@@ -125,38 +140,78 @@ impl Standby {
         *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
     }
 
-    /// Primary, under the metadata lock: sends the standby the journal entries `m` made, before
-    /// the change is answered. A standby that does not take them is dropped (the `standby` key
-    /// first, from `coord`, under the primary's `guard`: see `crate::term`).
-    pub fn ship(
+    /// Primary, under the metadata lock: queues the journal entries `m` made and the frees
+    /// they hold back, in the order the changes were made; returns the ticket to
+    /// [`Standby::commit`] before answering.
+    pub fn queue(&self, m: &mut MetaService) -> u64 {
+        let entries = m.take_journal();
+        let frees = std::mem::take(&mut *self.deferred.lock().expect("deferred lock"));
+        let mut out = self.outgoing.lock().expect("outgoing lock");
+        if !entries.is_empty() || !frees.is_empty() {
+            out.entries.extend(entries);
+            out.frees.extend(frees);
+            out.queued += 1;
+        }
+        out.queued
+    }
+
+    /// Primary, outside the metadata lock: returns once the standby has every change queued
+    /// up to `ticket` (or no standby follows any more), so that what a change's answer shows
+    /// is in the mirror. Group commit: one caller ships everything queued so far in one
+    /// journal RPC while the others wait for it, so many changes share a round trip. A
+    /// standby that does not take them is dropped (the `standby` key first, from `coord`,
+    /// under the primary's `guard`: see `crate::term`), with `meta` locked. Returns the
+    /// extents the shipped changes released, to free now.
+    pub fn commit(
         &self,
-        m: &mut MetaService,
+        ticket: u64,
+        meta: &Mutex<MetaService>,
         members: &Membership,
         coord: &dyn Coordinator,
-        guard: Option<Guard>,
-    ) {
-        let entries = m.take_journal();
+        guard: impl FnOnce() -> Option<Guard>,
+    ) -> Vec<Free> {
+        let mut out = self.outgoing.lock().expect("outgoing lock");
+        while out.acked < ticket && out.shipping {
+            out = self.shipped.wait(out).expect("outgoing lock");
+        }
+        if out.acked >= ticket {
+            return Vec::new();
+        }
+        out.shipping = true;
+        let entries = std::mem::take(&mut out.entries);
+        let frees = std::mem::take(&mut out.frees);
+        let upto = out.queued;
+        drop(out);
+        if let Err((id, why)) = self.ship(entries, members) {
+            let mut m = meta.lock().expect("metadata lock");
+            if self.follower() == Some(id) {
+                self.drop_follower(&mut m, coord, guard(), id, &why);
+            }
+        }
+        let mut out = self.outgoing.lock().expect("outgoing lock");
+        out.acked = upto;
+        out.shipping = false;
+        self.shipped.notify_all();
+        frees
+    }
+
+    /// Sends `entries` to the standby, if one follows; the standby and why, if it did not
+    /// take them.
+    fn ship(&self, entries: Vec<Entry>, members: &Membership) -> Result<(), (u32, String)> {
         if entries.is_empty() {
-            return;
+            return Ok(());
         }
         let Some((id, peer)) = self.follower.lock().expect("follower lock").clone() else {
-            return;
+            return Ok(());
         };
-        let sent = if members.is_down(id) {
-            Err("it is down".to_string())
-        } else {
-            postcard::to_allocvec(&entries)
-                .map_err(|e| e.to_string())
-                .and_then(
-                    |bytes| match peer.call(&ControlRequest::Journal { entries: bytes }) {
-                        Ok(ControlResponse::Ok) => Ok(()),
-                        Ok(other) => Err(format!("unexpected answer {other:?}")),
-                        Err(e) => Err(e.to_string()),
-                    },
-                )
-        };
-        if let Err(why) = sent {
-            self.drop_follower(m, coord, guard, id, &why);
+        if members.is_down(id) {
+            return Err((id, "it is down".to_string()));
+        }
+        let bytes = postcard::to_allocvec(&entries).map_err(|e| (id, e.to_string()))?;
+        match peer.call(&ControlRequest::Journal { entries: bytes }) {
+            Ok(ControlResponse::Ok) => Ok(()),
+            Ok(other) => Err((id, format!("unexpected answer {other:?}"))),
+            Err(e) => Err((id, e.to_string())),
         }
     }
 

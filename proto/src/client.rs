@@ -368,7 +368,11 @@ impl ControlClient {
                 return Err(timeout());
             }
             if calls.reading {
-                calls = self.arrived.wait_timeout(calls, left).expect("calls lock").0;
+                calls = self
+                    .arrived
+                    .wait_timeout(calls, left)
+                    .expect("calls lock")
+                    .0;
                 continue;
             }
             calls.reading = true;

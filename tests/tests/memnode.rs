@@ -622,7 +622,10 @@ fn a_waiting_call_holds_up_no_other_call_on_the_same_connection() {
         .unwrap();
     assert!(matches!(waiter.join().unwrap(), Ok(ControlResponse::Ok)));
     // The connection still serves in order after the concurrent calls.
-    assert!(matches!(client.call(&ControlRequest::Ping), Ok(ControlResponse::Pong)));
+    assert!(matches!(
+        client.call(&ControlRequest::Ping),
+        Ok(ControlResponse::Pong)
+    ));
 }
 
 /// A stopped node does not execute, once resumed, even the *first* batch of a connection that
