@@ -111,7 +111,7 @@ const SEGMENT: u64 = 64;
 /// One client's way of locking.
 enum Locker {
     Citron(LockTree),
-    Rpc(ControlClient, u64),
+    Rpc(Box<ControlClient>, u64),
     Segments(QueuePair, RemoteAddr),
 }
 
@@ -215,13 +215,13 @@ fn measure(
                     i as u16,
                 )),
                 System::RpcServer => Locker::Rpc(
-                    if transport == "shm" {
+                    Box::new(if transport == "shm" {
                         ControlClient::connect_unix(&node.shm, &node.secret, "bench")
                             .expect("control")
                     } else {
                         ControlClient::connect_tcp(&node.tcp, &node.secret, "bench")
                             .expect("control")
-                    },
+                    }),
                     space_id,
                 ),
                 System::SegmentMutex => Locker::Segments(qp(), base),
