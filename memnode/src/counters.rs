@@ -21,6 +21,8 @@ pub struct NodeCounters {
     pub connections_total: AtomicU64,
     pub auth_failures: AtomicU64,
     pub protocol_errors: AtomicU64,
+    /// Journal entries replayed on this node's mirror.
+    pub journal_entries: AtomicU64,
 }
 
 impl NodeCounters {
@@ -64,6 +66,7 @@ impl NodeCounters {
         s.connections_total = self.connections_total.load(Ordering::Relaxed);
         s.auth_failures = self.auth_failures.load(Ordering::Relaxed);
         s.protocol_errors = self.protocol_errors.load(Ordering::Relaxed);
+        s.journal_entries = self.journal_entries.load(Ordering::Relaxed);
     }
 }
 

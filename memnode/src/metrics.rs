@@ -75,6 +75,11 @@ pub fn render(s: &NodeStats, qos: Option<&QosNodeStatus>) -> String {
         "Connections closed for malformed frames.",
         s.protocol_errors,
     );
+    gauge(
+        "journal_entries",
+        "Journal entries replayed on this node's mirror of the namespace (metadata standby; with the journal RPCs, how many changes share a round trip).",
+        s.journal_entries,
+    );
     let _ = writeln!(
         o,
         "# HELP rackfs_verbs_total Verbs executed, by opcode.\n# TYPE rackfs_verbs_total counter"

@@ -154,7 +154,11 @@ pub fn take_piece(
 /// Data node: journal entries from the primary, replayed in order (see
 /// [`Standby::take_journal`](crate::standby_state::Standby::take_journal)).
 pub fn take_journal(node: &Node, bytes: &[u8]) -> Result<(), Refusal> {
-    node.standby.take_journal(node.data_region(), bytes)
+    let applied = node.standby.take_journal(node.data_region(), bytes)?;
+    node.counters
+        .journal_entries
+        .fetch_add(applied, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 /// Data node: whether to campaign for primary now: it has a mirror, the `primary` key is gone

@@ -319,8 +319,8 @@ impl Standby {
 
     /// Data node: journal entries from the primary, replayed in order on the mirror (and its
     /// records in `region`). Any gap or divergence drops the mirror (the primary then drops
-    /// this standby).
-    pub fn take_journal(&self, region: &Region, bytes: &[u8]) -> Result<(), Refusal> {
+    /// this standby). Returns how many entries were replayed.
+    pub fn take_journal(&self, region: &Region, bytes: &[u8]) -> Result<u64, Refusal> {
         let entries: Vec<Entry> = postcard::from_bytes(bytes)
             .map_err(|e| Refusal::new(ErrorCode::Invalid, format!("journal entries: {e}")))?;
         let mut guard = self.mirror.lock().expect("mirror lock");
@@ -340,6 +340,7 @@ impl Standby {
                 ),
             ));
         }
+        let mut applied = 0;
         for e in entries {
             if e.seq <= mirror.seq {
                 continue; // in the snapshot already (sent before it, on an earlier connection)
@@ -351,6 +352,7 @@ impl Standby {
                 ))
             } else {
                 mirror.seq = e.seq;
+                applied += 1;
                 let step = e.step.clone();
                 journal::replay(&mut mirror.ns, region, e)
                     .map(|out| mirror.answered.note(&step, &out))
@@ -361,7 +363,7 @@ impl Standby {
                 return Err(Refusal::new(ErrorCode::Internal, why));
             }
         }
-        Ok(())
+        Ok(applied)
     }
 
     /// Data node taking over: the mirror, which it serves from now on.

@@ -404,6 +404,8 @@ pub struct NodeStats {
     pub connections_total: u64,
     pub auth_failures: u64,
     pub protocol_errors: u64,
+    /// Journal entries replayed on this node's mirror (metadata standby).
+    pub journal_entries: u64,
 }
 
 /// How whole the files' data is, and how far re-replication got (the primary's view).
@@ -666,7 +668,7 @@ mod tests {
                 verbs: VerbTotals { ops: words[10..16].try_into().unwrap(), bytes: words[16..22].try_into().unwrap(), errors: words[22], batches: words[23] },
                 rpcs: words[24..24 + RPC_KINDS.len()].try_into().unwrap(), open: words[40..44].try_into().unwrap(),
                 rdma: (words[48] % 2 == 1).then(|| format!("rxe{}", words[46])),
-                connections_total: words[43], auth_failures: words[44], protocol_errors: words[45],
+                connections_total: words[43], auth_failures: words[44], protocol_errors: words[45], journal_entries: words[47],
             };
             let r = ControlResponse::Stats(Box::new(s));
             prop_assert_eq!(ControlResponse::decode(&r.encode(id)).unwrap(), (id, r));

@@ -5,10 +5,11 @@
 
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::time::{Duration, Instant};
 
 use rackfs_coord::{Coordinator, Etcd};
+use rackfs_proto::control::RPC_KINDS;
 use rackfs_tests::{wait_for, Mount, TestCluster};
 
 fn etcd(c: &TestCluster) -> Etcd {
@@ -429,4 +430,79 @@ fn record_locks_are_reclaimed_from_the_primary_that_takes_over() {
         Some("ok"),
         "the waiter was not granted once the holder unlocked"
     );
+}
+
+/// Group commit: changes from eight threads, across a pause of the standby (SIGSTOP, shorter
+/// than its journal deadline) during which they queue behind the journal RPC in flight, are
+/// none of them answered before the standby has them: after kill -9 of the primary every file
+/// is there with its bytes and the last mode each thread set. (How many entries share a
+/// journal RPC is printed, not asserted: it depends on timing.)
+#[test]
+fn changes_from_many_threads_across_a_standby_pause_survive_the_primary() {
+    const THREADS: usize = 8;
+    const CHMODS: usize = 300;
+    let mut c = with_standby("64M");
+    let standby = named(&c, "standby").unwrap() as usize;
+    let m = Mount::new(&c, "transport=tcp,threads=16");
+    let journal = RPC_KINDS.iter().position(|k| *k == "journal").unwrap();
+    let shipped = |c: &TestCluster| {
+        let s = c.control(standby).stats().unwrap();
+        (s.rpcs[journal], s.journal_entries)
+    };
+    let body = |t: usize| format!("the file of thread {t}").repeat(100);
+    for t in 0..THREADS {
+        fs::write(m.path(&format!("f{t}")), body(t)).unwrap();
+    }
+    let started = std::sync::Barrier::new(THREADS + 1);
+    let (rpcs, entries) = std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (m, started) = (&m, &started);
+            s.spawn(move || {
+                let path = m.path(&format!("f{t}"));
+                started.wait();
+                for i in 0..CHMODS {
+                    let mode = 0o600 | (i as u32 % 64);
+                    fs::set_permissions(&path, fs::Permissions::from_mode(mode)).unwrap();
+                }
+            });
+        }
+        started.wait();
+        std::thread::sleep(Duration::from_millis(50));
+        let before = shipped(&c);
+        let pid = c.nodes[standby].as_ref().unwrap().child.id() as i32;
+        rackfs_tests::stop_process(pid);
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: SIGCONT to the memory node process this test started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        let after = shipped(&c);
+        (after.0 - before.0, after.1 - before.1)
+    });
+    eprintln!(
+        "around a 300 ms pause of the standby: {entries} journal entries in {rpcs} journal RPCs"
+    );
+    assert!(
+        entries > 0,
+        "no change reached the standby around its pause"
+    );
+    assert_eq!(
+        named(&c, "standby"),
+        Some(standby as u64),
+        "the standby was dropped"
+    );
+    c.kill(0);
+    assert!(
+        wait_for(Duration::from_secs(15), || named(&c, "primary")
+            == Some(standby as u64)),
+        "the standby was not elected:\n{}",
+        log(&c, standby)
+    );
+    for t in 0..THREADS {
+        let path = m.path(&format!("f{t}"));
+        let got = fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("f{t}: {e}\nmount:\n{}", m.log_text()));
+        assert_eq!(got, body(t), "f{t}");
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600 | ((CHMODS as u32 - 1) % 64), "f{t}");
+    }
 }
