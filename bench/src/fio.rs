@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use rackfs_coord::{Coordinator, Etcd};
 use rackfs_tests::{bin_path, pin, wait_for, Fio, Mount, TempDir, TestCluster};
 
 use crate::stats::{median, rate};
@@ -104,6 +105,8 @@ pub struct Rig {
     rackfs: Vec<Mount>,
     /// The embedded cluster (kept running while mounted).
     cluster: Option<TestCluster>,
+    /// A second cluster, on etcd with a metadata standby (see [`Rig::add_standby`]).
+    standby: Option<TestCluster>,
     pub addr: String,
     pub secret_file: PathBuf,
     /// Holds the tmpfs and memfs mount points.
@@ -126,7 +129,8 @@ impl Rig {
     /// Pins every FUSE daemon (all threads) to `cpus`.
     /// Lets the embedded memory nodes run on `cpus` (the rig starts them on CPU 1).
     pub fn pin_nodes(&self, cpus: &str) {
-        for n in self.cluster.iter().flat_map(|c| c.nodes.iter().flatten()) {
+        let clusters = self.cluster.iter().chain(&self.standby);
+        for n in clusters.flat_map(|c| c.nodes.iter().flatten()) {
             pin(n.child.id(), cpus);
         }
     }
@@ -188,6 +192,45 @@ impl Rig {
                 rackfs: false,
             },
         );
+        Ok(())
+    }
+
+    /// Adds RackFS over shm on a second cluster of two memory nodes whose membership lives in
+    /// a local etcd (Debian's `etcd-server`), so the data node is the primary's metadata
+    /// standby and every change waits for its journal (`rackfs up --etcd`), as the last
+    /// system, its daemon pinned to `cpus`. Errs, adding nothing, without etcd or when no
+    /// standby is named within 15 s.
+    pub fn add_standby(&mut self, cpus: &str) -> Result<(), String> {
+        let probe = Command::new("etcd")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !probe.is_ok_and(|s| s.success()) {
+            return Err("etcd is not installed (apt-get install etcd-server)".into());
+        }
+        let c = TestCluster::on_etcd(2, "1G", &[]);
+        for n in c.nodes.iter().flatten() {
+            pin(n.child.id(), "1");
+        }
+        let etcd = Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2))
+            .map_err(|e| e.to_string())?;
+        if !wait_for(Duration::from_secs(15), || {
+            matches!(etcd.get("standby"), Ok(Some(_)))
+        }) {
+            return Err("no metadata standby was named within 15 s".into());
+        }
+        let m = Mount::try_new(&c.addr(), &c.secret_file, "transport=shm")
+            .map_err(|log| format!("mount on the standby cluster failed: {log}"))?;
+        m.pin(cpus);
+        self.systems.push(System {
+            name: "RackFS shm + standby",
+            dir: m.dir.clone(),
+            direct: true,
+            rackfs: true,
+        });
+        self.rackfs.push(m);
+        self.standby = Some(c);
         Ok(())
     }
 
@@ -282,6 +325,7 @@ pub fn rig(daemon_cpus: &str, target: &Target) -> Rig {
         mounts: vec![tmpfs.clone(), memfs.clone()],
         rackfs: Vec::new(),
         cluster,
+        standby: None,
         addr,
         secret_file,
         _tmp: tmp,

@@ -1,7 +1,9 @@
 //! `rackfs-bench meta`: metadata and small-file speed of RackFS next to its baselines, all
 //! mounted at once and measured in the same run: tmpfs, bindfs over tmpfs (a plain
-//! pass-through FUSE daemon, skipped if not installed), `rackfs-memfs` (the FUSE ceiling) and
-//! RackFS over shm and tcp (two memory nodes, default mount options).
+//! pass-through FUSE daemon, skipped if not installed), `rackfs-memfs` (the FUSE ceiling),
+//! RackFS over shm and tcp (two memory nodes, default mount options), and RackFS over shm on
+//! two nodes on a local etcd, where the data node is the metadata standby and every change
+//! waits for its journal (`rackfs up --etcd`; skipped without etcd).
 //!
 //! * **Small-file loop**, from this process, with 1 and 8 threads: create (open
 //!   `O_CREAT|O_WRONLY`, write 4 KiB, close) of N files, then stat of each, open + read 4 KiB +
@@ -442,6 +444,10 @@ pub fn run(cfg: &Config) -> Result<String, String> {
         eprintln!("rackfs-bench meta: {e}; skipping bindfs");
         notes.push(format!("bindfs skipped: {e}."));
     }
+    if let Err(e) = rig.add_standby("0") {
+        eprintln!("rackfs-bench meta: {e}; skipping RackFS with a standby");
+        notes.push(format!("RackFS with a standby skipped: {e}."));
+    }
     let systems: Vec<&'static str> = rig.systems.iter().map(|s| s.name).collect();
     // Untimed: a fresh RackFS mount's first creates are several times slower than the rest.
     place(&rig, cfg.pinned, 0);
@@ -492,7 +498,8 @@ pub fn run(cfg: &Config) -> Result<String, String> {
     drop(rig);
     let mut md = format!(
         "# Metadata and small files\n\n`rackfs-bench meta`: {} run(s) per point, systems \
-         rotating; RackFS on two memory nodes (default mount options); {}; each system ran an \
+         rotating; RackFS on two memory nodes (default mount options; `+ standby`: on a local \
+         etcd, the data node the metadata standby); {}; each system ran an \
          untimed {WARMUP_FILES}-file loop first.\n\n",
         cfg.runs,
         if cfg.pinned {

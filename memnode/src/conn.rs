@@ -12,11 +12,12 @@ use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
+use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::Refusal;
 use rackfs_verbs::auth::{server_handshake, Admitted, HandshakeError};
 use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
@@ -283,101 +284,178 @@ fn serve_control(r: impl Read + Send, w: impl Write + Send, node: &Node) -> Resu
         requests: Mutex::new(Requests {
             reader: BufReader::new(r),
             body: Vec::new(),
-            end: None,
         }),
         answers: Mutex::new(BufWriter::new(w)),
-        readers_waiting: AtomicUsize::new(0),
-        workers: AtomicUsize::new(1),
+        crew: Mutex::new(Crew {
+            workers: 1,
+            ..Crew::default()
+        }),
+        turn: Condvar::new(),
         other_version: AtomicU32::new(0),
     };
     std::thread::scope(|s| conn.work(s));
     node.end_session(session);
-    conn.requests
+    conn.crew
         .into_inner()
-        .map_or(Ok(()), |r| r.end.unwrap_or(Ok(())))
+        .map_or(Ok(()), |c| c.end.unwrap_or(Ok(())))
 }
 
 /// How many requests of one session the node carries out at once (the threads serving it).
 const SESSION_WORKERS: usize = 8;
 
-/// The reading side of a control connection, and how it ended.
+/// The reading side of a control connection.
 struct Requests<R> {
     reader: BufReader<R>,
     body: Vec<u8>,
+}
+
+/// The threads serving one session, and who reads its next request.
+#[derive(Default)]
+struct Crew {
+    workers: usize,
+    /// Threads waiting for their turn to read.
+    parked: usize,
+    /// Nobody holds the reading turn: the next thread free takes it.
+    reading_free: bool,
+    /// How the connection ended (closed, broken, malformed), once it did.
     end: Option<Result<(), WireError>>,
 }
 
-/// One client session being served. Its requests are carried out concurrently, by up to
-/// [`SESSION_WORKERS`] threads: each reads one request, starts another thread if none is left
-/// to read the next (so a request that waits, on the metadata lock, the standby or a range
-/// lock, holds up no other), answers it and reads again. Answers go out in the order they are
-/// ready, each under its request's id.
+/// Whether answering `req` may wait on something other than this node's CPU: another node,
+/// the coordinator, the metadata standby, the metadata lock held by a change, another
+/// session's range lock, a long poll. The thread that read such a request passes the reading
+/// of the next ones on first; any other request is answered by the thread that read it,
+/// which costs no thread switch (most of a round trip on a local connection).
+fn may_wait(req: &ControlRequest) -> bool {
+    match req {
+        ControlRequest::Meta(m) => !matches!(
+            m,
+            MetaRequest::Lookup { .. }
+                | MetaRequest::GetAttr { .. }
+                | MetaRequest::ReadDir { .. }
+                | MetaRequest::ReadLink { .. }
+                | MetaRequest::GetStripe { .. }
+                | MetaRequest::GetXattr { .. }
+                | MetaRequest::ListXattr { .. }
+        ),
+        ControlRequest::Hello { .. }
+        | ControlRequest::Ping
+        | ControlRequest::Stats
+        | ControlRequest::Alloc { .. }
+        | ControlRequest::Free { .. }
+        | ControlRequest::Resize { .. }
+        | ControlRequest::Zero { .. }
+        | ControlRequest::Cluster
+        | ControlRequest::Retag { .. }
+        | ControlRequest::Session
+        | ControlRequest::Primary { .. }
+        | ControlRequest::Mirror { .. }
+        | ControlRequest::Journal { .. }
+        | ControlRequest::BaselineRangeUnlock { .. }
+        | ControlRequest::QosShares { .. }
+        | ControlRequest::QosStatus => false,
+        _ => true,
+    }
+}
+
+/// One client session being served. One thread at a time holds the turn to read the next
+/// request. It answers a request that cannot wait ([`may_wait`]) itself and reads on; before
+/// one that may wait it passes the turn to a parked thread, or starts one (up to
+/// [`SESSION_WORKERS`]), so that a waiting request holds up no other. A thread done with such
+/// a request takes the turn back if it is free, else parks. Answers go out in the order they
+/// are ready, each under its request's id.
 struct Session<'a, R, W: Write> {
     node: &'a Node,
     id: u64,
+    /// Locked only by the thread holding the reading turn.
     requests: Mutex<Requests<R>>,
     answers: Mutex<BufWriter<W>>,
-    readers_waiting: AtomicUsize,
-    workers: AtomicUsize,
+    crew: Mutex<Crew>,
+    /// Signalled when the reading turn is free or the connection ended.
+    turn: Condvar,
     /// The client's protocol version once it said hello with another one than ours (0: none).
     other_version: AtomicU32,
 }
 
 impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
+    /// Serves requests, starting with the reading turn, until the connection ends.
     fn work<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
-        while let Some((id, req)) = self.next_request() {
-            let idle = self.readers_waiting.load(Ordering::SeqCst) > 0;
-            if !idle && self.workers.load(Ordering::SeqCst) < SESSION_WORKERS {
-                self.workers.fetch_add(1, Ordering::SeqCst);
-                let started = std::thread::Builder::new()
-                    .name(format!("session-{}", self.id))
-                    .spawn_scoped(scope, move || self.work(scope));
-                if started.is_err() {
-                    self.workers.fetch_sub(1, Ordering::SeqCst);
-                }
+        loop {
+            let (id, req) = match self.next_request() {
+                Ok(r) => r,
+                Err(e) => return self.end(Err(e)),
+            };
+            let waits = may_wait(&req);
+            if waits {
+                self.pass_turn(scope);
             }
             let resp = self.answer(req);
             let mut w = self.answers.lock().expect("answers lock");
             let sent = wire::write_frame(&mut *w, FrameKind::ControlResponse, &resp.encode(id))
                 .and_then(|()| w.flush());
+            drop(w);
             if let Err(e) = sent {
-                self.end(Err(e.into()));
+                return self.end(Err(e.into()));
+            }
+            if waits && !self.take_turn() {
                 return;
             }
         }
     }
 
-    /// The next request, or `None` once the connection ended (closed, broken or malformed).
-    fn next_request(&self) -> Option<(u64, ControlRequest)> {
-        self.readers_waiting.fetch_add(1, Ordering::SeqCst);
+    fn next_request(&self) -> Result<(u64, ControlRequest), WireError> {
         let mut r = self.requests.lock().expect("requests lock");
-        self.readers_waiting.fetch_sub(1, Ordering::SeqCst);
-        if r.end.is_some() {
-            return None;
+        let Requests { reader, body } = &mut *r;
+        let kind = wire::read_frame(reader, body)?;
+        if kind != FrameKind::ControlRequest {
+            return Err(WireError::Unexpected {
+                expected: FrameKind::ControlRequest,
+                got: kind,
+            });
         }
-        let Requests { reader, body, .. } = &mut *r;
-        let read = wire::read_frame(reader, body).and_then(|kind| {
-            if kind != FrameKind::ControlRequest {
-                return Err(WireError::Unexpected {
-                    expected: FrameKind::ControlRequest,
-                    got: kind,
-                });
+        ControlRequest::decode(body)
+    }
+
+    /// Gives up the reading turn: to a parked thread, else to a new one.
+    fn pass_turn<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
+        let mut c = self.crew.lock().expect("crew lock");
+        c.reading_free = true;
+        if c.parked > 0 {
+            self.turn.notify_one();
+        } else if c.workers < SESSION_WORKERS {
+            let started = std::thread::Builder::new()
+                .name(format!("session-{}", self.id))
+                .spawn_scoped(scope, move || self.work(scope));
+            if started.is_ok() {
+                c.workers += 1;
+                c.reading_free = false;
             }
-            ControlRequest::decode(body)
-        });
-        match read {
-            Ok(req) => Some(req),
-            Err(e) => {
-                r.end = Some(Err(e));
-                None
+        }
+        // Else every thread is busy: the first one done takes the turn.
+    }
+
+    /// Waits (parked) for the reading turn; false once the connection ended.
+    fn take_turn(&self) -> bool {
+        let mut c = self.crew.lock().expect("crew lock");
+        loop {
+            if c.end.is_some() {
+                return false;
             }
+            if c.reading_free {
+                c.reading_free = false;
+                return true;
+            }
+            c.parked += 1;
+            c = self.turn.wait(c).expect("crew lock");
+            c.parked -= 1;
         }
     }
 
-    /// Ends the session's reading (a failed answer: the client is gone).
-    fn end(&self, e: Result<(), WireError>) {
-        let mut r = self.requests.lock().expect("requests lock");
-        r.end.get_or_insert(e);
+    /// The connection ended: every parked thread leaves, and the others once done.
+    fn end(&self, how: Result<(), WireError>) {
+        let mut c = self.crew.lock().expect("crew lock");
+        c.end.get_or_insert(how);
+        self.turn.notify_all();
     }
 
     fn answer(&self, req: ControlRequest) -> rackfs_proto::control::ControlResponse {

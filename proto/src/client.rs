@@ -202,6 +202,8 @@ struct Calls {
     waiting: std::collections::HashSet<u64>,
     answers: std::collections::HashMap<u64, ControlResponse>,
     reading: bool,
+    /// Callers waiting on [`ControlClient::arrived`] (nobody to wake: no system call).
+    sleepers: usize,
     broken: Option<RpcError>,
 }
 
@@ -374,7 +376,9 @@ impl ControlClient {
             }
             let err = self.lost(e.to_string());
             calls.broken = Some(err.clone());
-            self.arrived.notify_all();
+            if calls.sleepers > 0 {
+                self.arrived.notify_all();
+            }
             return Err(err);
         }
         let mut calls = self.calls.lock().expect("calls lock");
@@ -398,11 +402,13 @@ impl ControlClient {
                 return Err(timeout());
             }
             if calls.reading {
+                calls.sleepers += 1;
                 calls = self
                     .arrived
                     .wait_timeout(calls, left)
                     .expect("calls lock")
                     .0;
+                calls.sleepers -= 1;
                 continue;
             }
             calls.reading = true;
@@ -420,7 +426,9 @@ impl ControlClient {
                 }
                 Received::Broken(e) => calls.broken = Some(e),
             }
-            self.arrived.notify_all();
+            if calls.sleepers > 0 {
+                self.arrived.notify_all();
+            }
         }
     }
 
