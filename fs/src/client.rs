@@ -252,6 +252,7 @@ fn reads_only(req: &MetaRequest) -> bool {
         MetaRequest::Lookup { .. }
             | MetaRequest::GetAttr { .. }
             | MetaRequest::ReadDir { .. }
+            | MetaRequest::ReadDirPlus { .. }
             | MetaRequest::ReadLink { .. }
             | MetaRequest::Open { .. }
             | MetaRequest::Releases { .. }
@@ -994,6 +995,36 @@ impl Client {
             }
             for e in entries {
                 if add(&e) {
+                    return Ok(());
+                }
+                after = e.cookie;
+            }
+        }
+    }
+
+    /// [`Client::readdir`] with each entry's attributes (one request per 256 entries, as for
+    /// readdir): the kernel then looks none of the names up.
+    pub fn readdir_plus(
+        &self,
+        ino: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry, &Attr) -> bool,
+    ) -> Result<(), Errno> {
+        let mut after = offset;
+        loop {
+            let entries = match self.meta(MetaRequest::ReadDirPlus {
+                ino,
+                after,
+                max: 256,
+            })? {
+                ControlResponse::EntriesPlus(e) => e,
+                _ => return Err(Errno(libc::EIO)),
+            };
+            if entries.is_empty() {
+                return Ok(());
+            }
+            for (e, a) in entries {
+                if add(&e, &a) {
                     return Ok(());
                 }
                 after = e.cookie;

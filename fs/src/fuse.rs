@@ -16,8 +16,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{
     FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
     LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
-    TimeOrNow, WriteFlags,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use rackfs_proto::namespace::{Attr, Kind};
 
@@ -165,6 +165,15 @@ impl Filesystem for RackFs {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::InitFlags::FUSE_PARALLEL_DIROPS);
+        // Listings carry each entry's attributes (one request per 256 names, no lookup per
+        // name after it) where the kernel caches them, that is unless `attr_timeout=0`; the
+        // kernel picks readdirplus when a listing's names are looked up (`ls -l`, `find`,
+        // `rm -r`).
+        if !self.client.ttl().is_zero() {
+            let _ = config.add_capabilities(
+                fuser::InitFlags::FUSE_DO_READDIRPLUS | fuser::InitFlags::FUSE_READDIRPLUS_AUTO,
+            );
+        }
         // fcntl and flock locks go to the filesystem (held across mounts), not the kernel.
         if let Err(missing) = config.add_capabilities(
             fuser::InitFlags::FUSE_POSIX_LOCKS | fuser::InitFlags::FUSE_FLOCK_LOCKS,
@@ -560,6 +569,34 @@ impl Filesystem for RackFs {
             self.client.readdir(ino.0, offset, |e| {
                 let name = OsStr::from_bytes(&e.name);
                 reply.add(INodeNo(e.ino), e.cookie, kind(e.kind), name)
+            })
+        });
+        match res {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let ttl = self.client.ttl();
+        let res = self.timed("readdirplus", || {
+            self.client.readdir_plus(ino.0, offset, |e, a| {
+                let name = OsStr::from_bytes(&e.name);
+                reply.add(
+                    INodeNo(e.ino),
+                    e.cookie,
+                    name,
+                    &ttl,
+                    &file_attr(a),
+                    Generation(0),
+                )
             })
         });
         match res {

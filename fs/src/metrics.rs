@@ -22,7 +22,7 @@ use crate::clock::SharedClock;
 use crate::link::{ControlLink, Dial};
 
 /// The filesystem operations a mount serves, by the name metrics give them.
-pub const OPS: [&str; 29] = [
+pub const OPS: [&str; 30] = [
     "lookup",
     "getattr",
     "setattr",
@@ -50,6 +50,7 @@ pub const OPS: [&str; 29] = [
     "release",
     "opendir",
     "readdir",
+    "readdirplus",
     "statfs",
     "access",
 ];

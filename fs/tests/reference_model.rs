@@ -687,6 +687,20 @@ fn list(c: &Client, ino: u64, page: usize) -> Answer {
             panic!("readdir of {ino} does not end: {out:?}");
         }
     }
+    // The listing with attributes (the kernel's readdirplus) names the same entries, each
+    // with its own inode's attributes.
+    let mut plus = Vec::new();
+    c.readdir_plus(ino, 0, |e, a| {
+        assert_eq!(
+            (a.ino, a.kind),
+            (e.ino, e.kind),
+            "readdirplus attributes of {e:?}"
+        );
+        plus.push((String::from_utf8_lossy(&e.name).into_owned(), e.ino, e.kind));
+        plus.len() > 1000
+    })
+    .map_err(|e| e.code())?;
+    assert_eq!(plus, out, "readdirplus and readdir of {ino} differ");
     Ok(Out::Entries(out))
 }
 

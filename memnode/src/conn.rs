@@ -333,6 +333,7 @@ fn may_wait(req: &ControlRequest) -> bool {
             MetaRequest::Lookup { .. }
                 | MetaRequest::GetAttr { .. }
                 | MetaRequest::ReadDir { .. }
+                | MetaRequest::ReadDirPlus { .. }
                 | MetaRequest::ReadLink { .. }
                 | MetaRequest::GetStripe { .. }
                 | MetaRequest::GetXattr { .. }

@@ -59,6 +59,7 @@ impl Step {
             MetaRequest::Lookup { .. }
                 | MetaRequest::GetAttr { .. }
                 | MetaRequest::ReadDir { .. }
+                | MetaRequest::ReadDirPlus { .. }
                 | MetaRequest::ReadLink { .. }
                 | MetaRequest::GetStripe { .. }
                 | MetaRequest::GetXattr { .. }

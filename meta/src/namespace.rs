@@ -157,6 +157,7 @@ impl Namespace {
                 .rename(parent, &name, new_parent, &new_name, flags, st)
                 .map(|_| ControlResponse::Ok),
             MetaRequest::ReadDir { ino, after, max } => self.readdir(ino, after, max),
+            MetaRequest::ReadDirPlus { ino, after, max } => self.readdir_plus(ino, after, max, st),
             MetaRequest::ReadLink { ino } => self.get(ino).and_then(|i| match i.kind {
                 Kind::Symlink => Ok(ControlResponse::Target(i.target.clone())),
                 _ => err(ErrorCode::Invalid, "not a symbolic link"),
@@ -878,6 +879,27 @@ impl Namespace {
             self.get_mut(new_parent)?.nlink += 1;
         }
         Ok(())
+    }
+
+    /// [`Namespace::readdir`] with each entry's attributes.
+    fn readdir_plus(
+        &self,
+        ino: u64,
+        after: u64,
+        max: u32,
+        st: &dyn Storage,
+    ) -> MetaResult<ControlResponse> {
+        let ControlResponse::Entries(entries) = self.readdir(ino, after, max)? else {
+            unreachable!("readdir answers entries")
+        };
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let ControlResponse::Attr(a) = self.attr(e.ino, st)? else {
+                unreachable!("attr answers attributes")
+            };
+            out.push((e, a));
+        }
+        Ok(ControlResponse::EntriesPlus(out))
     }
 
     fn readdir(&self, ino: u64, after: u64, max: u32) -> MetaResult<ControlResponse> {

@@ -587,6 +587,9 @@ pub enum ControlResponse {
     },
     /// A file made and opened by [`crate::namespace::MetaRequest::CreateOpen`].
     Created(Box<crate::namespace::Created>),
+    /// Directory entries with their attributes
+    /// ([`crate::namespace::MetaRequest::ReadDirPlus`]).
+    EntriesPlus(Vec<(DirEntry, Attr)>),
 }
 
 fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {

@@ -308,6 +308,13 @@ pub enum MetaRequest {
         reserve: u64,
         lock_units: u64,
     },
+    /// [`MetaRequest::ReadDir`] with each entry's attributes (for the kernel's readdirplus,
+    /// which then needs no lookup per name); answered with `ControlResponse::EntriesPlus`.
+    ReadDirPlus {
+        ino: u64,
+        after: u64,
+        max: u32,
+    },
 }
 
 /// The answer to [`MetaRequest::CreateOpen`]: the new file, its directory's attributes after

@@ -82,6 +82,9 @@ pub enum Op {
     StatLapsed,
     /// Listing a directory of 100 entries (`opendir`, `getdents` to the end, `closedir`).
     Readdir,
+    /// `ls -l` of a directory of 20 entries whose names are not cached: the listing and an
+    /// `lstat` of each entry (a directory per operation).
+    ListStat,
     /// `unlink` of a 0-byte file whose name is not cached.
     Unlink,
     /// `rename` within a directory to a new name (source name not cached).
@@ -95,13 +98,14 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 12] = [
         Op::Create,
         Op::CreateWrite,
         Op::OpenRead,
         Op::Stat,
         Op::StatLapsed,
         Op::Readdir,
+        Op::ListStat,
         Op::Unlink,
         Op::Rename,
         Op::Mkdir,
@@ -118,6 +122,7 @@ impl Op {
             Op::Stat => "stat (same file)",
             Op::StatLapsed => "stat (name not cached)",
             Op::Readdir => "readdir (100 entries)",
+            Op::ListStat => "ls -l (20 entries, not cached)",
             Op::Unlink => "unlink",
             Op::Rename => "rename (same dir)",
             Op::Mkdir => "mkdir",
@@ -128,7 +133,10 @@ impl Op {
 
     /// Whether the op waits for the kernel's cache to lapse on the names it uses.
     fn uncached_names(self) -> bool {
-        matches!(self, Op::StatLapsed | Op::Unlink | Op::Rename)
+        matches!(
+            self,
+            Op::StatLapsed | Op::ListStat | Op::Unlink | Op::Rename
+        )
     }
 
     /// Creates what operations `0..count` need in `dir`.
@@ -141,6 +149,14 @@ impl Op {
             Op::StatLapsed | Op::Unlink | Op::Rename => {
                 for i in 0..count {
                     File::create(dir.join(format!("f{i}")))?;
+                }
+            }
+            Op::ListStat => {
+                for i in 0..count {
+                    fs::create_dir(dir.join(format!("l{i}")))?;
+                    for e in 0..LISTED {
+                        File::create(dir.join(format!("l{i}/e{e:02}")))?;
+                    }
                 }
             }
             Op::Readdir => {
@@ -175,6 +191,14 @@ impl Op {
                 let n = fs::read_dir("d")?.collect::<Result<Vec<_>, _>>()?;
                 assert_eq!(n.len(), 100, "readdir lists every entry");
             }
+            Op::ListStat => {
+                let mut n = 0;
+                for e in fs::read_dir(format!("l{i}"))? {
+                    fs::symlink_metadata(e?.path())?;
+                    n += 1;
+                }
+                assert_eq!(n, LISTED, "ls -l lists every entry");
+            }
             Op::Unlink => fs::remove_file(&name)?,
             Op::Rename => fs::rename(&name, format!("g{i}"))?,
             Op::Mkdir => fs::create_dir(&name)?,
@@ -193,6 +217,9 @@ impl Op {
         Ok(())
     }
 }
+
+/// Entries of each directory [`Op::ListStat`] lists.
+const LISTED: usize = 20;
 
 fn new_file(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().write(true).create_new(true).open(path)
