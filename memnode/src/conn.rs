@@ -300,8 +300,10 @@ fn serve_control(r: impl Read + Send, w: impl Write + Send, node: &Node) -> Resu
         .map_or(Ok(()), |c| c.end.unwrap_or(Ok(())))
 }
 
-/// How many requests of one session the node carries out at once (the threads serving it).
-const SESSION_WORKERS: usize = 8;
+/// How many requests of one session the node carries out at once (the threads serving it,
+/// started only while that many wait at once). A session with this many requests waiting
+/// reads no more until one ends (a mount has at most 64 FUSE threads).
+const SESSION_WORKERS: usize = 64;
 
 /// The reading side of a control connection.
 struct Requests<R> {
@@ -326,8 +328,10 @@ struct Crew {
 /// session's range lock, a long poll. The thread that read such a request passes the reading
 /// of the next ones on first; any other request is answered by the thread that read it,
 /// which costs no thread switch (most of a round trip on a local connection).
-fn may_wait(req: &ControlRequest) -> bool {
+fn may_wait(node: &Node, req: &ControlRequest) -> bool {
     match req {
+        // With a standby, even a read waits for changes in flight to reach it.
+        ControlRequest::Meta(_) if node.standby.follower().is_some() => true,
         ControlRequest::Meta(m) => !matches!(
             m,
             MetaRequest::Lookup { .. }
@@ -378,15 +382,31 @@ struct Session<'a, R, W: Write> {
     other_version: AtomicU32,
 }
 
+/// Ends the session if the thread holding it panics.
+struct EndOnPanic<'s, 'a, R: Read + Send, W: Write + Send>(&'s Session<'a, R, W>);
+
+impl<R: Read + Send, W: Write + Send> Drop for EndOnPanic<'_, '_, R, W> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.end(Err(WireError::malformed(
+                "control request",
+                "its handler panicked",
+            )));
+        }
+    }
+}
+
 impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
     /// Serves requests, starting with the reading turn, until the connection ends.
     fn work<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
+        // A thread that panics ends the session, so no other waits for a turn it held.
+        let _ended = EndOnPanic(self);
         loop {
             let (id, req) = match self.next_request() {
                 Ok(r) => r,
                 Err(e) => return self.end(Err(e)),
             };
-            let waits = may_wait(&req);
+            let waits = may_wait(self.node, &req);
             if waits {
                 self.pass_turn(scope);
             }
@@ -454,7 +474,7 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
 
     /// The connection ended: every parked thread leaves, and the others once done.
     fn end(&self, how: Result<(), WireError>) {
-        let mut c = self.crew.lock().expect("crew lock");
+        let mut c = self.crew.lock().unwrap_or_else(|e| e.into_inner());
         c.end.get_or_insert(how);
         self.turn.notify_all();
     }

@@ -79,6 +79,18 @@ pub struct Standby {
     shipped: Condvar,
 }
 
+/// The end of one shipment ([`Standby::commit`]), on every way out of it.
+struct Shipped<'a> {
+    standby: &'a Standby,
+    upto: u64,
+}
+
+impl Drop for Shipped<'_> {
+    fn drop(&mut self) {
+        self.standby.shipped(self.upto);
+    }
+}
+
 /// An extent to free on node `.0` at offset `.1` (with owner tag `.2`).
 pub type Free = (u32, u64, Option<u64>);
 
@@ -93,6 +105,9 @@ struct Outgoing {
     acked: u64,
     /// One caller ships at a time, everything queued when it starts.
     shipping: bool,
+    /// A shipment ended half-way (its caller panicked): its entries may never reach the
+    /// standby, which must be dropped before anything more is acknowledged.
+    broken: bool,
 }
 
 impl Standby {
@@ -181,18 +196,39 @@ impl Standby {
         let entries = std::mem::take(&mut out.entries);
         let frees = std::mem::take(&mut out.frees);
         let upto = out.queued;
+        let broken = std::mem::take(&mut out.broken);
         drop(out);
-        if let Err((id, why)) = self.ship(entries, members) {
+        // Whatever happens below (a panic included), the next caller may ship.
+        let done = Shipped {
+            standby: self,
+            upto,
+        };
+        let sent = match (broken, self.follower()) {
+            (true, Some(id)) => Err((id, "a journal shipment was cut short".to_string())),
+            _ => self.ship(entries, members),
+        };
+        if let Err((id, why)) = sent {
             let mut m = meta.lock().expect("metadata lock");
             if self.follower() == Some(id) {
                 self.drop_follower(&mut m, coord, guard(), id, &why);
             }
         }
-        let mut out = self.outgoing.lock().expect("outgoing lock");
-        out.acked = upto;
+        drop(done);
+        frees
+    }
+
+    /// Marks the changes queued up to `upto` as shipped (or beyond a standby) and lets the next
+    /// caller ship; after a panic, acknowledges nothing and has the next caller drop the
+    /// standby first.
+    fn shipped(&self, upto: u64) {
+        let mut out = self.outgoing.lock().unwrap_or_else(|e| e.into_inner());
+        if std::thread::panicking() {
+            out.broken = true;
+        } else {
+            out.acked = out.acked.max(upto);
+        }
         out.shipping = false;
         self.shipped.notify_all();
-        frees
     }
 
     /// Sends `entries` to the standby, if one follows; the standby and why, if it did not

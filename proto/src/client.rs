@@ -6,7 +6,8 @@
 //! [`RpcError::Timeout`] naming the node, never a caller blocked for good. The connection, and
 //! with it the session (open files, lock slot, QoS slot), survives a timeout: the answer to a
 //! timed-out call is read and dropped by a later call, so the client serves again as soon as
-//! the node does. A call that timed out may still take effect when the node resumes.
+//! the node does. A call that timed out may still take effect when the node resumes, even
+//! after calls made since (the node carries out a session's requests concurrently).
 //!
 //! Calls from several threads share the connection: each request carries an id, the node may
 //! answer them in any order, and whichever caller is reading files the others' answers. Two
@@ -136,20 +137,29 @@ struct Outbox {
 }
 
 impl Outbox {
-    /// Writes `frame` after whatever is unsent, within `left`; what the deadline leaves unsent
-    /// stays queued and the call times out.
-    fn send(&mut self, frame: &[u8], left: Duration) -> Result<(), std::io::Error> {
-        self.unsent.extend_from_slice(frame);
-        if !self.bound.fits(left) {
-            self.bound.0 = None;
-            self.socket.bound_writes(left)?;
-            self.bound.0 = Some(left);
+    /// Writes `frame` after whatever is unsent, by `deadline`; what the deadline leaves unsent
+    /// stays queued (the next call sends it first) and the call times out. A call whose
+    /// deadline passed before it got here sends nothing.
+    fn send(&mut self, frame: &[u8], deadline: Instant) -> Result<(), std::io::Error> {
+        if Instant::now() >= deadline {
+            return Err(std::io::ErrorKind::TimedOut.into());
         }
+        self.unsent.extend_from_slice(frame);
         while !self.unsent.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            if !self.bound.fits(left) {
+                self.bound.0 = None;
+                self.socket.bound_writes(left)?;
+                self.bound.0 = Some(left);
+            }
             match self.socket.write(&self.unsent) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => drop(self.unsent.drain(..n)),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // Cut short by the socket's timeout: go on until the deadline itself.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted || timed_out(&e) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -366,7 +376,7 @@ impl ControlClient {
         frame.extend_from_slice(&body);
         let sent = {
             let mut out = self.outbox.lock().expect("control outbox lock");
-            out.send(&frame, deadline.saturating_duration_since(Instant::now()))
+            out.send(&frame, deadline)
         };
         if let Err(e) = sent {
             let mut calls = self.calls.lock().expect("calls lock");

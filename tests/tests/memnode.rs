@@ -628,6 +628,61 @@ fn a_waiting_call_holds_up_no_other_call_on_the_same_connection() {
     ));
 }
 
+/// Calls that pile up behind a stopped node time out one by one and leave the connection
+/// whole: a call still waiting to send when its deadline passes sends nothing and says
+/// `Timeout` (it once broke the connection for everyone), and once the node resumes the same
+/// client is answered again.
+#[test]
+fn calls_stuck_behind_a_stopped_node_time_out_and_the_connection_survives() {
+    use rackfs_proto::control::{ControlRequest, ControlResponse};
+    let node = MemNodeProcess::start("8M");
+    // Over the node's Unix socket, whose buffer is smaller than a request.
+    let client = std::sync::Arc::new(
+        rackfs_proto::ControlClient::connect_unix(
+            std::path::Path::new(&node.shm),
+            &node.secret,
+            "stuck",
+        )
+        .unwrap(),
+    );
+    let pid = node.child.id() as i32;
+    rackfs_tests::stop_process(pid);
+    // A large request fills the socket's buffer, so its sender blocks (for its 1.5 s); calls
+    // made meanwhile with a shorter deadline wait to send until past theirs.
+    let send = |seq: u64| {
+        let c = client.clone();
+        std::thread::spawn(move || {
+            c.call(&ControlRequest::Mirror {
+                primary: 9,
+                seq,
+                last: false,
+                piece: vec![7; 1 << 20],
+            })
+        })
+    };
+    client.set_deadline(Duration::from_millis(1500));
+    let first = send(0);
+    std::thread::sleep(Duration::from_millis(200));
+    client.set_deadline(Duration::from_millis(300));
+    let later: Vec<_> = (1..4).map(send).collect();
+    for s in std::iter::once(first).chain(later) {
+        match s.join().unwrap() {
+            Err(RpcError::Timeout { .. }) => {}
+            other => panic!("a call to a stopped node: {other:?}"),
+        }
+    }
+    // SAFETY: SIGCONT to the memory node process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    client.set_deadline(Duration::from_secs(5));
+    assert!(
+        matches!(
+            client.call(&ControlRequest::Ping),
+            Ok(ControlResponse::Pong)
+        ),
+        "the connection did not survive the timeouts"
+    );
+}
+
 /// A stopped node does not execute, once resumed, even the *first* batch of a connection that
 /// reached it after the batch's deadline: the handshake gave the connection its first clock
 /// sample, so that batch is judged late too (it used to set the connection's clock offset
