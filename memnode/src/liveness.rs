@@ -420,17 +420,23 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
 /// How often the primary looks for degraded stripes to copy.
 pub const REBUILD_EVERY: Duration = Duration::from_millis(200);
 
+/// Inodes looked at per look for degraded stripes (under the metadata lock): a namespace of
+/// up to this many files is looked over whole every round, a larger one over several rounds.
+const SCAN_BUDGET: usize = 8192;
+
 /// Primary: one round of re-replication. Copies degraded stripes back to their replication
 /// factor, at most `rate` bytes per second (so foreground I/O keeps going), one stripe per
 /// hold of the metadata lock.
 pub fn rebuild_round(node: &Node, rate: u64) {
     let Some(meta) = node.meta.get() else { return };
     let mut budget = (rate as u128 * REBUILD_EVERY.as_millis() / 1000) as u64;
-    let work = meta
+    let from = node.rebuilds.scan_from.load(Ordering::Relaxed);
+    let (work, next) = meta
         .lock()
         .expect("metadata lock")
         .namespace
-        .degraded_stripes(64);
+        .degraded_stripes(from, SCAN_BUDGET, 64);
+    node.rebuilds.scan_from.store(next, Ordering::Relaxed);
     for (ino, stripe) in work {
         if budget == 0 || node.is_stopping() {
             break;

@@ -30,4 +30,6 @@ impl Discards {
 pub struct Rebuilds {
     pub stripes: AtomicU64,
     pub bytes: AtomicU64,
+    /// The inode the next look for degraded stripes starts from (0: the first).
+    pub scan_from: AtomicU64,
 }

@@ -1174,22 +1174,25 @@ impl Namespace {
         d
     }
 
-    /// Up to `max` stripes (file, stripe) below their file's replication factor.
-    pub fn degraded_stripes(&self, max: usize) -> Vec<(u64, u64)> {
+    /// Up to `max` stripes (file, stripe) below their file's replication factor, among at
+    /// most `budget` inodes from inode `from` on; and the inode to go on from (0: the scan
+    /// reached the end). The budget bounds how long a caller holds the metadata lock however
+    /// many files there are.
+    pub fn degraded_stripes(&self, from: u64, budget: usize, max: usize) -> (Vec<(u64, u64)>, u64) {
         let mut v = Vec::new();
-        for (&ino, i) in &self.inodes {
+        for (looked, (&ino, i)) in self.inodes.range(from..).enumerate() {
+            if looked == budget || v.len() >= max {
+                return (v, ino);
+            }
             if let Some(f) = &i.file {
                 v.extend(
                     f.degraded_stripes(max - v.len())
                         .into_iter()
                         .map(|k| (ino, k)),
                 );
-                if v.len() >= max {
-                    break;
-                }
             }
         }
-        v
+        (v, 0)
     }
 
     /// Copies stripe `stripe` of file `ino` back towards its replication factor (see
