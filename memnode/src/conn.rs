@@ -2,11 +2,12 @@
 //! it asked for.
 //!
 //! One thread per connection. A verbs connection's thread is a NIC: it executes work requests
-//! and nothing else. A control connection's thread answers RPCs through
-//! [`control::answer`](crate::control::answer); the
-//! connection is one client session. An shm connection's thread hands the client the regions'
-//! memfds, then waits for the connection to close, which is how the node learns the client is
-//! gone (its verb counters are then folded into the node's totals).
+//! and nothing else. A control connection is one client session; its thread answers RPCs
+//! through [`control::answer`](crate::control::answer), joined by more while requests that
+//! may wait are in flight (see `Session`), and the session ends once the connection closed
+//! and every request in flight is answered. An shm connection's thread hands the client the
+//! regions' memfds, then waits for the connection to close, which is how the node learns the
+//! client is gone (its verb counters are then folded into the node's totals).
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
