@@ -605,6 +605,22 @@ impl Filesystem for RackFs {
         }
     }
 
+    /// RackFS files take no ioctl: `ENOTTY`, the answer of a file without that control, and
+    /// no log line (Python's `open` asks whether every file is a terminal).
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        reply.error(fuser::Errno::from_i32(libc::ENOTTY));
+    }
+
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         match self.timed("statfs", || self.client.statfs()) {
             Ok(s) => reply.statfs(

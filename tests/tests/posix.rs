@@ -596,3 +596,26 @@ fn fallocate_reserves_early_punches_holes_and_zeroes_ranges() {
     assert_eq!(fallocate(&r, 0, 1 << 46, 1), Err(libc::EFBIG));
     assert_eq!(fs::read(m.path("reserved")).unwrap(), want);
 }
+
+/// A RackFS file takes no ioctl: the answer is `ENOTTY`, what `isatty` expects of a file, and
+/// the mount logs nothing for it (Python asks on every `open`; each used to log a warning).
+#[test]
+fn an_ioctl_is_enotty_and_logs_nothing() {
+    use std::os::fd::AsRawFd;
+    let (_c, m) = setup();
+    let f = std::fs::File::create(m.path("tty?")).unwrap();
+    let mut termios = std::mem::MaybeUninit::<libc::termios>::uninit();
+    for _ in 0..3 {
+        // SAFETY: TCGETS writes at most one termios into the buffer given; `f` is open.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::TCGETS, termios.as_mut_ptr()) };
+        assert_eq!(r, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOTTY)
+        );
+    }
+    // SAFETY: isatty reads no memory of ours; `f` is open.
+    assert_eq!(unsafe { libc::isatty(f.as_raw_fd()) }, 0);
+    let log = m.log_text();
+    assert!(!log.contains("ioctl"), "the mount logged an ioctl:\n{log}");
+}
