@@ -218,8 +218,10 @@ enum Cmd {
         out: Option<PathBuf>,
     },
     /// Metadata and small files on tmpfs, bindfs over tmpfs, the FUSE ceiling and RackFS over
-    /// shm and tcp: a create/stat/open+read/unlink loop of 4 KiB files with 1 and 8 threads, and
-    /// untar, find, grep -r and rm -rf of a source tree (needs root; bindfs if installed).
+    /// shm and tcp (and over shm with a metadata standby on a local etcd): a
+    /// create/stat/open+read/unlink loop of 4 KiB files with 1 and 8 threads, untar, find,
+    /// grep -r and rm -rf of a source tree, and fio stand-ins of filebench's fileserver,
+    /// varmail and webserver (needs root and fio; bindfs and etcd if installed).
     Meta {
         #[command(flatten)]
         run: RunArgs,
@@ -564,6 +566,7 @@ fn main() {
                 runs: run.runs(),
                 files: if run.quick { 300 } else { files.max(8) },
                 tree_mib: if run.quick { 8 } else { tree_mib.max(1) },
+                personality_s: if run.quick { 1 } else { 3 },
                 pinned,
             };
             match meta::run(&cfg) {

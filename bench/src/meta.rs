@@ -14,6 +14,9 @@
 //!   built once; per system `tar -xf` into the mount, `find -type f -exec stat` (whose output
 //!   is checked against the tree), `grep -r` for a string no file holds (every byte read) and
 //!   `rm -rf`; seconds per step.
+//! * **filebench personalities**: the workload suite's fio stand-ins for fileserver, varmail and
+//!   webserver (`bench/fio/*-like.fio`), each for 3 s (quick: 1 s) in a fresh directory; ops/s,
+//!   reads and writes together.
 //!
 //! Placement as in `fio`: single-threaded points run this process (and the tools it starts)
 //! and every FUSE daemon on CPU 0, the memory nodes on CPU 1; 8-thread points let the threads
@@ -39,6 +42,8 @@ pub struct Config {
     pub files: usize,
     /// About this many MiB of file data in the source tree.
     pub tree_mib: u64,
+    /// Seconds each personality stand-in runs.
+    pub personality_s: u64,
     /// Single-threaded points on CPU 0 with the FUSE daemons, memory nodes on CPU 1; else
     /// every process may run on any CPU, as a user runs them.
     pub pinned: bool,
@@ -46,38 +51,43 @@ pub struct Config {
 
 const LOOP_PHASES: [&str; 4] = ["create", "stat", "open+read", "unlink"];
 const TREE_PHASES: [&str; 4] = ["untar", "find + stat", "grep -r", "rm -rf"];
+/// filebench's personalities, as the workload suite's fio stand-ins (`bench/fio/*-like.fio`).
+const PERSONALITIES: [&str; 3] = ["fileserver", "varmail", "webserver"];
 /// Files of the untimed small-file loop each system runs first.
 const WARMUP_FILES: usize = 100;
 /// What `grep -r` looks for: in no file of the tree, so grep reads every byte.
 const NEEDLE: &str = "rackfs-meta-benchmark-needle-7f3a";
 
-/// One table: samples per system, phase and run.
-struct Table {
+/// One table: samples per system, phase (`N` of them) and run.
+struct Table<const N: usize> {
     title: String,
     /// Ops/s (higher is better) or seconds (lower is better).
     seconds: bool,
-    phases: [&'static str; 4],
+    phases: [&'static str; N],
     systems: Vec<&'static str>,
-    samples: Vec<[Vec<f64>; 4]>,
+    samples: Vec<[Vec<f64>; N]>,
 }
 
-impl Table {
+impl<const N: usize> Table<N> {
     fn new(
         title: String,
         seconds: bool,
-        phases: [&'static str; 4],
+        phases: [&'static str; N],
         systems: &[&'static str],
-    ) -> Table {
+    ) -> Table<N> {
         Table {
             title,
             seconds,
             phases,
             systems: systems.to_vec(),
-            samples: systems.iter().map(|_| Default::default()).collect(),
+            samples: systems
+                .iter()
+                .map(|_| std::array::from_fn(|_| Vec::new()))
+                .collect(),
         }
     }
 
-    fn add(&mut self, system: usize, values: [f64; 4]) {
+    fn add(&mut self, system: usize, values: [f64; N]) {
         for (p, v) in values.into_iter().enumerate() {
             self.samples[system][p].push(v);
         }
@@ -397,13 +407,31 @@ fn tree_run(root: &Path, tree: &Tree) -> Result<[f64; 4], String> {
     Ok([untar, find, grep, rm])
 }
 
+/// The fio stand-ins of filebench's personalities, each for `runtime_s` in a directory of its
+/// own under `root` (removed after): ops/s, reads and writes together, per personality.
+fn personalities(root: &Path, runtime_s: u64) -> Result<[f64; 3], String> {
+    let mut out = [0.0; 3];
+    for (i, p) in PERSONALITIES.iter().enumerate() {
+        let dir = root.join(format!("personality-{p}"));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
+        let run = crate::suite::spawn_fio(
+            &format!("{p}-like.fio"),
+            &[("DIR", dir.display().to_string())],
+            &[format!("--runtime={runtime_s}")],
+        );
+        out[i] = crate::suite::fio_groups(run).values().map(|g| g.iops).sum();
+        timed(Command::new("rm").arg("-rf").arg(&dir), &[0])?;
+    }
+    Ok(out)
+}
+
 /// Runs `point` (by system index) `runs` times on every system, the order rotating between
 /// runs, into `t`; an error names the system.
-fn rotating(
+fn rotating<const N: usize>(
     runs: usize,
     systems: &[&str],
-    t: &mut Table,
-    mut point: impl FnMut(usize) -> Result<[f64; 4], String>,
+    t: &mut Table<N>,
+    mut point: impl FnMut(usize) -> Result<[f64; N], String>,
 ) -> Result<(), String> {
     let n = systems.len();
     for run in 0..runs {
@@ -494,6 +522,23 @@ pub fn run(cfg: &Config) -> Result<String, String> {
         Ok(r)
     })?;
     tables.push(t);
+    place(&rig, cfg.pinned, 1);
+    let mut t = Table::new(
+        format!(
+            "filebench personalities (the workload suite's fio stand-ins, {} s each)",
+            cfg.personality_s
+        ),
+        false,
+        PERSONALITIES,
+        &systems,
+    );
+    rotating(cfg.runs, &systems, &mut t, |i| {
+        let r = personalities(&rig.systems[i].dir, cfg.personality_s)?;
+        let shown = r.map(rate).join(" / ");
+        eprintln!("personalities, {}: {shown}", systems[i]);
+        Ok(r)
+    })?;
+    let personality_table = t;
     pin_self(0, 1);
     drop(rig);
     let mut md = format!(
@@ -512,6 +557,7 @@ pub fn run(cfg: &Config) -> Result<String, String> {
     for t in &tables {
         md.push_str(&t.markdown());
     }
+    md.push_str(&personality_table.markdown());
     for n in notes {
         md.push_str(&format!("- {n}\n"));
     }

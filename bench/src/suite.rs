@@ -52,8 +52,8 @@ pub struct Config {
 
 /// What one fio run of one job group gave.
 #[derive(Clone, Copy, Debug, Default)]
-struct FioOut {
-    iops: f64,
+pub(crate) struct FioOut {
+    pub(crate) iops: f64,
     bw: f64,
     p50_us: f64,
     p99_us: f64,
@@ -67,7 +67,7 @@ fn job(name: &str) -> PathBuf {
 /// Starts fio on a copy of job file `file` in which each `--key=value` of `extra` replaces
 /// the file's `key=` lines (or joins its `[global]` section): fio itself lets a job file's
 /// values win over the command line. `env` fills the file's `${VARS}`.
-fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> FioRun {
+pub(crate) fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> FioRun {
     let text = std::fs::read_to_string(job(file)).expect("read the job file");
     let mut lines: Vec<String> = text.lines().map(String::from).collect();
     for opt in extra {
@@ -103,7 +103,7 @@ fn spawn_fio(file: &str, env: &[(&str, String)], extra: &[String]) -> FioRun {
 }
 
 /// Per job group (by the name of its first job): reads and writes together.
-fn fio_groups(run: FioRun) -> BTreeMap<String, FioOut> {
+pub(crate) fn fio_groups(run: FioRun) -> BTreeMap<String, FioOut> {
     let mut groups = BTreeMap::new();
     for j in run.wait().jobs {
         let main = *j.main_side();
