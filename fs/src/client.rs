@@ -978,58 +978,36 @@ impl Client {
         &self,
         ino: u64,
         offset: u64,
-        mut add: impl FnMut(&DirEntry) -> bool,
+        add: impl FnMut(&DirEntry) -> bool,
     ) -> Result<(), Errno> {
-        let mut after = offset;
-        loop {
-            let entries = match self.meta(MetaRequest::ReadDir {
-                ino,
-                after,
-                max: 256,
-            })? {
-                ControlResponse::Entries(e) => e,
-                _ => return Err(Errno(libc::EIO)),
-            };
-            if entries.is_empty() {
-                return Ok(());
-            }
-            for e in entries {
-                if add(&e) {
-                    return Ok(());
-                }
-                after = e.cookie;
-            }
-        }
+        let page = |after| match self.meta(MetaRequest::ReadDir {
+            ino,
+            after,
+            max: PAGE,
+        })? {
+            ControlResponse::Entries(e) => Ok(e),
+            _ => Err(Errno(libc::EIO)),
+        };
+        pages(offset, page, |e| e.cookie, add)
     }
 
-    /// [`Client::readdir`] with each entry's attributes (one request per 256 entries, as for
-    /// readdir): the kernel then looks none of the names up.
+    /// [`Client::readdir`] with each entry's attributes: the kernel then looks none of the
+    /// names up.
     pub fn readdir_plus(
         &self,
         ino: u64,
         offset: u64,
         mut add: impl FnMut(&DirEntry, &Attr) -> bool,
     ) -> Result<(), Errno> {
-        let mut after = offset;
-        loop {
-            let entries = match self.meta(MetaRequest::ReadDirPlus {
-                ino,
-                after,
-                max: 256,
-            })? {
-                ControlResponse::EntriesPlus(e) => e,
-                _ => return Err(Errno(libc::EIO)),
-            };
-            if entries.is_empty() {
-                return Ok(());
-            }
-            for (e, a) in entries {
-                if add(&e, &a) {
-                    return Ok(());
-                }
-                after = e.cookie;
-            }
-        }
+        let page = |after| match self.meta(MetaRequest::ReadDirPlus {
+            ino,
+            after,
+            max: PAGE,
+        })? {
+            ControlResponse::EntriesPlus(e) => Ok(e),
+            _ => Err(Errno(libc::EIO)),
+        };
+        pages(offset, page, |(e, _)| e.cookie, |(e, a)| add(e, a))
     }
 
     /// The filesystem's capacity and free space as this mount's files can fill them, in
@@ -1059,6 +1037,32 @@ fn statfs_blocks(s: &FsStat, opts: &MountOptions) -> StatFs {
         bsize: 4096,
         namelen: 255,
         frsize: 4096,
+    }
+}
+
+/// Directory entries asked for per request.
+const PAGE: u32 = 256;
+
+/// Hands the entries `page(after)` returns, page after page from after cookie `offset`, to
+/// `add` until it says the caller's buffer is full (`true`) or a page comes back empty.
+fn pages<T>(
+    offset: u64,
+    mut page: impl FnMut(u64) -> Result<Vec<T>, Errno>,
+    cookie: impl Fn(&T) -> u64,
+    mut add: impl FnMut(&T) -> bool,
+) -> Result<(), Errno> {
+    let mut after = offset;
+    loop {
+        let entries = page(after)?;
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for e in &entries {
+            if add(e) {
+                return Ok(());
+            }
+            after = cookie(e);
+        }
     }
 }
 
