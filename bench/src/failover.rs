@@ -28,17 +28,22 @@ fn cluster(standby: bool) -> Result<(TestCluster, Mount), String> {
     }
     let c = TestCluster::on_etcd(3, "256M", &flags);
     if standby {
-        let etcd = Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2))
-            .map_err(|e| e.to_string())?;
-        if !wait_for(Duration::from_secs(10), || {
-            matches!(etcd.get("standby"), Ok(Some(_)))
-        }) {
-            return Err("no standby was named within 10 s".into());
-        }
+        standby_named(&c, Duration::from_secs(10))?;
     }
     let m = Mount::try_new(&c.addr(), &c.secret_file, "transport=tcp,qos=off")
         .map_err(|log| format!("mount failed: {log}"))?;
     Ok((c, m))
+}
+
+/// Waits up to `within` for cluster `c` (on etcd) to name its metadata standby.
+pub(crate) fn standby_named(c: &TestCluster, within: Duration) -> Result<(), String> {
+    let etcd = Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2))
+        .map_err(|e| e.to_string())?;
+    if wait_for(within, || matches!(etcd.get("standby"), Ok(Some(_)))) {
+        Ok(())
+    } else {
+        Err(format!("no metadata standby was named within {within:?}"))
+    }
 }
 
 /// Files per second the mount creates (create, write 4 KiB, close) in a new directory.

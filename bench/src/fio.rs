@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use rackfs_coord::{Coordinator, Etcd};
 use rackfs_tests::{bin_path, pin, wait_for, Fio, Mount, TempDir, TestCluster};
 
 use crate::stats::{median, rate};
@@ -155,12 +154,7 @@ impl Rig {
         for d in [&src, &dst] {
             std::fs::create_dir_all(d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
         }
-        let probe = Command::new("bindfs")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if !probe.is_ok_and(|s| s.success()) {
+        if !have("bindfs") {
             return Err("bindfs is not installed (apt-get install bindfs)".into());
         }
         let mut child = Command::new("taskset")
@@ -201,25 +195,14 @@ impl Rig {
     /// system, its daemon pinned to `cpus`. Errs, adding nothing, without etcd or when no
     /// standby is named within 15 s.
     pub fn add_standby(&mut self, cpus: &str) -> Result<(), String> {
-        let probe = Command::new("etcd")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if !probe.is_ok_and(|s| s.success()) {
+        if !have("etcd") {
             return Err("etcd is not installed (apt-get install etcd-server)".into());
         }
         let c = TestCluster::on_etcd(2, "1G", &[]);
         for n in c.nodes.iter().flatten() {
             pin(n.child.id(), "1");
         }
-        let etcd = Etcd::new(&c.etcd_endpoints(), "test", Duration::from_secs(2))
-            .map_err(|e| e.to_string())?;
-        if !wait_for(Duration::from_secs(15), || {
-            matches!(etcd.get("standby"), Ok(Some(_)))
-        }) {
-            return Err("no metadata standby was named within 15 s".into());
-        }
+        crate::failover::standby_named(&c, Duration::from_secs(15))?;
         let m = Mount::try_new(&c.addr(), &c.secret_file, "transport=shm")
             .map_err(|log| format!("mount on the standby cluster failed: {log}"))?;
         m.pin(cpus);
@@ -243,6 +226,15 @@ impl Rig {
         self.rackfs.push(m);
         dir
     }
+}
+
+/// Whether `program` is on the PATH.
+pub(crate) fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn pinned(cpus: &str, program: &Path) -> Command {

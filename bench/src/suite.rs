@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -268,18 +268,10 @@ fn filebench_points(have_filebench: bool) -> Vec<Point> {
         .collect()
 }
 
-fn have(program: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {program}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 pub fn run(cfg: &Config) -> String {
     let started = Instant::now();
     std::fs::create_dir_all(&cfg.out_dir).expect("create the results directory");
-    let have_filebench = have("filebench");
+    let have_filebench = crate::fio::have("filebench");
     let mut all = points(cfg.set);
     all.extend(filebench_points(have_filebench));
     let mut rig = rig("0", &cfg.target);

@@ -18,7 +18,6 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
-use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::Refusal;
 use rackfs_verbs::auth::{server_handshake, Admitted, HandshakeError};
 use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
@@ -333,17 +332,7 @@ fn may_wait(node: &Node, req: &ControlRequest) -> bool {
     match req {
         // With a standby, even a read waits for changes in flight to reach it.
         ControlRequest::Meta(_) if node.standby.follower().is_some() => true,
-        ControlRequest::Meta(m) => !matches!(
-            m,
-            MetaRequest::Lookup { .. }
-                | MetaRequest::GetAttr { .. }
-                | MetaRequest::ReadDir { .. }
-                | MetaRequest::ReadDirPlus { .. }
-                | MetaRequest::ReadLink { .. }
-                | MetaRequest::GetStripe { .. }
-                | MetaRequest::GetXattr { .. }
-                | MetaRequest::ListXattr { .. }
-        ),
+        ControlRequest::Meta(m) => !rackfs_meta::journal::Step::only_reads(m),
         ControlRequest::Hello { .. }
         | ControlRequest::Ping
         | ControlRequest::Stats

@@ -1,7 +1,8 @@
 //! What both sides of the metadata standby keep ([`Standby`]; the protocol and its invariant
 //! are the `standby` module's): on the primary, the follower its journal goes to, queued under
 //! the metadata lock ([`Standby::queue`]) and shipped by group commit before the changes are
-//! answered ([`Standby::commit`]), and the extents whose freeing waits for it; on a data node, the snapshot coming in and the mirror the journal is replayed on,
+//! answered ([`Standby::commit`]), and the extents whose freeing waits for it; on a data node,
+//! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
 use std::sync::{Arc, Condvar, Mutex};

@@ -54,7 +54,21 @@ pub enum Outcome {
 impl Step {
     /// Whether a namespace request changes anything (only those are journaled).
     pub fn changes(req: &MetaRequest) -> bool {
-        !matches!(
+        !(Step::only_reads(req)
+            || matches!(
+                req,
+                MetaRequest::StatFs
+                    | MetaRequest::LockSlot
+                    | MetaRequest::LockTree { .. }
+                    | MetaRequest::ReclaimLocks { .. }
+                    | MetaRequest::Retry { .. }
+            ))
+    }
+
+    /// Whether a namespace request is answered from the namespace alone, touching nothing
+    /// else (no other node, no lock tree, no session state).
+    pub fn only_reads(req: &MetaRequest) -> bool {
+        matches!(
             req,
             MetaRequest::Lookup { .. }
                 | MetaRequest::GetAttr { .. }
@@ -64,11 +78,6 @@ impl Step {
                 | MetaRequest::GetStripe { .. }
                 | MetaRequest::GetXattr { .. }
                 | MetaRequest::ListXattr { .. }
-                | MetaRequest::StatFs
-                | MetaRequest::LockSlot
-                | MetaRequest::LockTree { .. }
-                | MetaRequest::ReclaimLocks { .. }
-                | MetaRequest::Retry { .. }
         )
     }
 
