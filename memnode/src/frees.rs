@@ -1,8 +1,10 @@
-//! The primary's frees of stripe extents on other data nodes, sent from a thread of their own
-//! so that a removal, a truncate or a last close is answered without waiting for them. Only
-//! tagged frees wait here: a node frees an extent only if it still carries the owner tag, so a
-//! free that arrives late (after the node came back empty under a new epoch, say) frees
-//! nothing it should not. Reading free space (`statfs`) sends every waiting free first.
+//! The primary's frees of stripe extents on other data nodes, queued here and sent by the
+//! change that released them before it is answered (`Node::with_meta`: a mount reading a
+//! stripe it still caches must find the tag gone, not the old bytes), else by a thread of
+//! their own. Only tagged frees wait here: a node frees an extent only if it still carries the
+//! owner tag, so a free that arrives late (after the node came back empty under a new epoch,
+//! say) frees nothing it should not. Reading free space (`statfs`) sends every waiting free
+//! first.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};

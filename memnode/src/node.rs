@@ -118,6 +118,10 @@ impl Node {
         for (node, offset, tag) in frees {
             self.free_soon(node, offset, tag);
         }
+        // And they go before the answer: a mount that still caches a stripe the change moved
+        // or released (a truncate, a trim) must find its tag gone when it reads after the
+        // answer, not the old bytes under the old tag (fsx across two mounts read those).
+        self.send_frees();
         Some(out)
     }
 
