@@ -17,6 +17,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,rackfs=info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a terminal: logs kept in files stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = if std::env::args_os()
         .nth(1)

@@ -45,7 +45,7 @@ pub fn status(
             path: dir.clone(),
             hint: "",
         })?;
-        let addr = record.source.split(',').next().unwrap_or("").to_string();
+        let addr = record.source.clone();
         outln!(
             "{} is {} (QoS slot {})",
             dir.display(),
@@ -59,12 +59,14 @@ pub fn status(
             what: format!("the cluster of {} ({addr})", dir.display()),
             addr,
             secret_file: record.secret_file,
+            events: Vec::new(),
         });
     } else if let Some(c) = cluster {
         clusters.push(Target {
             what: format!("cluster {c}"),
             addr: c,
             secret_file,
+            events: Vec::new(),
         });
     } else {
         clusters = up_instances()?;
@@ -79,6 +81,7 @@ pub fn status(
         what,
         addr,
         secret_file,
+        events,
     } in clusters
     {
         let secret = Secret::from_file(&secret_file)?;
@@ -86,9 +89,14 @@ pub fn status(
             what: what.clone(),
             err,
         };
-        let c = ControlClient::connect(&addr, &secret, "rackfs-status").map_err(unreachable)?;
-        let info = c.cluster().map_err(unreachable)?;
+        let (addr, c, info) = primary_of(&addr, &secret).map_err(unreachable)?;
         outln!("cluster {addr} (primary {}):", info.primary.name);
+        if !events.is_empty() {
+            outln!("  what rackfs up saw (newest last):");
+            for e in &events {
+                outln!("    {e}");
+            }
+        }
         outln!("  coordinator: {}", info.coordinator);
         outln!(
             "  mounts holding a lock lease: {} {:?}",
@@ -249,8 +257,42 @@ pub fn space_lines(fs: &FsStat) -> [String; 2] {
 /// A cluster to show, and what to call it when it does not answer.
 struct Target {
     what: String,
+    /// Its nodes' addresses, comma-separated: the primary is found among them.
     addr: String,
     secret_file: PathBuf,
+    /// What its `rackfs up` supervisor saw happen (nodes dying, coming back).
+    events: Vec<String>,
+}
+
+/// The first of `addrs` (comma-separated) that answers as the primary: its address, its
+/// connection and the cluster it describes; else the last refusal.
+fn primary_of(
+    addrs: &str,
+    secret: &Secret,
+) -> Result<(String, ControlClient, rackfs_proto::control::ClusterInfo), rackfs_proto::RpcError> {
+    let mut last = None;
+    for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        let answer = ControlClient::connect(addr, secret, "rackfs-status")
+            .and_then(|c| c.cluster().map(|info| (c, info)));
+        match answer {
+            // A data node answers with its view: the primary it names is asked next.
+            Ok((_, info)) if info.primary.tcp.as_deref().is_some_and(|p| p != addr) => {
+                let p = info.primary.tcp.expect("checked");
+                let answer = ControlClient::connect(&p, secret, "rackfs-status")
+                    .and_then(|c| c.cluster().map(|info| (c, info)));
+                match answer {
+                    Ok((c, info)) => return Ok((p, c, info)),
+                    Err(e) => last = Some(e),
+                }
+            }
+            Ok((c, info)) => return Ok((addr.to_string(), c, info)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| rackfs_proto::RpcError::Unexpected {
+        peer: addrs.into(),
+        what: "no address to ask".into(),
+    }))
 }
 
 /// The clusters of this host's `rackfs up` instances; one whose process is gone is an error
@@ -278,6 +320,11 @@ fn up_instances() -> Result<Vec<Target>, CliError> {
             what: format!("the cluster of rackfs up at {} ({addr})", mount.display()),
             addr,
             secret_file: PathBuf::from(f),
+            events: s
+                .iter()
+                .filter(|(k, _)| k == "event")
+                .map(|(_, v)| v.clone())
+                .collect(),
         });
     }
     Ok(found)

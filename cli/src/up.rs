@@ -11,7 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rackfs_proto::size::format_size;
@@ -70,11 +70,19 @@ fn memnode_binary() -> PathBuf {
     }
 }
 
+/// One memory node `rackfs up` started, and keeps.
 struct NodeProc {
+    id: u32,
     child: Child,
-    tcp: String,
+    /// Its tcp address, once it said it serves (`None` while it starts or joins).
+    tcp: Option<String>,
+    /// Where its ready line arrives (read off its stdout by a thread, so a node that joins
+    /// slowly holds nothing up).
+    ready: mpsc::Receiver<String>,
     /// How it ended, once it has.
     exited: Option<std::process::ExitStatus>,
+    /// When it is to be started again (empty), once it has ended.
+    restart_at: Option<Instant>,
 }
 
 /// This machine's QoS capacity for one node, `(C_G, C_L)` in IOPS: measured once per boot by
@@ -122,19 +130,38 @@ fn qos_capacity(inst: &Path) -> Option<(u64, u64)> {
     Some(c)
 }
 
-fn start_node(
+/// Where the nodes keep the cluster map, leases and election.
+enum Coordinator {
+    /// `rackfs up`'s own, served at this address.
+    Served(String),
+    /// A local etcd, at these endpoints.
+    Etcd(String),
+}
+
+/// How a node starts: as the first primary, by joining it, or (after a death) found in the
+/// coordinator and taken in as a fresh, empty data node.
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    Primary,
+    Join(&'a str),
+    Rejoin,
+}
+
+/// Starts node `id` (its log appended to `mnID.log`); it is ready once it prints its line.
+fn spawn_node(
     inst: &Path,
     id: u32,
     region: u64,
-    join: Option<&str>,
+    start: Start,
     capacity: Option<(u64, u64)>,
-    etcd: Option<&str>,
+    coordinator: &Coordinator,
 ) -> Result<NodeProc, CliError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
-    if let Some(endpoint) = etcd {
-        cmd.args(["--etcd", endpoint, "--cluster", "up"]);
-    }
+    match coordinator {
+        Coordinator::Etcd(endpoints) => cmd.args(["--etcd", endpoints, "--cluster", "up"]),
+        Coordinator::Served(addr) => cmd.args(["--coordinator", addr]),
+    };
     if let Some((global, local)) = capacity {
         cmd.args([
             "--qos-capacity",
@@ -157,13 +184,19 @@ fn start_node(
     .arg(&secret)
     .arg("--shm-socket")
     .arg(inst.join(format!("mn{id}.sock")));
-    match join {
-        Some(p) => cmd.args(["--join", p]),
-        None => cmd.arg("--primary"),
+    match start {
+        Start::Primary => cmd.arg("--primary"),
+        Start::Join(p) => cmd.args(["--join", p]),
+        Start::Rejoin => &mut cmd,
     };
     let log_path = inst.join(format!("mn{id}.log"));
-    let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(io("create", &log_path))?;
     // SAFETY: the closure only calls prctl(2), which is async-signal-safe, between fork and exec.
+    // The signal comes when the thread that forked ends: this is always `up`'s main thread.
     unsafe {
         cmd.pre_exec(|| {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
@@ -183,41 +216,42 @@ fn start_node(
                 memnode_binary().display()
             ),
         })?;
-    let mut line = String::new();
-    let _ = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
-    let tcp = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("tcp="))
-        .map(String::from);
-    match tcp {
-        Some(tcp) => Ok(NodeProc {
-            child,
-            tcp,
-            exited: None,
-        }),
-        None => {
-            let _ = child.kill();
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let out = child.stdout.take().expect("piped");
+    let (tx, ready) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        if let Some(tcp) = line.split_whitespace().find_map(|w| w.strip_prefix("tcp=")) {
+            let _ = tx.send(tcp.to_string());
+        }
+    });
+    Ok(NodeProc {
+        id,
+        child,
+        tcp: None,
+        ready,
+        exited: None,
+        restart_at: None,
+    })
+}
+
+/// Waits until `n` serves (or ends: the last line of its log is the error).
+fn wait_ready(inst: &Path, n: &mut NodeProc) -> Result<(), CliError> {
+    match n.ready.recv() {
+        Ok(tcp) => {
+            n.tcp = Some(tcp);
+            Ok(())
+        }
+        Err(_) => {
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+            let log =
+                std::fs::read_to_string(inst.join(format!("mn{}.log", n.id))).unwrap_or_default();
             Err(CliError::NodeStart {
-                name: format!("mn{id}"),
+                name: format!("mn{}", n.id),
                 last: log.lines().last().unwrap_or("no output").into(),
             })
         }
-    }
-}
-
-fn stop_nodes(nodes: &mut [NodeProc]) {
-    for n in nodes.iter().filter(|n| n.exited.is_none()) {
-        // SAFETY: kill(2) on our own child, not yet reaped (so its pid is still ours).
-        unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
-    }
-    for n in nodes.iter_mut() {
-        let end = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < end && matches!(n.child.try_wait(), Ok(None)) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = n.child.kill();
-        let _ = n.child.wait();
     }
 }
 
@@ -286,25 +320,34 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         signal_hook::flag::register(sig, stop.clone()).map_err(FsError::Signals)?;
     }
-    let mut nodes: Vec<NodeProc> = Vec::new();
     let mut etcd = None;
+    let mut served = None;
+    let mut nodes = None;
     let result = (|| -> Result<(), CliError> {
-        if cfg.etcd {
-            etcd = Some(rackfs_coord::EtcdServer::start(&inst)?);
-        }
-        let endpoint = etcd.as_ref().map(rackfs_coord::EtcdServer::endpoints);
-        let primary_sock = format!("unix:{}", inst.join("mn0.sock").display());
-        let capacity = qos_capacity(&inst);
-        for id in 0..cfg.nodes {
-            let join = (id > 0).then_some(primary_sock.as_str());
-            let e = endpoint.as_deref();
-            nodes.push(start_node(&inst, id, cfg.region, join, capacity, e)?);
-        }
+        let coordinator = if cfg.etcd {
+            let e = etcd.insert(rackfs_coord::EtcdServer::start(&inst)?);
+            Coordinator::Etcd(e.endpoints())
+        } else {
+            let path = inst.join("coord.sock");
+            let secret = Secret::from_file(&secret_file).map_err(FsError::from)?;
+            let s = rackfs_memnode::coordinator::CoordService::start(&path, secret, NODE_LEASE)
+                .map_err(io("serve the coordinator on", &path))?;
+            Coordinator::Served(served.insert(s).addr())
+        };
+        let nodes = nodes.insert(Nodes {
+            inst: inst.clone(),
+            region: cfg.region,
+            capacity: qos_capacity(&inst),
+            coordinator,
+            procs: Vec::new(),
+            events: Vec::new(),
+        });
+        nodes.start_all(cfg.nodes)?;
         let opts = MountOptions {
             secret_file: secret_file.clone(),
             ..cfg.mount.clone()
         };
-        let source = nodes[0].tcp.clone();
+        let source = nodes.addrs().join(",");
         let prepared = prepare(&source, &dir, &opts)?;
         let fs = &prepared.fs;
         let (cluster, caches, releases) = (fs.cluster(), fs.caches(), fs.releases());
@@ -314,15 +357,22 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         rackfs_fs::releases::spawn(&cluster, releases);
         rackfs_fs::watch::spawn(cluster, session.notifier(), caches, opts.attr_timeout);
         let _record = prepared.record;
-        let state = format!(
-            "pid={}\nmount={}\nprimary={source}\nsecret_file={}\nnodes={}\nready=1\n",
-            std::process::id(),
-            dir.display(),
-            secret_file.display(),
-            cfg.nodes
-        );
-        let state_file = inst.join("up.state");
-        std::fs::write(&state_file, state).map_err(io("write", &state_file))?;
+        let state = |nodes: &Nodes| {
+            let mut text = format!(
+                "pid={}\nmount={}\nprimary={}\nsecret_file={}\nnodes={}\nready=1\n",
+                std::process::id(),
+                dir.display(),
+                nodes.addrs().join(","),
+                secret_file.display(),
+                cfg.nodes
+            );
+            for e in &nodes.events {
+                text.push_str(&format!("event={e}\n"));
+            }
+            let file = inst.join("up.state");
+            std::fs::write(&file, text).map_err(io("write", &file))
+        };
+        state(nodes)?;
         noteln!("RackFS is up.");
         noteln!("  mount point : {}", dir.display());
         noteln!(
@@ -335,14 +385,20 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
             }
         );
         noteln!("  secret file : {}", secret_file.display());
-        match &endpoint {
-            Some(e) => noteln!(
+        match &nodes.coordinator {
+            Coordinator::Etcd(e) => noteln!(
                 "  coordinator : etcd at {e} (cluster \"up\"; log {})",
                 inst.join("etcd.log").display()
             ),
-            None => noteln!("  coordinator : embedded in the primary (mn0)"),
+            Coordinator::Served(a) => noteln!("  coordinator : in this process, at {a}"),
         }
-        match capacity {
+        if cfg.nodes > 1 {
+            noteln!(
+                "  failover    : a standby follows the primary; a node that dies is started \
+                 again, empty, and rejoins"
+            );
+        }
+        match nodes.capacity {
             Some((g, l)) => noteln!(
                 "  QoS unit    : IOPS of 4 KiB; each node's capacity {g} IOPS, {l} per mount \
                  (measured on this machine; delete {} to measure again)",
@@ -367,28 +423,10 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
                 noteln!("{} was unmounted", dir.display());
                 break;
             }
-            for (i, n) in nodes.iter_mut().enumerate() {
-                if n.exited.is_some() {
-                    continue;
-                }
-                if let Ok(Some(status)) = n.child.try_wait() {
-                    n.exited = Some(status);
-                    enoteln!(
-                        "memory node mn{i} exited ({status}); see {}",
-                        inst.join(format!("mn{i}.log")).display()
-                    );
-                    if i == 0 {
-                        enoteln!("mn0 held the namespace: nothing is left to serve");
-                    } else {
-                        enoteln!(
-                            "its stripes' other replicas carry on (stripes it alone held return \
-                             EIO); new data goes to the surviving nodes"
-                        );
-                    }
-                }
-            }
-            if nodes[0].exited.is_some() {
-                break;
+            match nodes.tend() {
+                Tended::Same => {}
+                Tended::Changed => state(nodes)?,
+                Tended::Lost => break,
             }
         }
         if mount_type(&dir).is_some() {
@@ -396,13 +434,185 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         }
         Ok(())
     })();
-    stop_nodes(&mut nodes);
+    if let Some(n) = nodes.as_mut() {
+        n.stop();
+    }
     drop(etcd);
+    drop(served);
     let _ = std::fs::remove_dir_all(&inst);
     if result.is_ok() {
         noteln!("RackFS at {} is down.", dir.display());
     }
     result
+}
+
+/// The nodes' lease with the coordinator (`rackfs-memnode`'s default): a dead node may rejoin
+/// once it has lapsed.
+const NODE_LEASE: Duration = Duration::from_millis(2000);
+
+/// What [`Nodes::tend`] saw.
+enum Tended {
+    Same,
+    /// A node died or came back: the state file is to be written again.
+    Changed,
+    /// The only node died: the namespace went with it.
+    Lost,
+}
+
+/// The memory nodes `rackfs up` keeps running: one that dies is started again as a fresh,
+/// empty data node once its lease has lapsed (it rejoins the primary under a new epoch, and
+/// re-replication fills it), and what happened is kept for `rackfs status`.
+struct Nodes {
+    inst: PathBuf,
+    region: u64,
+    capacity: Option<(u64, u64)>,
+    coordinator: Coordinator,
+    procs: Vec<NodeProc>,
+    /// What happened, newest last (at most [`Nodes::EVENTS`]).
+    events: Vec<String>,
+}
+
+impl Nodes {
+    const EVENTS: usize = 10;
+
+    /// Starts `n` nodes: mn0 the primary, the others joining it over its Unix socket.
+    fn start_all(&mut self, n: u32) -> Result<(), CliError> {
+        let primary = format!("unix:{}", self.inst.join("mn0.sock").display());
+        for id in 0..n {
+            let start = if id == 0 {
+                Start::Primary
+            } else {
+                Start::Join(&primary)
+            };
+            let mut p = spawn_node(
+                &self.inst,
+                id,
+                self.region,
+                start,
+                self.capacity,
+                &self.coordinator,
+            )?;
+            let ready = wait_ready(&self.inst, &mut p);
+            self.procs.push(p);
+            ready?;
+        }
+        Ok(())
+    }
+
+    /// The tcp addresses of the nodes that serve.
+    fn addrs(&self) -> Vec<String> {
+        let live = self.procs.iter().filter(|p| p.exited.is_none());
+        live.filter_map(|p| p.tcp.clone()).collect()
+    }
+
+    fn event(&mut self, what: String) {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let at = format!(
+            "{:02}:{:02}:{:02}",
+            secs / 3600 % 24,
+            secs / 60 % 60,
+            secs % 60
+        );
+        if self.events.len() == Self::EVENTS {
+            self.events.remove(0);
+        }
+        self.events.push(format!("{at} UTC {what}"));
+    }
+
+    /// Notes deaths and returns, and starts dead nodes again when their time comes.
+    fn tend(&mut self) -> Tended {
+        let mut changed = false;
+        let only = self.procs.len() == 1;
+        let rejoin_after = NODE_LEASE + Duration::from_millis(500);
+        let mut said = Vec::new();
+        for p in self.procs.iter_mut() {
+            let log = self.inst.join(format!("mn{}.log", p.id));
+            if p.exited.is_none() {
+                if let Ok(tcp) = p.ready.try_recv() {
+                    said.push(format!(
+                        "mn{} is back as an empty data node at {tcp}; re-replication refills it",
+                        p.id
+                    ));
+                    p.tcp = Some(tcp);
+                }
+                if let Ok(Some(status)) = p.child.try_wait() {
+                    p.exited = Some(status);
+                    p.restart_at = Some(Instant::now() + rejoin_after);
+                    // A node that died serving says nothing of why; one refused, its error.
+                    let why = match p.tcp.take() {
+                        Some(_) => format!("exited ({status}; log {})", log.display()),
+                        None => {
+                            let text = std::fs::read_to_string(&log).unwrap_or_default();
+                            let last = text.lines().last().unwrap_or("no output").to_string();
+                            format!("could not rejoin ({status}): {last}")
+                        }
+                    };
+                    said.push(format!(
+                        "mn{} {why}; starting it again, empty, in {} ms",
+                        p.id,
+                        rejoin_after.as_millis()
+                    ));
+                }
+            }
+        }
+        for what in said.drain(..) {
+            enoteln!("{what}");
+            self.event(what);
+            changed = true;
+        }
+        if only && self.procs[0].exited.is_some() {
+            enoteln!("mn0 was the only node and held the namespace: nothing is left to serve");
+            return Tended::Lost;
+        }
+        let now = Instant::now();
+        for i in 0..self.procs.len() {
+            let p = &self.procs[i];
+            if p.restart_at.is_none_or(|t| now < t) {
+                continue;
+            }
+            let id = p.id;
+            match spawn_node(
+                &self.inst,
+                id,
+                self.region,
+                Start::Rejoin,
+                self.capacity,
+                &self.coordinator,
+            ) {
+                Ok(p) => self.procs[i] = p,
+                Err(e) => {
+                    self.procs[i].restart_at = Some(now + rejoin_after);
+                    let what = format!("mn{id} cannot be started again: {e}");
+                    enoteln!("{what}");
+                    self.event(what);
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            Tended::Changed
+        } else {
+            Tended::Same
+        }
+    }
+
+    /// Stops every node (SIGTERM, then SIGKILL after 5 s).
+    fn stop(&mut self) {
+        for n in self.procs.iter().filter(|n| n.exited.is_none()) {
+            // SAFETY: kill(2) on our own child, not yet reaped (so its pid is still ours).
+            unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
+        }
+        for n in self.procs.iter_mut() {
+            let end = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < end && matches!(n.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+        }
+    }
 }
 
 /// Starts `rackfs up` in the background and returns once it is ready.

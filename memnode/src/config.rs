@@ -31,12 +31,12 @@ pub struct NodeConfig {
     /// The lease a data node holds with the coordinator: one that lapses is declared dead and
     /// dropped from the stripes' replicas, and serves nothing until admitted again.
     pub node_lease: Duration,
-    /// etcd client endpoints (`host:port`, comma-separated) holding the cluster map, the
-    /// leases and the election (`None`: the embedded coordinator, in the primary).
-    pub etcd: Option<String>,
+    /// Where the cluster map, the leases and the election are kept.
+    pub coordinator: Coordination,
     /// The cluster's name: its keys' prefix in etcd.
     pub cluster: String,
-    /// Whether the primary keeps a metadata standby (with etcd only; see the `standby` module).
+    /// Whether the primary keeps a metadata standby (only with a coordinator that outlives
+    /// the primary; see the `standby` module).
     pub standby: bool,
     /// Copies of every stripe of a new file whose creator does not ask (primary only; never
     /// more than the cluster's nodes).
@@ -53,13 +53,35 @@ pub struct NodeConfig {
     pub baseline_lock_server: bool,
 }
 
+/// Where a cluster keeps its map, its nodes' leases and the primary's election.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Coordination {
+    /// Embedded in the primary's process: no election and no standby, since the cluster's
+    /// state lives and dies with the primary.
+    InPrimary,
+    /// etcd, at these client endpoints (`host:port`, comma-separated).
+    Etcd(String),
+    /// An embedded coordinator served by a process of its own (`rackfs up`'s), at this
+    /// address (`unix:PATH` or `host:port`): it outlives any node.
+    Served(String),
+}
+
+impl Coordination {
+    /// Whether the coordinator outlives the primary, so that a standby can be elected in its
+    /// place: the primary campaigns, keeps a standby, and data nodes follow a new primary.
+    pub fn elects(&self) -> bool {
+        !matches!(self, Coordination::InPrimary)
+    }
+}
+
 /// A node's place in the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Role {
     /// Runs the metadata service; other nodes join it.
     Primary,
     /// Offers its region to the primary, found at one of these addresses (`host:port` or
-    /// `unix:PATH`, asked in turn) or, with etcd, at the one the coordinator's `primary` key
+    /// `unix:PATH`, asked in turn) or, with a coordinator that elects (etcd, or one served
+    /// apart), at the one the coordinator's `primary` key
     /// names (then the list may be empty).
     Join(Vec<String>),
     /// Serves verbs and allocation only (no namespace).

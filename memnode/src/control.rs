@@ -96,7 +96,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         ControlRequest::Cluster => match node.members.cluster_info() {
             Some(mut c) => {
                 c.coordinator = node.coord.describe();
-                c.elects = node.cfg.etcd.is_some();
+                c.elects = node.cfg.coordinator.elects();
                 c.mounts = node.leases.get().map(Leases::sessions).unwrap_or_default();
                 c.standby = node.standby.follower();
                 if let Some(e) = node.epochs.get() {

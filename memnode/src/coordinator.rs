@@ -1,9 +1,10 @@
 //! Which [`Coordinator`] a node uses, and the embedded one's RPC surface.
 //!
-//! With `--etcd` every node talks to etcd itself. Without, the primary holds a
-//! [`rackfs_coord::Local`] and data nodes reach it through [`Remote`], which carries each
-//! operation in a [`ControlRequest::Coord`] to the primary ([`serve`] answers it there): one
-//! interface, one liveness protocol, whichever coordinator runs it.
+//! With `--etcd` every node talks to etcd itself. Without, a [`rackfs_coord::Local`] holds the
+//! cluster's keys: in the primary, or (`--coordinator ADDR`) in a process of its own that
+//! outlives every node (`rackfs up`'s; see [`serve_socket`]). Nodes reach one they do not hold
+//! through [`Remote`], which carries each operation in a [`ControlRequest::Coord`] ([`serve`]
+//! answers it): one interface, one liveness protocol, whichever coordinator runs it.
 //!
 //! Keys a cluster keeps (relative to its prefix): `primary` (the primary's address, under its
 //! lease: the election), `nodes/<id>` (a data node's address and epoch, under the lease
@@ -13,16 +14,24 @@
 //! lease, granted and kept alive by the primary on the mount's renewals; see
 //! [`crate::lease`]).
 
+use std::io::{BufReader, BufWriter, Write as _};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_coord::{CoordError, Coordinator, Etcd, Guard, LeaseId, Local, Write};
-use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, NodeAddr};
+use rackfs_proto::control::{
+    ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
+};
 use rackfs_proto::coord::{CoordAnswer, CoordCall, CoordWrite};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_verbs::auth::{server_handshake, NonceLog};
+use rackfs_verbs::wire::{self, ConnKind, FrameKind, Welcome};
 use rackfs_verbs::Secret;
+use tracing::warn;
 
-use crate::config::{NodeConfig, Role};
+use crate::config::{Coordination, NodeConfig, Role};
 
 /// The key of data node `id`'s membership.
 pub fn node_key(id: u32) -> String {
@@ -89,27 +98,31 @@ pub type Opened = (Arc<dyn Coordinator>, Option<Arc<Remote>>);
 /// one, the [`Remote`] itself: it is pointed at the primary once the node found it.
 pub fn open(cfg: &NodeConfig) -> Result<Opened, CoordError> {
     let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
-    if let Some(endpoints) = &cfg.etcd {
-        return Ok((
+    Ok(match (&cfg.coordinator, &cfg.role) {
+        (Coordination::Etcd(endpoints), _) => (
             Arc::new(Etcd::new(endpoints, &cfg.cluster, deadline)?),
             None,
-        ));
-    }
-    Ok(match &cfg.role {
-        Role::Join(addrs) => {
+        ),
+        (Coordination::Served(addr), _) => {
+            let r = Remote::new(addr, &cfg.secret, &cfg.name, deadline);
+            (Arc::new(Remote { served: true, ..r }), None)
+        }
+        (Coordination::InPrimary, Role::Join(addrs)) => {
             let first = addrs.first().map_or("", String::as_str);
             let r = Arc::new(Remote::new(first, &cfg.secret, &cfg.name, deadline));
             (r.clone(), Some(r))
         }
         // The primary asks it at least every member check, an eighth of a lease.
-        _ => (Arc::new(Local::new(cfg.node_lease / 4)), None),
+        (Coordination::InPrimary, _) => (Arc::new(Local::new(cfg.node_lease / 4)), None),
     })
 }
 
-/// The embedded coordinator, reached on the primary.
+/// An embedded coordinator held by another process: the primary, or one serving it alone.
 pub struct Remote {
-    /// The primary's address: where the node joined.
+    /// Where it is: the primary's address (where the node joined), or the serving process's.
     primary: Mutex<String>,
+    /// Served apart from the nodes (`--coordinator`), not by the primary.
+    served: bool,
     secret: Secret,
     name: String,
     deadline: Duration,
@@ -120,6 +133,7 @@ impl Remote {
     pub fn new(primary: &str, secret: &Secret, name: &str, deadline: Duration) -> Remote {
         Remote {
             primary: Mutex::new(primary.into()),
+            served: false,
             secret: secret.clone(),
             name: format!("coord-{name}"),
             deadline,
@@ -298,7 +312,10 @@ impl Coordinator for Remote {
     }
 
     fn describe(&self) -> String {
-        format!("embedded, in the primary at {}", self.primary())
+        match self.served {
+            true => format!("embedded, served at {}", self.primary()),
+            false => format!("embedded, in the primary at {}", self.primary()),
+        }
     }
 }
 
@@ -346,4 +363,120 @@ pub fn serve(c: &dyn Coordinator, call: CoordCall) -> Result<CoordAnswer, Refusa
         CoordError::NotHeld { .. } => Refusal::new(ErrorCode::NotPrimary, e.to_string()),
         other => Refusal::new(ErrorCode::Unavailable, other.to_string()),
     })
+}
+
+/// An embedded coordinator served on a Unix socket by a process that outlives every node
+/// (`rackfs up`'s): nodes reach it with `--coordinator unix:PATH` and elect a primary in it as
+/// they would in etcd. Its threads end with the process; dropping it removes the socket.
+pub struct CoordService {
+    path: PathBuf,
+}
+
+impl CoordService {
+    /// Serves a fresh [`Local`] at `path` to clients proving `secret`. `node_lease` is the
+    /// nodes' lease: a gap of a quarter of it between two looks at the clock means this process
+    /// was paused, and every lease then restarts instead of lapsing (nobody could renew).
+    pub fn start(path: &Path, secret: Secret, node_lease: Duration) -> std::io::Result<Self> {
+        let listener = UnixListener::bind(path)?;
+        let coord = Arc::new(Local::new(node_lease / 4));
+        let keeper = coord.clone();
+        let look_every = (node_lease / 16).max(Duration::from_millis(5));
+        std::thread::Builder::new()
+            .name("coord-clock".into())
+            .spawn(move || loop {
+                // Any call looks at the clock: only a pause of the whole process leaves a gap.
+                let _ = keeper.get("");
+                std::thread::sleep(look_every);
+            })?;
+        let welcome = Welcome {
+            proof: [0; rackfs_verbs::wire::PROOF_LEN],
+            node_name: "coordinator".into(),
+            node_id: u32::MAX,
+            regions: Vec::new(),
+        };
+        let shared = Arc::new((secret, welcome, NonceLog::default()));
+        std::thread::Builder::new()
+            .name("coord-accept".into())
+            .spawn(move || {
+                for conn in listener.incoming().flatten() {
+                    let (coord, shared) = (coord.clone(), shared.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("coord-conn".into())
+                        .spawn(move || serve_conn(conn, &*coord, &shared.0, &shared.1, &shared.2));
+                }
+            })?;
+        Ok(CoordService {
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The address nodes are given (`--coordinator`).
+    pub fn addr(&self) -> String {
+        format!("unix:{}", self.path.display())
+    }
+}
+
+impl Drop for CoordService {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// One client of a [`CoordService`]: authenticated, then answered call by call.
+fn serve_conn(
+    mut stream: UnixStream,
+    coord: &dyn Coordinator,
+    secret: &Secret,
+    welcome: &Welcome,
+    nonces: &NonceLog,
+) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let admitted = server_handshake(&mut stream, secret, welcome, nonces, |h| match h.kind {
+        ConnKind::Control => Ok(()),
+        _ => Err("this is the cluster's coordinator: it serves control connections only".into()),
+    });
+    let client = match admitted {
+        Ok(a) => a.hello.client_name,
+        Err(e) => {
+            warn!(error = %e, "coordinator: refused a connection");
+            return;
+        }
+    };
+    let _ = stream.set_read_timeout(None);
+    let Ok(w) = stream.try_clone() else { return };
+    let (mut r, mut w) = (BufReader::new(stream), BufWriter::new(w));
+    let mut body = Vec::new();
+    loop {
+        let (id, req) = match wire::read_frame(&mut r, &mut body) {
+            Ok(FrameKind::ControlRequest) => match ControlRequest::decode(&body) {
+                Ok(r) => r,
+                Err(e) => return warn!(%client, error = %e, "coordinator: malformed request"),
+            },
+            Ok(_) | Err(_) => return,
+        };
+        let resp = match req {
+            ControlRequest::Hello { version } if version != PROTOCOL_VERSION => Refusal::new(
+                ErrorCode::Version,
+                format!("the coordinator speaks protocol version {PROTOCOL_VERSION}, the client {version}"),
+            )
+            .into(),
+            ControlRequest::Hello { .. } => ControlResponse::Hello {
+                version: PROTOCOL_VERSION,
+            },
+            ControlRequest::Coord(call) => match serve(coord, call) {
+                Ok(a) => ControlResponse::Coord(a),
+                Err(r) => r.into(),
+            },
+            _ => Refusal::new(
+                ErrorCode::NotPrimary,
+                "this is the cluster's coordinator, not a memory node",
+            )
+            .into(),
+        };
+        let sent = wire::write_frame(&mut w, FrameKind::ControlResponse, &resp.encode(id))
+            .and_then(|()| w.flush());
+        if sent.is_err() {
+            return;
+        }
+    }
 }

@@ -198,7 +198,7 @@ impl MemNode {
         if cfg.region_len < 1 << 20 {
             return Err(StartError::RegionTooSmall(cfg.region_len));
         }
-        crate::discover::check(&cfg.role, cfg.etcd.as_deref())?;
+        crate::discover::check(&cfg.role, &cfg.coordinator)?;
         let len = cfg.region_len.next_multiple_of(4096);
         let data = Region::create_memfd("rackfs-region", len, random_rkey(), Access::ALL)
             .map_err(|err| StartError::Region { len, err })?;
@@ -273,14 +273,13 @@ impl MemNode {
         let is_primary = cfg.role == Role::Primary;
         let (coord, remote) = crate::coordinator::open(&cfg)?;
         let sessions_from = first_session();
-        let primacy = match (is_primary, &cfg.etcd) {
-            (true, Some(_)) => Some(crate::election::Primacy::campaign(
+        let primacy = match (is_primary, cfg.coordinator.elects()) {
+            (true, true) => Some(crate::election::Primacy::campaign(
                 coord.clone(),
                 crate::coordinator::primary_value(&me, sessions_from),
                 cfg.node_lease,
                 &cfg.cluster,
             )?),
-            (true, None) => None,
             _ => None,
         };
         // The primary's term: its election's, or with the embedded coordinator (no election:

@@ -1,8 +1,8 @@
 //! Finding the primary a data node joins.
 //!
 //! A unit's command line is fixed but the primary moves (a standby takes over), so a data node
-//! is given a list of addresses (`--join A,B,C`) and, with etcd, the coordinator's `primary`
-//! key: it asks them in turn to take it in, skipping a node that answers that it is not the
+//! is given a list of addresses (`--join A,B,C`) and, with a coordinator that elects (etcd, or
+//! one served apart), the coordinator's `primary` key: it asks them in turn to take it in, skipping a node that answers that it is not the
 //! primary (or is not serving yet) and one that does not answer, and goes round again until
 //! one accepts or its patience ([`patience`]) runs out. Every other refusal (a wrong secret,
 //! its node id taken, another protocol version) ends the search at once: asking again would
@@ -16,17 +16,17 @@ use rackfs_proto::RpcError;
 use rackfs_verbs::VerbsError;
 use tracing::{info, warn};
 
-use crate::config::Role;
+use crate::config::{Coordination, Role};
 use crate::coordinator::parse_primary;
 use crate::node::Node;
 use crate::term::PRIMARY_KEY;
 
-/// What a data node's `--join` or `--etcd` lacks, or why no primary took it in.
+/// What a data node's `--join`, `--etcd` or `--coordinator` lacks, or why no primary took it in.
 #[derive(Debug, thiserror::Error)]
 pub enum JoinError {
     #[error(
         "a data node needs the primary's address: give --join ADDR[,ADDR...] \
-         (host:port or unix:PATH), or --etcd ENDPOINTS to find it in etcd"
+         (host:port or unix:PATH), or --etcd ENDPOINTS or --coordinator ADDR to find it there"
     )]
     NothingToJoin,
     #[error("no primary took this node in within {waited:?}; tried: {tried}")]
@@ -87,10 +87,12 @@ pub fn parse_addr(s: &str) -> Result<String, AddrError> {
 }
 
 /// Checks a node's role against its coordinator: a data node must have somewhere to look for
-/// the primary (`etcd`, or at least one address).
-pub fn check(role: &Role, etcd: Option<&str>) -> Result<(), JoinError> {
+/// the primary (a coordinator that elects, or at least one address).
+pub fn check(role: &Role, coordinator: &Coordination) -> Result<(), JoinError> {
     match role {
-        Role::Join(addrs) if addrs.is_empty() && etcd.is_none() => Err(JoinError::NothingToJoin),
+        Role::Join(addrs) if addrs.is_empty() && !coordinator.elects() => {
+            Err(JoinError::NothingToJoin)
+        }
         _ => Ok(()),
     }
 }
@@ -149,12 +151,13 @@ fn passes_over(e: &RpcError) -> bool {
     }
 }
 
-/// The addresses to ask this round: with etcd the one its `primary` key names first, then
+/// The addresses to ask this round: with a coordinator that elects, the one its `primary` key
+/// names first, then
 /// `addrs` in their order (each once).
 fn candidates(node: &Node, addrs: &[String], tried: &mut Tried) -> Vec<String> {
     let mut out = Vec::new();
-    if node.cfg.etcd.is_some() {
-        let place = "etcd's primary key";
+    if node.cfg.coordinator.elects() {
+        let place = "the coordinator's primary key";
         let why = match node.coord.created(PRIMARY_KEY) {
             Ok(Some((term, v))) => match parse_primary(&v) {
                 Some((id, _, _)) if id == node.cfg.node_id => Some(format!(
@@ -172,7 +175,7 @@ fn candidates(node: &Node, addrs: &[String], tried: &mut Tried) -> Vec<String> {
         };
         if let Some(why) = why {
             if tried.note(place, why.clone()) {
-                info!(reason = %why, "no primary from etcd yet");
+                info!(reason = %why, "no primary from the coordinator yet");
             }
         }
     }
@@ -184,10 +187,10 @@ fn candidates(node: &Node, addrs: &[String], tried: &mut Tried) -> Vec<String> {
     out
 }
 
-/// Joins the primary, found among `addrs` and (with etcd) the coordinator's `primary` key;
+/// Joins the primary, found among `addrs` and (with a coordinator that elects) its `primary` key;
 /// returns the address that took the node in.
 pub fn join(node: &Node, addrs: &[String]) -> Result<String, JoinError> {
-    check(&node.cfg.role, node.cfg.etcd.as_deref())?;
+    check(&node.cfg.role, &node.cfg.coordinator)?;
     let started = Instant::now();
     let give_up = started + patience(node.cfg.node_lease);
     let mut tried = Tried::default();
@@ -260,13 +263,22 @@ mod tests {
 
     #[test]
     fn a_data_node_needs_an_address_or_etcd() {
-        let e = check(&Role::Join(vec![]), None).unwrap_err();
+        let e = check(&Role::Join(vec![]), &Coordination::InPrimary).unwrap_err();
         assert!(matches!(e, JoinError::NothingToJoin));
         assert!(e.to_string().contains("--join ADDR") && e.to_string().contains("--etcd"));
-        check(&Role::Join(vec![]), Some("127.0.0.1:2379")).unwrap();
-        check(&Role::Join(vec!["h:1".into()]), None).unwrap();
-        check(&Role::Primary, None).unwrap();
-        check(&Role::Standalone, None).unwrap();
+        check(
+            &Role::Join(vec![]),
+            &Coordination::Etcd("127.0.0.1:2379".into()),
+        )
+        .unwrap();
+        check(
+            &Role::Join(vec![]),
+            &Coordination::Served("unix:/c.sock".into()),
+        )
+        .unwrap();
+        check(&Role::Join(vec!["h:1".into()]), &Coordination::InPrimary).unwrap();
+        check(&Role::Primary, &Coordination::InPrimary).unwrap();
+        check(&Role::Standalone, &Coordination::InPrimary).unwrap();
     }
 
     #[test]

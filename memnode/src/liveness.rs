@@ -88,13 +88,13 @@ impl Renewer {
     }
 
     /// One round: registers, asks for admission or renews, as the lease's state calls for;
-    /// with etcd, then follows the elected primary.
+    /// with a coordinator that elects, then follows the elected primary.
     pub fn renew(&mut self, node: &Arc<Node>) {
         if let Err(why) = self.step(node) {
             self.trouble(&why);
         }
         self.check(node);
-        if let (Some(_), Some((held, true))) = (&node.cfg.etcd, self.lease) {
+        if let (true, Some((held, true))) = (node.cfg.coordinator.elects(), self.lease) {
             self.follow(node, held.lease);
         }
     }

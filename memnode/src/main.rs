@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use rackfs_memnode::config::Coordination;
 use rackfs_memnode::{MemNode, NodeConfig, Role};
 use rackfs_proto::size::{format_size, parse_size};
 use rackfs_verbs::Secret;
@@ -14,6 +15,7 @@ use tracing::info;
 /// Serve a region of this host's DRAM to RackFS clients over one-sided verbs.
 #[derive(Parser, Debug)]
 #[command(name = "rackfs-memnode", version)]
+#[command(group(clap::ArgGroup::new("elects").args(["etcd", "coordinator"])))]
 struct Args {
     /// TCP address for verbs and control connections, e.g. 0.0.0.0:7070 (port 0 picks one).
     #[arg(long)]
@@ -61,15 +63,21 @@ struct Args {
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(200..=600_000))]
     node_lease_ms: u64,
     /// Keep the cluster map, the nodes' leases and the primary's election in etcd at these
-    /// client endpoints (host:port, comma-separated); without it the primary holds them.
-    #[arg(long, value_name = "ENDPOINTS")]
+    /// client endpoints (host:port, comma-separated); without it (or --coordinator) the
+    /// primary holds them, and the cluster cannot outlive it.
+    #[arg(long, value_name = "ENDPOINTS", conflicts_with = "coordinator")]
     etcd: Option<String>,
+    /// Keep them in the embedded coordinator served at this address (unix:PATH or host:port)
+    /// by a process of its own, as `rackfs up` does: like etcd, a standby can then take over
+    /// from the primary.
+    #[arg(long, value_name = "ADDR", value_parser = parse_join)]
+    coordinator: Option<String>,
     /// The cluster's name: its keys live under /rackfs/NAME/ in etcd.
     #[arg(long, default_value = "rackfs", value_name = "NAME")]
     cluster: String,
-    /// With --etcd, keep no metadata standby (primary only): changes skip the journal's round
-    /// trip, and the primary's death loses the namespace.
-    #[arg(long, requires = "etcd")]
+    /// With --etcd or --coordinator, keep no metadata standby (primary only): changes skip the
+    /// journal's round trip, and the primary's death loses the namespace.
+    #[arg(long, requires = "elects")]
     no_standby: bool,
     /// Copies of every stripe of a new file, on different nodes, unless the mount asks
     /// otherwise (`-o replicas=N`); never more than the nodes at the file's creation (primary
@@ -148,6 +156,8 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a terminal: logs kept in files stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
     match run(args) {
@@ -201,14 +211,22 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         role: match (args.primary, args.join, profile) {
             (_, _, Some(_)) => Role::Standalone,
             (true, _, _) => Role::Primary,
-            // With etcd and no address, the primary is found in etcd.
-            (false, addrs, _) if !addrs.is_empty() || args.etcd.is_some() => Role::Join(addrs),
+            // With etcd or a served coordinator and no address, the primary is found there.
+            (false, addrs, _)
+                if !addrs.is_empty() || args.etcd.is_some() || args.coordinator.is_some() =>
+            {
+                Role::Join(addrs)
+            }
             (false, _, _) => Role::Standalone,
         },
         quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         lock_lease: std::time::Duration::from_millis(args.lock_lease_ms),
         node_lease: std::time::Duration::from_millis(args.node_lease_ms),
-        etcd: args.etcd,
+        coordinator: match (args.etcd, args.coordinator) {
+            (Some(endpoints), _) => Coordination::Etcd(endpoints),
+            (None, Some(addr)) => Coordination::Served(addr),
+            (None, None) => Coordination::InPrimary,
+        },
         cluster: args.cluster,
         replicas: args.replicas,
         rebuild_rate: args.rebuild_rate,

@@ -1,6 +1,7 @@
 //! The metadata service's standby: a data node that mirrors the primary's namespace and takes
-//! over when the primary dies. Only with etcd: the embedded coordinator dies with the primary,
-//! so nobody would be left to elect another.
+//! over when the primary dies. Only with a coordinator that outlives the primary (etcd, or one
+//! served apart): the one embedded in the primary dies with it, so nobody would be left to
+//! elect another.
 //!
 //! * **Sync.** The primary picks a live data node ([`keep`]) and, under the metadata lock,
 //!   switches journaling on and sends it a snapshot ([`ControlRequest::Mirror`]): the
@@ -45,10 +46,11 @@ use crate::node::{first_session, Node};
 /// Bytes of a snapshot per [`ControlRequest::Mirror`] (well inside a frame).
 const PIECE: usize = 4 << 20;
 
-/// Primary: makes a live data node the standby if there is none (etcd only); runs a few times
+/// Primary: makes a live data node the standby if there is none (with a coordinator that
+/// elects); runs a few times
 /// per lease.
 pub fn keep(node: &Node) {
-    if node.cfg.etcd.is_none()
+    if !node.cfg.coordinator.elects()
         || !node.cfg.standby
         || node.standby.follower().is_some()
         || !node.serve.valid()
@@ -227,6 +229,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     node.fences.fence_below(first, Duration::from_secs(3));
     let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
     meta.set_answered(mirror.answered);
+    meta.forget_old_lock_trees(&**node);
     // Mounts follow within a lock lease or so (their watchers notice), then reclaim their
     // processes' record locks; new locks wait for the grace period.
     meta.take_over_record_locks(&**node, 2 * node.cfg.lock_lease);

@@ -77,6 +77,13 @@ impl MetaService {
         }
     }
 
+    /// Starts the files' lock trees afresh on a standby taking over (see
+    /// [`LockTrees::clear_words`]).
+    pub fn forget_old_lock_trees(&mut self, st: &dyn Storage) {
+        let words = self.namespace.file_records().into_iter();
+        self.locks.clear_words(st, words.map(|r| r + REC_LOCKS));
+    }
+
     /// What the old primary answered last per session, as the standby replayed it: retries
     /// of those changes are answered from it.
     pub fn set_answered(&mut self, answered: journal::Answered) {

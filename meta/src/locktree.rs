@@ -180,6 +180,17 @@ impl LockTrees {
         Ok(new)
     }
 
+    /// A primary that took over starts without trees: the file records it mirrored may still
+    /// name trees in the old primary's region (a snapshot copies their lock words), which is
+    /// not this node's, so each word goes back to [`TreeWord::NONE`] before anyone is served;
+    /// a mount's next lock then publishes a fresh tree here.
+    pub fn clear_words(&mut self, st: &dyn Storage, record_words: impl IntoIterator<Item = u64>) {
+        let region = st.local().1;
+        for w in record_words {
+            region.store(w, TreeWord::NONE.0).expect("record in region");
+        }
+    }
+
     /// The file is gone: retire its tree (freed once quiet).
     pub fn forget(&mut self, st: &dyn Storage, ino: u64) {
         if let Some((_, w)) = self.trees.remove(&ino) {

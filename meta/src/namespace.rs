@@ -330,6 +330,12 @@ impl Namespace {
         }
     }
 
+    /// The offset of every regular file's record.
+    pub fn file_records(&self) -> Vec<u64> {
+        let files = self.inodes.values().filter_map(|i| i.file.as_ref());
+        files.map(|f| f.record).collect()
+    }
+
     /// The client sessions holding opens.
     pub fn sessions(&self) -> Vec<u64> {
         self.sessions.keys().copied().collect()
