@@ -98,6 +98,7 @@ impl Fio {
         FioRun {
             child,
             args: self.args.join(" "),
+            interrupted: false,
             _cwd: cwd,
         }
     }
@@ -112,6 +113,8 @@ impl Fio {
 pub struct FioRun {
     child: Child,
     args: String,
+    /// Ended early by [`FioRun::interrupt`].
+    interrupted: bool,
     _cwd: TempDir,
 }
 
@@ -119,6 +122,15 @@ impl FioRun {
     /// Whether fio is still running.
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Ends a time-based run early, as Ctrl-C would: fio stops its jobs and still reports
+    /// (with `verify_backlog`, what it wrote so far was verified as it went). Its exit status
+    /// may then say it was cut short: the report's per-job errors are what count.
+    pub fn interrupt(&mut self) {
+        // SAFETY: kill(2) of our own child, not yet reaped (so its pid is still ours).
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        self.interrupted = true;
     }
 
     /// Waits for fio and parses its report; panics with fio's own message if it failed.
@@ -129,7 +141,7 @@ impl FioRun {
     /// Waits for fio and parses its report; fio's own message if it failed.
     pub fn finish(self) -> Result<FioReport, String> {
         let out = self.child.wait_with_output().expect("wait for fio");
-        if !out.status.success() {
+        if !out.status.success() && !self.interrupted {
             return Err(format!(
                 "fio {} failed: {}{}",
                 self.args,

@@ -1,0 +1,223 @@
+//! `rackfs up` survives the kill -9 of any of its memory nodes, the primary included, with its
+//! defaults: its coordinator lives in the `rackfs up` process, a standby follows the primary,
+//! and a dead node is started again, empty, and rejoins (issue 26, item 1). Through the real
+//! binaries: two mounts, fio verify writing on one, kill -9 of a data node, then of the
+//! primary, then of the new primary once it has a standby again.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rackfs_tests::Fio;
+use rackfs_tests::{bin_path, wait_for, Mount, TempDir};
+
+fn rackfs(args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("rackfs"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// One `rackfs up` instance: its mount point and state directory.
+struct Up {
+    dir: PathBuf,
+    inst: PathBuf,
+    _tmp: TempDir,
+}
+
+impl Up {
+    fn start(nodes: u32) -> Up {
+        let tmp = TempDir::new("upfail");
+        let dir = tmp.path().join("m");
+        let n = nodes.to_string();
+        let d = dir.to_str().unwrap();
+        let out = rackfs(&["up", d, "--detach", "--nodes", &n, "--region", "256M"]);
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("coordinator : in this process"), "{text}");
+        let inst = rackfs_cli::up::instance_dir(&fs::canonicalize(&dir).unwrap());
+        Up {
+            dir,
+            inst,
+            _tmp: tmp,
+        }
+    }
+
+    fn state(&self, key: &str) -> String {
+        let s = rackfs_cli::up::read_state(&self.inst).expect("rackfs up's state");
+        rackfs_cli::up::state_value(&s, key).unwrap_or_default()
+    }
+
+    /// `rackfs status` of this cluster, found among its nodes' current addresses.
+    fn status(&self) -> String {
+        let (addrs, secret) = (self.state("primary"), self.state("secret_file"));
+        let out = rackfs(&["status", "--cluster", &addrs, "--secret-file", &secret]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The pid of node `name`'s process (its command line names its own socket in the
+    /// instance; others may name it too, to join it).
+    fn pid(&self, name: &str) -> i32 {
+        let sock = self.inst.join(format!("{name}.sock"));
+        let sock = format!("--shm-socket {}", sock.display());
+        for e in fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let cmd = fs::read(e.path().join("cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains("rackfs-memnode") && cmd.contains(&sock) {
+                return pid;
+            }
+        }
+        panic!("no process of {name} ({sock})");
+    }
+
+    /// Waits until the cluster is whole again: `nodes` up, a standby in sync, every stripe at
+    /// its replicas; returns the primary's and the standby's names.
+    fn healed(&self, nodes: usize) -> (String, String) {
+        let mut last = String::new();
+        let whole = wait_for(Duration::from_secs(60), || {
+            last = self.status();
+            let up = last
+                .lines()
+                .filter(|l| l.contains("KiB") || l.contains("MiB"));
+            let down = last.contains("DOWN") || last.contains("DEGRADED");
+            up.count() >= nodes
+                && !down
+                && last.contains("(in sync; takes over if the primary dies)")
+                && last.contains("data: healthy")
+                && last.contains(" 0 degraded")
+        });
+        assert!(whole, "the cluster did not heal within 60 s:\n{last}");
+        let word_after = |key: &str| {
+            let at = last.find(key).unwrap() + key.len();
+            let w = last[at..].split([' ', ')', ':']).next().unwrap();
+            w.trim().to_string()
+        };
+        (word_after("(primary "), word_after("metadata standby: "))
+    }
+
+    /// Kills node `name` with SIGKILL and waits until `rackfs up` started it again.
+    fn kill(&self, name: &str) {
+        let back = format!("{name} is back");
+        let events = || {
+            let s = rackfs_cli::up::read_state(&self.inst).expect("rackfs up's state");
+            s.iter()
+                .filter(|(k, v)| k == "event" && v.contains(&back))
+                .count()
+        };
+        let before = events();
+        let pid = self.pid(name);
+        // SAFETY: kill(2) of a memory node this test's `rackfs up` started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        assert!(
+            wait_for(Duration::from_secs(30), || events() > before),
+            "{name} was not started again within 30 s"
+        );
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // What went wrong, before `down` removes the logs: rackfs up's, and the nodes'
+            // warnings.
+            let dir = fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
+            let tag = rackfs_fs::mount::path_tag(&dir);
+            let up_log = rackfs_fs::mount::state_dir().join(format!("up-{tag}.log"));
+            eprintln!("--- {}", up_log.display());
+            eprintln!("{}", fs::read_to_string(&up_log).unwrap_or_default());
+            for n in 0..3 {
+                let log = self.inst.join(format!("mn{n}.log"));
+                let text = fs::read_to_string(&log).unwrap_or_default();
+                eprintln!("--- {} (warnings)", log.display());
+                for l in text.lines().filter(|l| !l.contains(" INFO ")) {
+                    eprintln!("{l}");
+                }
+            }
+        }
+        let _ = rackfs(&["down", self.dir.to_str().unwrap()]);
+    }
+}
+
+/// Files of known content, for comparing after the kills.
+fn write_files(dir: &Path, tag: &str) -> Vec<(PathBuf, Vec<u8>)> {
+    (0..4u8)
+        .map(|i| {
+            let len = 300_000 * (i as usize + 1) + 17;
+            let data: Vec<u8> = (0..len).map(|k| (k * 31 + i as usize * 7) as u8).collect();
+            let p = dir.join(format!("{tag}-{i}"));
+            fs::write(&p, &data).unwrap();
+            (p, data)
+        })
+        .collect()
+}
+
+#[test]
+fn rackfs_up_survives_a_data_node_its_primary_and_the_next_primary() {
+    let up = Up::start(3);
+    let secret = PathBuf::from(up.state("secret_file"));
+    let second = Mount::try_new(&up.state("primary"), &secret, "").expect("a second mount");
+    let before = write_files(&up.dir, "before");
+    let (primary, standby) = up.healed(3);
+    // fio writes and verifies (crc32c) on the first mount through all three kills.
+    let mut fio = Fio::verify("upfail", &up.dir, "randwrite", "48M")
+        .opt("time_based", 1)
+        .opt("runtime", 150)
+        .opt("verify_backlog", 256)
+        .spawn();
+    std::thread::sleep(Duration::from_secs(2));
+
+    let data_node = ["mn0", "mn1", "mn2"]
+        .into_iter()
+        .find(|n| *n != primary && *n != standby)
+        .unwrap();
+    up.kill(data_node);
+    let (p1, _) = up.healed(3);
+    assert_eq!(p1, primary, "a data node's death moves no primary");
+    up.kill(&primary);
+    let (p2, s2) = up.healed(3);
+    assert_ne!(p2, primary, "the standby took over");
+    assert_ne!(s2, p2);
+    up.kill(&p2);
+    let (p3, _) = up.healed(3);
+    assert!(p3 != p2 && p3 != primary, "{p3}: a third primary");
+
+    assert!(fio.running(), "fio ended early: {:?}", fio.finish());
+    fio.interrupt();
+    let report = fio.finish().expect("fio verify through three kills");
+    assert_eq!(report.first().error, 0, "{report:?}");
+    // It wrote throughout: well over what it did before the first kill.
+    assert!(report.first().write.io_bytes > 8 << 20, "{report:?}");
+
+    // Every file is identical from both mounts; new files can be made from either.
+    for (p, data) in &before {
+        assert!(fs::read(p).unwrap() == *data, "{} changed", p.display());
+        let other = second.path(p.file_name().unwrap().to_str().unwrap());
+        assert!(
+            fs::read(&other).unwrap() == *data,
+            "{} changed",
+            other.display()
+        );
+    }
+    fs::write(second.path("after-second"), b"from the second mount").unwrap();
+    assert_eq!(
+        fs::read(up.dir.join("after-second")).unwrap(),
+        b"from the second mount"
+    );
+    fs::write(up.dir.join("after-first"), b"from the first").unwrap();
+    assert_eq!(
+        fs::read(second.path("after-first")).unwrap(),
+        b"from the first"
+    );
+
+    // `rackfs status` says what happened.
+    let all = String::from_utf8_lossy(&rackfs(&["status"]).stdout).into_owned();
+    for name in [data_node, primary.as_str(), p2.as_str()] {
+        assert!(all.contains(&format!("{name} exited")), "{all}");
+        assert!(all.contains(&format!("{name} is back")), "{all}");
+    }
+}
