@@ -244,6 +244,9 @@ fn new_perm(mode: u32, umask: u32) -> u16 {
 /// local filesystem's first block); the last close trims a smaller file's extent to its size.
 const CREATE_RESERVE: u64 = 4096;
 
+/// How many failovers of the primary one data operation is carried across.
+const FAILOVER_RETRIES: u32 = 3;
+
 /// Whether `req` leaves every directory's attributes as they were (so the attributes this
 /// mount learnt stay true).
 fn reads_only(req: &MetaRequest) -> bool {
@@ -362,15 +365,28 @@ impl Client {
         }
     }
 
-    /// Runs a data operation, and once more if it failed with EIO because the primary died
-    /// and another took over meanwhile.
+    /// Runs a data operation, and again if it failed with EIO because the primary died and
+    /// another took over meanwhile (at most [`FAILOVER_RETRIES`] times: each retry needs a
+    /// failover of its own).
     fn across_failover<T>(&self, mut op: impl FnMut() -> Result<T, i32>) -> Result<T, Errno> {
-        let before = self.cluster.failovers();
-        match op() {
-            Err(libc::EIO) if self.cluster.primary_replaced(before) => op(),
-            r => r,
+        let mut before = self.cluster.failovers();
+        let mut r = op();
+        let mut retries = 0;
+        while matches!(r, Err(libc::EIO))
+            && retries < FAILOVER_RETRIES
+            && self.cluster.primary_replaced(before)
+        {
+            before = self.cluster.failovers();
+            retries += 1;
+            r = op();
         }
-        .map_err(Errno::new)
+        if retries > 0 && r.is_err() {
+            tracing::warn!(
+                retries,
+                "a data operation failed again after the primary's failover"
+            );
+        }
+        r.map_err(Errno::new)
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
