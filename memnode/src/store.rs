@@ -105,11 +105,25 @@ impl Store {
     }
 
     /// Starts the metadata allocator afresh with `held` (offset, bytes) allocated: a standby
-    /// taking over with the namespace it replayed.
+    /// taking over with the namespace it replayed. Everything else in the area is zeroed: the
+    /// mirror left the bytes of records and tables its primary freed since (an extent table
+    /// replaced as its file grew), and a new extent must come zeroed (a lock tree whose words
+    /// are not is held by nobody, for ever).
     pub fn meta_adopt(&self, name: &str, held: &[(u64, u64)]) -> Result<(), AllocError> {
         let mut a = Self::meta_allocator(name, self.meta_len);
         for &(at, len) in held {
             a.reserve(at, len)?;
+        }
+        let mut held = held.to_vec();
+        held.sort_unstable();
+        let mut from = META_BASE;
+        for (at, len) in held.into_iter().chain([(self.meta_len, 0)]) {
+            if at > from {
+                self.region
+                    .discard(from, at - from)
+                    .expect("metadata area inside the region");
+            }
+            from = from.max(at + len);
         }
         *self.meta.lock().expect("meta allocator lock") = a;
         Ok(())
@@ -397,6 +411,26 @@ mod tests {
     fn store() -> Store {
         let region = Region::create_memfd("store-test", 1 << 20, 1, Access::ALL).unwrap();
         Store::new("test", Arc::new(region), Duration::ZERO, 64 << 10)
+    }
+
+    /// A standby taking over keeps the records and tables it mirrored and zeroes the rest of
+    /// the metadata area, which may hold what its old primary freed since: what the new
+    /// primary allocates there comes zeroed.
+    #[test]
+    fn a_standby_taking_over_zeroes_what_its_mirror_no_longer_holds() {
+        let s = store();
+        for at in (META_BASE..s.meta_len()).step_by(8) {
+            s.region().store(at, 0xdead).unwrap();
+        }
+        let (kept, kept_len) = (META_BASE + 8192, 256);
+        s.meta_adopt("test", &[(kept, kept_len)]).unwrap();
+        for at in (META_BASE..s.meta_len()).step_by(8) {
+            let inside = (kept..kept + kept_len).contains(&at);
+            let want = if inside { 0xdead } else { 0 };
+            assert_eq!(s.region().load(at).unwrap(), want, "at {at}");
+        }
+        let fresh = s.meta_alloc(4096).unwrap();
+        assert!(fresh + 4096 <= kept || fresh >= kept + kept_len);
     }
 
     /// Memory freed and handed out again under another tag is never changed by a caller that

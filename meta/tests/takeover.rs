@@ -87,3 +87,53 @@ fn a_retried_change_the_old_primary_made_is_answered_once_not_made_twice() {
     );
     assert!(x.ino > 1);
 }
+
+/// A standby synced by snapshot copies each file record whole, its lock word too, which names
+/// a tree in the old primary's region. The primary that takes over starts the lock trees
+/// afresh: the word is cleared, so the next lock publishes a tree in its own region (found by
+/// killing `rackfs up`'s primary twice: locks on such a file then failed for good).
+#[test]
+fn a_primary_that_took_over_publishes_fresh_lock_trees() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(1, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let ControlResponse::Attr(f) = old.handle(7, create("f"), &st) else {
+        panic!("create")
+    };
+    let tree = old.handle(
+        7,
+        MetaRequest::LockTree {
+            ino: f.ino,
+            old: 0,
+            units: 64,
+        },
+        &st,
+    );
+    let ControlResponse::LockTree(word) = tree else {
+        panic!("{tree:?}")
+    };
+    assert_ne!(word, 0);
+    // The snapshot: the namespace, and the record's bytes at the same offset.
+    let ns: Namespace =
+        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let standby = MemStorage::new(1, 1 << 22);
+    let lock_word = ns.record(f.ino).unwrap() + rackfs_proto::record::REC_LOCKS;
+    standby.local().1.store(lock_word, word).unwrap();
+    let mut new = MetaService::over(ns, grace, 0);
+    new.forget_old_lock_trees(&standby);
+    assert_eq!(standby.local().1.load(lock_word).unwrap(), 0);
+    let fresh = new.handle(
+        9,
+        MetaRequest::LockTree {
+            ino: f.ino,
+            old: 0,
+            units: 64,
+        },
+        &standby,
+    );
+    let ControlResponse::LockTree(w) = fresh else {
+        panic!("{fresh:?}")
+    };
+    assert_eq!(standby.local().1.load(lock_word).unwrap(), w);
+    assert_ne!(w, 0);
+}
