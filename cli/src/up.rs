@@ -83,6 +83,8 @@ struct NodeProc {
     exited: Option<std::process::ExitStatus>,
     /// When it is to be started again (empty), once it has ended.
     restart_at: Option<Instant>,
+    /// How many times it came back after dying.
+    comebacks: u32,
 }
 
 /// This machine's QoS capacity for one node, `(C_G, C_L)` in IOPS: measured once per boot by
@@ -232,6 +234,7 @@ fn spawn_node(
         ready,
         exited: None,
         restart_at: None,
+        comebacks: 0,
     })
 }
 
@@ -366,6 +369,12 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
                 secret_file.display(),
                 cfg.nodes
             );
+            let back: Vec<String> = nodes
+                .procs
+                .iter()
+                .map(|p| p.comebacks.to_string())
+                .collect();
+            text.push_str(&format!("comebacks={}\n", back.join(",")));
             for e in &nodes.events {
                 text.push_str(&format!("event={e}\n"));
             }
@@ -531,6 +540,7 @@ impl Nodes {
             let log = self.inst.join(format!("mn{}.log", p.id));
             if p.exited.is_none() {
                 if let Ok(tcp) = p.ready.try_recv() {
+                    p.comebacks += 1;
                     said.push(format!(
                         "mn{} is back as an empty data node at {tcp}; re-replication refills it",
                         p.id
@@ -581,7 +591,10 @@ impl Nodes {
                 self.capacity,
                 &self.coordinator,
             ) {
-                Ok(p) => self.procs[i] = p,
+                Ok(p) => {
+                    let comebacks = self.procs[i].comebacks;
+                    self.procs[i] = NodeProc { comebacks, ..p };
+                }
                 Err(e) => {
                     self.procs[i].restart_at = Some(now + rejoin_after);
                     let what = format!("mn{id} cannot be started again: {e}");

@@ -191,7 +191,7 @@ fn duty(node: &Arc<Node>, name: &str, every_: Duration, tick: impl Fn(&Node) + S
 
 impl MemNode {
     /// Creates the regions, binds the listeners and starts serving.
-    pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
+    pub fn start(mut cfg: NodeConfig) -> Result<MemNode, StartError> {
         if cfg.listen.is_none() && cfg.shm_socket.is_none() {
             return Err(StartError::NoListener);
         }
@@ -270,8 +270,14 @@ impl MemNode {
             quarantine_ms: cfg.quarantine.as_millis() as u64,
             domain: cfg.domain.clone(),
         };
-        let is_primary = cfg.role == Role::Primary;
         let (coord, remote) = crate::coordinator::open(&cfg)?;
+        if cfg.role == Role::Primary && cfg.coordinator.elects() {
+            if let Some(why) = crate::election::joins_instead(&*coord, cfg.node_id)? {
+                info!(reason = %why, "the cluster lives: joining it as a data node, not as its primary");
+                cfg.role = Role::Join(Vec::new());
+            }
+        }
+        let is_primary = cfg.role == Role::Primary;
         let sessions_from = first_session();
         let primacy = match (is_primary, cfg.coordinator.elects()) {
             (true, true) => Some(crate::election::Primacy::campaign(

@@ -14,6 +14,7 @@ use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Guard, He
 use rackfs_verbs::lease::monotonic_ns;
 use tracing::{error, info, warn};
 
+use crate::coordinator::{members, parse_primary, parse_standby};
 use crate::node::Node;
 use crate::term::PRIMARY_KEY;
 
@@ -24,6 +25,29 @@ pub enum ElectionError {
     Held { cluster: String, holder: String },
     #[error("the coordinator: {0}")]
     Coordinator(#[from] CoordError),
+}
+
+/// Why a node started as the primary (`--primary`) joins its cluster as a data node instead
+/// of campaigning, if it should: the cluster lives without it, with another node elected, or
+/// with a standby of another node that holds the namespace and takes over once this node's
+/// earlier run's key lapses (an empty namespace must never win that race). A unit's command
+/// line is fixed, so a primary restarted after a failover comes back this way; only a cluster
+/// with neither starts from a `--primary`.
+pub fn joins_instead(coord: &dyn Coordinator, me: u32) -> Result<Option<String>, CoordError> {
+    if let Some(v) = coord.get(PRIMARY_KEY)? {
+        match parse_primary(&v) {
+            Some((id, tcp, _)) if id != me => {
+                return Ok(Some(format!("node {id} at {tcp} is the elected primary")));
+            }
+            _ => {}
+        }
+    }
+    let Some(standby) = coord.get("standby")?.as_deref().and_then(parse_standby) else {
+        return Ok(None);
+    };
+    let live = members(coord)?.iter().any(|&(id, _)| id == standby);
+    Ok((standby != me && live)
+        .then(|| format!("node {standby} is the metadata standby and takes over the namespace")))
 }
 
 /// Now on the clock leases are timed by (`rackfs_verbs::lease`).

@@ -143,6 +143,26 @@ fn a_killed_primary_is_replaced_by_its_standby_and_nothing_is_lost() {
         "{}",
         log(&c, other)
     );
+    // The old primary, restarted with its own command line (`--primary`: a unit's is fixed),
+    // joins as a data node instead of campaigning with an empty namespace, and takes data.
+    c.restart(0);
+    assert!(
+        wait_for(Duration::from_secs(15), || status()
+            .lines()
+            .any(
+                |l| l.trim_start().starts_with("mn0 ") && !l.contains("DOWN")
+            )),
+        "{}\n{}",
+        status(),
+        log(&c, 0)
+    );
+    let l = log(&c, 0);
+    assert!(
+        l.contains("joining it as a data node") && !l.contains("elected primary of the cluster"),
+        "{l}"
+    );
+    assert_eq!(named(&c, "primary"), Some(standby as u64));
+    assert_eq!(fs::read(m.path("d/renamed")).unwrap(), vec![0u8; 100_000]);
 }
 
 /// kill -9 of the primary while two mounts (shm and tcp) run fio with crc32c verification:

@@ -138,13 +138,14 @@ fn on_etcd_a_stopped_node_is_fenced_by_its_epoch() {
     assert_eq!(fs::read(fresh.path("f")).unwrap(), vec![b'B'; LEN]);
 }
 
-/// One primary per cluster: a second `--primary` of the same cluster waits out the holder's
-/// lease and then refuses to start, naming the holder; after a kill -9 of the primary, a new
-/// one is elected once the old lease lapsed.
+/// One primary per cluster: a second `--primary` of a cluster that has one does not take it:
+/// it joins as a data node (so a primary restarted after its standby took over comes back with
+/// the same command line); after a kill -9 of the primary of a cluster without a standby, it is
+/// elected again once its old lease lapsed.
 #[test]
 fn on_etcd_one_primary_acts_at_a_time() {
     let mut c = TestCluster::on_etcd(1, "32M", &["--node-lease-ms", "2000"]);
-    let second = std::process::Command::new(rackfs_tests::bin_path("rackfs-memnode"))
+    let mut second = std::process::Command::new(rackfs_tests::bin_path("rackfs-memnode"))
         .args([
             "--primary",
             "--listen",
@@ -164,14 +165,23 @@ fn on_etcd_one_primary_acts_at_a_time() {
         ])
         .arg("--secret-file")
         .arg(&c.secret_file)
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    let mut ready = String::new();
+    let out = second.stdout.take().unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut ready).unwrap();
+    let _ = second.kill();
+    let second = second.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&second.stderr);
-    assert!(!second.status.success());
+    assert!(ready.contains("ready: node=7"), "{ready}\n{err}");
     assert!(
-        err.contains("another primary holds cluster test") && err.contains("mn0"),
+        err.contains("joining it as a data node") && err.contains("node 0"),
         "{err}"
     );
+    assert!(err.contains("joined the primary"), "{err}");
+    assert!(!err.contains("elected primary of the cluster"), "{err}");
     c.kill(0);
     let t0 = Instant::now();
     c.restart(0);

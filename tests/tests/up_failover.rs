@@ -112,12 +112,14 @@ impl Up {
 
     /// Kills node `name` with SIGKILL and waits until `rackfs up` started it again.
     fn kill(&self, name: &str) {
-        let back = format!("{name} is back");
-        let events = || {
-            let s = rackfs_cli::up::read_state(&self.inst).expect("rackfs up's state");
-            s.iter()
-                .filter(|(k, v)| k == "event" && v.contains(&back))
-                .count()
+        // How many times it came back: `comebacks=` lists them in node order.
+        let id: usize = name.trim_start_matches("mn").parse().unwrap();
+        let events = || -> u32 {
+            let back = self.state("comebacks");
+            back.split(',')
+                .nth(id)
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0)
         };
         let before = events();
         let pid = self.pid(name);
