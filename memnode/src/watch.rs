@@ -118,9 +118,9 @@ impl Watchers {
         if wait.is_empty() {
             return;
         }
-        if let Some(w) = state.get_mut(&from) {
-            w.waiting += 1;
-        }
+        // Counted only if the mount has a watcher now: one that appears while this waits (its
+        // watcher reconnected) starts from 0, and one that went and came back starts afresh.
+        let counted = state.get_mut(&from).map(|w| w.waiting += 1).is_some();
         self.changed.notify_all();
         loop {
             let now = Instant::now();
@@ -152,8 +152,8 @@ impl Watchers {
                 .expect("watchers lock")
                 .0;
         }
-        if let Some(w) = state.get_mut(&from) {
-            w.waiting -= 1;
+        if let (true, Some(w)) = (counted, state.get_mut(&from)) {
+            w.waiting = w.waiting.saturating_sub(1);
         }
     }
 
@@ -234,5 +234,30 @@ mod tests {
         let t0 = Instant::now();
         w.publish(1, unlink(4));
         assert!(t0.elapsed() < ttl);
+    }
+
+    /// The changing mount's own watcher registers (it reconnected) while its change waits for
+    /// another's acknowledgement: the change still returns, and the watchers keep working (the
+    /// count of its waiting changes went below zero, a panic that poisoned every later
+    /// change; found by `rackfs up`'s chaos test).
+    #[test]
+    fn a_watcher_that_registers_while_its_mount_waits_breaks_nothing() {
+        let w = Arc::new(Watchers::default());
+        let ttl = Duration::from_secs(30);
+        w.watch(20, 2, 0, ttl, Duration::ZERO);
+        let w2 = w.clone();
+        let publisher = std::thread::spawn(move || w2.publish(1, unlink(5)));
+        let (seq, changes, _) = w.watch(20, 2, 0, ttl, Duration::from_secs(5));
+        assert_eq!(changes, unlink(5));
+        // Mount 1's watcher appears now, then mount 2 acknowledges.
+        w.watch(10, 1, 0, ttl, Duration::ZERO);
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        publisher.join().expect("the change returns");
+        let w2 = w.clone();
+        let p = std::thread::spawn(move || w2.publish(1, unlink(6)));
+        let (seq, changes, _) = w.watch(20, 2, seq, ttl, Duration::from_secs(5));
+        assert_eq!(changes, unlink(6));
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        p.join().unwrap();
     }
 }

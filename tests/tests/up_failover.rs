@@ -91,11 +91,13 @@ impl Up {
         let mut last = String::new();
         let whole = wait_for(Duration::from_secs(60), || {
             last = self.status();
-            let up = last
-                .lines()
-                .filter(|l| l.contains("KiB") || l.contains("MiB"));
+            // A node's row: its name, then its address and figures (or DOWN).
+            let rows = last.lines().filter(|l| {
+                let l = l.trim_start();
+                l.starts_with("mn") && l.split_whitespace().count() > 3
+            });
             let down = last.contains("DOWN") || last.contains("DEGRADED");
-            up.count() >= nodes
+            rows.count() >= nodes
                 && !down
                 && last.contains("(in sync; takes over if the primary dies)")
                 && last.contains("data: healthy")
@@ -150,6 +152,13 @@ impl Drop for Up {
                     eprintln!("{l}");
                 }
             }
+        }
+        if std::thread::panicking() && std::env::var_os("RACKFS_KEEP_ON_FAILURE").is_some() {
+            eprintln!(
+                "kept for a look (RACKFS_KEEP_ON_FAILURE): {}",
+                self.dir.display()
+            );
+            return;
         }
         let _ = rackfs(&["down", self.dir.to_str().unwrap()]);
     }
