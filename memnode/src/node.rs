@@ -290,26 +290,39 @@ impl Node {
         }
     }
 
-    /// Sends every free waiting for the frees thread.
+    /// Sends every free waiting for the frees thread. Those of a node that is down are noted
+    /// in [`Node::discards`] only once the sending is over: declaring a node dead holds that
+    /// lock while its change sends frees, so taking it while sending would deadlock.
     pub fn send_frees(&self) {
-        self.frees.send(|(node, offset, tag)| {
-            if let Err(e) = self.free_now(node, offset, Some(tag)) {
-                warn!(node, offset, error = %e, "a released extent stays allocated");
-            }
-        });
+        let deferred = std::cell::RefCell::new(Vec::new());
+        self.frees.send(
+            |(node, offset, tag)| match self.free_at(node, offset, Some(tag)) {
+                Ok(true) => {}
+                Ok(false) => deferred.borrow_mut().push((node, offset)),
+                Err(e) => warn!(node, offset, error = %e, "a released extent stays allocated"),
+            },
+        );
+        for (node, offset) in deferred.into_inner() {
+            self.discards.add(node, offset);
+        }
     }
 
     fn free_now(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
+        if !self.free_at(node, offset, tag)? {
+            self.discards.add(node, offset);
+        }
+        Ok(())
+    }
+
+    /// Frees an extent on `node`; `Ok(false)`: the node is down, and the extent is to be freed
+    /// when it is admitted again, before it serves anyone ([`Node::discards`]).
+    fn free_at(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<bool, Refusal> {
         if node == self.cfg.node_id {
-            return self.store.free(offset, tag).map(|_| ());
+            return self.store.free(offset, tag).map(|_| true);
         }
         match self.with_peer(node, |c| c.free(offset, tag)) {
-            Ok(_) => Ok(()),
-            Err(r) if r.code == ErrorCode::Unavailable => {
-                // Freed when the node is admitted again, before it serves anyone.
-                self.discards.add(node, offset);
-                Ok(())
-            }
+            Ok(_) => Ok(true),
+            Err(r) if r.code == ErrorCode::Unavailable => Ok(false),
             Err(r) => Err(r),
         }
     }

@@ -8,7 +8,9 @@ use std::sync::{Mutex, MutexGuard};
 
 /// The primary's record of nodes declared dead: per node, the extents of its replicas that
 /// were dropped (stale now), freed on the node before it serves again. Its lock also
-/// serialises declaring a node dead with admitting it.
+/// serialises declaring a node dead with admitting it. Lock order: it is taken before the
+/// metadata lock and the frees' sending lock, never while holding either (`Node::send_frees`
+/// notes the frees of a down node only after sending).
 #[derive(Default)]
 pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
 
