@@ -396,7 +396,7 @@ impl Cluster {
             if self.clock().now().saturating_sub(started) > FAILOVER_WAIT {
                 return Err(ConnectError::Unreachable {
                     addrs: "every known node".into(),
-                    last: format!("no primary other than node {old} within {FAILOVER_WAIT:?}"),
+                    last: format!("no primary serving within {FAILOVER_WAIT:?} (node {old} was)"),
                 });
             }
             self.clock().sleep(Duration::from_millis(200));
@@ -434,8 +434,8 @@ impl Cluster {
         Ok(())
     }
 
-    /// A control connection to the primary some node other than `old` names, with the
-    /// cluster as that primary sees it.
+    /// A control connection to the primary some node other than `old` names (or to `old`
+    /// itself once it serves again), with the cluster as that primary sees it.
     fn find_primary(&self, old: u32) -> Option<(Arc<dyn ControlLink>, ClusterInfo)> {
         let nodes = self.info().nodes;
         for n in nodes.iter().filter(|n| n.node_id != old) {
@@ -467,7 +467,25 @@ impl Cluster {
                 _ => continue,
             }
         }
-        None
+        self.old_primary_again(old, &nodes)
+    }
+
+    /// The old primary itself, if it serves the namespace again: elected once more after a
+    /// pause too short for its standby to take over first (the others then name it, and
+    /// nobody else would ever answer).
+    fn old_primary_again(
+        &self,
+        old: u32,
+        nodes: &[NodeAddr],
+    ) -> Option<(Arc<dyn ControlLink>, ClusterInfo)> {
+        let n = nodes.iter().find(|n| n.node_id == old)?;
+        let c = self.dial(&control_addr(n, self.transport).ok()?).ok()?;
+        c.set_deadline(Duration::from_secs(1));
+        let info = c.cluster().ok()?;
+        let root = MetaRequest::GetAttr {
+            ino: rackfs_proto::namespace::ROOT_INO,
+        };
+        (info.primary.node_id == old && c.meta(root).is_ok()).then_some((c, info))
     }
 
     /// After the primary fenced this mount: starts a new session (control connection, fence

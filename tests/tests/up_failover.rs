@@ -323,15 +323,20 @@ fn faults_on_random_nodes_lose_nothing() {
         })
     };
     for fault in 0..chaos_faults() {
-        up.healed(4);
+        let (primary, standby) = up.healed(4);
         let name = format!("mn{}", rng.below(4));
+        let role = match name {
+            _ if name == primary => " (the primary)",
+            _ if name == standby => " (the standby)",
+            _ => "",
+        };
         let lease_ms = 2000;
         if rng.below(2) == 0 {
-            eprintln!("fault {fault}: kill -9 {name}");
+            eprintln!("fault {fault}: kill -9 {name}{role}");
             up.kill(&name);
         } else {
             let ms = lease_ms / 2 + rng.below(3 * lease_ms);
-            eprintln!("fault {fault}: SIGSTOP {name} for {ms} ms");
+            eprintln!("fault {fault}: SIGSTOP {name}{role} for {ms} ms");
             let pid = up.pid(&name);
             // SAFETY: kill(2) of a memory node this test's `rackfs up` started.
             unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -342,10 +347,10 @@ fn faults_on_random_nodes_lose_nothing() {
         for (which, f) in [("a", &mut fio_a), ("b", &mut fio_b)] {
             assert!(f.running(), "fio {which} ended at fault {fault}");
         }
-        assert!(
-            !loop_thread.is_finished(),
-            "the namespace loop ended at fault {fault}"
-        );
+        if loop_thread.is_finished() {
+            let end = loop_thread.join();
+            panic!("the namespace loop ended at fault {fault}: {end:?}");
+        }
     }
     up.healed(4);
     stop.store(true, Ordering::Relaxed);
