@@ -2,7 +2,7 @@
 //!
 //! With `--etcd` every node talks to etcd itself. Without, a [`rackfs_coord::Local`] holds the
 //! cluster's keys: in the primary, or (`--coordinator ADDR`) in a process of its own that
-//! outlives every node (`rackfs up`'s; see [`serve_socket`]). Nodes reach one they do not hold
+//! outlives every node (`rackfs up`'s; see [`CoordService`]). Nodes reach one they do not hold
 //! through [`Remote`], which carries each operation in a [`ControlRequest::Coord`] ([`serve`]
 //! answers it): one interface, one liveness protocol, whichever coordinator runs it.
 //!

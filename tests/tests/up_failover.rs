@@ -10,14 +10,57 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rackfs_tests::Fio;
-use rackfs_tests::{bin_path, wait_for, Mount, TempDir};
+use rackfs_tests::{bin_path, wait_for, Fio, Mount, TempDir, TestCluster};
 
 fn rackfs(args: &[&str]) -> std::process::Output {
     Command::new(bin_path("rackfs"))
         .args(args)
         .output()
         .unwrap()
+}
+
+/// A cluster under faults: `rackfs up`'s, or one built by hand on etcd.
+trait Faulted {
+    /// The first mount's directory.
+    fn dir(&self) -> PathBuf;
+    /// Where a second mount finds the cluster, and the secret file.
+    fn source(&self) -> (String, PathBuf);
+    /// `rackfs status` of the cluster.
+    fn status(&self) -> String;
+    /// The pid of node `name`'s process.
+    fn pid(&self, name: &str) -> i32;
+    /// Kills node `name` with SIGKILL; returns once it runs again, empty.
+    fn kill(&mut self, name: &str);
+    /// After a pause of a node: starts again the one that exited (a deposed primary does),
+    /// as a unit's restart policy would; `rackfs up` does that itself.
+    fn revive(&mut self) {}
+
+    /// Waits until the cluster is whole again: `nodes` up, a standby in sync, every stripe at
+    /// its replicas; returns the primary's and the standby's names.
+    fn healed(&self, nodes: usize) -> (String, String) {
+        let mut last = String::new();
+        let whole = wait_for(Duration::from_secs(60), || {
+            last = self.status();
+            // A node's row: its name, then its address and figures (or DOWN).
+            let rows = last.lines().filter(|l| {
+                let l = l.trim_start();
+                l.starts_with("mn") && l.split_whitespace().count() > 3
+            });
+            let down = last.contains("DOWN") || last.contains("DEGRADED");
+            rows.count() >= nodes
+                && !down
+                && last.contains("(in sync; takes over if the primary dies)")
+                && last.contains("data: healthy")
+                && last.contains(" 0 degraded")
+        });
+        assert!(whole, "the cluster did not heal within 60 s:\n{last}");
+        let word_after = |key: &str| {
+            let at = last.find(key).unwrap() + key.len();
+            let w = last[at..].split([' ', ')', ':']).next().unwrap();
+            w.trim().to_string()
+        };
+        (word_after("(primary "), word_after("metadata standby: "))
+    }
 }
 
 /// One `rackfs up` instance: its mount point and state directory.
@@ -59,6 +102,19 @@ impl Up {
         let s = rackfs_cli::up::read_state(&self.inst).expect("rackfs up's state");
         rackfs_cli::up::state_value(&s, key).unwrap_or_default()
     }
+}
+
+impl Faulted for Up {
+    fn dir(&self) -> PathBuf {
+        self.dir.clone()
+    }
+
+    fn source(&self) -> (String, PathBuf) {
+        (
+            self.state("primary"),
+            PathBuf::from(self.state("secret_file")),
+        )
+    }
 
     /// `rackfs status` of this cluster, found among its nodes' current addresses.
     fn status(&self) -> String {
@@ -85,35 +141,8 @@ impl Up {
         panic!("no process of {name} ({sock})");
     }
 
-    /// Waits until the cluster is whole again: `nodes` up, a standby in sync, every stripe at
-    /// its replicas; returns the primary's and the standby's names.
-    fn healed(&self, nodes: usize) -> (String, String) {
-        let mut last = String::new();
-        let whole = wait_for(Duration::from_secs(60), || {
-            last = self.status();
-            // A node's row: its name, then its address and figures (or DOWN).
-            let rows = last.lines().filter(|l| {
-                let l = l.trim_start();
-                l.starts_with("mn") && l.split_whitespace().count() > 3
-            });
-            let down = last.contains("DOWN") || last.contains("DEGRADED");
-            rows.count() >= nodes
-                && !down
-                && last.contains("(in sync; takes over if the primary dies)")
-                && last.contains("data: healthy")
-                && last.contains(" 0 degraded")
-        });
-        assert!(whole, "the cluster did not heal within 60 s:\n{last}");
-        let word_after = |key: &str| {
-            let at = last.find(key).unwrap() + key.len();
-            let w = last[at..].split([' ', ')', ':']).next().unwrap();
-            w.trim().to_string()
-        };
-        (word_after("(primary "), word_after("metadata standby: "))
-    }
-
     /// Kills node `name` with SIGKILL and waits until `rackfs up` started it again.
-    fn kill(&self, name: &str) {
+    fn kill(&mut self, name: &str) {
         // How many times it came back: `comebacks=` lists them in node order.
         let id: usize = name.trim_start_matches("mn").parse().unwrap();
         let events = || -> u32 {
@@ -189,7 +218,7 @@ fn rackfs_up_on_etcd_survives_a_data_node_its_primary_and_the_next_primary() {
 
 /// Kills a data node, then the primary, then the new primary, each once the cluster healed
 /// from the last, under fio verify on one mount while another mount follows.
-fn three_kills(up: Up) {
+fn three_kills(mut up: Up) {
     let secret = PathBuf::from(up.state("secret_file"));
     let second = Mount::try_new(&up.state("primary"), &secret, "").expect("a second mount");
     let before = write_files(&up.dir, "before");
@@ -270,6 +299,87 @@ fn chaos_faults() -> usize {
 /// error, no byte changed.
 #[test]
 fn faults_on_random_nodes_lose_nothing() {
+    chaos(&mut Up::start(4, false));
+}
+
+/// The same chaos on a cluster built by hand on etcd (four `rackfs-memnode` processes with
+/// fixed command lines, as units would have, node 0's with `--primary`), restarted by the
+/// test.
+#[test]
+fn faults_on_random_nodes_of_a_cluster_on_etcd_lose_nothing() {
+    let c = TestCluster::on_etcd(4, "256M", &["--node-lease-ms", "2000"]);
+    let first = Mount::new(&c, "");
+    chaos(&mut OnEtcd { c, first });
+}
+
+/// A cluster on etcd whose dead nodes the test starts again (with their own command lines).
+struct OnEtcd {
+    c: TestCluster,
+    first: Mount,
+}
+
+impl Faulted for OnEtcd {
+    fn dir(&self) -> PathBuf {
+        self.first.path("")
+    }
+
+    fn source(&self) -> (String, PathBuf) {
+        (self.addrs(), self.c.secret_file.clone())
+    }
+
+    fn status(&self) -> String {
+        let secret = self.c.secret_file.to_str().unwrap();
+        let out = rackfs(&[
+            "status",
+            "--cluster",
+            &self.addrs(),
+            "--secret-file",
+            secret,
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn pid(&self, name: &str) -> i32 {
+        let i: usize = name.trim_start_matches("mn").parse().unwrap();
+        self.c.nodes[i].as_ref().expect("node running").child.id() as i32
+    }
+
+    fn kill(&mut self, name: &str) {
+        let i: usize = name.trim_start_matches("mn").parse().unwrap();
+        self.c.kill(i);
+        // Once its lease lapsed, as a unit's restart policy would.
+        std::thread::sleep(Duration::from_millis(2500));
+        self.c.restart(i);
+    }
+
+    fn revive(&mut self) {
+        let exited = |c: &mut TestCluster| {
+            let dead = c.nodes.iter_mut().position(|n| {
+                n.as_mut()
+                    .is_some_and(|n| !matches!(n.child.try_wait(), Ok(None)))
+            });
+            dead.inspect(|&i| c.kill(i))
+        };
+        // A deposed primary notices within a renewal of resuming, and exits.
+        std::thread::sleep(Duration::from_millis(1500));
+        while let Some(i) = exited(&mut self.c) {
+            eprintln!("mn{i} exited after its pause: started again");
+            std::thread::sleep(Duration::from_millis(2500));
+            self.c.restart(i);
+        }
+    }
+}
+
+impl OnEtcd {
+    fn addrs(&self) -> String {
+        let live = self.c.nodes.iter().flatten().map(|n| n.tcp.clone());
+        live.collect::<Vec<_>>().join(",")
+    }
+}
+
+/// Runs the chaos on `cluster` (four nodes): a second mount, files of known content, fio
+/// verify on both mounts and the namespace loop on the second, then the faults.
+fn chaos(cluster: &mut dyn Faulted) {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
@@ -279,14 +389,14 @@ fn faults_on_random_nodes_lose_nothing() {
         .as_nanos() as u64;
     eprintln!("chaos seed {seed} (faults: {})", chaos_faults());
     let mut rng = rackfs_tests::Rng(seed);
-    let up = Up::start(4, false);
-    let secret = PathBuf::from(up.state("secret_file"));
-    let second = Mount::try_new(&up.state("primary"), &secret, "").expect("a second mount");
-    let before = write_files(&up.dir, "before");
-    fs::create_dir(up.dir.join("a")).unwrap();
-    fs::create_dir(up.dir.join("b")).unwrap();
-    fs::create_dir(up.dir.join("names")).unwrap();
-    up.healed(4);
+    let dir = cluster.dir();
+    let (source, secret) = cluster.source();
+    let second = Mount::try_new(&source, &secret, "").expect("a second mount");
+    let before = write_files(&dir, "before");
+    fs::create_dir(dir.join("a")).unwrap();
+    fs::create_dir(dir.join("b")).unwrap();
+    fs::create_dir(dir.join("names")).unwrap();
+    cluster.healed(4);
     let fio = |name: &str, dir: PathBuf| {
         Fio::verify(name, &dir, "randwrite", "24M")
             .opt("time_based", 1)
@@ -294,7 +404,7 @@ fn faults_on_random_nodes_lose_nothing() {
             .opt("verify_backlog", 128)
             .spawn()
     };
-    let mut fio_a = fio("chaos-a", up.dir.join("a"));
+    let mut fio_a = fio("chaos-a", dir.join("a"));
     let mut fio_b = fio("chaos-b", second.path("b"));
     // The namespace loop, on the second mount.
     let stop = Arc::new(AtomicBool::new(false));
@@ -323,7 +433,7 @@ fn faults_on_random_nodes_lose_nothing() {
         })
     };
     for fault in 0..chaos_faults() {
-        let (primary, standby) = up.healed(4);
+        let (primary, standby) = cluster.healed(4);
         let name = format!("mn{}", rng.below(4));
         let role = match name {
             _ if name == primary => " (the primary)",
@@ -333,16 +443,17 @@ fn faults_on_random_nodes_lose_nothing() {
         let lease_ms = 2000;
         if rng.below(2) == 0 {
             eprintln!("fault {fault}: kill -9 {name}{role}");
-            up.kill(&name);
+            cluster.kill(&name);
         } else {
             let ms = lease_ms / 2 + rng.below(3 * lease_ms);
             eprintln!("fault {fault}: SIGSTOP {name}{role} for {ms} ms");
-            let pid = up.pid(&name);
+            let pid = cluster.pid(&name);
             // SAFETY: kill(2) of a memory node this test's `rackfs up` started.
             unsafe { libc::kill(pid, libc::SIGSTOP) };
             std::thread::sleep(Duration::from_millis(ms));
             // SAFETY: as above (a node that exited meanwhile ignores it).
             unsafe { libc::kill(pid, libc::SIGCONT) };
+            cluster.revive();
         }
         for (which, f) in [("a", &mut fio_a), ("b", &mut fio_b)] {
             assert!(f.running(), "fio {which} ended at fault {fault}");
@@ -352,7 +463,7 @@ fn faults_on_random_nodes_lose_nothing() {
             panic!("the namespace loop ended at fault {fault}: {end:?}");
         }
     }
-    up.healed(4);
+    cluster.healed(4);
     stop.store(true, Ordering::Relaxed);
     fio_a.interrupt();
     fio_b.interrupt();
