@@ -238,9 +238,10 @@ fn spawn_node(
     })
 }
 
-/// Waits until `n` serves (or ends: the last line of its log is the error).
+/// Waits until `n` serves (or ends, or says nothing for a minute: the last line of its log
+/// is the error).
 fn wait_ready(inst: &Path, n: &mut NodeProc) -> Result<(), CliError> {
-    match n.ready.recv() {
+    match n.ready.recv_timeout(Duration::from_secs(60)) {
         Ok(tcp) => {
             n.tcp = Some(tcp);
             Ok(())

@@ -152,11 +152,19 @@ impl MetaService {
                 };
                 let step = Step::Handle {
                     session,
-                    req: other,
+                    req: other.clone(),
                 };
                 let Outcome::Response(mut resp) = self.step(step, st) else {
                     unreachable!("a request step answers a response")
                 };
+                // Kept as a standby keeps what it replays: a mount whose call timed out asks
+                // again as a retry (`MetaRequest::Retry`), here or on the primary after it,
+                // and gets this answer instead of the change made twice.
+                let made = Step::Handle {
+                    session,
+                    req: other,
+                };
+                self.answered.note(&made, &Outcome::Response(resp.clone()));
                 if !matches!(resp, ControlResponse::Error { .. }) {
                     self.changes.extend(changes);
                 }
@@ -250,7 +258,9 @@ impl MetaService {
     /// is watched as dead.
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
         self.end_lock_client(session, st);
-        self.step(Step::EndSession { session }, st);
+        let end = Step::EndSession { session };
+        let out = self.step(end.clone(), st);
+        self.answered.note(&end, &out);
         self.retire_deleted(st);
     }
 

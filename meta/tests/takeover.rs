@@ -137,3 +137,26 @@ fn a_primary_that_took_over_publishes_fresh_lock_trees() {
     assert_eq!(standby.local().1.load(lock_word).unwrap(), w);
     assert_ne!(w, 0);
 }
+
+/// A mount whose call timed out on a primary that is alive asks that same primary again, as a
+/// retry: the change it made is answered again, not made twice (an unlink answered `ENOENT`
+/// the second time, under `rackfs up`'s chaos on etcd).
+#[test]
+fn a_retried_change_on_the_same_primary_is_answered_once() {
+    let st = MemStorage::new(1, 1 << 22);
+    let mut p = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    let made = p.handle(7, create("x"), &st);
+    assert!(matches!(made, ControlResponse::Attr(_)), "{made:?}");
+    assert_eq!(p.handle(8, retry(7, create("x")), &st), made);
+    let again = p.handle(8, retry(7, create("x")), &st);
+    assert!(
+        matches!(
+            again,
+            ControlResponse::Error {
+                code: ErrorCode::Exists,
+                ..
+            }
+        ),
+        "{again:?}"
+    );
+}
