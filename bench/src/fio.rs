@@ -191,7 +191,7 @@ impl Rig {
 
     /// Adds RackFS over shm on a second cluster of two memory nodes whose membership lives in
     /// a local etcd (Debian's `etcd-server`), so the data node is the primary's metadata
-    /// standby and every change waits for its journal (`rackfs up --etcd`), as the last
+    /// standby and every change waits for its journal (as under `rackfs up`), as the last
     /// system, its daemon pinned to `cpus`. Errs, adding nothing, without etcd or when no
     /// standby is named within 15 s.
     pub fn add_standby(&mut self, cpus: &str) -> Result<(), String> {

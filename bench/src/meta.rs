@@ -3,7 +3,7 @@
 //! pass-through FUSE daemon, skipped if not installed), `rackfs-memfs` (the FUSE ceiling),
 //! RackFS over shm and tcp (two memory nodes, default mount options), and RackFS over shm on
 //! two nodes on a local etcd, where the data node is the metadata standby and every change
-//! waits for its journal (`rackfs up --etcd`; skipped without etcd).
+//! waits for its journal (as under `rackfs up`; skipped without etcd).
 //!
 //! * **Small-file loop**, from this process, with 1 and 8 threads: create (open
 //!   `O_CREAT|O_WRONLY`, write 4 KiB, close) of N files, then stat of each, open + read 4 KiB +
