@@ -458,16 +458,26 @@ fn chaos(cluster: &mut dyn Faulted) {
             unsafe { libc::kill(pid, libc::SIGCONT) };
             cluster.revive();
         }
-        for (which, f) in [("a", &mut fio_a), ("b", &mut fio_b)] {
-            assert!(f.running(), "fio {which} ended at fault {fault}");
+        let warnings = || {
+            let log = second.log_text();
+            let warned: Vec<&str> = log.lines().filter(|l| !l.contains(" INFO ")).collect();
+            format!("the second mount's warnings:\n{}", warned.join("\n"))
+        };
+        if !fio_a.running() {
+            panic!("fio a ended at fault {fault}: {:?}", fio_a.finish());
+        }
+        if !fio_b.running() {
+            panic!(
+                "fio b ended at fault {fault}: {:?}\n{}",
+                fio_b.finish(),
+                warnings()
+            );
         }
         if loop_thread.is_finished() {
             let end = loop_thread.join();
-            let log = second.log_text();
-            let warned: Vec<&str> = log.lines().filter(|l| !l.contains(" INFO ")).collect();
             panic!(
-                "the namespace loop ended at fault {fault}: {end:?}\nthe second mount's warnings:\n{}",
-                warned.join("\n")
+                "the namespace loop ended at fault {fault}: {end:?}\n{}",
+                warnings()
             );
         }
     }
