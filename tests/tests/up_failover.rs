@@ -193,6 +193,16 @@ impl Drop for Up {
     }
 }
 
+/// Each of `files` reads back as written, through its own mount and through `second`.
+fn unchanged(files: &[(PathBuf, Vec<u8>)], second: &Mount) {
+    for (p, data) in files {
+        assert!(fs::read(p).unwrap() == *data, "{} changed", p.display());
+        let other = second.path(p.file_name().unwrap().to_str().unwrap());
+        let got = fs::read(&other).unwrap();
+        assert!(got == *data, "{} changed", other.display());
+    }
+}
+
 /// Files of known content, for comparing after the kills.
 fn write_files(dir: &Path, tag: &str) -> Vec<(PathBuf, Vec<u8>)> {
     (0..4u8)
@@ -255,15 +265,7 @@ fn three_kills(mut up: Up) {
     assert!(report.first().write.io_bytes > 8 << 20, "{report:?}");
 
     // Every file is identical from both mounts; new files can be made from either.
-    for (p, data) in &before {
-        assert!(fs::read(p).unwrap() == *data, "{} changed", p.display());
-        let other = second.path(p.file_name().unwrap().to_str().unwrap());
-        assert!(
-            fs::read(&other).unwrap() == *data,
-            "{} changed",
-            other.display()
-        );
-    }
+    unchanged(&before, &second);
     fs::write(second.path("after-second"), b"from the second mount").unwrap();
     assert_eq!(
         fs::read(up.dir.join("after-second")).unwrap(),
@@ -491,13 +493,5 @@ fn chaos(cluster: &mut dyn Faulted) {
     }
     loop_thread.join().unwrap().expect("the namespace loop");
     assert!(rounds.load(Ordering::Relaxed) > 0);
-    for (p, data) in &before {
-        assert!(fs::read(p).unwrap() == *data, "{} changed", p.display());
-        let other = second.path(p.file_name().unwrap().to_str().unwrap());
-        assert!(
-            fs::read(&other).unwrap() == *data,
-            "{} changed",
-            other.display()
-        );
-    }
+    unchanged(&before, &second);
 }
