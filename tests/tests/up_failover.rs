@@ -458,6 +458,9 @@ fn chaos(cluster: &mut dyn Faulted) {
             std::thread::sleep(Duration::from_millis(ms));
             // SAFETY: as above (a node that exited meanwhile ignores it).
             unsafe { libc::kill(pid, libc::SIGCONT) };
+            // A resumed primary that was deposed answers as the primary for a moment before it
+            // exits: the cluster is judged healed only once that is over (one fault at a time).
+            std::thread::sleep(Duration::from_millis(lease_ms));
             cluster.revive();
         }
         let warnings = || {
