@@ -270,22 +270,19 @@ fn primary_of(
     addrs: &str,
     secret: &Secret,
 ) -> Result<(String, ControlClient, rackfs_proto::control::ClusterInfo), rackfs_proto::RpcError> {
+    let ask = |addr: &str| {
+        ControlClient::connect(addr, secret, "rackfs-status")
+            .and_then(|c| c.cluster().map(|info| (addr.to_string(), c, info)))
+    };
     let mut last = None;
     for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        let answer = ControlClient::connect(addr, secret, "rackfs-status")
-            .and_then(|c| c.cluster().map(|info| (c, info)));
+        // A data node answers with its view: the primary it names is asked next.
+        let answer = ask(addr).and_then(|(a, c, info)| match info.primary.tcp.as_deref() {
+            Some(p) if p != a => ask(p),
+            _ => Ok((a, c, info)),
+        });
         match answer {
-            // A data node answers with its view: the primary it names is asked next.
-            Ok((_, info)) if info.primary.tcp.as_deref().is_some_and(|p| p != addr) => {
-                let p = info.primary.tcp.expect("checked");
-                let answer = ControlClient::connect(&p, secret, "rackfs-status")
-                    .and_then(|c| c.cluster().map(|info| (c, info)));
-                match answer {
-                    Ok((c, info)) => return Ok((p, c, info)),
-                    Err(e) => last = Some(e),
-                }
-            }
-            Ok((c, info)) => return Ok((addr.to_string(), c, info)),
+            Ok(found) => return Ok(found),
             Err(e) => last = Some(e),
         }
     }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use rackfs_memnode::config::Coordination;
 use rackfs_proto::size::format_size;
 use rackfs_verbs::Secret;
 
@@ -79,9 +80,7 @@ struct NodeProc {
     /// Where its ready line arrives (read off its stdout by a thread, so a node that joins
     /// slowly holds nothing up).
     ready: mpsc::Receiver<String>,
-    /// How it ended, once it has.
-    exited: Option<std::process::ExitStatus>,
-    /// When it is to be started again (empty), once it has ended.
+    /// Once it has ended: when it is to be started again (empty).
     restart_at: Option<Instant>,
     /// How many times it came back after dying.
     comebacks: u32,
@@ -132,14 +131,6 @@ fn qos_capacity(inst: &Path) -> Option<(u64, u64)> {
     Some(c)
 }
 
-/// Where the nodes keep the cluster map, leases and election.
-enum Coordinator {
-    /// `rackfs up`'s own, served at this address.
-    Served(String),
-    /// A local etcd, at these endpoints.
-    Etcd(String),
-}
-
 /// How a node starts: as the first primary, by joining it, or (after a death) found in the
 /// coordinator and taken in as a fresh, empty data node.
 #[derive(Clone, Copy)]
@@ -156,13 +147,14 @@ fn spawn_node(
     region: u64,
     start: Start,
     capacity: Option<(u64, u64)>,
-    coordinator: &Coordinator,
+    coordinator: &Coordination,
 ) -> Result<NodeProc, CliError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
     match coordinator {
-        Coordinator::Etcd(endpoints) => cmd.args(["--etcd", endpoints, "--cluster", "up"]),
-        Coordinator::Served(addr) => cmd.args(["--coordinator", addr]),
+        Coordination::Etcd(endpoints) => cmd.args(["--etcd", endpoints, "--cluster", "up"]),
+        Coordination::Served(addr) => cmd.args(["--coordinator", addr]),
+        Coordination::InPrimary => &mut cmd,
     };
     if let Some((global, local)) = capacity {
         cmd.args([
@@ -232,7 +224,6 @@ fn spawn_node(
         child,
         tcp: None,
         ready,
-        exited: None,
         restart_at: None,
         comebacks: 0,
     })
@@ -330,13 +321,13 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
     let result = (|| -> Result<(), CliError> {
         let coordinator = if cfg.etcd {
             let e = etcd.insert(rackfs_coord::EtcdServer::start(&inst)?);
-            Coordinator::Etcd(e.endpoints())
+            Coordination::Etcd(e.endpoints())
         } else {
             let path = inst.join("coord.sock");
             let secret = Secret::from_file(&secret_file).map_err(FsError::from)?;
             let s = rackfs_memnode::coordinator::CoordService::start(&path, secret, NODE_LEASE)
                 .map_err(io("serve the coordinator on", &path))?;
-            Coordinator::Served(served.insert(s).addr())
+            Coordination::Served(served.insert(s).addr())
         };
         let nodes = nodes.insert(Nodes {
             inst: inst.clone(),
@@ -396,11 +387,12 @@ pub fn up(cfg: UpConfig) -> Result<(), CliError> {
         );
         noteln!("  secret file : {}", secret_file.display());
         match &nodes.coordinator {
-            Coordinator::Etcd(e) => noteln!(
+            Coordination::Etcd(e) => noteln!(
                 "  coordinator : etcd at {e} (cluster \"up\"; log {})",
                 inst.join("etcd.log").display()
             ),
-            Coordinator::Served(a) => noteln!("  coordinator : in this process, at {a}"),
+            Coordination::Served(a) => noteln!("  coordinator : in this process, at {a}"),
+            Coordination::InPrimary => noteln!("  coordinator : embedded in the primary (mn0)"),
         }
         if cfg.nodes > 1 {
             noteln!(
@@ -476,7 +468,7 @@ struct Nodes {
     inst: PathBuf,
     region: u64,
     capacity: Option<(u64, u64)>,
-    coordinator: Coordinator,
+    coordinator: Coordination,
     procs: Vec<NodeProc>,
     /// What happened, newest last (at most [`Nodes::EVENTS`]).
     events: Vec<String>,
@@ -511,7 +503,7 @@ impl Nodes {
 
     /// The tcp addresses of the nodes that serve.
     fn addrs(&self) -> Vec<String> {
-        let live = self.procs.iter().filter(|p| p.exited.is_none());
+        let live = self.procs.iter().filter(|p| p.restart_at.is_none());
         live.filter_map(|p| p.tcp.clone()).collect()
     }
 
@@ -539,7 +531,7 @@ impl Nodes {
         let mut said = Vec::new();
         for p in self.procs.iter_mut() {
             let log = self.inst.join(format!("mn{}.log", p.id));
-            if p.exited.is_none() {
+            if p.restart_at.is_none() {
                 if let Ok(tcp) = p.ready.try_recv() {
                     p.comebacks += 1;
                     said.push(format!(
@@ -549,7 +541,6 @@ impl Nodes {
                     p.tcp = Some(tcp);
                 }
                 if let Ok(Some(status)) = p.child.try_wait() {
-                    p.exited = Some(status);
                     p.restart_at = Some(Instant::now() + rejoin_after);
                     // A node that died serving says nothing of why; one refused, its error.
                     let why = match p.tcp.take() {
@@ -573,7 +564,7 @@ impl Nodes {
             self.event(what);
             changed = true;
         }
-        if only && self.procs[0].exited.is_some() {
+        if only && self.procs[0].restart_at.is_some() {
             enoteln!("mn0 was the only node and held the namespace: nothing is left to serve");
             return Tended::Lost;
         }
@@ -614,7 +605,7 @@ impl Nodes {
 
     /// Stops every node (SIGTERM, then SIGKILL after 5 s).
     fn stop(&mut self) {
-        for n in self.procs.iter().filter(|n| n.exited.is_none()) {
+        for n in self.procs.iter().filter(|n| n.restart_at.is_none()) {
             // SAFETY: kill(2) on our own child, not yet reaped (so its pid is still ours).
             unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
         }

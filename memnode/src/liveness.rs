@@ -395,32 +395,31 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
         ));
     }
     let until = std::time::Instant::now() + node.cfg.node_lease + Duration::from_millis(1500);
-    let mut joined = false;
-    while node.members.peer(id).is_err() {
+    if node.members.peer(id).is_err() {
         // Not a member of this primary: an old primary after a take-over, whose stripes lose
         // it (nothing of it is live), or a data node that has not followed this primary yet
         // (after a take-over; its key with the coordinator lives and it joins within a
         // renewal): its replicas are kept, and the writer tries again once it joined.
-        match members(&*node.coord).map(|m| m.iter().any(|&(n, _)| n == id)) {
-            Ok(false) => {
-                node.with_meta(|m| m.drop_node(id, node));
-                return Ok(());
+        let unavailable = |why: String| Err(Refusal::new(ErrorCode::Unavailable, why));
+        loop {
+            match members(&*node.coord).map(|m| m.iter().any(|&(n, _)| n == id)) {
+                Ok(false) => {
+                    node.with_meta(|m| m.drop_node(id, node));
+                    return Ok(());
+                }
+                _ if node.members.peer(id).is_ok() => {
+                    return unavailable(format!(
+                        "memory node {id} has just joined this primary: write again"
+                    ));
+                }
+                _ if std::time::Instant::now() > until => {
+                    return unavailable(format!(
+                        "memory node {id} holds its lease but has not joined this primary yet"
+                    ));
+                }
+                _ => std::thread::sleep(Duration::from_millis(20)),
             }
-            _ if std::time::Instant::now() > until => {
-                return Err(Refusal::new(
-                    ErrorCode::Unavailable,
-                    format!("memory node {id} holds its lease but has not joined this primary yet"),
-                ));
-            }
-            _ => std::thread::sleep(Duration::from_millis(20)),
         }
-        joined = true;
-    }
-    if joined {
-        return Err(Refusal::new(
-            ErrorCode::Unavailable,
-            format!("memory node {id} has just joined this primary: write again"),
-        ));
     }
     loop {
         if !epochs.is_live(id) {

@@ -417,8 +417,8 @@ pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<Outco
 }
 
 /// The last changes each client session made (up to [`Answered::KEPT`]), with their answers,
-/// as a standby replayed them: a primary that takes over answers a mount's retry of one
-/// ([`MetaRequest::Retry`]) from here. Several threads of a mount may have had a change in
+/// as a standby replayed them or the primary made them: a primary (the same, or one that took
+/// over) answers a mount's retry of one ([`MetaRequest::Retry`]) from here. Several threads of a mount may have had a change in
 /// flight when the primary died.
 #[derive(Default)]
 pub struct Answered(BTreeMap<u64, VecDeque<(MetaRequest, ControlResponse)>>);
@@ -431,17 +431,25 @@ impl Answered {
     pub fn note(&mut self, step: &Step, out: &Outcome) {
         match (step, out) {
             (Step::Handle { session, req }, Outcome::Response(resp)) => {
-                let kept = self.0.entry(*session).or_default();
-                if kept.len() == Self::KEPT {
-                    kept.pop_front();
-                }
-                kept.push_back((req.clone(), resp.clone()));
+                self.keep(*session, req.clone(), resp.clone())
             }
-            (Step::EndSession { session }, _) => {
-                self.0.remove(session);
-            }
+            (Step::EndSession { session }, _) => self.end(*session),
             _ => {}
         }
+    }
+
+    /// Keeps what session `session`'s change `req` was answered.
+    pub fn keep(&mut self, session: u64, req: MetaRequest, resp: ControlResponse) {
+        let kept = self.0.entry(session).or_default();
+        if kept.len() == Self::KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((req, resp));
+    }
+
+    /// Session `session` ended: its answers go.
+    pub fn end(&mut self, session: u64) {
+        self.0.remove(&session);
     }
 
     /// The answer to `req` if session `from` made it lately (the newest such; taken: answered

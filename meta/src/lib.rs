@@ -150,21 +150,18 @@ impl MetaService {
                     MetaRequest::CreateOpen { lock_units, .. } => lock_units,
                     _ => 0,
                 };
+                // Kept as a standby keeps what it replays: a mount whose call timed out asks
+                // again as a retry (`MetaRequest::Retry`), here or on the primary after it,
+                // and gets this answer instead of the change made twice.
+                let kept = other.clone();
                 let step = Step::Handle {
                     session,
-                    req: other.clone(),
+                    req: other,
                 };
                 let Outcome::Response(mut resp) = self.step(step, st) else {
                     unreachable!("a request step answers a response")
                 };
-                // Kept as a standby keeps what it replays: a mount whose call timed out asks
-                // again as a retry (`MetaRequest::Retry`), here or on the primary after it,
-                // and gets this answer instead of the change made twice.
-                let made = Step::Handle {
-                    session,
-                    req: other,
-                };
-                self.answered.note(&made, &Outcome::Response(resp.clone()));
+                self.answered.keep(session, kept, resp.clone());
                 if !matches!(resp, ControlResponse::Error { .. }) {
                     self.changes.extend(changes);
                 }
@@ -258,9 +255,8 @@ impl MetaService {
     /// is watched as dead.
     pub fn end_session(&mut self, session: u64, st: &dyn Storage) {
         self.end_lock_client(session, st);
-        let end = Step::EndSession { session };
-        let out = self.step(end.clone(), st);
-        self.answered.note(&end, &out);
+        self.step(Step::EndSession { session }, st);
+        self.answered.end(session);
         self.retire_deleted(st);
     }
 

@@ -30,6 +30,17 @@ fn retry(from: u64, req: MetaRequest) -> MetaRequest {
     }
 }
 
+/// Whether `r` is the refusal of a name that exists.
+fn exists(r: &ControlResponse) -> bool {
+    matches!(
+        r,
+        ControlResponse::Error {
+            code: ErrorCode::Exists,
+            ..
+        }
+    )
+}
+
 #[test]
 fn a_retried_change_the_old_primary_made_is_answered_once_not_made_twice() {
     let grace = Duration::from_secs(2);
@@ -60,16 +71,7 @@ fn a_retried_change_the_old_primary_made_is_answered_once_not_made_twice() {
     assert_eq!(new.handle(c, retry(a, create("x")), &standby), made);
     // Answered once: the same retry again is a new change, and "x" exists.
     let again = new.handle(c, retry(a, create("x")), &standby);
-    assert!(
-        matches!(
-            again,
-            ControlResponse::Error {
-                code: ErrorCode::Exists,
-                ..
-            }
-        ),
-        "{again:?}"
-    );
+    assert!(exists(&again), "{again:?}");
     // A retry of a change the old primary never made is made now.
     let w = new.handle(c, retry(a, create("w")), &standby);
     assert!(matches!(w, ControlResponse::Attr(_)), "{w:?}");
@@ -149,14 +151,5 @@ fn a_retried_change_on_the_same_primary_is_answered_once() {
     assert!(matches!(made, ControlResponse::Attr(_)), "{made:?}");
     assert_eq!(p.handle(8, retry(7, create("x")), &st), made);
     let again = p.handle(8, retry(7, create("x")), &st);
-    assert!(
-        matches!(
-            again,
-            ControlResponse::Error {
-                code: ErrorCode::Exists,
-                ..
-            }
-        ),
-        "{again:?}"
-    );
+    assert!(exists(&again), "{again:?}");
 }
