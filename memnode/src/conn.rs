@@ -342,6 +342,7 @@ fn may_wait(node: &Node, req: &ControlRequest) -> bool {
         | ControlRequest::Zero { .. }
         | ControlRequest::Cluster
         | ControlRequest::Retag { .. }
+        | ControlRequest::Resolve { .. }
         | ControlRequest::Session
         | ControlRequest::Primary { .. }
         | ControlRequest::Mirror { .. }

@@ -137,6 +137,9 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         ),
         ControlRequest::NodeFailed { node: id } => crate::liveness::node_failed(node, id)
             .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
+        ControlRequest::Resolve { extents } => {
+            ControlResponse::Resolved(node.store.resolve(&extents))
+        }
         ControlRequest::Retag {
             offset,
             expect,
@@ -288,6 +291,7 @@ fn primary_action_allowed(node: &Node, session: u64, req: &ControlRequest) -> Re
             | ControlRequest::Resize { .. }
             | ControlRequest::Zero { .. }
             | ControlRequest::Retag { .. }
+            | ControlRequest::Resolve { .. }
             | ControlRequest::Pull { .. }
             | ControlRequest::Fence { .. }
             | ControlRequest::Mirror { .. }

@@ -13,7 +13,9 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rackfs_meta::{MetaService, Storage};
-use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats};
+use rackfs_proto::control::{
+    ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, Resolved,
+};
 use rackfs_proto::space::NodeSpace;
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::wire::Welcome;
@@ -463,6 +465,13 @@ impl Storage for Node {
             return self.store.zero(offset, len, tag);
         }
         self.on_peer(node, &ControlRequest::Zero { offset, len, tag })
+    }
+
+    fn resolve(&self, node: u32, extents: &[(u64, u64)]) -> Result<Resolved, Refusal> {
+        if node == self.cfg.node_id {
+            return Ok(self.store.resolve(extents));
+        }
+        self.with_peer(node, |c| c.resolve(extents.to_vec()))
     }
 
     fn retag(&self, node: u32, offset: u64, expect: u64, tag: u64) -> Result<(), Refusal> {

@@ -241,6 +241,12 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
         unavailable = d.lost,
         "the old primary is out: its replicas are dropped where another copy lives"
     );
+    // And every replica listed is what its node holds now: a move or retag the old primary
+    // made in a change the mirror lacks is carried forward, not left to read EIO.
+    let r = meta.roll_forward(&**node);
+    if r != Default::default() {
+        warn!(relocated = r.relocated, dropped = r.dropped, freed = r.freed, unanswered = ?r.unanswered, "replicas changed by the old primary's last changes are followed to where their nodes hold them");
+    }
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());

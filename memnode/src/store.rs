@@ -20,6 +20,9 @@ use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
 use tracing::warn;
 
+use rackfs_meta::history::TagHistory;
+use rackfs_proto::control::Resolved;
+
 use crate::alloc::{AllocError, ExtentAllocator};
 
 /// Tagged extents freed and not yet reusable: (reusable at, offset, length).
@@ -44,6 +47,9 @@ pub struct Store {
     meta_len: u64,
     quarantine: Mutex<Quarantine>,
     hold: Duration,
+    /// Moves and retags of stripe extents, for a primary that takes over (taken after
+    /// `allocator`, never before it).
+    history: Mutex<TagHistory>,
 }
 
 impl From<AllocError> for Refusal {
@@ -69,6 +75,7 @@ impl Store {
             meta_len,
             quarantine: Mutex::new(Vec::new()),
             hold,
+            history: Mutex::default(),
         }
     }
 
@@ -173,8 +180,9 @@ impl Store {
     }
 
     /// Moves the file stripe extent at `offset` into a new one holding `len` data bytes and
-    /// tagged `tag`: tombstones the old tag, copies what fits, and quarantines the old extent
-    /// (see `rackfs_proto::record` for why this order loses no client write). Returns the new
+    /// tagged `tag`: tombstones the old tag and copies what fits (see `rackfs_proto::record`
+    /// for why this order loses no client write). The old extent stays held until the primary
+    /// frees it, once its standby has the move (see [`rackfs_meta::history`]). Returns the new
     /// extent's offset.
     pub fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, Refusal> {
         let old_len = {
@@ -192,15 +200,19 @@ impl Store {
                 (old_len - TAG_SPACE).min(len),
             )
             .expect("both extents inside the region");
-        self.quarantine_freed(offset, old_len);
+        let _a = self.allocator.lock().expect("allocator lock");
+        self.history
+            .lock()
+            .expect("history lock")
+            .moved(offset, expect, new, tag);
         Ok(new)
     }
 
     fn quarantine_freed(&self, offset: u64, len: u64) {
-        self.allocator
-            .lock()
-            .expect("allocator lock")
-            .mark_untagged(offset);
+        let mut a = self.allocator.lock().expect("allocator lock");
+        a.mark_untagged(offset);
+        self.history.lock().expect("history lock").forget(offset);
+        drop(a);
         self.quarantine.lock().expect("quarantine lock").push((
             Instant::now() + self.hold,
             offset,
@@ -228,13 +240,20 @@ impl Store {
         Ok(found.0)
     }
 
-    /// Frees an extent (with `tag`, only the stripe extent tagged so): plain extents are
-    /// zeroed and reusable at once; tagged ones are tombstoned and quarantined first. Returns
-    /// the extent's length.
+    /// Frees an extent (with `tag`, only the stripe extent tagged so, or moved away with that
+    /// tag): plain extents are zeroed and reusable at once; tagged ones are tombstoned and
+    /// quarantined first. Returns the extent's length.
     pub fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         let mut a = self.allocator.lock().expect("allocator lock");
         if let Some(t) = tag {
-            self.owned(&a, offset, t)?;
+            let moved = self
+                .history
+                .lock()
+                .expect("history lock")
+                .moved_from(offset, t);
+            if !moved {
+                self.owned(&a, offset, t)?;
+            }
         }
         let (len, tagged) = a
             .extent(offset)
@@ -262,7 +281,24 @@ impl Store {
             .expect("tag inside the region");
         // A client's write that found the old tag was ordered before this point.
         fence(Ordering::SeqCst);
+        self.history
+            .lock()
+            .expect("history lock")
+            .retagged(offset, expect);
         Ok(())
+    }
+
+    /// Where the stripe extents `asked` (base, tag) are now (see [`rackfs_meta::history`]).
+    pub fn resolve(&self, asked: &[(u64, u64)]) -> Resolved {
+        let a = self.allocator.lock().expect("allocator lock");
+        let live = |base| match a.extent(base) {
+            Some((_, true)) => self.region.load(base).ok().filter(|&t| t != 0),
+            _ => None,
+        };
+        self.history
+            .lock()
+            .expect("history lock")
+            .resolve(asked, live)
     }
 
     /// Copies `len` bytes at `from` of node `source`'s region (read one-sidedly over tcp, in
@@ -454,5 +490,32 @@ mod tests {
         );
         s.retag(b, 9, 11).unwrap();
         assert!(s.free(b, Some(11)).is_ok());
+    }
+
+    /// A moved extent's old copy stays held until freed under its old tag, and a primary that
+    /// took over is told where a moved or retagged extent went; once freed, nothing is.
+    #[test]
+    fn moves_and_retags_are_remembered_until_the_extent_is_freed() {
+        let s = store();
+        let a = s.alloc(1024, 64, Some(7)).unwrap();
+        s.region().write(a + TAG_SPACE, b"kept").unwrap();
+        let b = s.resize(a, 4096, 8, 7).unwrap();
+        s.retag(b, 8, 9).unwrap();
+        let used = s.allocator.lock().unwrap().stats().used;
+        s.reap();
+        assert_eq!(s.allocator.lock().unwrap().stats().used, used, "the old copy is held");
+        let r = s.resolve(&[(a, 7), (b, 9), (b, 8)]);
+        assert_eq!(r.changed, vec![((a, 7), Some((b, 9))), ((b, 8), Some((b, 9)))]);
+        assert_eq!(r.moved, vec![(a, 7)]);
+        assert!(s.free(a, Some(8)).is_err(), "only under the tag it had");
+        s.free(a, Some(7)).unwrap();
+        s.reap();
+        assert!(s.allocator.lock().unwrap().stats().used < used);
+        let r = s.resolve(&[(a, 7)]);
+        assert_eq!(r.changed, vec![((a, 7), None)]);
+        assert!(r.moved.is_empty());
+        let mut got = [0; 4];
+        s.region().read(b + TAG_SPACE, &mut got).unwrap();
+        assert_eq!(&got, b"kept");
     }
 }

@@ -461,6 +461,15 @@ impl File {
                 Err(e)
             }
             _ => {
+                // The old copies are held until the standby has the move (see
+                // `crate::history`): a primary that dies first leaves them for the next.
+                for (was, now) in old.0.iter().zip(&moved.0) {
+                    if let (Some(e), Some(_)) = (was, now) {
+                        if let Err(err) = st.free(e.node, e.offset - TAG_SPACE, Some(e.tag)) {
+                            tracing::warn!(node = e.node, stripe, error = %err, "a moved stripe's old extent stays allocated");
+                        }
+                    }
+                }
                 let live = moved.live();
                 self.publish(region, stripe, moved);
                 Ok(live)
@@ -675,6 +684,38 @@ impl File {
                 r.0[j] = None;
             }
         }
+    }
+
+    /// The replicas the file lists on `node`: (stripe, slot, extent).
+    pub fn replicas_on(&self, node: u32) -> Vec<(u64, usize, StripeExtent)> {
+        self.stripes
+            .iter()
+            .filter_map(|(&k, r)| r.on(node).map(|j| (k, j, r.0[j].expect("live slot"))))
+            .collect()
+    }
+
+    /// Points slot `j` of stripe `k` at where its node holds the data now (`Some`: base
+    /// offset and tag), or drops it (`None`) unless it is the stripe's last replica (which
+    /// then fails its reads, as a lost stripe should, instead of reading as a hole). Returns
+    /// whether the slot changed.
+    pub fn relocate(&mut self, region: &Region, k: u64, j: usize, now: Option<(u64, u64)>) -> bool {
+        let Some(mut r) = self.stripes.get(&k).cloned() else {
+            return false;
+        };
+        let Some(e) = r.0[j] else { return false };
+        match now {
+            Some((base, tag)) => {
+                r.0[j] = Some(StripeExtent {
+                    offset: base + TAG_SPACE,
+                    tag,
+                    ..e
+                })
+            }
+            None if r.live().len() > 1 => r.0[j] = None,
+            None => return false,
+        }
+        self.publish(region, k, r);
+        true
     }
 
     /// Stripes whose only live replica is on a node in `down`.

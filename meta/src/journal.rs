@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rackfs_proto::control::{ControlResponse, ErrorCode, FsStat};
+use rackfs_proto::control::{ControlResponse, ErrorCode, FsStat, Resolved};
 use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
@@ -111,6 +111,7 @@ pub enum Answer {
     Time(u64),
     Elapsed(Duration),
     Word(u64),
+    Resolved(Result<Resolved, Refusal>),
 }
 
 /// A step with the answers its storage gave, numbered in the primary's order.
@@ -200,6 +201,11 @@ impl Storage for Recorder<'_> {
     ) -> Result<(), Refusal> {
         self.keep(self.inner.copy(src, from, expect, dst, to, len), |r| {
             Answer::Done(r.clone())
+        })
+    }
+    fn resolve(&self, node: u32, extents: &[(u64, u64)]) -> Result<Resolved, Refusal> {
+        self.keep(self.inner.resolve(node, extents), |r| {
+            Answer::Resolved(r.clone())
         })
     }
     fn domain(&self, node: u32) -> Option<String> {
@@ -338,6 +344,17 @@ impl Storage for Replay<'_> {
     }
     fn copy(&self, _: u32, _: u64, _: u64, _: u32, _: u64, _: u64) -> Result<(), Refusal> {
         self.done("copy")
+    }
+    fn resolve(&self, _: u32, _: &[(u64, u64)]) -> Result<Resolved, Refusal> {
+        let take = |a| {
+            if let Answer::Resolved(r) = a {
+                Some(r)
+            } else {
+                None
+            }
+        };
+        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
+        self.next("resolve", take, or)
     }
     fn domain(&self, _: u32) -> Option<String> {
         let take = |a| {

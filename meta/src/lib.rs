@@ -9,6 +9,7 @@
 //! The caller serialises calls (one `&mut` at a time).
 
 pub mod file;
+pub mod history;
 pub mod journal;
 pub mod locktree;
 pub mod namespace;
@@ -267,6 +268,12 @@ impl MetaService {
             Outcome::Dropped(d) => d,
             _ => unreachable!("a drop step answers what it dropped"),
         }
+    }
+
+    /// A primary that took over: its tables follow what the data nodes hold now (see
+    /// [`Namespace::roll_forward`]).
+    pub fn roll_forward(&mut self, st: &dyn Storage) -> namespace::RolledForward {
+        self.namespace.roll_forward(st)
     }
 
     /// Copies a degraded stripe back towards its replication factor (see

@@ -19,10 +19,28 @@ use rackfs_proto::namespace::{
     FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, MAX_FILE_SIZE, MAX_NAME,
     MAX_STRIPE_UNIT, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO,
 };
-use rackfs_proto::record::{MAX_REPLICAS, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE};
+use rackfs_proto::record::{
+    MAX_REPLICAS, RECORD_LEN, REC_INO, REC_MTIME, REC_SIZE, REC_STRIPE, TAG_SPACE,
+};
 use rackfs_proto::Refusal;
 
 use crate::file::{read_word, write_word, Dropped, File};
+
+/// Stripe extents asked of a data node per `Resolve` (well inside a frame).
+const RESOLVE_BATCH: usize = 16 << 10;
+
+/// What [`Namespace::roll_forward`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RolledForward {
+    /// Replicas pointed at the extent (or tag) their node holds now.
+    pub relocated: u64,
+    /// Replicas dropped: their node holds them no more.
+    pub dropped: u64,
+    /// Old copies of moved extents freed.
+    pub freed: u64,
+    /// Data nodes that did not answer.
+    pub unanswered: Vec<u32>,
+}
 use crate::storage::Storage;
 use crate::xattr::Xattrs;
 
@@ -1199,6 +1217,71 @@ impl Namespace {
             }
         }
         (v, 0)
+    }
+
+    /// A primary that took over: points every replica its tables list at what the data
+    /// nodes hold now (see [`crate::history`]: moves and retags its predecessor made without
+    /// the standby knowing), drops replicas a node no longer holds, and frees the old copies
+    /// of moved extents. Not journaled: a standby made later starts from a snapshot.
+    pub fn roll_forward(&mut self, st: &dyn Storage) -> RolledForward {
+        let (_, region) = st.local();
+        let mut out = RolledForward::default();
+        for node in st.data_nodes() {
+            // Every replica on the node, by (base, tag).
+            let mut listed: BTreeMap<(u64, u64), Vec<(u64, u64, usize)>> = BTreeMap::new();
+            for (&ino, i) in &self.inodes {
+                if let Some(f) = &i.file {
+                    for (k, j, e) in f.replicas_on(node) {
+                        listed
+                            .entry((e.offset - TAG_SPACE, e.tag))
+                            .or_default()
+                            .push((ino, k, j));
+                    }
+                }
+            }
+            let asked: Vec<(u64, u64)> = listed.keys().copied().collect();
+            let mut moved = std::collections::BTreeSet::new();
+            let mut answered = true;
+            // One call even with nothing listed: it names the old copies to free.
+            let chunks: Vec<&[(u64, u64)]> = match asked.is_empty() {
+                true => vec![&[]],
+                false => asked.chunks(RESOLVE_BATCH).collect(),
+            };
+            for chunk in chunks {
+                match st.resolve(node, chunk) {
+                    Ok(r) => {
+                        moved.extend(r.moved);
+                        for (at, now) in r.changed {
+                            for &(ino, k, j) in listed.get(&at).into_iter().flatten() {
+                                let f = self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut());
+                                if f.is_some_and(|f| f.relocate(region, k, j, now)) {
+                                    match now {
+                                        Some(_) => out.relocated += 1,
+                                        None => out.dropped += 1,
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(node, error = %e, "cannot ask a data node what it holds: replicas it moved for the old primary may read EIO");
+                        out.unanswered.push(node);
+                        answered = false;
+                        break;
+                    }
+                }
+            }
+            // After that, no table lists a moved extent's old copy.
+            if answered {
+                for (base, tag) in moved {
+                    match st.free(node, base, Some(tag)) {
+                        Ok(()) => out.freed += 1,
+                        Err(e) => tracing::warn!(node, base, error = %e, "a moved stripe's old extent stays allocated"),
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Copies stripe `stripe` of file `ino` back towards its replication factor (see

@@ -10,11 +10,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rackfs_proto::control::{ErrorCode, FsStat};
+use rackfs_proto::control::{ErrorCode, FsStat, Resolved};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::space::NodeSpace;
 use rackfs_proto::Refusal;
 use rackfs_verbs::{Access, Region};
+
+use crate::history::TagHistory;
 
 /// The service's view of its node and cluster.
 pub trait Storage: Send + Sync {
@@ -25,7 +27,8 @@ pub trait Storage: Send + Sync {
     /// Allocates `len` bytes on `node`. A tagged extent is a file stripe: its tag is written in
     /// its first 8 bytes and its data starts [`TAG_SPACE`] after the returned offset.
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
-    /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined).
+    /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined; a
+    /// stripe extent moved away by [`Storage::resize`] is freed with the tag it had).
     ///
     /// Every call on a stripe extent names the owner tag the service expects there (`tag`
     /// here, `expect` below) and is refused if the extent no longer carries it: a primary that
@@ -34,7 +37,7 @@ pub trait Storage: Send + Sync {
     fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal>;
     /// Moves the stripe extent at `offset` on `node`, tagged `expect`, into a new one of `len`
     /// data bytes tagged `tag` on the same node, copying its data (`ControlRequest::Resize`);
-    /// returns the new extent's offset.
+    /// returns the new extent's offset. The old extent stays held (tombstoned) until freed.
     fn resize(
         &self,
         node: u32,
@@ -58,6 +61,9 @@ pub trait Storage: Send + Sync {
         to: u64,
         len: u64,
     ) -> Result<(), Refusal>;
+    /// What `node` holds now where stripe extents (base offset, tag) were: see
+    /// [`crate::history`] (`ControlRequest::Resolve`).
+    fn resolve(&self, node: u32, extents: &[(u64, u64)]) -> Result<Resolved, Refusal>;
     /// Node `node`'s failure domain (`None`: a domain of its own).
     fn domain(&self, node: u32) -> Option<String>;
     /// This node's id and data region (where records, tables and lock trees live).
@@ -86,6 +92,7 @@ struct SimNode {
     live: BTreeMap<u64, u64>,
     next: u64,
     used: u64,
+    history: TagHistory,
 }
 
 /// An in-memory [`Storage`]: `nodes` data nodes of `capacity` bytes each, each a real region
@@ -103,6 +110,8 @@ pub struct MemStorage {
     /// Failure domains by node ([`MemStorage::set_domain`]).
     domains: Mutex<BTreeMap<u32, String>>,
     hook: Mutex<Option<Hook>>,
+    /// Frees of stripe extents held back ([`MemStorage::hold_frees`]).
+    held_frees: Mutex<Option<Vec<(u32, u64, u64)>>>,
 }
 
 /// Code run at the start of every [`Storage`] call of a [`MemStorage`].
@@ -124,7 +133,15 @@ impl MemStorage {
             down: Mutex::default(),
             domains: Mutex::default(),
             hook: Mutex::default(),
+            held_frees: Mutex::default(),
         }
+    }
+
+    /// Holds frees of stripe extents back from now on (`true`), as a primary holds them until
+    /// its standby has the change that released them; `false` forgets those held, as a
+    /// primary that dies first never sends them, and frees at once again.
+    pub fn hold_frees(&self, hold: bool) {
+        *self.held_frees.lock().expect("held frees lock") = hold.then(Vec::new);
     }
 
     /// Node `node`'s memory.
@@ -262,10 +279,19 @@ impl Storage for MemStorage {
 
     fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         self.call_hook();
-        if let Some(t) = tag {
+        if let (Some(held), Some(t)) = (&mut *self.held_frees.lock().expect("held frees lock"), tag) {
+            held.push((node, offset, t));
+            return Ok(());
+        }
+        let moved = tag.is_some_and(|t| {
+            self.node(node)
+                .is_ok_and(|n| n.lock().expect("node lock").history.moved_from(offset, t))
+        });
+        if let (Some(t), false) = (tag, moved) {
             self.owned(node, offset, t)?;
         }
         let mut n = self.node(node)?.lock().expect("node lock");
+        n.history.forget(offset);
         let len = n.live.remove(&offset).ok_or_else(|| {
             Refusal::new(
                 ErrorCode::NotFound,
@@ -311,7 +337,11 @@ impl Storage for MemStorage {
             (old - TAG_SPACE).min(len),
         )
         .expect("extents in region");
-        self.free(node, offset, None)?;
+        self.node(node)?
+            .lock()
+            .expect("node lock")
+            .history
+            .moved(offset, expect, new, tag);
         Ok(new)
     }
 
@@ -331,7 +361,25 @@ impl Storage for MemStorage {
         self.region(node)
             .store(offset, tag)
             .expect("tag inside the region");
+        self.node(node)?
+            .lock()
+            .expect("node lock")
+            .history
+            .retagged(offset, expect);
         Ok(())
+    }
+
+    fn resolve(&self, node: u32, extents: &[(u64, u64)]) -> Result<Resolved, Refusal> {
+        self.call_hook();
+        let n = self.node(node)?.lock().expect("node lock");
+        let region = self.region(node);
+        let live = |base| {
+            n.live
+                .contains_key(&base)
+                .then(|| region.load(base).expect("tag inside the region"))
+                .filter(|&t| t != 0)
+        };
+        Ok(n.history.resolve(extents, live))
     }
 
     fn copy(

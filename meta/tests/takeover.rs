@@ -7,7 +7,8 @@ use std::time::Duration;
 use rackfs_meta::journal::{self, Answered};
 use rackfs_meta::{MemStorage, MetaService, Namespace, Storage};
 use rackfs_proto::control::{ControlResponse, ErrorCode};
-use rackfs_proto::namespace::{MetaRequest, NewKind, ROOT_INO};
+use rackfs_proto::namespace::{MetaRequest, NewKind, StripeExtent, ROOT_INO};
+use rackfs_proto::record::TAG_SPACE;
 
 fn create(name: &str) -> MetaRequest {
     MetaRequest::Create {
@@ -152,4 +153,134 @@ fn a_retried_change_on_the_same_primary_is_answered_once() {
     assert_eq!(p.handle(8, retry(7, create("x")), &st), made);
     let again = p.handle(8, retry(7, create("x")), &st);
     assert!(exists(&again), "{again:?}");
+}
+
+/// A two-replica file with a 1 MiB stripe unit, made by session 7; its inode.
+fn two_replica_file(p: &mut MetaService, st: &MemStorage, name: &str) -> u64 {
+    let made = p.handle(
+        7,
+        MetaRequest::Create {
+            parent: ROOT_INO,
+            name: name.as_bytes().to_vec(),
+            kind: NewKind::File {
+                stripe_unit: 1 << 20,
+                replicas: 2,
+            },
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+        },
+        st,
+    );
+    match made {
+        ControlResponse::Attr(a) => a.ino,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn stripe0(p: &mut MetaService, st: &MemStorage, ino: u64, end: Option<u64>) -> Vec<StripeExtent> {
+    let req = match end {
+        Some(end) => MetaRequest::AllocStripe { ino, stripe: 0, end },
+        None => MetaRequest::GetStripe { ino, stripe: 0 },
+    };
+    match p.handle(7, req, st) {
+        ControlResponse::Stripe(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Whether each replica's node holds it under the tag the table lists (a mount's tag check
+/// passes; otherwise every read of it fails with EIO).
+fn held(st: &MemStorage, replicas: &[StripeExtent]) -> bool {
+    replicas
+        .iter()
+        .all(|e| st.region(e.node).load(e.offset - TAG_SPACE).unwrap() == e.tag)
+}
+
+fn bytes_at(st: &MemStorage, e: &StripeExtent, at: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0; len];
+    st.region(e.node).read(e.offset + at, &mut b).unwrap();
+    b
+}
+
+/// The old primary grew a file's first stripe (each replica moved to a larger extent, a
+/// mount wrote to the new ones) and died before its standby had the change. The primary
+/// that takes over lists the old, tombstoned extents: without following the nodes' history
+/// every read of the stripe failed with EIO ("a file's first stripe that was being grown at
+/// the instant of the kill"). Rolled forward, it lists the new extents, with every byte.
+#[test]
+fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let ino = two_replica_file(&mut old, &st, "grows");
+    let small = stripe0(&mut old, &st, ino, Some(100));
+    assert_eq!(small.len(), 2);
+    for e in &small {
+        st.region(e.node).write(e.offset, b"first").unwrap();
+    }
+    // What the standby has: everything up to here.
+    let mirror: Namespace =
+        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    st.hold_frees(true);
+    let grown = stripe0(&mut old, &st, ino, Some(200_000));
+    assert!(grown.iter().all(|e| e.cap() >= 200_000), "{grown:?}");
+    for e in &grown {
+        st.region(e.node).write(e.offset + 150_000, b"later").unwrap();
+    }
+    let used = (0..3).map(|n| st.used(n)).sum::<u64>();
+    // The old primary dies here, its frees unsent; its standby's records sit at the same
+    // offsets.
+    st.hold_frees(false);
+    let mut new = MetaService::over(mirror, grace, 0);
+    let listed = stripe0(&mut new, &st, ino, None);
+    assert_eq!(listed, small);
+    assert!(!held(&st, &listed), "the moved extents are tombstoned");
+    let r = new.roll_forward(&st);
+    assert_eq!((r.relocated, r.dropped, r.freed), (2, 0, 2), "{r:?}");
+    let now = stripe0(&mut new, &st, ino, None);
+    assert_eq!(now, grown);
+    assert!(held(&st, &now));
+    for e in &now {
+        assert_eq!(bytes_at(&st, e, 0, 5), b"first");
+        assert_eq!(bytes_at(&st, e, 150_000, 5), b"later");
+    }
+    // The old copies went back to their nodes; nothing is left to roll forward.
+    assert!((0..3).map(|n| st.used(n)).sum::<u64>() < used);
+    assert_eq!(new.roll_forward(&st), Default::default());
+}
+
+/// The old primary started re-replicating a stripe (its survivor retagged, a copy made on
+/// another node) and died before its standby had it: the survivor's new tag is followed, so
+/// the stripe reads and is re-replicated again by the new primary.
+#[test]
+fn a_survivor_retagged_in_a_change_the_standby_lacks_is_followed_to_its_new_tag() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let ino = two_replica_file(&mut old, &st, "rebuilt");
+    let both = stripe0(&mut old, &st, ino, Some(4096));
+    for e in &both {
+        st.region(e.node).write(e.offset, b"data").unwrap();
+    }
+    let gone = both[0].node;
+    st.set_down(gone);
+    old.drop_node(gone, &st);
+    let mirror: Namespace =
+        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    assert_eq!(old.rebuild(ino, 0, &st), Ok(4096));
+    let mut new = MetaService::over(mirror, grace, 0);
+    let listed = stripe0(&mut new, &st, ino, None);
+    assert_eq!(listed.len(), 1);
+    assert!(!held(&st, &listed), "the survivor carries the old primary's new tag");
+    let r = new.roll_forward(&st);
+    assert_eq!((r.relocated, r.dropped), (1, 0), "{r:?}");
+    let now = stripe0(&mut new, &st, ino, None);
+    assert!(held(&st, &now));
+    assert_eq!(bytes_at(&st, &now[0], 0, 4), b"data");
+    assert_eq!(new.rebuild(ino, 0, &st), Ok(4096));
+    let again = stripe0(&mut new, &st, ino, None);
+    assert_eq!(again.len(), 2);
+    assert!(held(&st, &again));
+    assert!(again.iter().all(|e| bytes_at(&st, e, 0, 4) == b"data"));
 }

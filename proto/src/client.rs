@@ -25,7 +25,8 @@ use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
 use rackfs_verbs::{Access, RegionInfo, VerbsError};
 
 use crate::control::{
-    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeStats, Refusal, PROTOCOL_VERSION,
+    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeStats, Refusal, Resolved,
+    PROTOCOL_VERSION,
 };
 use crate::namespace::MetaRequest;
 
@@ -539,6 +540,15 @@ impl ControlClient {
         };
         match self.call(&req)? {
             ControlResponse::Allocated { offset, .. } => Ok(offset),
+            other => Err(self.mismatch(other)),
+        }
+    }
+
+    /// What the node holds now where stripe extents (base offset, tag) were (see
+    /// [`ControlRequest::Resolve`]).
+    pub fn resolve(&self, extents: Vec<(u64, u64)>) -> Result<Resolved, RpcError> {
+        match self.call(&ControlRequest::Resolve { extents })? {
+            ControlResponse::Resolved(r) => Ok(r),
             other => Err(self.mismatch(other)),
         }
     }

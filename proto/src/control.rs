@@ -20,10 +20,10 @@ use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 28] = [
+pub const RPC_KINDS: [&str; 29] = [
     "hello",
     "ping",
     "stats",
@@ -52,6 +52,7 @@ pub const RPC_KINDS: [&str; 28] = [
     "mirror",
     "journal",
     "primary",
+    "resolve",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +233,26 @@ pub enum ControlRequest {
         node: u32,
         epoch: u64,
     },
+    /// A primary that took over to a data node: what it holds now where the primary's tables
+    /// list each stripe extent (base offset, owner tag). The old primary may have moved or
+    /// retagged extents in a change that died with it (its standby never had it). Answered
+    /// with [`ControlResponse::Resolved`].
+    Resolve {
+        extents: Vec<(u64, u64)>,
+    },
+}
+
+/// What a data node holds where a primary expects stripe extents
+/// ([`ControlRequest::Resolve`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolved {
+    /// Each asked extent (base offset, tag) that no longer carries the tag asked, with where
+    /// its data lives now (base offset, tag: moved to a new extent, or retagged in place), or
+    /// `None`: the node holds it no more.
+    pub changed: Vec<((u64, u64), Option<(u64, u64)>)>,
+    /// Extents moved away whose old copy the node still holds (base offset, old tag): the
+    /// primary frees each once no table lists it.
+    pub moved: Vec<(u64, u64)>,
 }
 
 impl ControlRequest {
@@ -265,6 +286,7 @@ impl ControlRequest {
             ControlRequest::Mirror { .. } => 25,
             ControlRequest::Journal { .. } => 26,
             ControlRequest::Primary { .. } => 27,
+            ControlRequest::Resolve { .. } => 28,
         }
     }
 }
@@ -590,6 +612,8 @@ pub enum ControlResponse {
     /// Directory entries with their attributes
     /// ([`crate::namespace::MetaRequest::ReadDirPlus`]).
     EntriesPlus(Vec<(DirEntry, Attr)>),
+    /// See [`ControlRequest::Resolve`].
+    Resolved(Resolved),
 }
 
 fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {
