@@ -28,6 +28,7 @@
 //!   does so on a thread of its own, so the caller's worker stays free for the holders'
 //!   unlocks.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -887,13 +888,32 @@ impl Client {
             }
         }
         let place = handle.map_or(Placement::At(offset), |h| h.place(offset));
-        // Written again in full after a failover: the same bytes at the same place. (An
-        // O_APPEND write whose first attempt landed before the primary died lands twice.)
+        // Written again in full after a failover: the same bytes at the same place. An
+        // O_APPEND write goes again to where its last attempt put it if that attempt landed
+        // as far as the new primary knows, else to the end of file: once either way.
+        let placed = Cell::new(None);
         self.across_failover(|| match place {
-            Placement::End => f.append(&self.cluster, data).map(|_| ()),
+            Placement::End => match placed.get().filter(|&at| self.landed(ino, at, data)) {
+                Some(at) => f.write_locked(&self.cluster, at, data),
+                None => f
+                    .append(&self.cluster, data, |at| placed.set(Some(at)))
+                    .map(|_| ()),
+            },
             Placement::At(offset) => f.write_locked(&self.cluster, offset, data),
         })?;
         Ok(data.len() as u32)
+    }
+
+    /// Whether an O_APPEND write of `data` at `at`, in flight when the primary died, landed
+    /// as far as the filesystem knows: the size the new primary took over with covers it.
+    /// (The old primary journals sizes with other changes, so that size may or may not hold
+    /// the write; the mount alone cannot tell, and another append since may have moved the
+    /// end of file past it.)
+    fn landed(&self, ino: u64, at: u64, data: &[u8]) -> bool {
+        let end = at + data.len() as u64;
+        let ask = MetaRequest::SizeAtTakeOver { ino };
+        let known = self.cluster.meta(ask);
+        matches!(known, Ok(ControlResponse::SizeAtTakeOver(Some(size))) if size >= end)
     }
 
     /// A close of open file `ino` by lock owner `lock_owner`: drops the closing process's

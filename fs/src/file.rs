@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::Duration;
 
-use rackfs_proto::control::ControlResponse;
+use rackfs_proto::control::{ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{FileLayout, MetaRequest, StripeExtent, MAX_FILE_SIZE};
 use rackfs_proto::record::{
     entry_offset, split_location, ENTRY_LEN, RECORD_LEN, REC_INO, REC_MTIME, REC_REPLICAS,
     REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
+use rackfs_proto::RpcError;
 use rackfs_verbs::{Batch, Completions, RemoteAddr, VerbsError, WrId};
 
 use crate::cluster::Cluster;
@@ -38,8 +39,57 @@ use crate::lock::{self, FileLocks};
 use rackfs_qos::area::tokens_for;
 use rackfs_qos::engine::InFlight;
 
-/// Attempts before an operation that keeps meeting stale layouts gives up with EIO.
+/// Attempts an operation that keeps meeting stale layouts makes at once.
 const MAX_ATTEMPTS: usize = 16;
+
+/// How long an operation that keeps meeting stale layouts goes on (pausing between attempts)
+/// before it gives up with EIO: a primary that took over lists a stripe its predecessor moved
+/// in its last change at the stripe's new place only once the stripe's node follows it,
+/// within a node lease or so.
+const STALE_PATIENCE: Duration = Duration::from_secs(4);
+
+/// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
+/// 50 ms, until [`STALE_PATIENCE`] has passed.
+struct Attempts<'a> {
+    cl: &'a Cluster,
+    made: usize,
+    started: u64,
+}
+
+impl<'a> Attempts<'a> {
+    fn new(cl: &'a Cluster) -> Attempts<'a> {
+        Attempts {
+            cl,
+            made: 0,
+            started: 0,
+        }
+    }
+
+    /// Whether there is time left for more attempts.
+    fn patient(&self) -> bool {
+        self.started == 0
+            || self.cl.clock().mono_ns().saturating_sub(self.started)
+                < STALE_PATIENCE.as_nanos() as u64
+    }
+
+    /// Whether to make another attempt (after a pause, past the first few).
+    fn next(&mut self) -> bool {
+        self.made += 1;
+        if self.made <= MAX_ATTEMPTS {
+            return true;
+        }
+        let clock = self.cl.clock();
+        if self.started == 0 {
+            self.started = clock.mono_ns();
+        }
+        if !self.patient() {
+            return false;
+        }
+        let pause = 1u64 << (self.made - MAX_ATTEMPTS).min(6);
+        clock.sleep(Duration::from_millis(pause.min(50)));
+        true
+    }
+}
 
 /// Most stripes one `fallocate` request to the service covers (each may take a round trip to
 /// every replica's node).
@@ -217,7 +267,8 @@ impl FileData {
         let p = cl
             .node(primary)
             .map_err(|e| self.verbs_err(cl, primary, e))?;
-        for _ in 0..MAX_ATTEMPTS {
+        let mut attempts = Attempts::new(cl);
+        while attempts.next() {
             let (table, cap, replicas) = {
                 let l = self.layout.read().expect("layout lock");
                 (l.table, l.cap, l.replicas)
@@ -638,7 +689,8 @@ impl FileData {
         let ps = pieces(offset, len as u64, self.unit);
         // Nodes that failed this read.
         let mut avoid: Vec<u32> = Vec::new();
-        'attempt: for _ in 0..MAX_ATTEMPTS {
+        let mut attempts = Attempts::new(cl);
+        'attempt: while attempts.next() {
             let missing = self.uncached(&ps);
             let mut size = if missing.is_empty() {
                 self.fresh_size(cl)
@@ -656,6 +708,13 @@ impl FileData {
                     continue;
                 };
                 let Some(e) = cl.loads.choose(self.ino, p.stripe, &replicas, &avoid) else {
+                    if attempts.patient() {
+                        // Each failed node's connection was dropped: the next use reconnects,
+                        // in this mount's current session (the node fenced an earlier one when
+                        // it followed a primary that took over).
+                        avoid.clear();
+                        continue 'attempt;
+                    }
                     tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, ?replicas, "no replica of the stripe could be read: EIO");
                     return Err(libc::EIO);
                 };
@@ -757,13 +816,15 @@ impl FileData {
         res
     }
 
-    /// Appends `data` at the end of the file as the cluster knows it; returns where it went.
-    /// Under locks, the units from the end of file to the end of `data` are locked and the
-    /// size is re-read under the lock: any write that could move the end of file past that
-    /// point touches a locked unit, so two appends never overwrite each other.
-    pub fn append(&self, cl: &Cluster, data: &[u8]) -> Result<u64, i32> {
+    /// Appends `data` at the end of the file as the cluster knows it; returns where it went,
+    /// and tells `placed` before the bytes go out. Under locks, the units from the end of
+    /// file to the end of `data` are locked and the size is re-read under the lock: any write
+    /// that could move the end of file past that point touches a locked unit, so two appends
+    /// never overwrite each other.
+    pub fn append(&self, cl: &Cluster, data: &[u8], placed: impl Fn(u64)) -> Result<u64, i32> {
         let Some(locks) = &self.locks else {
             let at = self.size(cl)?;
+            placed(at);
             return self.write(cl, at, data).map(|_| at);
         };
         let len = data.len() as u64;
@@ -785,6 +846,7 @@ impl FileData {
             };
             let (al, ar) = lock::units(at, len.max(1));
             if l <= al && ar <= r {
+                placed(at);
                 let res = self.write_in(cl, at, data, Some(held.session()));
                 locks.unlock(cl, held);
                 return res.map(|_| at);
@@ -898,11 +960,13 @@ impl FileData {
             .map_err(|e| self.verbs_err(cl, primary, e))?;
         // Nodes declared dead after failing this write.
         let mut dead: Vec<u32> = Vec::new();
-        for _ in 0..MAX_ATTEMPTS {
+        let mut attempts = Attempts::new(cl);
+        while attempts.next() {
             let short = self.short(&ps);
             if !short.is_empty() {
                 let stripes: Vec<u64> = short.iter().map(|s| s.0).collect();
                 self.refresh(cl, &stripes)?;
+                let mut placed = true;
                 for (k, end) in self.short(&ps) {
                     let sent = cl.clock().mono_ns();
                     let s = match cl.meta(MetaRequest::AllocStripe {
@@ -912,9 +976,23 @@ impl FileData {
                     }) {
                         Ok(ControlResponse::Stripe(s)) if !s.is_empty() => s,
                         Ok(_) => return Err(libc::EIO),
+                        // No node of the stripe's could take it: a primary that just took
+                        // over reaches a data node only once the node follows it. Asked again
+                        // while the operation's patience lasts.
+                        Err(RpcError::Refused {
+                            code: ErrorCode::Unavailable,
+                            message,
+                        }) => {
+                            tracing::debug!(ino = self.ino, stripe = k, %message, "stripe not placed yet");
+                            placed = false;
+                            break;
+                        }
                         Err(e) => return Err(e.errno()),
                     };
                     self.cache_stripe(k, s, sent);
+                }
+                if !placed {
+                    continue;
                 }
             }
             // Every piece goes to every replica of its stripe.

@@ -324,6 +324,7 @@ fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<Cluste
     match epoch {
         Some(e) => {
             crate::liveness::admit(node, id, e)?;
+            node.with_meta(|m| crate::standby::rejoined_after_take_over(id, m, node));
         }
         None if known => crate::liveness::rejoined(node, id),
         None => {}

@@ -241,12 +241,12 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
         unavailable = d.lost,
         "the old primary is out: its replicas are dropped where another copy lives"
     );
-    // And every replica listed is what its node holds now: a move or retag the old primary
-    // made in a change the mirror lacks is carried forward, not left to read EIO.
-    let r = meta.roll_forward(&**node);
-    if r != Default::default() {
-        warn!(relocated = r.relocated, dropped = r.dropped, freed = r.freed, unanswered = ?r.unanswered, "replicas changed by the old primary's last changes are followed to where their nodes hold them");
-    }
+    // Every replica listed on this node is what it holds now (a move or retag the old primary
+    // made in a change the mirror lacks is followed, not left to read EIO); each data node's
+    // are when it follows this primary (`rejoined_after_take_over`).
+    rejoined_after_take_over(node.cfg.node_id, &mut meta, node);
+    // What the old primary had journaled of each file's size, before any mount writes here.
+    meta.keep_sizes_at_take_over(Some(&**node));
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());
@@ -261,6 +261,16 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     end_orphans(node, old_sessions);
     info!(old_primary = old, seq = mirror.seq, took = ?started.elapsed(), "took over as primary: serving the namespace mirrored from the old primary");
     true
+}
+
+/// A primary that took over: data node `id` follows it (or it is this node), keeping its
+/// memory: the replicas the tables list there follow the moves and retags the old primary
+/// made in changes its standby never had (see `rackfs_meta::history`).
+pub fn rejoined_after_take_over(id: u32, meta: &mut MetaService, node: &Node) {
+    let r = meta.roll_forward(id, node);
+    if r != Default::default() {
+        warn!(node = id, relocated = r.relocated, dropped = r.dropped, freed = r.freed, unanswered = r.unanswered, "replicas the old primary changed in its last changes are followed to where their node holds them");
+    }
 }
 
 /// Elected without a usable mirror: steps down (the lease is revoked so another may run).
@@ -287,6 +297,8 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
                 return; // deposed meanwhile: the sessions are the next primary's concern
             }
             n.with_meta(|m| {
+                // The mounts that had a write in flight at the take-over have asked by now.
+                m.keep_sizes_at_take_over(None);
                 let left: Vec<u64> = m
                     .namespace
                     .sessions()

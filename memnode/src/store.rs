@@ -503,9 +503,16 @@ mod tests {
         s.retag(b, 8, 9).unwrap();
         let used = s.allocator.lock().unwrap().stats().used;
         s.reap();
-        assert_eq!(s.allocator.lock().unwrap().stats().used, used, "the old copy is held");
+        assert_eq!(
+            s.allocator.lock().unwrap().stats().used,
+            used,
+            "the old copy is held"
+        );
         let r = s.resolve(&[(a, 7), (b, 9), (b, 8)]);
-        assert_eq!(r.changed, vec![((a, 7), Some((b, 9))), ((b, 8), Some((b, 9)))]);
+        assert_eq!(
+            r.changed,
+            vec![((a, 7), Some((b, 9))), ((b, 8), Some((b, 9)))]
+        );
         assert_eq!(r.moved, vec![(a, 7)]);
         assert!(s.free(a, Some(8)).is_err(), "only under the tag it had");
         s.free(a, Some(7)).unwrap();

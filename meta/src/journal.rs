@@ -78,6 +78,7 @@ impl Step {
                 | MetaRequest::GetStripe { .. }
                 | MetaRequest::GetXattr { .. }
                 | MetaRequest::ListXattr { .. }
+                | MetaRequest::SizeAtTakeOver { .. }
         )
     }
 

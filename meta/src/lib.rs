@@ -18,6 +18,7 @@ pub mod recordlocks;
 pub mod storage;
 pub mod xattr;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use rackfs_proto::control::{ControlResponse, ErrorCode};
@@ -52,6 +53,9 @@ pub struct MetaService {
     /// The old primary's last answer per session (a primary that took over; see
     /// [`MetaRequest::Retry`]).
     answered: journal::Answered,
+    /// Each file's size as the mirror held it at take-over (see
+    /// [`MetaRequest::SizeAtTakeOver`]).
+    sizes_at_take_over: HashMap<u64, u64>,
 }
 
 impl MetaService {
@@ -75,7 +79,18 @@ impl MetaService {
             seq,
             journal: Vec::new(),
             answered: Default::default(),
+            sizes_at_take_over: HashMap::new(),
         }
+    }
+
+    /// A standby taking over, before anyone writes to its region: keeps each file's size as
+    /// its mirror holds it, which is what the old primary had journaled (see
+    /// [`MetaRequest::SizeAtTakeOver`]); `None` forgets them.
+    pub fn keep_sizes_at_take_over(&mut self, st: Option<&dyn Storage>) {
+        self.sizes_at_take_over = match st {
+            Some(st) => self.namespace.file_sizes(st.local().1),
+            None => HashMap::new(),
+        };
     }
 
     /// Starts the files' lock trees afresh on a standby taking over (see
@@ -140,6 +155,9 @@ impl MetaService {
             MetaRequest::LockTree { ino, old, units } => self
                 .publish_tree(ino, old, units, st)
                 .map_or_else(ControlResponse::from, |w| ControlResponse::LockTree(w.0)),
+            MetaRequest::SizeAtTakeOver { ino } => {
+                ControlResponse::SizeAtTakeOver(self.sizes_at_take_over.get(&ino).copied())
+            }
             MetaRequest::Retry { from, req } => match self.answered.take(from, &req) {
                 Some(resp) => resp,
                 None => return self.handle(session, *req, st),
@@ -270,10 +288,10 @@ impl MetaService {
         }
     }
 
-    /// A primary that took over: its tables follow what the data nodes hold now (see
+    /// A primary that took over: its tables follow what data node `node` holds now (see
     /// [`Namespace::roll_forward`]).
-    pub fn roll_forward(&mut self, st: &dyn Storage) -> namespace::RolledForward {
-        self.namespace.roll_forward(st)
+    pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> namespace::RolledForward {
+        self.namespace.roll_forward(node, st)
     }
 
     /// Copies a degraded stripe back towards its replication factor (see

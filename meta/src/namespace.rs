@@ -38,8 +38,8 @@ pub struct RolledForward {
     pub dropped: u64,
     /// Old copies of moved extents freed.
     pub freed: u64,
-    /// Data nodes that did not answer.
-    pub unanswered: Vec<u32>,
+    /// The node did not answer.
+    pub unanswered: bool,
 }
 use crate::storage::Storage;
 use crate::xattr::Xattrs;
@@ -216,9 +216,10 @@ impl Namespace {
             MetaRequest::LockSlot
             | MetaRequest::LockTree { .. }
             | MetaRequest::ReclaimLocks { .. }
-            | MetaRequest::Retry { .. } => err(
+            | MetaRequest::Retry { .. }
+            | MetaRequest::SizeAtTakeOver { .. } => err(
                 ErrorCode::Internal,
-                "lock and retry requests are the service's, not the namespace's",
+                "lock, retry and take-over requests are the service's, not the namespace's",
             ),
             MetaRequest::SetXattr {
                 ino, name, value, ..
@@ -352,6 +353,17 @@ impl Namespace {
     pub fn file_records(&self) -> Vec<u64> {
         let files = self.inodes.values().filter_map(|i| i.file.as_ref());
         files.map(|f| f.record).collect()
+    }
+
+    /// Each regular file's size word as `region` holds it.
+    pub fn file_sizes(&self, region: &rackfs_verbs::Region) -> std::collections::HashMap<u64, u64> {
+        let files = self
+            .inodes
+            .iter()
+            .filter_map(|(&ino, i)| Some((ino, i.file.as_ref()?)));
+        files
+            .map(|(ino, f)| (ino, read_word(region, f.record + REC_SIZE)))
+            .collect()
     }
 
     /// The client sessions holding opens.
@@ -1219,65 +1231,61 @@ impl Namespace {
         (v, 0)
     }
 
-    /// A primary that took over: points every replica its tables list at what the data
-    /// nodes hold now (see [`crate::history`]: moves and retags its predecessor made without
-    /// the standby knowing), drops replicas a node no longer holds, and frees the old copies
-    /// of moved extents. Not journaled: a standby made later starts from a snapshot.
-    pub fn roll_forward(&mut self, st: &dyn Storage) -> RolledForward {
+    /// A primary that took over, once data node `node` follows it: points every replica its
+    /// tables list on the node at what the node holds now (see [`crate::history`]: moves and
+    /// retags its predecessor made without the standby knowing), drops replicas the node no
+    /// longer holds, and frees the old copies of moved extents. Not journaled: a standby made
+    /// later starts from a snapshot.
+    pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> RolledForward {
         let (_, region) = st.local();
         let mut out = RolledForward::default();
-        for node in st.data_nodes() {
-            // Every replica on the node, by (base, tag).
-            let mut listed: BTreeMap<(u64, u64), Vec<(u64, u64, usize)>> = BTreeMap::new();
-            for (&ino, i) in &self.inodes {
-                if let Some(f) = &i.file {
-                    for (k, j, e) in f.replicas_on(node) {
-                        listed
-                            .entry((e.offset - TAG_SPACE, e.tag))
-                            .or_default()
-                            .push((ino, k, j));
-                    }
+        // Every replica on the node, by (base, tag).
+        let mut listed: BTreeMap<(u64, u64), Vec<(u64, u64, usize)>> = BTreeMap::new();
+        for (&ino, i) in &self.inodes {
+            if let Some(f) = &i.file {
+                for (k, j, e) in f.replicas_on(node) {
+                    listed
+                        .entry((e.offset - TAG_SPACE, e.tag))
+                        .or_default()
+                        .push((ino, k, j));
                 }
             }
-            let asked: Vec<(u64, u64)> = listed.keys().copied().collect();
-            let mut moved = std::collections::BTreeSet::new();
-            let mut answered = true;
-            // One call even with nothing listed: it names the old copies to free.
-            let chunks: Vec<&[(u64, u64)]> = match asked.is_empty() {
-                true => vec![&[]],
-                false => asked.chunks(RESOLVE_BATCH).collect(),
+        }
+        let asked: Vec<(u64, u64)> = listed.keys().copied().collect();
+        // One call even with nothing listed: it names the old copies to free.
+        let chunks: Vec<&[(u64, u64)]> = match asked.is_empty() {
+            true => vec![&[]],
+            false => asked.chunks(RESOLVE_BATCH).collect(),
+        };
+        let mut moved = std::collections::BTreeSet::new();
+        for chunk in chunks {
+            let r = match st.resolve(node, chunk) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(node, error = %e, "cannot ask a data node what it holds: replicas it moved for the old primary may read EIO");
+                    out.unanswered = true;
+                    return out;
+                }
             };
-            for chunk in chunks {
-                match st.resolve(node, chunk) {
-                    Ok(r) => {
-                        moved.extend(r.moved);
-                        for (at, now) in r.changed {
-                            for &(ino, k, j) in listed.get(&at).into_iter().flatten() {
-                                let f = self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut());
-                                if f.is_some_and(|f| f.relocate(region, k, j, now)) {
-                                    match now {
-                                        Some(_) => out.relocated += 1,
-                                        None => out.dropped += 1,
-                                    }
-                                }
-                            }
+            moved.extend(r.moved);
+            for (at, now) in r.changed {
+                for &(ino, k, j) in listed.get(&at).into_iter().flatten() {
+                    let f = self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut());
+                    if f.is_some_and(|f| f.relocate(region, k, j, now)) {
+                        match now {
+                            Some(_) => out.relocated += 1,
+                            None => out.dropped += 1,
                         }
                     }
-                    Err(e) => {
-                        tracing::warn!(node, error = %e, "cannot ask a data node what it holds: replicas it moved for the old primary may read EIO");
-                        out.unanswered.push(node);
-                        answered = false;
-                        break;
-                    }
                 }
             }
-            // After that, no table lists a moved extent's old copy.
-            if answered {
-                for (base, tag) in moved {
-                    match st.free(node, base, Some(tag)) {
-                        Ok(()) => out.freed += 1,
-                        Err(e) => tracing::warn!(node, base, error = %e, "a moved stripe's old extent stays allocated"),
-                    }
+        }
+        // After that, no table lists a moved extent's old copy.
+        for (base, tag) in moved {
+            match st.free(node, base, Some(tag)) {
+                Ok(()) => out.freed += 1,
+                Err(e) => {
+                    tracing::warn!(node, base, error = %e, "a moved stripe's old extent stays allocated")
                 }
             }
         }

@@ -279,7 +279,8 @@ impl Storage for MemStorage {
 
     fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         self.call_hook();
-        if let (Some(held), Some(t)) = (&mut *self.held_frees.lock().expect("held frees lock"), tag) {
+        if let (Some(held), Some(t)) = (&mut *self.held_frees.lock().expect("held frees lock"), tag)
+        {
             held.push((node, offset, t));
             return Ok(());
         }

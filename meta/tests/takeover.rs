@@ -180,13 +180,27 @@ fn two_replica_file(p: &mut MetaService, st: &MemStorage, name: &str) -> u64 {
 
 fn stripe0(p: &mut MetaService, st: &MemStorage, ino: u64, end: Option<u64>) -> Vec<StripeExtent> {
     let req = match end {
-        Some(end) => MetaRequest::AllocStripe { ino, stripe: 0, end },
+        Some(end) => MetaRequest::AllocStripe {
+            ino,
+            stripe: 0,
+            end,
+        },
         None => MetaRequest::GetStripe { ino, stripe: 0 },
     };
     match p.handle(7, req, st) {
         ControlResponse::Stripe(s) => s,
         other => panic!("{other:?}"),
     }
+}
+
+/// Rolls the tables forward on each node that is up, as each follows the new primary:
+/// (replicas relocated, dropped, old copies freed).
+fn roll_forward(p: &mut MetaService, st: &MemStorage) -> (u64, u64, u64) {
+    st.data_nodes().into_iter().fold((0, 0, 0), |(r, d, f), n| {
+        let o = p.roll_forward(n, st);
+        assert!(!o.unanswered);
+        (r + o.relocated, d + o.dropped, f + o.freed)
+    })
 }
 
 /// Whether each replica's node holds it under the tag the table lists (a mount's tag check
@@ -226,7 +240,9 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     let grown = stripe0(&mut old, &st, ino, Some(200_000));
     assert!(grown.iter().all(|e| e.cap() >= 200_000), "{grown:?}");
     for e in &grown {
-        st.region(e.node).write(e.offset + 150_000, b"later").unwrap();
+        st.region(e.node)
+            .write(e.offset + 150_000, b"later")
+            .unwrap();
     }
     let used = (0..3).map(|n| st.used(n)).sum::<u64>();
     // The old primary dies here, its frees unsent; its standby's records sit at the same
@@ -236,8 +252,8 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     let listed = stripe0(&mut new, &st, ino, None);
     assert_eq!(listed, small);
     assert!(!held(&st, &listed), "the moved extents are tombstoned");
-    let r = new.roll_forward(&st);
-    assert_eq!((r.relocated, r.dropped, r.freed), (2, 0, 2), "{r:?}");
+    let r = roll_forward(&mut new, &st);
+    assert_eq!(r, (2, 0, 2));
     let now = stripe0(&mut new, &st, ino, None);
     assert_eq!(now, grown);
     assert!(held(&st, &now));
@@ -247,7 +263,7 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     }
     // The old copies went back to their nodes; nothing is left to roll forward.
     assert!((0..3).map(|n| st.used(n)).sum::<u64>() < used);
-    assert_eq!(new.roll_forward(&st), Default::default());
+    assert_eq!(roll_forward(&mut new, &st), (0, 0, 0));
 }
 
 /// The old primary started re-replicating a stripe (its survivor retagged, a copy made on
@@ -272,9 +288,12 @@ fn a_survivor_retagged_in_a_change_the_standby_lacks_is_followed_to_its_new_tag(
     let mut new = MetaService::over(mirror, grace, 0);
     let listed = stripe0(&mut new, &st, ino, None);
     assert_eq!(listed.len(), 1);
-    assert!(!held(&st, &listed), "the survivor carries the old primary's new tag");
-    let r = new.roll_forward(&st);
-    assert_eq!((r.relocated, r.dropped), (1, 0), "{r:?}");
+    assert!(
+        !held(&st, &listed),
+        "the survivor carries the old primary's new tag"
+    );
+    let r = roll_forward(&mut new, &st);
+    assert_eq!((r.0, r.1), (1, 0));
     let now = stripe0(&mut new, &st, ino, None);
     assert!(held(&st, &now));
     assert_eq!(bytes_at(&st, &now[0], 0, 4), b"data");
@@ -283,4 +302,48 @@ fn a_survivor_retagged_in_a_change_the_standby_lacks_is_followed_to_its_new_tag(
     assert_eq!(again.len(), 2);
     assert!(held(&st, &again));
     assert!(again.iter().all(|e| bytes_at(&st, e, 0, 4) == b"data"));
+}
+
+/// A primary that took over answers each file's size as its mirror held it, whatever mounts
+/// write or report since: a mount whose O_APPEND write was in flight at the old primary's
+/// death learns from it whether that write landed as far as the filesystem knows.
+#[test]
+fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(1, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let ControlResponse::Attr(f) = old.handle(7, create("log"), &st) else {
+        panic!("create")
+    };
+    let ns: Namespace =
+        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let size_word = ns.record(f.ino).unwrap() + rackfs_proto::record::REC_SIZE;
+    // The mirror's record, as the old primary journaled it.
+    let standby = MemStorage::new(1, 1 << 22);
+    standby.local().1.store(size_word, 4096).unwrap();
+    let mut new = MetaService::over(ns, grace, 0);
+    let ask =
+        |m: &mut MetaService| m.handle(9, MetaRequest::SizeAtTakeOver { ino: f.ino }, &standby);
+    assert_eq!(
+        ask(&mut new),
+        ControlResponse::SizeAtTakeOver(None),
+        "before it kept them"
+    );
+    new.keep_sizes_at_take_over(Some(&standby));
+    // A mount appends one-sidedly, another reports what it wrote: the answer stays.
+    standby.local().1.store(size_word, 5000).unwrap();
+    let settle = MetaRequest::Settle {
+        ino: f.ino,
+        size: 9000,
+        mtime: 1,
+    };
+    assert_eq!(new.handle(9, settle, &standby), ControlResponse::Ok);
+    assert_eq!(ask(&mut new), ControlResponse::SizeAtTakeOver(Some(4096)));
+    let other = MetaRequest::SizeAtTakeOver { ino: f.ino + 100 };
+    assert_eq!(
+        new.handle(9, other, &standby),
+        ControlResponse::SizeAtTakeOver(None)
+    );
+    new.keep_sizes_at_take_over(None);
+    assert_eq!(ask(&mut new), ControlResponse::SizeAtTakeOver(None));
 }

@@ -614,6 +614,8 @@ pub enum ControlResponse {
     EntriesPlus(Vec<(DirEntry, Attr)>),
     /// See [`ControlRequest::Resolve`].
     Resolved(Resolved),
+    /// See [`crate::namespace::MetaRequest::SizeAtTakeOver`].
+    SizeAtTakeOver(Option<u64>),
 }
 
 fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {

@@ -234,6 +234,13 @@ pub enum MetaRequest {
         size: u64,
         mtime: u64,
     },
+    /// File `ino`'s size as this primary's mirror held it when it took over, before any
+    /// mount wrote or reported a size to it (`None`: it did not take over, or a while ago).
+    /// A mount whose `O_APPEND` write was in flight when the old primary died asks: the
+    /// write landed, as far as the filesystem knows, exactly when that size covers it.
+    SizeAtTakeOver {
+        ino: u64,
+    },
     /// Set extended attribute `name` (with its namespace prefix, e.g. `user.`) to `value`;
     /// `flags` are [`XATTR_CREATE`] or [`XATTR_REPLACE`].
     SetXattr {

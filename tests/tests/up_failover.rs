@@ -285,6 +285,222 @@ fn three_kills(mut up: Up) {
     }
 }
 
+/// The bytes of file `f` of grower `t` from offset `from` on.
+fn grown(t: usize, f: usize, from: usize, len: usize) -> Vec<u8> {
+    (from..from + len)
+        .map(|k| (k * 13 + t * 101 + f * 7 + k / 4093) as u8)
+        .collect()
+}
+
+/// Sizes a grown file passes through: its first stripe starts small and moves to a larger
+/// extent at each step (a move the primary makes, then journals to its standby).
+const GROWTH: [usize; 5] = [100, 5_000, 20_000, 70_000, 250_000];
+
+/// Files a grower keeps (it checks and removes older ones, so the cluster never fills).
+const KEPT: usize = 6;
+
+/// Grows files `g{t}-{f}` through [`GROWTH`], each write appended, until `stop`; returns the
+/// files it kept with their acknowledged bytes, the errors met, and how many it grew.
+fn grow(
+    dir: &Path,
+    t: usize,
+    stop: &std::sync::atomic::AtomicBool,
+) -> (Vec<(PathBuf, Vec<u8>)>, Vec<String>, usize) {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    let (mut files, mut errors) = (std::collections::VecDeque::new(), Vec::new());
+    let mut f = 0;
+    while !stop.load(Ordering::Relaxed) && errors.is_empty() {
+        let p = dir.join(format!("g{t}-{f}"));
+        let mut have = Vec::new();
+        for &size in &GROWTH {
+            let more = grown(t, f, have.len(), size - have.len());
+            let res = fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&p)
+                .and_then(|mut h| h.write_all(&more));
+            match res {
+                Ok(()) => have.extend(more),
+                Err(e) => {
+                    errors.push(format!("{}: growing to {size}: {e}", p.display()));
+                    break;
+                }
+            }
+        }
+        files.push_back((p, have));
+        if files.len() > KEPT {
+            let (old, data) = files.pop_front().unwrap();
+            match fs::read(&old) {
+                Ok(got) if got == data => {}
+                Ok(got) => errors.push(format!("{}: {}", old.display(), difference(&got, &data))),
+                Err(e) => errors.push(format!("{}: {e}", old.display())),
+            }
+            if let Err(e) = fs::remove_file(&old) {
+                errors.push(format!("{}: remove: {e}", old.display()));
+            }
+        }
+        f += 1;
+    }
+    (files.into(), errors, f)
+}
+
+/// Where `got` differs from `want`, for a failure message.
+fn difference(got: &[u8], want: &[u8]) -> String {
+    let first = got.iter().zip(want).position(|(a, b)| a != b);
+    let Some(at) = first else {
+        return format!("{} bytes instead of {}", got.len(), want.len());
+    };
+    let run = got[at..]
+        .iter()
+        .zip(&want[at..])
+        .take_while(|(a, b)| a != b)
+        .count();
+    let zeros = got[at..at + run].iter().all(|&b| b == 0);
+    format!(
+        "{run} bytes differ from offset {at} (of {}; zeros: {zeros}); {} bytes in all",
+        want.len(),
+        got.len()
+    )
+}
+
+/// Files grow (their first stripe moved to larger extents, one step after another, on four
+/// threads) while the primary is killed, twice: a move the old primary made but its standby
+/// never had is followed by the new primary. Before, such a stripe listed its tombstoned
+/// extents: the growing write failed with EIO, and the file read EIO for ever.
+#[test]
+fn files_growing_while_the_primary_dies_read_back_whole() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut up = Up::start(3, false);
+    let (mut primary, _) = up.healed(3);
+    let mut all = Vec::new();
+    for round in 0..2 {
+        let stop = Arc::new(AtomicBool::new(false));
+        let growers: Vec<_> = (0..4)
+            .map(|t| {
+                let (dir, stop) = (up.dir.join(format!("r{round}")), stop.clone());
+                fs::create_dir_all(&dir).unwrap();
+                std::thread::spawn(move || grow(&dir, t, &stop))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        up.kill(&primary);
+        // Until the growers' calls went through the new primary.
+        std::thread::sleep(Duration::from_secs(3));
+        stop.store(true, Ordering::Relaxed);
+        for g in growers {
+            let (files, errors, grown) = g.join().unwrap();
+            assert!(errors.is_empty(), "round {round}: {errors:?}");
+            assert!(grown > 2 * KEPT, "round {round}: only {grown} files grown");
+            all.extend(files);
+        }
+        primary = up.healed(3).0;
+    }
+    for (p, data) in &all {
+        let got = fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert!(
+            got == *data,
+            "{} changed ({} bytes, {} written)",
+            p.display(),
+            got.len(),
+            data.len()
+        );
+    }
+}
+
+/// Record `seq` of appender `t`: a header, then filler of a length that varies.
+fn record(t: usize, seq: usize) -> Vec<u8> {
+    let len = 20 + (seq * 977 + t * 131) % 3000;
+    let mut r = format!("{t}:{seq}:{len}|").into_bytes();
+    r.extend((0..len).map(|k| b'a' + ((k + seq + t) % 26) as u8));
+    r.push(b'\n');
+    r
+}
+
+/// O_APPEND writes of four threads to one file (and a fifth opening and closing it, so the
+/// primary journals its size meanwhile) while the primary is killed, twice: each record the
+/// application was told is written is in the file exactly once, whole. A write in flight at
+/// the kill is written again once, where its first attempt went if the new primary's size
+/// covers that, else at the end of file.
+#[test]
+fn appends_in_flight_when_the_primary_dies_land_once() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut up = Up::start(3, false);
+    let (mut primary, _) = up.healed(3);
+    let log = up.dir.join("appended.log");
+    fs::write(&log, b"").unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let appenders: Vec<_> = (0..4)
+        .map(|t| {
+            let (log, stop) = (log.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut h = fs::OpenOptions::new().append(true).open(&log).unwrap();
+                let mut seq = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    h.write_all(&record(t, seq))
+                        .map_err(|e| format!("{t}:{seq}: {e}"))?;
+                    seq += 1;
+                }
+                Ok::<usize, String>(seq)
+            })
+        })
+        .collect();
+    let closer = {
+        let (log, stop) = (log.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                drop(fs::File::open(&log));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(1500));
+        up.kill(&primary);
+        std::thread::sleep(Duration::from_secs(3));
+        primary = up.healed(3).0;
+    }
+    stop.store(true, Ordering::Relaxed);
+    closer.join().unwrap();
+    let written: Vec<usize> = appenders
+        .into_iter()
+        .map(|a| a.join().unwrap().expect("every append succeeds"))
+        .collect();
+    let got = fs::read(&log).unwrap();
+    let mut seen = std::collections::HashMap::new();
+    for line in got.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        let text = String::from_utf8_lossy(line);
+        let mut head = text.splitn(4, [':', '|']);
+        let (t, seq) = match (head.next(), head.next()) {
+            (Some(t), Some(s)) => (t.parse::<usize>(), s.parse::<usize>()),
+            _ => panic!("a torn record: {text:.80}"),
+        };
+        let (t, seq) = (
+            t.expect("a record's thread"),
+            seq.expect("a record's number"),
+        );
+        assert!(
+            [line, b"\n"].concat() == record(t, seq),
+            "record {t}:{seq} is not whole: {text:.80}"
+        );
+        *seen.entry((t, seq)).or_insert(0) += 1;
+    }
+    for (t, &n) in written.iter().enumerate() {
+        assert!(n > 50, "appender {t} wrote only {n} records");
+        for seq in 0..n {
+            assert_eq!(seen.get(&(t, seq)), Some(&1), "record {t}:{seq} (of {n})");
+        }
+    }
+    assert_eq!(
+        seen.len(),
+        written.iter().sum::<usize>(),
+        "records nobody wrote"
+    );
+}
+
 /// How many faults [`faults_on_random_nodes_lose_nothing`] injects: `RACKFS_CHAOS_FAULTS`, or
 /// 6 (CI; the long runs in the note used 30 and more).
 fn chaos_faults() -> usize {
