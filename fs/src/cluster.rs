@@ -318,23 +318,30 @@ impl Cluster {
     /// ([`Cluster::failover`]) and sends the request there once, as a retry: a change the old
     /// primary made (and the standby mirrored) is answered as it was, not made twice.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
-        let (primary, session) = self.primary_session();
-        match primary.meta(req.clone()) {
-            Err(e) if primary_lost(&e) && self.elects_primary() => {
-                if let Err(why) = self.failover(session) {
-                    warn!(error = %why, "no primary took over: EIO");
-                    return Err(e);
+        let (primary, mut session) = self.primary_session();
+        let mut r = primary.meta(req.clone());
+        // Across up to [`META_FAILOVERS`] failovers (a primary that took over may die too).
+        for _ in 0..META_FAILOVERS {
+            match r {
+                Err(e) if primary_lost(&e) && self.elects_primary() => {
+                    if let Err(why) = self.failover(session) {
+                        warn!(error = %why, "no primary took over: EIO");
+                        return Err(e);
+                    }
+                    // If the old primary made the change before it died, the new one answers
+                    // what it answered instead of making it twice.
+                    let retry = MetaRequest::Retry {
+                        from: session,
+                        req: Box::new(req.clone()),
+                    };
+                    let (primary, now) = self.primary_session();
+                    session = now;
+                    r = primary.meta(retry);
                 }
-                // If the old primary made the change before it died, the new one answers
-                // what it answered instead of making it twice.
-                let retry = MetaRequest::Retry {
-                    from: session,
-                    req: Box::new(req),
-                };
-                self.primary().meta(retry)
+                done => return done,
             }
-            r => r,
         }
+        r
     }
 
     /// How many times this mount moved to a primary that took over (see
@@ -976,6 +983,9 @@ impl Cluster {
         }
     }
 }
+
+/// Failovers a namespace request is carried across.
+const META_FAILOVERS: usize = 3;
 
 /// How long a mount waits for a standby to take over from a primary that stopped answering.
 pub const FAILOVER_WAIT: Duration = Duration::from_secs(20);

@@ -49,7 +49,7 @@ const MAX_ATTEMPTS: usize = 16;
 const STALE_PATIENCE: Duration = Duration::from_secs(4);
 
 /// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
-/// 50 ms, until [`STALE_PATIENCE`] has passed.
+/// 50 ms while less than [`STALE_PATIENCE`] has passed since it started.
 struct Attempts<'a> {
     cl: &'a Cluster,
     made: usize,
@@ -61,15 +61,14 @@ impl<'a> Attempts<'a> {
         Attempts {
             cl,
             made: 0,
-            started: 0,
+            started: cl.clock().mono_ns(),
         }
     }
 
     /// Whether there is time left for more attempts.
     fn patient(&self) -> bool {
-        self.started == 0
-            || self.cl.clock().mono_ns().saturating_sub(self.started)
-                < STALE_PATIENCE.as_nanos() as u64
+        let spent = self.cl.clock().mono_ns().saturating_sub(self.started);
+        spent < STALE_PATIENCE.as_nanos() as u64
     }
 
     /// Whether to make another attempt (after a pause, past the first few).
@@ -78,15 +77,11 @@ impl<'a> Attempts<'a> {
         if self.made <= MAX_ATTEMPTS {
             return true;
         }
-        let clock = self.cl.clock();
-        if self.started == 0 {
-            self.started = clock.mono_ns();
-        }
         if !self.patient() {
             return false;
         }
         let pause = 1u64 << (self.made - MAX_ATTEMPTS).min(6);
-        clock.sleep(Duration::from_millis(pause.min(50)));
+        self.cl.clock().sleep(Duration::from_millis(pause.min(50)));
         true
     }
 }
