@@ -1,7 +1,7 @@
 //! The systemd units of `dist/systemd` and the example configuration of `dist/etc`: systemd
 //! accepts the units (`systemd-analyze verify`, when the machine has it), the memory node's
 //! unit starts a node from a configuration file as systemd would, and the example's flags
-//! exist.
+//! exist; `scripts/deb` packages them with the binaries.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::io::{BufRead, BufReader};
@@ -210,4 +210,92 @@ fn the_example_configuration_uses_only_real_flags() {
             assert!(help.contains(&format!("{flag} ")), "{flag} is no flag");
         }
     }
+}
+
+/// `scripts/deb` packages what `scripts/install` installs (with `PREFIX=/usr`): the package
+/// names itself and its dependencies, marks the configuration as a conffile, and holds working
+/// binaries, man pages, completions and units where Debian looks for them.
+#[test]
+fn the_debian_package_holds_what_scripts_install_installs() {
+    if has("dpkg-deb").is_none() {
+        eprintln!("SKIPPED: dpkg-deb is not installed (Debian: apt-get install dpkg)");
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/deb"))
+        .env("PROFILE", "debug")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let deb = root.join(String::from_utf8(out.stdout).unwrap().trim());
+    let field = |f: &str| {
+        let out = Command::new("dpkg-deb")
+            .arg("-f")
+            .arg(&deb)
+            .arg(f)
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    assert_eq!(field("Package"), "rackfs");
+    assert_eq!(field("Version"), env!("CARGO_PKG_VERSION"));
+    assert!(
+        field("Depends").starts_with("libc6 (>= "),
+        "{}",
+        field("Depends")
+    );
+    assert_eq!(field("Recommends"), "fuse3");
+    let tmp = TempDir::new("deb");
+    let x = Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(tmp.path())
+        .status()
+        .unwrap();
+    assert!(x.success());
+    for f in [
+        "usr/bin/rackfs",
+        "usr/bin/rackfs-memnode",
+        "sbin/mount.rackfs",
+        "usr/share/man/man1/rackfs.1.gz",
+        "usr/share/man/man1/rackfs-up.1.gz",
+        "usr/share/man/man1/rackfs-memnode.1.gz",
+        "usr/share/bash-completion/completions/rackfs",
+        "usr/share/zsh/site-functions/_rackfs",
+        "usr/share/fish/vendor_completions.d/rackfs.fish",
+        "usr/lib/systemd/system/rackfs-memnode@.service",
+        "usr/lib/systemd/system/rackfs-etcd.service",
+        "usr/share/doc/rackfs/copyright",
+        "etc/rackfs/memnode.conf.example",
+    ] {
+        assert!(tmp.path().join(f).is_file(), "the package lacks /{f}");
+    }
+    // The units name the binaries where the package puts them.
+    let memnode_unit = std::fs::read_to_string(
+        tmp.path()
+            .join("usr/lib/systemd/system/rackfs-memnode@.service"),
+    )
+    .unwrap();
+    assert!(
+        memnode_unit.contains("/usr/bin/rackfs-memnode"),
+        "{memnode_unit}"
+    );
+    assert!(!memnode_unit.contains("/usr/local/"), "{memnode_unit}");
+    let version = Command::new(tmp.path().join("usr/bin/rackfs"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(version.status.success(), "{version:?}");
+    assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
+    // The configuration is the administrator's: dpkg keeps their edits.
+    let control = Command::new("dpkg-deb")
+        .arg("-I")
+        .arg(&deb)
+        .arg("conffiles")
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&control.stdout).trim(),
+        "/etc/rackfs/memnode.conf.example"
+    );
 }
