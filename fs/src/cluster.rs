@@ -315,12 +315,13 @@ impl Cluster {
 
     /// A namespace request to the primary. If the primary stopped answering and the cluster
     /// elects its primary (etcd), the mount waits for the one elected next
-    /// ([`Cluster::failover`]) and sends the request there once, as a retry: a change the old
-    /// primary made (and the standby mirrored) is answered as it was, not made twice.
+    /// ([`Cluster::failover`]) and sends the request there as a retry (across up to
+    /// [`META_FAILOVERS`] failovers): a change the old primary made (and the standby mirrored)
+    /// is answered as it was, not made twice.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
         let (primary, mut session) = self.primary_session();
         let mut r = primary.meta(req.clone());
-        // Across up to [`META_FAILOVERS`] failovers (a primary that took over may die too).
+        // A primary that took over may die too.
         for _ in 0..META_FAILOVERS {
             match r {
                 Err(e) if primary_lost(&e) && self.elects_primary() => {

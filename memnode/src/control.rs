@@ -320,7 +320,7 @@ fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<Cluste
     let term = (node.cfg.node_id, node.term.epoch());
     let info = node
         .members
-        .accept_join(addr, &node.cfg.secret, term, live)?;
+        .accept_join(addr, &node.cfg.secret, term, peer_deadline(node), live)?;
     match epoch {
         Some(e) => {
             crate::liveness::admit(node, id, e)?;
@@ -330,6 +330,19 @@ fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<Cluste
         None => {}
     }
     Ok(info)
+}
+
+/// How long the primary waits for a data node's answer: the node's lease, at most half a
+/// mount's deadline. The primary may hold the metadata lock meanwhile; a node that cannot
+/// answer within that is taken for down (`Node::with_peer`), so a mount's request queued
+/// behind the call is still answered within the mount's own deadline (a stopped data node
+/// otherwise made mounts take the primary for dead and fail over to it again, their writes
+/// in flight failing with EIO).
+fn peer_deadline(node: &Node) -> Duration {
+    node.cfg.node_lease.clamp(
+        Duration::from_millis(200),
+        rackfs_proto::client::RPC_DEADLINE / 2,
+    )
 }
 
 /// Sets the QoS of `slot`'s mount, or (`None`) of the caller's own mount.

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
@@ -197,13 +198,15 @@ impl Membership {
     }
 
     /// The primary's side of a join: connects back to the node (declaring `term`, this
-    /// primary's node id and epoch: see `crate::term`) and adds it. A node id already in the
-    /// cluster at another address is refused while `live` says its holder is.
+    /// primary's node id and epoch: see `crate::term`) and adds it; each call on that
+    /// connection gives up after `deadline`. A node id already in the cluster at another
+    /// address is refused while `live` says its holder is.
     pub fn accept_join(
         &self,
         node: NodeAddr,
         secret: &Secret,
         term: (u32, u64),
+        deadline: Duration,
         live: impl Fn(u32) -> bool,
     ) -> Result<ClusterInfo, Refusal> {
         let me = self.me();
@@ -247,6 +250,7 @@ impl Membership {
                 format!("cannot reach joining node {} at {addr}: {e}", node.name),
             )
         })?;
+        control.set_deadline(deadline);
         info!(node = node.node_id, name = %node.name, %addr, "node joined");
         self.peers.lock().expect("peers lock").insert(
             node.node_id,

@@ -522,11 +522,8 @@ fn faults_on_random_nodes_lose_nothing() {
 
 /// The same chaos on a cluster built by hand on etcd (four `rackfs-memnode` processes with
 /// fixed command lines, as units would have, node 0's with `--primary`), restarted by the
-/// test. Not in CI yet: 1 of 3 runs of 30 faults passed; the others ended with a create
-/// answered `EIO` at a kill of the primary, and an unlink answered `ENOENT` under a data
-/// node's pause (run it with `--ignored`).
+/// test.
 #[test]
-#[ignore = "open failures under 30 faults: see the doc comment"]
 fn faults_on_random_nodes_of_a_cluster_on_etcd_lose_nothing() {
     let c = TestCluster::on_etcd(4, "256M", &["--node-lease-ms", "2000"]);
     let first = Mount::new(&c, "");
