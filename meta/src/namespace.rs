@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode};
+use rackfs_proto::control::{ControlResponse, DataHealth, ErrorCode, ExtentAt};
 use rackfs_proto::namespace::{
     Attr, Change, Created, DirEntry, FileLayout, Kind, MetaRequest, NewKind, SetAttr, StripeExtent,
     FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, MAX_FILE_SIZE, MAX_NAME,
@@ -1239,8 +1239,9 @@ impl Namespace {
     pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> RolledForward {
         let (_, region) = st.local();
         let mut out = RolledForward::default();
-        // Every replica on the node, by (base, tag).
-        let mut listed: BTreeMap<(u64, u64), Vec<(u64, u64, usize)>> = BTreeMap::new();
+        // Every replica on the node, by (base, tag): (inode, stripe, slot).
+        type Slot = (u64, u64, usize);
+        let mut listed: BTreeMap<ExtentAt, Vec<Slot>> = BTreeMap::new();
         for (&ino, i) in &self.inodes {
             if let Some(f) = &i.file {
                 for (k, j, e) in f.replicas_on(node) {
@@ -1251,9 +1252,9 @@ impl Namespace {
                 }
             }
         }
-        let asked: Vec<(u64, u64)> = listed.keys().copied().collect();
+        let asked: Vec<ExtentAt> = listed.keys().copied().collect();
         // One call even with nothing listed: it names the old copies to free.
-        let chunks: Vec<&[(u64, u64)]> = match asked.is_empty() {
+        let chunks: Vec<&[ExtentAt]> = match asked.is_empty() {
             true => vec![&[]],
             false => asked.chunks(RESOLVE_BATCH).collect(),
         };

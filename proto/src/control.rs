@@ -238,9 +238,12 @@ pub enum ControlRequest {
     /// retagged extents in a change that died with it (its standby never had it). Answered
     /// with [`ControlResponse::Resolved`].
     Resolve {
-        extents: Vec<(u64, u64)>,
+        extents: Vec<ExtentAt>,
     },
 }
+
+/// A stripe extent as a node holds it: (base offset, owner tag).
+pub type ExtentAt = (u64, u64);
 
 /// What a data node holds where a primary expects stripe extents
 /// ([`ControlRequest::Resolve`]).
@@ -249,10 +252,10 @@ pub struct Resolved {
     /// Each asked extent (base offset, tag) that no longer carries the tag asked, with where
     /// its data lives now (base offset, tag: moved to a new extent, or retagged in place), or
     /// `None`: the node holds it no more.
-    pub changed: Vec<((u64, u64), Option<(u64, u64)>)>,
+    pub changed: Vec<(ExtentAt, Option<ExtentAt>)>,
     /// Extents moved away whose old copy the node still holds (base offset, old tag): the
     /// primary frees each once no table lists it.
-    pub moved: Vec<(u64, u64)>,
+    pub moved: Vec<ExtentAt>,
 }
 
 impl ControlRequest {

@@ -299,13 +299,17 @@ const GROWTH: [usize; 5] = [100, 5_000, 20_000, 70_000, 250_000];
 /// Files a grower keeps (it checks and removes older ones, so the cluster never fills).
 const KEPT: usize = 6;
 
-/// Grows files `g{t}-{f}` through [`GROWTH`], each write appended, until `stop`; returns the
-/// files it kept with their acknowledged bytes, the errors met, and how many it grew.
-fn grow(
-    dir: &Path,
-    t: usize,
-    stop: &std::sync::atomic::AtomicBool,
-) -> (Vec<(PathBuf, Vec<u8>)>, Vec<String>, usize) {
+/// What one grower did.
+struct Grown {
+    /// The files it kept, with their acknowledged bytes.
+    kept: Vec<(PathBuf, Vec<u8>)>,
+    errors: Vec<String>,
+    /// How many files it grew.
+    files: usize,
+}
+
+/// Grows files `g{t}-{f}` through [`GROWTH`], each write appended, until `stop`.
+fn grow(dir: &Path, t: usize, stop: &std::sync::atomic::AtomicBool) -> Grown {
     use std::io::Write;
     use std::sync::atomic::Ordering;
     let (mut files, mut errors) = (std::collections::VecDeque::new(), Vec::new());
@@ -342,7 +346,11 @@ fn grow(
         }
         f += 1;
     }
-    (files.into(), errors, f)
+    Grown {
+        kept: files.into(),
+        errors,
+        files: f,
+    }
 }
 
 /// Where `got` differs from `want`, for a failure message.
@@ -390,10 +398,14 @@ fn files_growing_while_the_primary_dies_read_back_whole() {
         std::thread::sleep(Duration::from_secs(3));
         stop.store(true, Ordering::Relaxed);
         for g in growers {
-            let (files, errors, grown) = g.join().unwrap();
-            assert!(errors.is_empty(), "round {round}: {errors:?}");
-            assert!(grown > 2 * KEPT, "round {round}: only {grown} files grown");
-            all.extend(files);
+            let g = g.join().unwrap();
+            assert!(g.errors.is_empty(), "round {round}: {:?}", g.errors);
+            assert!(
+                g.files > 2 * KEPT,
+                "round {round}: only {} files grown",
+                g.files
+            );
+            all.extend(g.kept);
         }
         primary = up.healed(3).0;
     }
