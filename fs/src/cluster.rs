@@ -316,7 +316,7 @@ impl Cluster {
     /// A namespace request to the primary. If the primary stopped answering and the cluster
     /// elects its primary (etcd), the mount waits for the one elected next
     /// ([`Cluster::failover`]) and sends the request there as a retry (across up to
-    /// [`META_FAILOVERS`] failovers): a change the old primary made (and the standby mirrored)
+    /// three failovers): a change the old primary made (and the standby mirrored)
     /// is answered as it was, not made twice.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
         let (primary, mut session) = self.primary_session();
