@@ -447,9 +447,9 @@ fn record(t: usize, seq: usize) -> Vec<u8> {
 /// the kill is written again once, where its first attempt went if the new primary's size
 /// covers that, else at the end of file.
 ///
-/// Not in CI yet: it passed 11 runs alone, but once, run beside five other cluster tests on
-/// two cores, a record read back with its last 211 bytes zero (no application error). The
-/// cause is not found (`--ignored` runs it).
+/// Not in CI yet: it passed every run alone, but once, run beside five other cluster tests on
+/// two cores, a record read back whole for its first 46 bytes and blank after them (no
+/// application error). The cause is not found (`--ignored` runs it).
 #[test]
 #[ignore = "a torn record seen once under load: see the doc comment"]
 fn appends_in_flight_when_the_primary_dies_land_once() {
