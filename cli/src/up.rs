@@ -701,6 +701,11 @@ pub fn down(dir: &Path) -> Result<(), CliError> {
             while pid_alive(pid) && Instant::now() < end {
                 std::thread::sleep(Duration::from_millis(20));
             }
+            // A mount busy at that moment (a process still using it) could not be unmounted
+            // and outlived its daemon: detach it, as for a killed instance.
+            if !pid_alive(pid) && rackfs_fs::mount::is_rackfs_mount(&dir) {
+                let _ = Command::new("umount").arg("-l").arg(&dir).status();
+            }
             // The instance is gone cleanly: so is the log of its detached run.
             let _ = std::fs::remove_file(state_dir().join(format!("up-{}.log", path_tag(&dir))));
             outln!("RackFS at {} is down.", dir.display());

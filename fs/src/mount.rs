@@ -18,7 +18,8 @@ use crate::options::MountOptions;
 
 /// Whether `dir` is currently a mount point: its filesystem type and source.
 pub fn mount_type(dir: &Path) -> Option<(String, String)> {
-    let dir = std::fs::canonicalize(dir).ok()?;
+    // A FUSE mount whose daemon died cannot be resolved (ENOTCONN): it is looked up as given.
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     info.lines().rev().find_map(|l| {
         let f: Vec<&str> = l.split(' ').collect();
