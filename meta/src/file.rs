@@ -15,13 +15,13 @@
 //! allocated whole, and when the last open of a file closes its last stripe is trimmed to the
 //! file's size.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::namespace::StripeExtent;
 use rackfs_proto::record::{
-    entry_offset, location, stripe_tag, ENTRY_LEN, EXTENT_GRANULE, MAX_REPLICAS, RECORD_LEN,
-    REC_REPLICAS, REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
+    entry_offset, location, stripe_tag, tag_serial, ENTRY_LEN, EXTENT_GRANULE, MAX_REPLICAS,
+    RECORD_LEN, REC_REPLICAS, REC_SIZE, REC_TABLE, REC_TABLE_CAP, TAG_MOVING, TAG_SPACE,
 };
 use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
@@ -716,6 +716,44 @@ impl File {
         }
         self.publish(region, k, r);
         true
+    }
+
+    /// Every replica of a stripe carries one tag. When the old primary moved or retagged only
+    /// some of a stripe's replicas before it died, and every node holding one has been asked
+    /// (`resolved`), the replicas with the latest tag hold all the others held: the others
+    /// are dropped and returned in `stale` for freeing.
+    pub fn settle_tags(
+        &mut self,
+        region: &Region,
+        resolved: &BTreeSet<u32>,
+        stale: &mut Vec<StripeExtent>,
+    ) {
+        let mixed: Vec<u64> = self
+            .stripes
+            .iter()
+            .filter(|(_, r)| {
+                let live = r.live();
+                live.iter().any(|e| e.tag != live[0].tag)
+                    && live.iter().all(|e| resolved.contains(&e.node))
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        for k in mixed {
+            let mut r = self.stripes[&k].clone();
+            let latest = r
+                .live()
+                .iter()
+                .map(|e| tag_serial(e.tag))
+                .max()
+                .unwrap_or(0);
+            for s in r.0.iter_mut() {
+                if let Some(e) = s.filter(|e| tag_serial(e.tag) != latest) {
+                    stale.push(e);
+                    *s = None;
+                }
+            }
+            self.publish(region, k, r);
+        }
     }
 
     /// Stripes whose only live replica is on a node in `down`.

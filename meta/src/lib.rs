@@ -56,6 +56,8 @@ pub struct MetaService {
     /// Each file's size as the mirror held it at take-over (see
     /// [`MetaRequest::SizeAtTakeOver`]).
     sizes_at_take_over: HashMap<u64, u64>,
+    /// The data nodes whose extents this primary has followed ([`MetaService::roll_forward`]).
+    resolved: std::collections::BTreeSet<u32>,
 }
 
 impl MetaService {
@@ -80,6 +82,7 @@ impl MetaService {
             journal: Vec::new(),
             answered: Default::default(),
             sizes_at_take_over: HashMap::new(),
+            resolved: Default::default(),
         }
     }
 
@@ -291,7 +294,8 @@ impl MetaService {
     /// A primary that took over: its tables follow what data node `node` holds now (see
     /// [`Namespace::roll_forward`]).
     pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> namespace::RolledForward {
-        self.namespace.roll_forward(node, st)
+        self.resolved.insert(node);
+        self.namespace.roll_forward(node, &self.resolved, st)
     }
 
     /// Copies a degraded stripe back towards its replication factor (see

@@ -1236,7 +1236,12 @@ impl Namespace {
     /// retags its predecessor made without the standby knowing), drops replicas the node no
     /// longer holds, and frees the old copies of moved extents. Not journaled: a standby made
     /// later starts from a snapshot.
-    pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> RolledForward {
+    pub fn roll_forward(
+        &mut self,
+        node: u32,
+        resolved: &std::collections::BTreeSet<u32>,
+        st: &dyn Storage,
+    ) -> RolledForward {
         let (_, region) = st.local();
         let mut out = RolledForward::default();
         // Every replica on the node, by (base, tag): (inode, stripe, slot).
@@ -1279,6 +1284,19 @@ impl Namespace {
                         }
                     }
                 }
+            }
+        }
+        // Replicas the old primary did not get to move or retag while it did others of the
+        // same stripe: the followed ones hold all they held. (A node not serving yet frees
+        // them when it is admitted.)
+        let mut stale = Vec::new();
+        for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {
+            f.settle_tags(region, resolved, &mut stale);
+        }
+        for e in stale {
+            out.dropped += 1;
+            if let Err(err) = st.free(e.node, e.offset - TAG_SPACE, Some(e.tag)) {
+                tracing::warn!(node = e.node, error = %err, "a replica left behind by the old primary's last change stays allocated");
             }
         }
         // After that, no table lists a moved extent's old copy.

@@ -175,6 +175,11 @@ impl MemStorage {
         self.down.lock().expect("down lock").push(node);
     }
 
+    /// Brings `node` back (its memory as it was).
+    pub fn set_up(&self, node: u32) {
+        self.down.lock().expect("down lock").retain(|&n| n != node);
+    }
+
     /// Moves the clock forward.
     pub fn advance(&self, by: Duration) {
         self.now.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);

@@ -266,6 +266,43 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     assert_eq!(roll_forward(&mut new, &st), (0, 0, 0));
 }
 
+/// The old primary moved one replica of a growing stripe but not the other (its node did not
+/// answer) before it died: the new primary follows the moved one and drops the other, so a
+/// stripe never lists replicas of two sizes (a write beyond the smaller found it too small
+/// for ever, a read beyond it read zeros); the one left behind is freed.
+#[test]
+fn a_stripe_half_moved_when_the_primary_died_keeps_only_its_moved_replica() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let ino = two_replica_file(&mut old, &st, "half");
+    let small = stripe0(&mut old, &st, ino, Some(100));
+    for e in &small {
+        st.region(e.node).write(e.offset, b"first").unwrap();
+    }
+    let mirror: Namespace =
+        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let behind = small[1];
+    st.hold_frees(true);
+    st.set_down(behind.node);
+    let grown = stripe0(&mut old, &st, ino, Some(200_000));
+    assert_eq!(grown.len(), 1, "{grown:?}");
+    st.set_up(behind.node);
+    st.hold_frees(false);
+    let mut new = MetaService::over(mirror, grace, 0);
+    let r = roll_forward(&mut new, &st);
+    assert_eq!((r.0, r.1), (1, 1), "one followed, one left behind dropped");
+    let now = stripe0(&mut new, &st, ino, None);
+    assert_eq!(now, grown);
+    assert!(held(&st, &now));
+    assert_eq!(bytes_at(&st, &now[0], 0, 5), b"first");
+    let left = st
+        .region(behind.node)
+        .load(behind.offset - TAG_SPACE)
+        .unwrap();
+    assert_ne!(left, behind.tag, "the replica left behind is freed");
+}
+
 /// The old primary started re-replicating a stripe (its survivor retagged, a copy made on
 /// another node) and died before its standby had it: the survivor's new tag is followed, so
 /// the stripe reads and is re-replicated again by the new primary.

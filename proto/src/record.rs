@@ -84,6 +84,12 @@ pub fn stripe_tag(serial: u64, cap: u64) -> u64 {
     (cap / EXTENT_GRANULE) << TAG_SERIAL_BITS | (serial & ((1 << TAG_SERIAL_BITS) - 1))
 }
 
+/// The serial number in owner tag `tag` (the service numbers each allocation, move and
+/// retag; a later one has a larger serial).
+pub fn tag_serial(tag: u64) -> u64 {
+    tag & ((1 << TAG_SERIAL_BITS) - 1)
+}
+
 /// The data bytes an extent with owner tag `tag` holds.
 pub fn tag_capacity(tag: u64) -> u64 {
     (tag >> TAG_SERIAL_BITS) * EXTENT_GRANULE
