@@ -387,10 +387,11 @@ fn difference(got: &[u8], want: &[u8]) -> String {
 /// never had is followed by the new primary. Before, such a stripe listed its tombstoned
 /// extents: the growing write failed with EIO, and the file read EIO for ever.
 ///
-/// Not in CI yet: it fails about one run in five here, on faults this session did not fix: a
-/// write whose range lock was taken in the dead primary's tree waited almost a minute (a
-/// Citron acquire has no deadline while an ancestor looks held), or a write still met a
-/// stale stripe when its 4 s of patience ran out (`--ignored` runs it).
+/// Not in CI yet: it fails about one run in five here, on faults not fixed yet: a write whose
+/// range lock was taken in the dead primary's tree waited almost a minute (a Citron acquire
+/// has no deadline while an ancestor looks held), a write still met a stale stripe when its
+/// 4 s of patience ran out, or a file read back a few bytes blank just past its first
+/// stripe's capacity before the growth in flight at the kill (`--ignored` runs it).
 #[test]
 #[ignore = "fails about one run in five: see the doc comment"]
 fn files_growing_while_the_primary_dies_read_back_whole() {
