@@ -246,7 +246,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     // are when it follows this primary (`rejoined_after_take_over`).
     rejoined_after_take_over(node.cfg.node_id, &mut meta, node);
     // What the old primary had journaled of each file's size, before any mount writes here.
-    meta.keep_sizes_at_take_over(Some(&**node));
+    meta.keep_sizes_at_take_over(&**node);
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());
@@ -298,7 +298,7 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
             }
             n.with_meta(|m| {
                 // The mounts that had a write in flight at the take-over have asked by now.
-                m.keep_sizes_at_take_over(None);
+                m.forget_sizes_at_take_over();
                 let left: Vec<u64> = m
                     .namespace
                     .sessions()

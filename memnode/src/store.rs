@@ -200,7 +200,6 @@ impl Store {
                 (old_len - TAG_SPACE).min(len),
             )
             .expect("both extents inside the region");
-        let _a = self.allocator.lock().expect("allocator lock");
         self.history
             .lock()
             .expect("history lock")

@@ -88,12 +88,15 @@ impl MetaService {
 
     /// A standby taking over, before anyone writes to its region: keeps each file's size as
     /// its mirror holds it, which is what the old primary had journaled (see
-    /// [`MetaRequest::SizeAtTakeOver`]); `None` forgets them.
-    pub fn keep_sizes_at_take_over(&mut self, st: Option<&dyn Storage>) {
-        self.sizes_at_take_over = match st {
-            Some(st) => self.namespace.file_sizes(st.local().1),
-            None => HashMap::new(),
-        };
+    /// [`MetaRequest::SizeAtTakeOver`]).
+    pub fn keep_sizes_at_take_over(&mut self, st: &dyn Storage) {
+        self.sizes_at_take_over = self.namespace.file_sizes(st.local().1);
+    }
+
+    /// Forgets the sizes [`MetaService::keep_sizes_at_take_over`] kept (every mount that had
+    /// a write in flight at the take-over has asked by then).
+    pub fn forget_sizes_at_take_over(&mut self) {
+        self.sizes_at_take_over = HashMap::new();
     }
 
     /// Starts the files' lock trees afresh on a standby taking over (see

@@ -49,8 +49,7 @@ fn a_retried_change_the_old_primary_made_is_answered_once_not_made_twice() {
     let mut old = MetaService::new(grace, st.wall_ns());
     old.set_journaling(true);
     // The standby: a snapshot of the empty namespace, then the journal.
-    let mut ns: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let mut ns = mirror_of(&old);
     let standby = MemStorage::new(1, 1 << 22);
     let mut answered = Answered::default();
     let (a, b) = (7, 8); // two mounts' sessions
@@ -117,8 +116,7 @@ fn a_primary_that_took_over_publishes_fresh_lock_trees() {
     };
     assert_ne!(word, 0);
     // The snapshot: the namespace, and the record's bytes at the same offset.
-    let ns: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let ns = mirror_of(&old);
     let standby = MemStorage::new(1, 1 << 22);
     let lock_word = ns.record(f.ino).unwrap() + rackfs_proto::record::REC_LOCKS;
     standby.local().1.store(lock_word, word).unwrap();
@@ -153,6 +151,28 @@ fn a_retried_change_on_the_same_primary_is_answered_once() {
     assert_eq!(p.handle(8, retry(7, create("x")), &st), made);
     let again = p.handle(8, retry(7, create("x")), &st);
     assert!(exists(&again), "{again:?}");
+}
+
+/// What a standby synced by snapshot holds of `m`'s namespace.
+fn mirror_of(m: &MetaService) -> Namespace {
+    postcard::from_bytes(&postcard::to_allocvec(&m.namespace).unwrap()).unwrap()
+}
+
+/// A two-replica file `name` whose first stripe holds `end` bytes, `bytes` written at its
+/// start on every replica: its inode and the stripe's replicas.
+fn written_stripe(
+    p: &mut MetaService,
+    st: &MemStorage,
+    name: &str,
+    end: u64,
+    bytes: &[u8],
+) -> (u64, Vec<StripeExtent>) {
+    let ino = two_replica_file(p, st, name);
+    let replicas = stripe0(p, st, ino, Some(end));
+    for e in &replicas {
+        st.region(e.node).write(e.offset, bytes).unwrap();
+    }
+    (ino, replicas)
 }
 
 /// A two-replica file with a 1 MiB stripe unit, made by session 7; its inode.
@@ -227,15 +247,9 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
     let mut old = MetaService::new(grace, st.wall_ns());
-    let ino = two_replica_file(&mut old, &st, "grows");
-    let small = stripe0(&mut old, &st, ino, Some(100));
-    assert_eq!(small.len(), 2);
-    for e in &small {
-        st.region(e.node).write(e.offset, b"first").unwrap();
-    }
+    let (ino, small) = written_stripe(&mut old, &st, "grows", 100, b"first");
     // What the standby has: everything up to here.
-    let mirror: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let mirror = mirror_of(&old);
     st.hold_frees(true);
     let grown = stripe0(&mut old, &st, ino, Some(200_000));
     assert!(grown.iter().all(|e| e.cap() >= 200_000), "{grown:?}");
@@ -275,13 +289,8 @@ fn a_stripe_half_moved_when_the_primary_died_keeps_only_its_moved_replica() {
     let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
     let mut old = MetaService::new(grace, st.wall_ns());
-    let ino = two_replica_file(&mut old, &st, "half");
-    let small = stripe0(&mut old, &st, ino, Some(100));
-    for e in &small {
-        st.region(e.node).write(e.offset, b"first").unwrap();
-    }
-    let mirror: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let (ino, small) = written_stripe(&mut old, &st, "half", 100, b"first");
+    let mirror = mirror_of(&old);
     let behind = small[1];
     st.hold_frees(true);
     st.set_down(behind.node);
@@ -311,16 +320,11 @@ fn a_survivor_retagged_in_a_change_the_standby_lacks_is_followed_to_its_new_tag(
     let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
     let mut old = MetaService::new(grace, st.wall_ns());
-    let ino = two_replica_file(&mut old, &st, "rebuilt");
-    let both = stripe0(&mut old, &st, ino, Some(4096));
-    for e in &both {
-        st.region(e.node).write(e.offset, b"data").unwrap();
-    }
+    let (ino, both) = written_stripe(&mut old, &st, "rebuilt", 4096, b"data");
     let gone = both[0].node;
     st.set_down(gone);
     old.drop_node(gone, &st);
-    let mirror: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let mirror = mirror_of(&old);
     assert_eq!(old.rebuild(ino, 0, &st), Ok(4096));
     let mut new = MetaService::over(mirror, grace, 0);
     let listed = stripe0(&mut new, &st, ino, None);
@@ -352,8 +356,7 @@ fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
     let ControlResponse::Attr(f) = old.handle(7, create("log"), &st) else {
         panic!("create")
     };
-    let ns: Namespace =
-        postcard::from_bytes(&postcard::to_allocvec(&old.namespace).unwrap()).unwrap();
+    let ns = mirror_of(&old);
     let size_word = ns.record(f.ino).unwrap() + rackfs_proto::record::REC_SIZE;
     // The mirror's record, as the old primary journaled it.
     let standby = MemStorage::new(1, 1 << 22);
@@ -366,7 +369,7 @@ fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
         ControlResponse::SizeAtTakeOver(None),
         "before it kept them"
     );
-    new.keep_sizes_at_take_over(Some(&standby));
+    new.keep_sizes_at_take_over(&standby);
     // A mount appends one-sidedly, another reports what it wrote: the answer stays.
     standby.local().1.store(size_word, 5000).unwrap();
     let settle = MetaRequest::Settle {
@@ -381,6 +384,6 @@ fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
         new.handle(9, other, &standby),
         ControlResponse::SizeAtTakeOver(None)
     );
-    new.keep_sizes_at_take_over(None);
+    new.forget_sizes_at_take_over();
     assert_eq!(ask(&mut new), ControlResponse::SizeAtTakeOver(None));
 }
