@@ -33,9 +33,11 @@ const BOUNDS: [(Op, Options, f64, f64); 23] = [
     (Op::Truncate, Options::NoCache, 3.0, 3.0),
 ];
 
-/// Counts are whole per operation; averaged over 200, the noise seen is at most 0.01 (a
-/// kernel cache entry lapsing once a second). A grown count adds at least 1.
-const EPSILON: f64 = 0.05;
+/// Counts are whole per operation, plus the last closes' batches (one `Releases` per 20 ms
+/// window, so a slower run sends more of them: create read 4.06 in 2 of 4 runs on a loaded
+/// 2-core machine) and a kernel cache entry lapsing once a second. A grown count adds at
+/// least 1.
+const EPSILON: f64 = 0.15;
 
 #[test]
 fn control_rpcs_per_operation_never_grow() {
