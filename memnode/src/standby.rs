@@ -230,6 +230,9 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     let mut meta = MetaService::over(mirror.ns, node.cfg.quarantine, mirror.seq);
     meta.set_answered(mirror.answered);
     meta.forget_old_lock_trees(&**node);
+    // What the old primary had journaled of each file's size, before any mount writes here;
+    // trims wait until the mounts report theirs.
+    meta.take_over(&**node);
     // Mounts follow within a lock lease or so (their watchers notice), then reclaim their
     // processes' record locks; new locks wait for the grace period.
     meta.take_over_record_locks(&**node, 2 * node.cfg.lock_lease);
@@ -245,8 +248,6 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     // made in a change the mirror lacks is followed, not left to read EIO); each data node's
     // are when it follows this primary (`rejoined_after_take_over`).
     rejoined_after_take_over(node.cfg.node_id, &mut meta, node);
-    // What the old primary had journaled of each file's size, before any mount writes here.
-    meta.keep_sizes_at_take_over(&**node);
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(primacy.until_ns());
@@ -298,7 +299,7 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
             }
             n.with_meta(|m| {
                 // The mounts that had a write in flight at the take-over have asked by now.
-                m.forget_sizes_at_take_over();
+                m.sizes_settled(&*n);
                 let left: Vec<u64> = m
                     .namespace
                     .sessions()

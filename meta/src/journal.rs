@@ -40,6 +40,14 @@ pub enum Step {
     DropNode { node: u32 },
     /// A degraded stripe is copied back towards its replication factor.
     Rebuild { ino: u64, stripe: u64 },
+    /// This primary took over: last stripes are not trimmed until the mounts' sizes settle,
+    /// and its serials continue past any its predecessor used unjournaled.
+    TakeOver,
+    /// Every mount that wrote under the old primary has reported its sizes: trims resume.
+    SizesSettled,
+    /// A primary that took over follows what data node `node` holds now; `resolved`: every
+    /// node followed so far, this one included.
+    RollForward { node: u32, resolved: Vec<u32> },
 }
 
 /// What a step returned.
@@ -48,6 +56,7 @@ pub enum Outcome {
     Response(ControlResponse),
     Dropped(Dropped),
     Rebuilt(Result<u64, Refusal>),
+    RolledForward(crate::namespace::RolledForward),
     Done,
 }
 
@@ -96,6 +105,18 @@ impl Step {
             }
             Step::DropNode { node } => Outcome::Dropped(ns.drop_node(node, st)),
             Step::Rebuild { ino, stripe } => Outcome::Rebuilt(ns.rebuild(ino, stripe, st)),
+            Step::TakeOver => {
+                ns.take_over();
+                Outcome::Done
+            }
+            Step::SizesSettled => {
+                ns.sizes_settled();
+                Outcome::Done
+            }
+            Step::RollForward { node, resolved } => {
+                let resolved: std::collections::BTreeSet<u32> = resolved.into_iter().collect();
+                Outcome::RolledForward(ns.roll_forward(node, &resolved, st))
+            }
         }
     }
 }

@@ -88,15 +88,18 @@ impl MetaService {
 
     /// A standby taking over, before anyone writes to its region: keeps each file's size as
     /// its mirror holds it, which is what the old primary had journaled (see
-    /// [`MetaRequest::SizeAtTakeOver`]).
-    pub fn keep_sizes_at_take_over(&mut self, st: &dyn Storage) {
+    /// [`MetaRequest::SizeAtTakeOver`]), and holds trims until the mounts' sizes settle (see
+    /// [`Step::TakeOver`]).
+    pub fn take_over(&mut self, st: &dyn Storage) {
         self.sizes_at_take_over = self.namespace.file_sizes(st.local().1);
+        self.step(Step::TakeOver, st);
     }
 
-    /// Forgets the sizes [`MetaService::keep_sizes_at_take_over`] kept (every mount that had
-    /// a write in flight at the take-over has asked by then).
-    pub fn forget_sizes_at_take_over(&mut self) {
+    /// Every mount that wrote under the old primary has reported its sizes by now: forgets
+    /// the sizes [`MetaService::take_over`] kept and trims again.
+    pub fn sizes_settled(&mut self, st: &dyn Storage) {
         self.sizes_at_take_over = HashMap::new();
+        self.step(Step::SizesSettled, st);
     }
 
     /// Starts the files' lock trees afresh on a standby taking over (see
@@ -298,7 +301,11 @@ impl MetaService {
     /// [`Namespace::roll_forward`]).
     pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> namespace::RolledForward {
         self.resolved.insert(node);
-        self.namespace.roll_forward(node, &self.resolved, st)
+        let resolved = self.resolved.iter().copied().collect();
+        match self.step(Step::RollForward { node, resolved }, st) {
+            Outcome::RolledForward(r) => r,
+            _ => unreachable!("a roll-forward step answers what it did"),
+        }
     }
 
     /// Copies a degraded stripe back towards its replication factor (see

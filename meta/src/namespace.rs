@@ -29,6 +29,12 @@ use crate::file::{read_word, write_word, Dropped, File};
 /// Stripe extents asked of a data node per `Resolve` (well inside a frame).
 const RESOLVE_BATCH: usize = 16 << 10;
 
+/// Serials a primary that takes over skips: its predecessor numbered allocations, moves and
+/// retags in changes the journal never carried (a batch of requests at most), and a later
+/// change of a stripe must carry a larger serial than any of those (see
+/// [`crate::file::File::settle_tags`]).
+const TAKE_OVER_SERIALS: u64 = 1 << 24;
+
 /// What [`Namespace::roll_forward`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RolledForward {
@@ -101,6 +107,11 @@ pub struct Namespace {
     /// Regular files deleted since [`Namespace::take_deleted`] was last called (their lock
     /// trees are to be retired).
     deleted: Vec<u64>,
+    /// A primary that took over, until the mounts' sizes settle: a record's size may be behind
+    /// what a mount wrote under the old primary (reported by that mount once it follows), so
+    /// no last stripe is trimmed to it (the bytes past it would be lost).
+    #[serde(default)]
+    trims_held: bool,
 }
 
 impl Namespace {
@@ -133,6 +144,7 @@ impl Namespace {
             default_replicas: 2,
             sessions: BTreeMap::new(),
             deleted: Vec::new(),
+            trims_held: false,
         }
     }
 
@@ -1000,7 +1012,7 @@ impl Namespace {
                 st.load(f.record + REC_SIZE);
                 st.load(f.record + REC_MTIME);
             }
-            if i.opens == 0 && i.nlink > 0 {
+            if i.opens == 0 && i.nlink > 0 && !self.trims_held {
                 if let Some(f) = i.file.as_mut() {
                     self.next_tag += 1;
                     if let Err(e) = f.trim(serial, st) {
@@ -1231,11 +1243,21 @@ impl Namespace {
         (v, 0)
     }
 
+    /// This primary took over (see [`crate::journal::Step::TakeOver`]).
+    pub fn take_over(&mut self) {
+        self.trims_held = true;
+        self.next_tag += TAKE_OVER_SERIALS;
+    }
+
+    /// The mounts' sizes settled after a take-over: last stripes are trimmed again.
+    pub fn sizes_settled(&mut self) {
+        self.trims_held = false;
+    }
+
     /// A primary that took over, once data node `node` follows it: points every replica its
     /// tables list on the node at what the node holds now (see [`crate::history`]: moves and
     /// retags its predecessor made without the standby knowing), drops replicas the node no
-    /// longer holds, and frees the old copies of moved extents. Not journaled: a standby made
-    /// later starts from a snapshot.
+    /// longer holds, and frees the old copies of moved extents.
     pub fn roll_forward(
         &mut self,
         node: u32,

@@ -369,7 +369,7 @@ fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
         ControlResponse::SizeAtTakeOver(None),
         "before it kept them"
     );
-    new.keep_sizes_at_take_over(&standby);
+    new.take_over(&standby);
     // A mount appends one-sidedly, another reports what it wrote: the answer stays.
     standby.local().1.store(size_word, 5000).unwrap();
     let settle = MetaRequest::Settle {
@@ -384,6 +384,88 @@ fn a_primary_that_took_over_tells_the_sizes_its_mirror_held() {
         new.handle(9, other, &standby),
         ControlResponse::SizeAtTakeOver(None)
     );
-    new.forget_sizes_at_take_over();
+    new.sizes_settled(&standby);
     assert_eq!(ask(&mut new), ControlResponse::SizeAtTakeOver(None));
+}
+
+/// A mount grew a file to 250,000 bytes under the old primary (the size one-sided in the old
+/// primary's record) and closed it; the mirror's record holds the 70,000 of an earlier close.
+/// A last close that reaches the primary that took over before that mount reports its size
+/// trims nothing: trimmed to 70,000 bytes, the stripe read zeros past 70,016 once the report
+/// came (blank bytes in files grown across a kill of the primary).
+#[test]
+fn a_last_close_before_the_mounts_report_their_sizes_trims_nothing() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let (ino, grown) = written_stripe(&mut old, &st, "grown", 250_000, b"first");
+    for e in &grown {
+        st.region(e.node)
+            .write(e.offset + 200_000, b"later")
+            .unwrap();
+    }
+    let mirror = mirror_of(&old);
+    let size_word = mirror.record(ino).unwrap() + rackfs_proto::record::REC_SIZE;
+    st.local().1.store(size_word, 70_000).unwrap();
+    let mut new = MetaService::over(mirror, grace, 0);
+    new.take_over(&st);
+    roll_forward(&mut new, &st);
+    let close = |m: &mut MetaService| {
+        let open = m.handle(9, MetaRequest::Open { ino }, &st);
+        assert!(matches!(open, ControlResponse::Attr(_)), "{open:?}");
+        let release = MetaRequest::Releases { inos: vec![ino] };
+        assert_eq!(m.handle(9, release, &st), ControlResponse::Ok);
+        stripe0(m, &st, ino, None)
+    };
+    assert_eq!(close(&mut new), grown, "not trimmed to the mirror's size");
+    let settle = MetaRequest::Settle {
+        ino,
+        size: 250_000,
+        mtime: 1,
+    };
+    assert_eq!(new.handle(9, settle, &st), ControlResponse::Ok);
+    assert!(grown
+        .iter()
+        .all(|e| bytes_at(&st, e, 200_000, 5) == b"later"));
+    // Once the sizes settled, last closes trim again.
+    new.sizes_settled(&st);
+    st.local().1.store(size_word, 70_000).unwrap();
+    let trimmed = close(&mut new);
+    assert!(trimmed.iter().all(|e| e.cap() < 100_000), "{trimmed:?}");
+}
+
+/// A roll-forward is journaled like any change: a standby made before a data node followed
+/// the primary that took over (it starts from a snapshot) lists the node's replicas where the
+/// node holds them, not where the dead primary's mirror did, so a second take-over finds them.
+#[test]
+fn a_standby_replays_a_roll_forward_it_was_made_before() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let (ino, small) = written_stripe(&mut old, &st, "grows", 100, b"first");
+    let mirror = mirror_of(&old);
+    st.hold_frees(true);
+    let grown = stripe0(&mut old, &st, ino, Some(200_000));
+    st.hold_frees(false);
+    let mut new = MetaService::over(mirror, grace, 0);
+    new.take_over(&st);
+    // Its standby, from a snapshot taken before any data node followed.
+    new.set_journaling(true);
+    let mut second = mirror_of(&new);
+    assert_eq!(stripe0(&mut new, &st, ino, None), small);
+    roll_forward(&mut new, &st);
+    assert_eq!(stripe0(&mut new, &st, ino, None), grown);
+    let standby = MemStorage::new(3, 1 << 22);
+    for e in new.take_journal() {
+        journal::replay(&mut second, standby.local().1, e).unwrap();
+    }
+    let mut third = MetaService::over(second, grace, 0);
+    assert_eq!(stripe0(&mut third, &st, ino, None), grown);
+    // Serials continue past the old primary's: the next allocation outnumbers the move.
+    let serial = |e: &StripeExtent| rackfs_proto::record::tag_serial(e.tag);
+    let next = stripe0(&mut third, &st, ino, Some(300_000));
+    assert!(
+        serial(&next[0]) > serial(&grown[0]) + 1000,
+        "{next:?} {grown:?}"
+    );
 }
