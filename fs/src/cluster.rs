@@ -100,6 +100,14 @@ type SessionHook = Box<dyn Fn(Option<u16>, Option<&str>) + Send + Sync>;
 #[derive(Default)]
 struct Lease {
     fenced: std::sync::OnceLock<String>,
+    /// A new session replaced this one (after a fence, or on a primary that took over).
+    replaced: std::sync::atomic::AtomicBool,
+}
+
+impl Lease {
+    fn over(&self) -> bool {
+        self.replaced.load(std::sync::atomic::Ordering::SeqCst) || self.fenced.get().is_some()
+    }
 }
 
 struct Qos {
@@ -284,6 +292,13 @@ impl Cluster {
 
     fn lease(&self) -> Arc<Lease> {
         self.lease.read().expect("lease lock").clone()
+    }
+
+    /// Whether the mount's current session is over (fenced, or replaced by a new one since):
+    /// what waits on the primary's memory in that session waits for nothing.
+    pub fn session_over(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        let lease = self.lease();
+        move || lease.over()
     }
 
     /// Why the primary fenced this mount's session, if it did (until a new session starts).
@@ -533,7 +548,9 @@ impl Cluster {
         self.nodes.write().expect("nodes lock").clear();
         *self.lock_client.lock().expect("lock client") = None;
         *self.qos.write().expect("qos lock") = None;
-        *self.lease.write().expect("lease lock") = Arc::default();
+        let old = std::mem::take(&mut *self.lease.write().expect("lease lock"));
+        old.replaced
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(id)
     }
 

@@ -110,6 +110,7 @@ impl FileLocks {
             }
         }
         let (slot, cfg, session) = cl.lock_client()?;
+        let session_over = cl.session_over();
         let primary = cl.primary_id();
         let p = cl
             .node_in(primary, session)
@@ -131,7 +132,8 @@ impl FileLocks {
                 geo,
                 cfg,
                 slot,
-            ),
+            )
+            .give_up_when(session_over),
             seen_live: AtomicU64::new(cl.clock().mono_ns()),
             session,
         });
@@ -173,6 +175,15 @@ impl FileLocks {
                     clock.sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(10));
                 }
+                Err(LockError::GivenUp) => {
+                    // The mount moved to a new session (a primary that took over): its next
+                    // attempt finds the tree published there.
+                    tracing::debug!(
+                        ino = self.ino,
+                        "a lock wait in the old session's tree given up"
+                    );
+                    self.forget(&t);
+                }
                 Err(LockError::Verbs(e)) => {
                     self.forget(&t);
                     return Err(errno(cl, t.node, &e));
@@ -189,7 +200,7 @@ impl FileLocks {
         let started = cl.clock().now();
         let guard = match block_on(t.tree.acquire(0, u64::MAX)) {
             Ok(g) => g,
-            Err(LockError::Retired) => {
+            Err(LockError::Retired | LockError::GivenUp) => {
                 // Being replaced by someone else: give them a moment.
                 self.forget(t);
                 cl.clock().sleep(Duration::from_millis(1));

@@ -44,7 +44,7 @@
 //! for the holders of the moment to release, as a whole-file lock does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_verbs::{Batch, Clock, Completions, QueuePair, RemoteAddr, VerbsError, WrId};
@@ -119,6 +119,8 @@ pub enum LockError {
         "the lock tree was replaced (grown, shrunk or recovered): retry on the published tree"
     )]
     Retired,
+    #[error("the lock tree was given up: its client moved on (a new session or primary)")]
+    GivenUp,
     #[error(transparent)]
     Verbs(#[from] VerbsError),
 }
@@ -159,6 +161,8 @@ pub struct LockTree {
     escalations: AtomicU64,
     aborts: AtomicU64,
     rng: Mutex<u64>,
+    /// Whether the client has moved on from this tree (see [`LockTree::give_up_when`]).
+    moved_on: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 /// Client slots per tree: at most this many clients (mounts) use one tree at once.
@@ -212,7 +216,18 @@ impl LockTree {
             escalations: AtomicU64::new(0),
             aborts: AtomicU64::new(0),
             rng: Mutex::new(base.offset ^ 0x9E37_79B9_7F4A_7C15),
+            moved_on: None,
         }
+    }
+
+    /// An acquisition waiting in this tree stops with [`LockError::GivenUp`] at its next pause
+    /// once `moved_on` says the client left it for good (its session was fenced or replaced,
+    /// its primary died): nobody else will release what it waits for there, and the memory
+    /// of a dead node may stay mapped and keep answering. What it held or queued for in the
+    /// tree is left as is: the tree is not used again.
+    pub fn give_up_when(mut self, moved_on: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        self.moved_on = Some(Arc::new(moved_on));
+        self
     }
 
     /// Requests this handle escalated from a leaf to its parent.
@@ -287,8 +302,17 @@ impl LockTree {
         Ok(word_of(&self.exec_live(b).await?, id))
     }
 
-    async fn sleep(&self, d: Duration) {
-        self.clock.sleep(d).await
+    /// Pauses an acquisition, unless (before or after) its client moved on from the tree.
+    async fn sleep(&self, d: Duration) -> Result<(), LockError> {
+        let moved_on = || self.moved_on.as_ref().is_some_and(|f| f());
+        if moved_on() {
+            return Err(LockError::GivenUp);
+        }
+        self.clock.sleep(d).await;
+        match moved_on() {
+            true => Err(LockError::GivenUp),
+            false => Ok(()),
+        }
     }
 
     /// A random backoff of up to `max`, so retrying requests do not move in lockstep.
@@ -373,7 +397,7 @@ impl LockTree {
                         attempt += 1;
                         let max = self.cfg.rtt_budget * attempt.min(16);
                         let d = self.jitter(max);
-                        self.sleep(d).await;
+                        self.sleep(d).await?;
                         continue 'attempt;
                     }
                 }
@@ -382,7 +406,7 @@ impl LockTree {
                 self.release_held(&held).await?;
                 attempt += 1;
                 let d = self.jitter(self.cfg.rtt_budget * attempt.min(16));
-                self.sleep(d).await;
+                self.sleep(d).await?;
                 continue 'attempt;
             }
             return Ok(RangeGuard {
@@ -402,7 +426,7 @@ impl LockTree {
                 self.exec_live(b).await?.value(id)?
             };
             while self.read_word(a, self.spill_serving()).await? != ticket {
-                self.sleep(self.cfg.poll).await;
+                self.sleep(self.cfg.poll).await?;
             }
             return Ok(true);
         }
@@ -477,7 +501,7 @@ impl LockTree {
                     return Ok(Outcome::Busy);
                 }
                 while word::occ(self.read_word(a, self.node(anc)).await?) {
-                    self.sleep(self.cfg.poll).await;
+                    self.sleep(self.cfg.poll).await?;
                 }
                 continue;
             }
@@ -491,7 +515,7 @@ impl LockTree {
                     return Ok(Outcome::Escalate);
                 }
                 let d = self.jitter(self.cfg.poll * failures.min(16));
-                self.sleep(d).await;
+                self.sleep(d).await?;
                 continue;
             }
             // (d) Notify the ancestors; a notification later than Twait after the ancestor
@@ -516,7 +540,7 @@ impl LockTree {
                     return Ok(Outcome::Busy);
                 }
                 let d = self.jitter(self.cfg.rtt_budget);
-                self.sleep(d).await;
+                self.sleep(d).await?;
                 continue;
             }
             if !leaf {
@@ -525,7 +549,7 @@ impl LockTree {
                 let ready = locked_at + twait;
                 let now = self.clock.now();
                 if ready > now {
-                    self.sleep(ready - now).await;
+                    self.sleep(ready - now).await?;
                 }
                 self.wait_descendants(a, n).await?;
             }
@@ -620,7 +644,7 @@ impl LockTree {
             let ticket = word::tmax(old);
             let mut w = old;
             while word::tcnt(w) != ticket {
-                self.sleep(self.cfg.poll).await;
+                self.sleep(self.cfg.poll).await?;
                 w = self.read_word(a, me).await?;
             }
             return Ok(true);
@@ -696,7 +720,7 @@ impl LockTree {
             if drained {
                 return Ok(());
             }
-            self.sleep(self.cfg.poll).await;
+            self.sleep(self.cfg.poll).await?;
         }
     }
 

@@ -476,3 +476,47 @@ fn killed_holders_are_recovered_and_others_proceed() {
         },
     );
 }
+
+/// A request waiting behind a holder that will never release (its tree lives in a dead
+/// primary's memory, which may stay mapped and keep answering) stops once its client moved
+/// on to a new session, instead of waiting for ever; until then it waits.
+#[test]
+fn a_wait_in_a_tree_the_client_moved_on_from_is_given_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut sim = Sim::new(SimConfig::default());
+    let (a, b) = (sim.add_client(), sim.add_client());
+    let h = sim.handle();
+    let geo = Geometry { height: 3 };
+    let at = RemoteAddr::new(SIM_RKEY, 4096);
+    let holder = LockTree::new(h.connect(a), at, geo, LockConfig::default(), 0);
+    let moved_on = Arc::new(AtomicBool::new(false));
+    let flag = moved_on.clone();
+    let waiter = LockTree::new(h.connect(b), at, geo, LockConfig::default(), 1)
+        .give_up_when(move || flag.load(Ordering::SeqCst));
+    // What the waiter's request answered, and when.
+    type Answer = (Result<(), String>, Duration);
+    let answer: Rc<RefCell<Option<Answer>>> = Rc::default();
+    let (got, hh) = (answer.clone(), h.clone());
+    sim.spawn(a, async move {
+        let held = holder.acquire(0, 100).await.unwrap();
+        hh.clock_sleep(Duration::from_millis(50)).await;
+        moved_on.store(true, Ordering::SeqCst);
+        // Never released.
+        std::mem::forget(held);
+    });
+    let hb = h.clone();
+    sim.spawn(b, async move {
+        hb.clock_sleep(Duration::from_millis(1)).await;
+        let r = waiter.acquire(10, 20).await;
+        let r = r.map(|_| ()).map_err(|e| e.to_string());
+        *got.borrow_mut() = Some((r, hb.now()));
+    });
+    assert_eq!(sim.run(Duration::from_secs(5)), RunOutcome::Finished);
+    let (r, when) = answer.borrow_mut().take().expect("the waiter answered");
+    assert!(r.as_ref().is_err_and(|e| e.contains("given up")), "{r:?}");
+    assert!(
+        when >= Duration::from_millis(50),
+        "gave up at {when:?}, before its client moved on"
+    );
+}
