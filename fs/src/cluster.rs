@@ -82,6 +82,8 @@ pub struct Cluster {
     on_failover: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// How many times this mount moved to a primary that took over.
     failovers: std::sync::atomic::AtomicU64,
+    /// Namespace requests numbered so far (see [`MetaRequest::Numbered`]).
+    requests: std::sync::atomic::AtomicU64,
     /// Held while a new session is set up.
     recovering: Mutex<()>,
     /// What this mount observes of each node, for choosing which replica a read goes to.
@@ -246,6 +248,7 @@ impl Cluster {
                 qos_wanted: Mutex::new(None),
                 on_session: Mutex::new(None),
                 on_failover: Mutex::new(None),
+                requests: Default::default(),
                 failovers: 0.into(),
                 recovering: Mutex::new(()),
                 loads: NodeLoads::new(ReadPolicy::Adaptive, env.clock.clone()),
@@ -334,6 +337,12 @@ impl Cluster {
     /// three failovers): a change the old primary made (and the standby mirrored)
     /// is answered as it was, not made twice.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
+        let req = MetaRequest::Numbered {
+            id: self
+                .requests
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            req: Box::new(req),
+        };
         let (primary, mut session) = self.primary_session();
         let mut r = primary.meta(req.clone());
         // A primary that took over may die too.

@@ -63,6 +63,7 @@ pub enum Outcome {
 impl Step {
     /// Whether a namespace request changes anything (only those are journaled).
     pub fn changes(req: &MetaRequest) -> bool {
+        let req = req.inner();
         !(Step::only_reads(req)
             || matches!(
                 req,
@@ -78,7 +79,7 @@ impl Step {
     /// else (no other node, no lock tree, no session state).
     pub fn only_reads(req: &MetaRequest) -> bool {
         matches!(
-            req,
+            req.inner(),
             MetaRequest::Lookup { .. }
                 | MetaRequest::GetAttr { .. }
                 | MetaRequest::ReadDir { .. }

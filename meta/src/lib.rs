@@ -171,10 +171,13 @@ impl MetaService {
                 Some(resp) => resp,
                 None => return self.handle(session, *req, st),
             },
+            MetaRequest::Numbered { req, .. } if !Step::changes(&req) => {
+                return self.handle(session, *req, st)
+            }
             other if !Step::changes(&other) => self.namespace.handle(session, other, st),
             other => {
-                let changes = self.namespace.changes_of(&other);
-                let lock_units = match other {
+                let changes = self.namespace.changes_of(other.inner());
+                let lock_units = match *other.inner() {
                     MetaRequest::CreateOpen { lock_units, .. } => lock_units,
                     _ => 0,
                 };

@@ -225,6 +225,7 @@ impl Namespace {
                     None => err(ErrorCode::Invalid, "not a regular file"),
                 })
             }
+            MetaRequest::Numbered { req, .. } => Ok(self.handle(session, *req, st)),
             MetaRequest::LockSlot
             | MetaRequest::LockTree { .. }
             | MetaRequest::ReclaimLocks { .. }

@@ -469,3 +469,70 @@ fn a_standby_replays_a_roll_forward_it_was_made_before() {
         "{next:?} {grown:?}"
     );
 }
+
+/// A mount opens the same file many times, so two of its opens are equal requests. One the
+/// old primary never made, retried on the primary that took over, is made there, not answered
+/// with an earlier open's answer: otherwise the file counted one open fewer than the mount
+/// held, and an unlinked file went at the first of its last two closes.
+#[test]
+fn a_retried_open_is_matched_to_itself_not_to_an_earlier_equal_one() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(1, 1 << 22);
+    let mut old = MetaService::new(grace, st.wall_ns());
+    old.set_journaling(true);
+    let mut ns = mirror_of(&old);
+    let mut answered = Answered::default();
+    let a = 7;
+    let numbered = |id, req| MetaRequest::Numbered {
+        id,
+        req: Box::new(req),
+    };
+    let ControlResponse::Attr(f) = old.handle(a, numbered(1, create("f")), &st) else {
+        panic!("create")
+    };
+    let open = MetaRequest::Open { ino: f.ino };
+    assert!(matches!(
+        old.handle(a, numbered(2, open.clone()), &st),
+        ControlResponse::Attr(_)
+    ));
+    for e in old.take_journal() {
+        let step = e.step.clone();
+        let out = journal::replay(&mut ns, st.local().1, e).unwrap();
+        answered.note(&step, &out);
+    }
+    // Open number 3 was in flight when the old primary died, unmade.
+    let mut new = MetaService::over(ns, grace, 2);
+    new.set_answered(answered);
+    let b = 9;
+    let again = new.handle(b, retry(a, numbered(3, open)), &st);
+    assert!(matches!(again, ControlResponse::Attr(_)), "{again:?}");
+    new.adopt(a, b, &st);
+    let unlink = MetaRequest::Unlink {
+        parent: ROOT_INO,
+        name: b"f".to_vec(),
+    };
+    assert!(!matches!(
+        new.handle(b, unlink, &st),
+        ControlResponse::Error { .. }
+    ));
+    let close = MetaRequest::Releases { inos: vec![f.ino] };
+    let getattr = MetaRequest::GetAttr { ino: f.ino };
+    assert_eq!(new.handle(b, close.clone(), &st), ControlResponse::Ok);
+    let held = new.handle(b, getattr.clone(), &st);
+    assert!(
+        matches!(held, ControlResponse::Attr(_)),
+        "still open once: {held:?}"
+    );
+    assert_eq!(new.handle(b, close, &st), ControlResponse::Ok);
+    let gone = new.handle(b, getattr, &st);
+    assert!(
+        matches!(
+            gone,
+            ControlResponse::Error {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        ),
+        "{gone:?}"
+    );
+}

@@ -288,8 +288,9 @@ pub enum MetaRequest {
     },
     /// `req` again, sent by a mount to a primary that took over, on behalf of its session
     /// `from` of the old primary (whose answer was lost): if the old primary made that change
-    /// (it is the last the standby replayed for `from`), its answer is returned, not made
-    /// twice.
+    /// (the standby replayed it among `from`'s last ones: mounts send changes
+    /// [`MetaRequest::Numbered`], so it is that very request), its answer is returned, not
+    /// made twice.
     Retry {
         from: u64,
         req: Box<MetaRequest>,
@@ -322,6 +323,23 @@ pub enum MetaRequest {
         after: u64,
         max: u32,
     },
+    /// `req`, numbered uniquely within the mount: a retry of it ([`MetaRequest::Retry`]) is
+    /// matched to it alone, never to an equal request the session made before (a mount opens
+    /// the same file many times, and an open answered twice is an open counted once).
+    Numbered {
+        id: u64,
+        req: Box<MetaRequest>,
+    },
+}
+
+impl MetaRequest {
+    /// The request itself, without its number ([`MetaRequest::Numbered`]).
+    pub fn inner(&self) -> &MetaRequest {
+        match self {
+            MetaRequest::Numbered { req, .. } => req.inner(),
+            r => r,
+        }
+    }
 }
 
 /// The answer to [`MetaRequest::CreateOpen`]: the new file, its directory's attributes after
