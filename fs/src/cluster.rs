@@ -434,18 +434,7 @@ impl Cluster {
             self.clock().sleep(Duration::from_millis(200));
         };
         let new = info.primary.node_id;
-        {
-            // Data nodes join the new primary within a quarter of their lease; until then it
-            // does not list them, but their stripes are read and written as before.
-            let mut known = self.info.write().expect("cluster info lock");
-            let mut info = info;
-            for n in std::mem::take(&mut known.nodes) {
-                if !info.nodes.iter().any(|m| m.node_id == n.node_id) {
-                    info.nodes.push(n);
-                }
-            }
-            *known = info;
-        }
+        self.learn(info);
         self.primary_id
             .store(new, std::sync::atomic::Ordering::SeqCst);
         let id = self.take_over_session(client, failed)?;
@@ -648,8 +637,22 @@ impl Cluster {
     fn ask_addr(&self, id: u32) -> Option<NodeAddr> {
         let info = self.primary().cluster().ok()?;
         let addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
-        *self.info.write().expect("cluster info lock") = info;
+        self.learn(info);
         addr
+    }
+
+    /// Takes the primary's cluster map, keeping the nodes it does not list: after a take-over,
+    /// data nodes join the new primary within a quarter of their lease, and until then their
+    /// stripes are read and written as before (a map without them failed every write to
+    /// them, for good, once it was learnt in that window).
+    fn learn(&self, mut info: ClusterInfo) {
+        let mut known = self.info.write().expect("cluster info lock");
+        for n in std::mem::take(&mut known.nodes) {
+            if !info.nodes.iter().any(|m| m.node_id == n.node_id) {
+                info.nodes.push(n);
+            }
+        }
+        *known = info;
     }
 
     /// A new queue pair to the node at `addr`, over the mount's transport.
@@ -881,11 +884,9 @@ impl Cluster {
             Some(e) => e,
             None => {
                 let n = self.node(node)?;
-                let area = self
-                    .info()
-                    .nodes
-                    .iter()
-                    .find(|a| a.node_id == node)
+                let listed = self.info().nodes.into_iter().find(|a| a.node_id == node);
+                let area = listed
+                    .or_else(|| self.ask_addr(node))
                     .map(|a| a.qos_area)
                     .ok_or_else(|| VerbsError::Connect {
                         peer: format!("node {node}"),

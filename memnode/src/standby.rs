@@ -298,8 +298,6 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
                 return; // deposed meanwhile: the sessions are the next primary's concern
             }
             n.with_meta(|m| {
-                // The mounts that had a write in flight at the take-over have asked by now.
-                m.sizes_settled(&*n);
                 let left: Vec<u64> = m
                     .namespace
                     .sessions()
@@ -312,6 +310,10 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
                 if !left.is_empty() {
                     info!(sessions = left.len(), "sessions of the old primary no mount took over are ended: their open files are released");
                 }
+                // The mounts that had a write in flight at the take-over have asked by now
+                // (last: the closes of the sessions just ended trim nothing to a size a
+                // mount that is merely late would still report).
+                m.sizes_settled(&*n);
             });
         });
 }
