@@ -300,8 +300,9 @@ impl Cluster {
     /// Whether the mount's current session is over (fenced, or replaced by a new one since):
     /// what waits on the primary's memory in that session waits for nothing.
     pub fn session_over(&self) -> impl Fn() -> bool + Send + Sync + 'static {
-        let lease = self.lease();
-        move || lease.over()
+        // Weak: a held lease would keep its renewal thread going after the session ended.
+        let lease = Arc::downgrade(&self.lease());
+        move || lease.upgrade().is_none_or(|l| l.over())
     }
 
     /// Why the primary fenced this mount's session, if it did (until a new session starts).
@@ -434,7 +435,7 @@ impl Cluster {
             self.clock().sleep(Duration::from_millis(200));
         };
         let new = info.primary.node_id;
-        self.learn(info);
+        self.learn(info, true);
         self.primary_id
             .store(new, std::sync::atomic::Ordering::SeqCst);
         let id = self.take_over_session(client, failed)?;
@@ -637,20 +638,26 @@ impl Cluster {
     fn ask_addr(&self, id: u32) -> Option<NodeAddr> {
         let info = self.primary().cluster().ok()?;
         let addr = info.nodes.iter().find(|n| n.node_id == id).cloned();
-        self.learn(info);
+        self.learn(info, false);
         addr
     }
 
-    /// Takes the primary's cluster map, keeping the nodes it does not list: after a take-over,
+    /// Takes a primary's cluster map, keeping the nodes it does not list: after a take-over,
     /// data nodes join the new primary within a quarter of their lease, and until then their
     /// stripes are read and written as before (a map without them failed every write to
-    /// them, for good, once it was learnt in that window).
-    fn learn(&self, mut info: ClusterInfo) {
+    /// them, for good, once it was learnt in that window). Who the primary is changes only
+    /// when this mount follows one (`follow`): a map asked of the primary while it is being
+    /// deposed names the deposed one, and the watcher, reconnecting there, took the primary
+    /// this mount had just followed for dead and failed over from it.
+    fn learn(&self, mut info: ClusterInfo, follow: bool) {
         let mut known = self.info.write().expect("cluster info lock");
         for n in std::mem::take(&mut known.nodes) {
             if !info.nodes.iter().any(|m| m.node_id == n.node_id) {
                 info.nodes.push(n);
             }
+        }
+        if !follow {
+            info.primary = known.primary.clone();
         }
         *known = info;
     }
