@@ -279,6 +279,36 @@ fn a_mount_follows_the_primary_elected_after_its_primary_died_on_virtual_time() 
     assert_eq!(w.threads.run_next().as_deref(), Some("rackfs-reclaim"));
 }
 
+/// Only a failover changes whom the mount takes for the primary. A node's address asked of
+/// the primary's link while a deposed primary still answered there (it names itself) made
+/// the watcher reconnect to the deposed node and fail over again from the primary the mount
+/// had just followed (chaos, the primary paused past its lease).
+#[test]
+fn a_map_naming_another_primary_outside_a_failover_does_not_move_the_mount() {
+    // The primary every node names: node 0, node 1 once node 0 is down, then node 0 again (as
+    // a deposed primary answering late would).
+    let named = Arc::new(Mutex::new(0));
+    let n = named.clone();
+    let w = World::new(3, true, move |_| *n.lock().unwrap());
+    let a = w.mount(MountOptions::default());
+    let cl = a.cluster();
+    w.lo.set_down("n0", true);
+    *named.lock().unwrap() = 1;
+    a.mkdir(ROOT_INO, name("d"), 0o755, 0, ME).unwrap();
+    assert_eq!((cl.failovers(), cl.primary_id()), (1, 1));
+    *named.lock().unwrap() = 0;
+    // Node 2's queue pair cannot be made here (no data nodes): its address is asked of the
+    // primary, which answers with a map naming node 0.
+    assert!(cl.node(2).is_err());
+    assert_eq!(
+        cl.info().primary.node_id,
+        1,
+        "still the primary it followed"
+    );
+    assert_eq!(cl.connect_primary().unwrap().node_id(), 1);
+    assert!(cl.info().nodes.iter().any(|n| n.node_id == 2));
+}
+
 #[test]
 fn without_a_new_primary_a_mount_gives_up_with_eio_after_the_failover_wait() {
     let w = World::new(2, true, |_| 0);
