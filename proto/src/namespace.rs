@@ -293,6 +293,7 @@ pub enum MetaRequest {
     /// made twice.
     Retry {
         from: u64,
+        #[serde(deserialize_with = "wrapped")]
         req: Box<MetaRequest>,
     },
     /// The mount closed these files for the last time (each once per open it registered);
@@ -328,8 +329,40 @@ pub enum MetaRequest {
     /// the same file many times, and an open answered twice is an open counted once).
     Numbered {
         id: u64,
+        #[serde(deserialize_with = "wrapped")]
         req: Box<MetaRequest>,
     },
+}
+
+/// How deep [`MetaRequest::Retry`] and [`MetaRequest::Numbered`] may wrap requests in a
+/// decoded message: a mount wraps at most twice (a retry of a numbered request). Deeper is
+/// refused before decoding recurses further, so a crafted frame cannot exhaust a node's
+/// stack.
+pub const MAX_WRAPPING: u32 = 4;
+
+std::thread_local! {
+    static WRAPPING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Decodes a wrapped request, counting the wrapping on this thread (see [`MAX_WRAPPING`]).
+fn wrapped<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<MetaRequest>, D::Error> {
+    struct Unwrap;
+    impl Drop for Unwrap {
+        fn drop(&mut self) {
+            WRAPPING.with(|w| w.set(w.get() - 1));
+        }
+    }
+    let depth = WRAPPING.with(|w| {
+        w.set(w.get() + 1);
+        w.get()
+    });
+    let _unwrap = Unwrap;
+    if depth > MAX_WRAPPING {
+        return Err(serde::de::Error::custom(format!(
+            "a request wrapped more than {MAX_WRAPPING} deep (retries and numbers)"
+        )));
+    }
+    MetaRequest::deserialize(d).map(Box::new)
 }
 
 impl MetaRequest {
@@ -351,4 +384,52 @@ pub struct Created {
     pub parent: Attr,
     pub stripe: Vec<StripeExtent>,
     pub lock_tree: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `req` wrapped `depth` times, alternating retries and numbers.
+    fn wrapped_in(depth: u32) -> MetaRequest {
+        (0..depth).fold(MetaRequest::StatFs, |req, k| match k % 2 {
+            0 => MetaRequest::Numbered {
+                id: k as u64,
+                req: Box::new(req),
+            },
+            _ => MetaRequest::Retry {
+                from: 7,
+                req: Box::new(req),
+            },
+        })
+    }
+
+    #[test]
+    fn requests_wrapped_deeper_than_a_mount_wraps_them_are_refused_when_decoded() {
+        for depth in 0..=MAX_WRAPPING {
+            let bytes = postcard::to_allocvec(&wrapped_in(depth)).unwrap();
+            let back: MetaRequest = postcard::from_bytes(&bytes).unwrap();
+            assert_eq!(back, wrapped_in(depth));
+        }
+        let deep = postcard::to_allocvec(&wrapped_in(MAX_WRAPPING + 1)).unwrap();
+        let err = postcard::from_bytes::<MetaRequest>(&deep).unwrap_err();
+        assert!(matches!(err, postcard::Error::SerdeDeCustom), "{err:?}");
+        // A crafted frame a million wraps deep (two bytes each: a retry with `from` 0) is
+        // refused without recursing through it; the count is back to 0 afterwards.
+        let mut crafted = Vec::new();
+        let retry = postcard::to_allocvec(&MetaRequest::Retry {
+            from: 0,
+            req: Box::new(MetaRequest::StatFs),
+        })
+        .unwrap();
+        let stat = postcard::to_allocvec(&MetaRequest::StatFs).unwrap();
+        let head = &retry[..retry.len() - stat.len()];
+        for _ in 0..1_000_000 {
+            crafted.extend_from_slice(head);
+        }
+        crafted.extend_from_slice(&stat);
+        assert!(postcard::from_bytes::<MetaRequest>(&crafted).is_err());
+        let two = postcard::to_allocvec(&wrapped_in(2)).unwrap();
+        assert!(postcard::from_bytes::<MetaRequest>(&two).is_ok());
+    }
 }
