@@ -237,6 +237,34 @@ fn bytes_at(st: &MemStorage, e: &StripeExtent, at: u64, len: usize) -> Vec<u8> {
     b
 }
 
+/// A two-replica file's first stripe, grown by the old primary (from 100 bytes, `first` at
+/// its start, to 200,000) after its standby's mirror was taken.
+struct Grown {
+    mirror: Namespace,
+    ino: u64,
+    /// The stripe as the mirror lists it.
+    small: Vec<StripeExtent>,
+    /// The stripe as the old primary moved it.
+    grown: Vec<StripeExtent>,
+}
+
+/// [`Grown`], with the nodes' frees held from the move on, as a primary holds them until its
+/// standby has the change (the caller lets them go when the old primary dies).
+fn grown_after_the_mirror(st: &MemStorage, grace: Duration) -> Grown {
+    let mut old = MetaService::new(grace, st.wall_ns());
+    let (ino, small) = written_stripe(&mut old, st, "grows", 100, b"first");
+    let mirror = mirror_of(&old);
+    st.hold_frees(true);
+    let grown = stripe0(&mut old, st, ino, Some(200_000));
+    assert!(grown.iter().all(|e| e.cap() >= 200_000), "{grown:?}");
+    Grown {
+        mirror,
+        ino,
+        small,
+        grown,
+    }
+}
+
 /// The old primary grew a file's first stripe (each replica moved to a larger extent, a
 /// mount wrote to the new ones) and died before its standby had the change. The primary
 /// that takes over lists the old, tombstoned extents: without following the nodes' history
@@ -246,13 +274,8 @@ fn bytes_at(st: &MemStorage, e: &StripeExtent, at: u64, len: usize) -> Vec<u8> {
 fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents() {
     let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
-    let mut old = MetaService::new(grace, st.wall_ns());
-    let (ino, small) = written_stripe(&mut old, &st, "grows", 100, b"first");
-    // What the standby has: everything up to here.
-    let mirror = mirror_of(&old);
-    st.hold_frees(true);
-    let grown = stripe0(&mut old, &st, ino, Some(200_000));
-    assert!(grown.iter().all(|e| e.cap() >= 200_000), "{grown:?}");
+    let g = grown_after_the_mirror(&st, grace);
+    let (mirror, ino, small, grown) = (g.mirror, g.ino, g.small, g.grown);
     for e in &grown {
         st.region(e.node)
             .write(e.offset + 150_000, b"later")
@@ -441,11 +464,8 @@ fn a_last_close_before_the_mounts_report_their_sizes_trims_nothing() {
 fn a_standby_replays_a_roll_forward_it_was_made_before() {
     let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
-    let mut old = MetaService::new(grace, st.wall_ns());
-    let (ino, small) = written_stripe(&mut old, &st, "grows", 100, b"first");
-    let mirror = mirror_of(&old);
-    st.hold_frees(true);
-    let grown = stripe0(&mut old, &st, ino, Some(200_000));
+    let g = grown_after_the_mirror(&st, grace);
+    let (mirror, ino, small, grown) = (g.mirror, g.ino, g.small, g.grown);
     st.hold_frees(false);
     let mut new = MetaService::over(mirror, grace, 0);
     new.take_over(&st);
