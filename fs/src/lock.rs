@@ -201,7 +201,8 @@ impl FileLocks {
         let guard = match block_on(t.tree.acquire(0, u64::MAX)) {
             Ok(g) => g,
             Err(LockError::Retired | LockError::GivenUp) => {
-                // Being replaced by someone else: give them a moment.
+                // Being replaced by someone else (or left with an old session): a moment, then
+                // the published tree.
                 self.forget(t);
                 cl.clock().sleep(Duration::from_millis(1));
                 return Ok(());

@@ -44,7 +44,7 @@
 //! for the holders of the moment to release, as a whole-file lock does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use rackfs_verbs::{Batch, Clock, Completions, QueuePair, RemoteAddr, VerbsError, WrId};
@@ -162,7 +162,7 @@ pub struct LockTree {
     aborts: AtomicU64,
     rng: Mutex<u64>,
     /// Whether the client has moved on from this tree (see [`LockTree::give_up_when`]).
-    moved_on: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    moved_on: Option<Box<dyn Fn() -> bool + Send + Sync>>,
 }
 
 /// Client slots per tree: at most this many clients (mounts) use one tree at once.
@@ -226,7 +226,7 @@ impl LockTree {
     /// of a dead node may stay mapped and keep answering. What it held or queued for in the
     /// tree is left as is: the tree is not used again.
     pub fn give_up_when(mut self, moved_on: impl Fn() -> bool + Send + Sync + 'static) -> Self {
-        self.moved_on = Some(Arc::new(moved_on));
+        self.moved_on = Some(Box::new(moved_on));
         self
     }
 

@@ -45,9 +45,8 @@ pub enum Step {
     TakeOver,
     /// Every mount that wrote under the old primary has reported its sizes: trims resume.
     SizesSettled,
-    /// A primary that took over follows what data node `node` holds now; `resolved`: every
-    /// node followed so far, this one included.
-    RollForward { node: u32, resolved: Vec<u32> },
+    /// A primary that took over follows what data node `node` holds now.
+    RollForward { node: u32 },
 }
 
 /// What a step returned.
@@ -114,10 +113,7 @@ impl Step {
                 ns.sizes_settled();
                 Outcome::Done
             }
-            Step::RollForward { node, resolved } => {
-                let resolved: std::collections::BTreeSet<u32> = resolved.into_iter().collect();
-                Outcome::RolledForward(ns.roll_forward(node, &resolved, st))
-            }
+            Step::RollForward { node } => Outcome::RolledForward(ns.roll_forward(node, st)),
         }
     }
 }

@@ -56,8 +56,6 @@ pub struct MetaService {
     /// Each file's size as the mirror held it at take-over (see
     /// [`MetaRequest::SizeAtTakeOver`]).
     sizes_at_take_over: HashMap<u64, u64>,
-    /// The data nodes whose extents this primary has followed ([`MetaService::roll_forward`]).
-    resolved: std::collections::BTreeSet<u32>,
 }
 
 impl MetaService {
@@ -82,7 +80,6 @@ impl MetaService {
             journal: Vec::new(),
             answered: Default::default(),
             sizes_at_take_over: HashMap::new(),
-            resolved: Default::default(),
         }
     }
 
@@ -303,9 +300,7 @@ impl MetaService {
     /// A primary that took over: its tables follow what data node `node` holds now (see
     /// [`Namespace::roll_forward`]).
     pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> namespace::RolledForward {
-        self.resolved.insert(node);
-        let resolved = self.resolved.iter().copied().collect();
-        match self.step(Step::RollForward { node, resolved }, st) {
+        match self.step(Step::RollForward { node }, st) {
             Outcome::RolledForward(r) => r,
             _ => unreachable!("a roll-forward step answers what it did"),
         }

@@ -9,7 +9,7 @@
 //!
 //! Time comes from [`Storage::wall_ns`], so the service runs under a simulated clock too.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -112,6 +112,10 @@ pub struct Namespace {
     /// no last stripe is trimmed to it (the bytes past it would be lost).
     #[serde(default)]
     trims_held: bool,
+    /// A primary that took over: the data nodes whose extents it has followed
+    /// ([`Namespace::roll_forward`]).
+    #[serde(default)]
+    resolved: BTreeSet<u32>,
 }
 
 impl Namespace {
@@ -145,6 +149,7 @@ impl Namespace {
             sessions: BTreeMap::new(),
             deleted: Vec::new(),
             trims_held: false,
+            resolved: BTreeSet::new(),
         }
     }
 
@@ -1244,9 +1249,11 @@ impl Namespace {
         (v, 0)
     }
 
-    /// This primary took over (see [`crate::journal::Step::TakeOver`]).
+    /// This primary took over (see [`crate::journal::Step::TakeOver`]); it has followed no
+    /// data node yet.
     pub fn take_over(&mut self) {
         self.trims_held = true;
+        self.resolved.clear();
         self.next_tag += TAKE_OVER_SERIALS;
     }
 
@@ -1259,12 +1266,8 @@ impl Namespace {
     /// tables list on the node at what the node holds now (see [`crate::history`]: moves and
     /// retags its predecessor made without the standby knowing), drops replicas the node no
     /// longer holds, and frees the old copies of moved extents.
-    pub fn roll_forward(
-        &mut self,
-        node: u32,
-        resolved: &std::collections::BTreeSet<u32>,
-        st: &dyn Storage,
-    ) -> RolledForward {
+    pub fn roll_forward(&mut self, node: u32, st: &dyn Storage) -> RolledForward {
+        self.resolved.insert(node);
         let (_, region) = st.local();
         let mut out = RolledForward::default();
         // Every replica on the node, by (base, tag): (inode, stripe, slot).
@@ -1314,7 +1317,7 @@ impl Namespace {
         // them when it is admitted.)
         let mut stale = Vec::new();
         for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {
-            f.settle_tags(region, resolved, &mut stale);
+            f.settle_tags(region, &self.resolved, &mut stale);
         }
         for e in stale {
             out.dropped += 1;
