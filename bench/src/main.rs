@@ -128,7 +128,7 @@ enum Cmd {
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "reservations,weights,cost"
+            default_value = "reservations,weights,cost,limits"
         )]
         parts: Vec<qos_mounts::Part>,
     },

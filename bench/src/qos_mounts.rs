@@ -52,9 +52,18 @@ pub enum Part {
     Weights,
     /// QoS's own cost: qos=on (nothing reserved) against qos=off, alternating, pinned.
     Cost,
+    /// Limits reached whole with two replicas, on two and three nodes.
+    Limits,
 }
 
 pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
+    let mut md = String::new();
+    if parts.contains(&Part::Limits) {
+        md.push_str(&limits(runtime, runs));
+    }
+    if parts.iter().all(|p| *p == Part::Limits) {
+        return md;
+    }
     // Capacity: three unaccounted mounts at once, and one alone (the local constraint).
     let (capacity, alone) = {
         let c = TestCluster::start(1, "512M");
@@ -63,11 +72,11 @@ pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
         let one = iops(fio(&m.dirs[0], "q0", runtime, None));
         (all as u64, one as u64)
     };
-    let mut md = format!(
+    md.push_str(&format!(
         "Capacity measured in this run: {capacity} IOPS for three mounts at once, {alone} for \
          one alone (4 KiB random reads, fio psync direct, 1 job per mount, shm, one memory \
          node).\n\n"
-    );
+    ));
     if parts.contains(&Part::Reservations) {
         md.push_str(&reservations(capacity, alone, runtime, runs));
     }
@@ -77,6 +86,37 @@ pub fn run(runtime: u32, runs: usize, parts: &[Part]) -> String {
     if parts.contains(&Part::Cost) {
         md.push_str(&cost(runtime, runs));
     }
+    md
+}
+
+/// One mount with `limit=L` reading 4 KiB at random (one psync job, far faster than L) on
+/// clusters of two and three nodes with two replicas and ample capacity: what fio measured
+/// against L. The limit is split over the nodes by demand; reads pass a node whose share is
+/// spent, and engines lend each other room.
+fn limits(runtime: u32, runs: usize) -> String {
+    let mut md = format!(
+        "## Limits with two replicas\n\n\
+         | nodes | limit | fio IOPS (median of {runs}) | min-max | of the limit |\n\
+         |---:|---:|---:|---:|---:|\n"
+    );
+    for nodes in [2, 3] {
+        let c = TestCluster::start(nodes, "512M");
+        for limit in [2000u32, 10000] {
+            let m = rackfs_tests::Mount::new(&c, &format!("limit={limit}"));
+            let got: Vec<f64> = (0..runs)
+                .map(|_| iops(fio(&m.dir, "limited", runtime, None)))
+                .collect();
+            let (lo, hi) = got
+                .iter()
+                .fold((f64::MAX, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
+            let med = median(&got);
+            md.push_str(&format!(
+                "| {nodes} | {limit} | {med:.0} | {lo:.0}-{hi:.0} | {:.1}% |\n",
+                100.0 * med / limit as f64
+            ));
+        }
+    }
+    md.push('\n');
     md
 }
 

@@ -921,11 +921,21 @@ impl Cluster {
             return Ok(Some(admitted));
         }
         let started = self.clock().now();
-        let r = rackfs_verbs::block_on(engine.admit(tokens)).map(Some);
+        let borrow = |t| self.lend_to(node, t);
+        let r = rackfs_verbs::block_on(engine.admit_borrowing(tokens, &borrow)).map(Some);
         self.metrics
             .qos_wait
             .observe(self.clock().now().saturating_sub(started));
         r
+    }
+
+    /// Takes `tokens` of this period's limit room for node `node`'s engine from the first
+    /// other node's engine that has them to spare; whether one had. The mount's limit is one
+    /// budget, split over the nodes only by a guess of where it will work.
+    fn lend_to(&self, node: u32, tokens: u64) -> bool {
+        self.qos_engines()
+            .iter()
+            .any(|(n, e)| *n != node && e.lend_room(tokens))
     }
 
     /// Keeps this mount's QoS engines fresh while it is idle (every δ), so its unused
@@ -948,6 +958,18 @@ impl Cluster {
         if let Err(e) = self.env.spawn.spawn("qos-ticker", Box::new(ticker)) {
             warn!(error = %e, "no QoS ticker: an idle mount's reservation decays only on use");
         }
+    }
+
+    /// The nodes among `nodes` where this mount's QoS would make `tokens` wait now (none
+    /// without QoS): a read passes them over while another replica's node would not.
+    pub fn qos_held_back(&self, nodes: impl Iterator<Item = u32>, tokens: u64) -> Vec<u32> {
+        let q = self.qos.read().expect("qos lock");
+        let Some(q) = q.as_ref() else {
+            return Vec::new();
+        };
+        nodes
+            .filter(|n| q.engines.get(n).is_some_and(|e| e.would_wait(tokens)))
+            .collect()
     }
 
     /// This mount's QoS engines by node, for `rackfs status`.

@@ -140,13 +140,16 @@ impl NodeLoads {
     }
 
     /// The replica of stripe `stripe` of file `ino` a read should go to, among `replicas`
-    /// leaving out nodes in `avoid`; `None` when every replica is avoided.
+    /// leaving out nodes in `avoid`; `None` when every replica is avoided. Nodes in `held`
+    /// (where the mount's QoS would make the read wait) are passed over while another
+    /// replica's node is not.
     pub fn choose(
         &self,
         ino: u64,
         stripe: u64,
         replicas: &[StripeExtent],
         avoid: &[u32],
+        held: &[u32],
     ) -> Option<StripeExtent> {
         // One copy (replicas=1, or a degraded stripe): nothing to choose, nothing to look up.
         if let [only] = replicas {
@@ -163,7 +166,10 @@ impl NodeLoads {
             .filter(|(_, l)| !l.failed_recently(now))
             .cloned()
             .collect();
-        let pool = if healthy.is_empty() { open } else { healthy };
+        let mut pool = if healthy.is_empty() { open } else { healthy };
+        if pool.iter().any(|(e, _)| !held.contains(&e.node)) {
+            pool.retain(|(e, _)| !held.contains(&e.node));
+        }
         if pool.len() <= 1 {
             return pool.first().map(|p| p.0);
         }
@@ -220,8 +226,8 @@ mod tests {
         let r = [ext(0), ext(1)];
         let mut per_node = [0; 2];
         for stripe in 0..1000 {
-            let a = l.choose(7, stripe, &r, &[]).unwrap();
-            assert_eq!(a, l.choose(7, stripe, &r, &[]).unwrap());
+            let a = l.choose(7, stripe, &r, &[], &[]).unwrap();
+            assert_eq!(a, l.choose(7, stripe, &r, &[], &[]).unwrap());
             per_node[a.node as usize] += 1;
         }
         assert!(per_node.iter().all(|&n| n > 400), "{per_node:?}");
@@ -233,13 +239,32 @@ mod tests {
         let r = [ext(0), ext(1)];
         let _busy: Vec<InFlight> = (0..4).map(|_| l.start(1)).collect();
         for stripe in 0..100 {
-            assert_eq!(l.choose(7, stripe, &r, &[]).unwrap().node, 0);
+            assert_eq!(l.choose(7, stripe, &r, &[], &[]).unwrap().node, 0);
         }
         l.failed(0);
-        assert_eq!(l.choose(7, 3, &r, &[]).unwrap().node, 1);
+        assert_eq!(l.choose(7, 3, &r, &[], &[]).unwrap().node, 1);
         // Avoided outright: only the other one; both avoided: none.
-        assert_eq!(l.choose(7, 3, &r, &[1]).unwrap().node, 0);
-        assert_eq!(l.choose(7, 3, &r, &[0, 1]), None);
+        assert_eq!(l.choose(7, 3, &r, &[1], &[]).unwrap().node, 0);
+        assert_eq!(l.choose(7, 3, &r, &[0, 1], &[]), None);
+    }
+
+    #[test]
+    fn a_node_where_qos_would_hold_the_read_back_is_passed_over_while_another_is_not() {
+        for policy in [ReadPolicy::Static, ReadPolicy::Adaptive] {
+            let (l, _) = loads(policy);
+            let r = [ext(0), ext(1)];
+            for stripe in 0..100 {
+                assert_eq!(l.choose(7, stripe, &r, &[], &[0]).unwrap().node, 1);
+                assert_eq!(l.choose(7, stripe, &r, &[], &[1]).unwrap().node, 0);
+                // Held back everywhere: the read waits where it would have gone anyway.
+                assert_eq!(
+                    l.choose(7, stripe, &r, &[], &[0, 1]),
+                    l.choose(7, stripe, &r, &[], &[])
+                );
+                // An avoided node is not brought back by the other's QoS.
+                assert_eq!(l.choose(7, stripe, &r, &[1], &[0]).unwrap().node, 0);
+            }
+        }
     }
 
     #[test]
@@ -248,9 +273,9 @@ mod tests {
         let r = [ext(0), ext(1)];
         // A stripe the static policy reads from node 0.
         let stripe = (0..100)
-            .find(|&k| l.choose(7, k, &r, &[]).unwrap().node == 0)
+            .find(|&k| l.choose(7, k, &r, &[], &[]).unwrap().node == 0)
             .expect("some stripe reads from node 0");
-        let read_from = |l: &NodeLoads| l.choose(7, stripe, &r, &[]).unwrap().node;
+        let read_from = |l: &NodeLoads| l.choose(7, stripe, &r, &[], &[]).unwrap().node;
         let s = Duration::from_secs(1);
 
         l.failed(0);
@@ -298,7 +323,7 @@ mod tests {
         assert_eq!(l.load(1).latency_ns.load(Ordering::Relaxed), 100_000);
         // The faster node gets every read, whichever the static choice.
         for stripe in 0..50 {
-            assert_eq!(l.choose(7, stripe, &r, &[]).unwrap().node, 1);
+            assert_eq!(l.choose(7, stripe, &r, &[], &[]).unwrap().node, 1);
         }
         // A failed batch is not sampled.
         let batch = l.start(1);

@@ -13,31 +13,43 @@ use rackfs_proto::control::{ErrorCode, QosMount, QosNodeStatus};
 use rackfs_proto::Refusal;
 use rackfs_qos::pshift::{self, Problem};
 
-/// A mount's limit of `limit` IOPS (0: none) split over the nodes for one period: in
-/// proportion to its demand on each, smoothed so that a node it does not work on yet keeps a
-/// fifth of an even share (it can start there at once; the next placement follows), and never
-/// below its reservation share `alloc` there. With no demand anywhere, an even split. The
-/// shares add up to the limit (more only where a reservation share needs it).
+/// A mount's limit of `limit` IOPS (0: none) split over the nodes for one period: the whole
+/// limit over the nodes it asked for tokens on, in proportion to its demand on each, so a
+/// mount that keeps its demand where it was reaches its limit exactly (its reads pass a node
+/// whose share is spent for another replica's). A node it does not work on keeps a floor of
+/// a fiftieth of an even share beyond that (it can start there at once; the next placement
+/// follows), so a period in which it moves to new nodes may exceed the limit by at most 2%.
+/// With no demand anywhere, an even split. Never below its reservation share `alloc` there.
 pub fn split_limit(limit: u64, demand: &[u64], alloc: &[u64], period: Duration) -> Vec<u64> {
     if limit == 0 {
         return vec![0; demand.len()];
     }
-    let n = demand.len().max(1) as u128;
-    let total = per_period(limit, period).max(1) as u128;
+    let n = demand.len().max(1) as u64;
+    let total = per_period(limit, period).max(1);
     let d: u128 = demand.iter().map(|&x| x as u128).sum();
-    demand
-        .iter()
-        .zip(alloc)
-        .map(|(&dj, &aj)| {
-            let share = if d == 0 {
-                total / n
-            } else {
-                // (d_j + d/4n) / (d + d/4): every node gets at least total/5n.
-                total * (4 * n * dj as u128 + d) / (5 * n * d)
-            };
-            (share as u64).max(aj).max(1)
-        })
-        .collect()
+    let mut shares: Vec<u64> = if d == 0 {
+        vec![total / n; demand.len()]
+    } else {
+        let floor = total / (50 * n);
+        let mut s: Vec<u64> = demand
+            .iter()
+            .map(|&dj| match dj {
+                0 => floor,
+                _ => (total as u128 * dj as u128 / d) as u64,
+            })
+            .collect();
+        // What rounding down left goes to the busiest node, so the busy nodes' shares add up
+        // to the limit.
+        let busy: u64 = s.iter().zip(demand).filter(|(_, &dj)| dj > 0).map(|(x, _)| x).sum();
+        if let Some(top) = (0..demand.len()).max_by_key(|&j| demand[j]) {
+            s[top] += total - busy;
+        }
+        s
+    };
+    for (share, &aj) in shares.iter_mut().zip(alloc) {
+        *share = (*share).max(aj).max(1);
+    }
+    shares
 }
 
 /// Tokens per period of `iops` over `period`.
@@ -278,12 +290,36 @@ mod tests {
         let p = Duration::from_secs(1);
         // No demand anywhere (a fresh mount): an even split, not a token each.
         assert_eq!(split_limit(2000, &[0, 0], &[0, 0], p), vec![1000, 1000]);
-        // Demand on node 1 only: node 0 keeps a fifth of an even share.
+        // Demand on node 1 only: it has the whole limit; node 0 keeps a fiftieth of an even
+        // share beyond it.
         let l = split_limit(2000, &[0, 500], &[0, 0], p);
-        assert_eq!(l, vec![200, 1800]);
-        assert_eq!(l.iter().sum::<u64>(), 2000);
+        assert_eq!(l, vec![20, 2000]);
+        // Demand on two of three nodes: split by demand, to the token.
+        let l = split_limit(2000, &[300, 0, 400], &[0, 0, 0], p);
+        assert_eq!(l, vec![857, 13, 1143]);
+        assert_eq!(l[0] + l[2], 2000);
         // Never below the reservation share.
-        assert_eq!(split_limit(2000, &[0, 500], &[600, 0], p), vec![600, 1800]);
+        assert_eq!(split_limit(2000, &[0, 500], &[600, 0], p), vec![600, 2000]);
+        // Whatever the demand, the nodes with demand share exactly the limit, and the others
+        // at most 2% of it together.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2000 {
+            let demand: Vec<u64> = (0..1 + x % 5)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (x >> 33) % 3 * (x >> 40) % 5000
+                })
+                .collect();
+            let limit = 1 + (x >> 20) % 50_000;
+            let l = split_limit(limit, &demand, &vec![0; demand.len()], p);
+            let busy: u64 = (0..l.len()).filter(|&j| demand[j] > 0).map(|j| l[j]).sum();
+            let idle: u64 = l.iter().sum::<u64>() - busy;
+            if demand.iter().any(|&d| d > 0) {
+                // (A node with demand has a token at least: a share of 0 means no limit.)
+                assert!(busy >= limit && busy <= limit + l.len() as u64, "{demand:?} {l:?}");
+                assert!(idle <= (limit / 50).max(l.len() as u64), "{demand:?} {l:?}");
+            }
+        }
         // No limit.
         assert_eq!(split_limit(0, &[3, 4], &[1, 1], p), vec![0, 0]);
     }

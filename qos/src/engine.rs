@@ -67,6 +67,21 @@ struct State {
     spent_since_refresh: u64,
     /// The node's time into the period at the last refresh.
     last_elapsed_us: Option<u64>,
+    /// Limit room this period lent to the mount's engine on another node, and borrowed from
+    /// one ([`QosEngine::lend_room`]): the mount's limit is one budget over its nodes.
+    lent: u64,
+    borrowed: u64,
+}
+
+impl State {
+    /// Tokens the limit still allows this period (`u64::MAX`: no limit).
+    fn room(&self) -> u64 {
+        if self.limit > 0 {
+            (self.limit + self.borrowed).saturating_sub(self.used + self.lent)
+        } else {
+            u64::MAX
+        }
+    }
 }
 
 /// Everything a token check touches, under one lock: the period's state, the totals and the
@@ -315,11 +330,7 @@ impl QosEngine {
     }
 
     async fn refresh_if_due(&self) -> Result<(), VerbsError> {
-        let due = self
-            .lock()
-            .s
-            .refreshed_at
-            .is_none_or(|t| self.clock.now() >= t + self.cfg.delta);
+        let due = self.due(&self.lock().s);
         if due {
             self.refresh().await?;
         }
@@ -336,7 +347,18 @@ impl QosEngine {
     /// Waits until `tokens` may be spent on one-sided data operations on this node; hold the
     /// returned [`InFlight`] until they are done.
     pub async fn admit(&self, tokens: u64) -> Result<InFlight, VerbsError> {
-        self.admit_tokens(tokens).await?;
+        self.admit_borrowing(tokens, &|_| false).await
+    }
+
+    /// [`QosEngine::admit`], where a request held back by this node's limit share first asks
+    /// `borrow` for that much limit room from the mount's engines on other nodes (each time it
+    /// would wait): `borrow(t)` is true when another engine lent `t` ([`QosEngine::lend_room`]).
+    pub async fn admit_borrowing(
+        &self,
+        tokens: u64,
+        borrow: &dyn Fn(u64) -> bool,
+    ) -> Result<InFlight, VerbsError> {
+        self.admit_tokens(tokens, borrow).await?;
         self.flight.count.fetch_add(1, Ordering::SeqCst);
         Ok(InFlight {
             flight: self.flight.clone(),
@@ -352,14 +374,10 @@ impl QosEngine {
     pub fn try_admit(&self, tokens: u64) -> Option<InFlight> {
         let mut inner = self.lock();
         inner.quick_checks += 1;
-        if inner.quick_checks.is_multiple_of(8) || inner.s.refreshed_at.is_none() {
-            let due = inner
-                .s
-                .refreshed_at
-                .is_none_or(|t| self.clock.now() >= t + self.cfg.delta);
-            if due {
-                return None;
-            }
+        if (inner.quick_checks.is_multiple_of(8) || inner.s.refreshed_at.is_none())
+            && self.due(&inner.s)
+        {
+            return None;
         }
         if inner.line.waiting() {
             return None;
@@ -377,7 +395,67 @@ impl QosEngine {
         }
     }
 
-    async fn admit_tokens(&self, tokens: u64) -> Result<(), VerbsError> {
+    /// Whether `tokens` more would wait on this node now, as far as the engine's view goes:
+    /// requests already wait in line, this period's limit share is spent, or the reservation
+    /// and the pool are both dry. A reader with a replica on another node goes there instead,
+    /// so a limit split over the nodes is reached whole (a stale view at a period's turn only
+    /// sends a read elsewhere).
+    pub fn would_wait(&self, tokens: u64) -> bool {
+        let inner = self.lock();
+        let s = &inner.s;
+        let have = s.reservation + s.global;
+        let short = s.room() < tokens || (have < tokens && s.pool_empty);
+        // A view due for refresh may be of a period that ended: only a request tells.
+        inner.line.waiting() || (short && !self.due(s))
+    }
+
+    /// Whether the view of the node is older than δ (the next request refreshes it).
+    fn due(&self, s: &State) -> bool {
+        s.refreshed_at
+            .is_none_or(|t| self.clock.now() >= t + self.cfg.delta)
+    }
+
+    /// Whether this period's limit share leaves no room for `tokens` more: the mount may
+    /// borrow room from its engine on another node ([`QosEngine::lend_room`]).
+    pub fn short_of_room(&self, tokens: u64) -> bool {
+        self.lock().s.room() < tokens
+    }
+
+    /// Gives up `tokens` of this period's limit room, for the same mount's engine on another
+    /// node whose share is spent ([`QosEngine::add_room`]); `false` if this engine lacks the
+    /// room, requests wait in line here, or its view of the node is older than 8δ (its
+    /// period may have ended: room of an ended period is not lent). A limit split over the
+    /// nodes by a guess of where the mount will work is thus reached whole wherever it works;
+    /// the node's capacity is still guarded by its pool.
+    pub fn lend_room(&self, tokens: u64) -> bool {
+        let mut inner = self.lock();
+        // The ticker refreshes an idle engine every 4δ.
+        let fresh = inner
+            .s
+            .refreshed_at
+            .is_some_and(|t| self.clock.now() < t + 8 * self.cfg.delta);
+        if !fresh || inner.line.waiting() || inner.s.limit == 0 || inner.s.room() < tokens {
+            return false;
+        }
+        inner.s.lent += tokens;
+        true
+    }
+
+    /// Adds `tokens` of limit room lent by another engine of the mount to this period's
+    /// (lost if the period has already ended: the lender gave up room the mount then does not
+    /// use, never more).
+    pub fn add_room(&self, tokens: u64) {
+        let mut inner = self.lock();
+        if inner.s.limit > 0 {
+            inner.s.borrowed += tokens;
+        }
+    }
+
+    async fn admit_tokens(
+        &self,
+        tokens: u64,
+        borrow: &dyn Fn(u64) -> bool,
+    ) -> Result<(), VerbsError> {
         let mut counted = false;
         // Fast path: nobody waiting and tokens at hand (or in the pool).
         loop {
@@ -389,15 +467,17 @@ impl QosEngine {
                     counted = true;
                 }
                 if inner.line.waiting() {
-                    Step::Wait
+                    (Step::Wait, false)
                 } else {
-                    Self::take(&mut inner, tokens, false).1
+                    let step = Self::take(&mut inner, tokens, false).1;
+                    (step, inner.s.room() < tokens)
                 }
             };
             match step {
-                Step::Go => return Ok(()),
-                Step::Claim => self.claim(tokens).await?,
-                Step::Wait => break,
+                (Step::Go, _) => return Ok(()),
+                (Step::Claim, _) => self.claim(tokens).await?,
+                (Step::Wait, true) if borrow(tokens) => self.add_room(tokens),
+                (Step::Wait, _) => break,
             }
         }
         // Wait in line: first come, first served, re-checking every δ.
@@ -407,7 +487,7 @@ impl QosEngine {
             inner.owed += tokens;
             inner.line.join()
         };
-        let res = self.wait_in_line(ticket, tokens).await;
+        let res = self.wait_in_line(ticket, tokens, borrow).await;
         self.lock().line.leave();
         res
     }
@@ -417,11 +497,7 @@ impl QosEngine {
     /// without, all or nothing. Returns the tokens spent and what to do next.
     fn take(inner: &mut Inner, tokens: u64, partial: bool) -> (u64, Step) {
         let s = &mut inner.s;
-        let room = if s.limit > 0 {
-            s.limit.saturating_sub(s.used)
-        } else {
-            u64::MAX
-        };
+        let room = s.room();
         let have = s.reservation + s.global;
         let n = tokens.min(room).min(have);
         if n == tokens || (partial && n > 0) {
@@ -477,14 +553,19 @@ impl QosEngine {
 
     /// Waits for `ticket`'s turn, then gathers `tokens`, piece by piece if one period does not
     /// have them all.
-    async fn wait_in_line(&self, ticket: u64, tokens: u64) -> Result<(), VerbsError> {
+    async fn wait_in_line(
+        &self,
+        ticket: u64,
+        tokens: u64,
+        borrow: &dyn Fn(u64) -> bool,
+    ) -> Result<(), VerbsError> {
         Turn {
             inner: &self.inner,
             ticket,
         }
         .await;
         let mut missing = tokens;
-        let res = self.gather(&mut missing).await;
+        let res = self.gather(&mut missing, borrow).await;
         if res.is_err() {
             // What a failed request still needed is no longer owed (what it got stays spent).
             self.lock().owed -= missing;
@@ -492,7 +573,11 @@ impl QosEngine {
         res
     }
 
-    async fn gather(&self, missing: &mut u64) -> Result<(), VerbsError> {
+    async fn gather(
+        &self,
+        missing: &mut u64,
+        borrow: &dyn Fn(u64) -> bool,
+    ) -> Result<(), VerbsError> {
         loop {
             self.refresh_if_due().await?;
             let step = {
@@ -502,9 +587,11 @@ impl QosEngine {
                 *missing -= got;
                 step
             };
+            let short = *missing;
             match step {
                 Step::Go => return Ok(()),
                 Step::Claim => self.claim(*missing).await?,
+                Step::Wait if self.short_of_room(short) && borrow(short) => self.add_room(short),
                 Step::Wait => {
                     self.clock.sleep(self.cfg.delta).await;
                     self.refresh().await?;

@@ -313,3 +313,75 @@ fn a_reused_qos_slot_does_not_show_the_previous_mounts_periods() {
         "B inherits none of A's periods: {q:?}"
     );
 }
+
+/// Per node, the tokens the mount in `slot` spent in each of the node's finished periods.
+fn spent_per_node(q: &rackfs_proto::control::QosStatus, slot: u16) -> Vec<Vec<(u64, u64)>> {
+    q.nodes
+        .iter()
+        .map(|n| {
+            n.periods
+                .iter()
+                .map(|p| {
+                    let used = p.mounts.iter().filter(|e| e.0 == slot).map(|e| e.2).sum();
+                    (p.period, used)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A limit split over the nodes (by the mount's demand on each) is reached whole with two
+/// replicas: a mount reading far below what it could is held at its limit, not at the 90% it
+/// used to reach (it spent its share of the node it read from and never the tenth the idle
+/// node kept). The figure is the nodes' own accounting: per node, the tokens the mount spent
+/// per period while it read, averaged, summed over the nodes (their periods need not align).
+#[test]
+fn a_limit_is_reached_whole_with_two_replicas_on_two_and_three_nodes() {
+    use rackfs_proto::control::{ControlRequest, ControlResponse};
+    for nodes in [2, 3] {
+        let c = cluster(nodes);
+        let status = || match c.control(0).call(&ControlRequest::QosStatus).unwrap() {
+            ControlResponse::QosStatus(q) => q,
+            other => panic!("{other:?}"),
+        };
+        let m = Mount::new(&c, "limit=1000");
+        // 8 stripes (1 MiB each), two replicas each.
+        std::fs::write(m.path("f"), vec![3u8; 8 << 20]).unwrap();
+        let slot = status().mounts[0].slot;
+        let before: Vec<u64> = spent_per_node(&status(), slot)
+            .iter()
+            .map(|p| p.last().map_or(0, |l| l.0))
+            .collect();
+        let run = rackfs_tests::Fio::job("reader", &m.dir)
+            .opt("filename", "f")
+            .opt("rw", "randread")
+            .opt("bs", "4k")
+            .opt("size", "8M")
+            .opt("ioengine", "psync")
+            .opt("direct", 1)
+            .flag("time_based")
+            .opt("runtime", 3)
+            .run();
+        let iops = run.first().read.iops;
+        let after = spent_per_node(&status(), slot);
+        // 200 ms periods: 200 tokens each. Per node, the periods wholly within fio's run: from
+        // the second after it started, all but the last.
+        let mut per_period = 0.0;
+        for (node, periods) in after.iter().enumerate() {
+            let during: Vec<u64> = periods
+                .iter()
+                .filter(|p| p.0 > before[node] + 1)
+                .map(|p| p.1)
+                .collect();
+            assert!(during.len() >= 8, "node {node}: too few periods: {periods:?}");
+            let whole = &during[..during.len() - 1];
+            per_period += whole.iter().sum::<u64>() as f64 / whole.len() as f64;
+            eprintln!("{nodes} nodes, node {node}: tokens per period {whole:?}");
+        }
+        eprintln!("{nodes} nodes: fio {iops:.0} IOPS, {per_period:.1} tokens per period");
+        assert!(
+            (190.0..=206.0).contains(&per_period),
+            "{nodes} nodes, limit 200 tokens per period: spent {per_period:.1} a period"
+        );
+    }
+}
