@@ -116,6 +116,31 @@ fn limits(runtime: u32, runs: usize) -> String {
             ));
         }
     }
+    // Reservations under contention: each node's QoS capacity set to 3000 IOPS, so a
+    // mount reserving 2400 and one reserving nothing, both reading, share a pool that binds.
+    let reserved = 2400u32;
+    md.push_str(&format!(
+        "\n## A reservation with two replicas, each node's QoS capacity 3000 IOPS\n\n\
+         | nodes | reservation | its IOPS (median of {runs}) | of the reservation | the other mount's IOPS |\n\
+         |---:|---:|---:|---:|---:|\n"
+    ));
+    for nodes in [2, 3] {
+        let c = TestCluster::start_with(
+            nodes,
+            "512M",
+            &["--qos-capacity", "3000", "--qos-client-capacity", "3000"],
+        );
+        let m = mount_all(&c, &[&format!("reservation={reserved}"), "qos=on"]);
+        let got: Vec<Vec<f64>> = (0..runs).map(|_| together(&m, runtime)).collect();
+        let a: Vec<f64> = got.iter().map(|g| g[0]).collect();
+        let b: Vec<f64> = got.iter().map(|g| g[1]).collect();
+        md.push_str(&format!(
+            "| {nodes} | {reserved} | {:.0} | {:.1}% | {:.0} |\n",
+            median(&a),
+            100.0 * median(&a) / reserved as f64,
+            median(&b)
+        ));
+    }
     md.push('\n');
     md
 }

@@ -706,7 +706,10 @@ impl FileData {
                     1 => Vec::new(),
                     _ => cl.qos_held_back(replicas.iter().map(|r| r.node), tokens_for(p.len)),
                 };
-                let Some(e) = cl.loads.choose(self.ino, p.stripe, &replicas, &avoid, &held) else {
+                let Some(e) = cl
+                    .loads
+                    .choose(self.ino, p.stripe, &replicas, &avoid, &held)
+                else {
                     if attempts.patient() {
                         // Each failed node's connection was dropped: the next use reconnects,
                         // in this mount's current session (the node fenced an earlier one when

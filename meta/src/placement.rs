@@ -40,7 +40,12 @@ pub fn split_limit(limit: u64, demand: &[u64], alloc: &[u64], period: Duration) 
             .collect();
         // What rounding down left goes to the busiest node, so the busy nodes' shares add up
         // to the limit.
-        let busy: u64 = s.iter().zip(demand).filter(|(_, &dj)| dj > 0).map(|(x, _)| x).sum();
+        let busy: u64 = s
+            .iter()
+            .zip(demand)
+            .filter(|(_, &dj)| dj > 0)
+            .map(|(x, _)| x)
+            .sum();
         if let Some(top) = (0..demand.len()).max_by_key(|&j| demand[j]) {
             s[top] += total - busy;
         }
@@ -306,7 +311,9 @@ mod tests {
         for _ in 0..2000 {
             let demand: Vec<u64> = (0..1 + x % 5)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     (x >> 33) % 3 * (x >> 40) % 5000
                 })
                 .collect();
@@ -316,7 +323,10 @@ mod tests {
             let idle: u64 = l.iter().sum::<u64>() - busy;
             if demand.iter().any(|&d| d > 0) {
                 // (A node with demand has a token at least: a share of 0 means no limit.)
-                assert!(busy >= limit && busy <= limit + l.len() as u64, "{demand:?} {l:?}");
+                assert!(
+                    busy >= limit && busy <= limit + l.len() as u64,
+                    "{demand:?} {l:?}"
+                );
                 assert!(idle <= (limit / 50).max(l.len() as u64), "{demand:?} {l:?}");
             }
         }

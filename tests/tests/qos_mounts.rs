@@ -373,7 +373,10 @@ fn a_limit_is_reached_whole_with_two_replicas_on_two_and_three_nodes() {
                 .filter(|p| p.0 > before[node] + 1)
                 .map(|p| p.1)
                 .collect();
-            assert!(during.len() >= 8, "node {node}: too few periods: {periods:?}");
+            assert!(
+                during.len() >= 8,
+                "node {node}: too few periods: {periods:?}"
+            );
             let whole = &during[..during.len() - 1];
             per_period += whole.iter().sum::<u64>() as f64 / whole.len() as f64;
             eprintln!("{nodes} nodes, node {node}: tokens per period {whole:?}");
