@@ -1,6 +1,7 @@
 //! Where RackFS's logic takes time from: a [`Clock`] handed in by whoever builds it, never
-//! the operating system's clock read directly, so the client core (`rackfs_fs`) runs on
-//! virtual time under simulation and in tests.
+//! the operating system's clock read directly, so the client core (`rackfs_fs`) and the
+//! embedded coordinator (`rackfs_coord::Local`) run on virtual time under simulation and in
+//! tests.
 //!
 //! Two readings: a monotonic one for ages, leases, back-offs and latencies ([`Clock::now`],
 //! [`Clock::mono_ns`]), and the wall clock for the times stored in inodes ([`Clock::wall_ns`]).
