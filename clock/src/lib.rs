@@ -1,14 +1,15 @@
 //! Where RackFS's logic takes time from: a [`Clock`] handed in by whoever builds it, never
-//! the operating system's clock read directly, so the client core (`rackfs_fs`) and the
-//! embedded coordinator (`rackfs_coord::Local`) run on virtual time under simulation and in
-//! tests.
+//! the operating system's clock read directly, so the client core (`rackfs_fs`), the memory
+//! node's logic (`rackfs_memnode`) and the embedded coordinator (`rackfs_coord::Local`) run
+//! on virtual time under simulation and in tests.
 //!
 //! Two readings: a monotonic one for ages, leases, back-offs and latencies ([`Clock::now`],
 //! [`Clock::mono_ns`]), and the wall clock for the times stored in inodes ([`Clock::wall_ns`]).
 //! Waiting is also the clock's ([`Clock::sleep`]): on a virtual clock a sleep moves time
 //! forward instead of blocking.
 //!
-//! * [`SystemClock`]: the host's clocks; a process builds it where it starts (a mount).
+//! * [`SystemClock`]: the host's clocks; a process builds it where it starts (a mount, a
+//!   memory node's daemon).
 //! * [`ManualClock`]: time that moves only when told to (or slept through), for tests and
 //!   single-threaded simulation.
 //!
@@ -40,7 +41,7 @@ pub trait Clock: Send + Sync {
     }
 }
 
-/// A clock shared by everything that runs on it (a mount's core).
+/// A clock shared by everything that runs on it (a mount's core, a memory node's parts).
 pub type SharedClock = Arc<dyn Clock>;
 
 /// A clock that moves only when told: [`ManualClock::advance`], or a [`Clock::sleep`], which
