@@ -14,7 +14,8 @@
 //!
 //! The node's logic takes its time from a `rackfs_clock::Clock` handed in
 //! ([`MemNode::start_with_clock`]; the host's with [`MemNode::start`]), never from the
-//! operating system, so that a simulation can run whole clusters on virtual time.
+//! operating system, so that a simulation can run whole clusters on virtual time
+//! (`tests/core_isolation.rs` holds the modules to that).
 
 pub mod alloc;
 pub mod baseline;
