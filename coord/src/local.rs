@@ -1,14 +1,14 @@
 //! The embedded coordinator: in the primary's process, for clusters without etcd. It keeps the
 //! same semantics as etcd but lives and dies with the primary. When its process was paused
 //! (nobody could renew meanwhile), every lease restarts instead of lapsing, as etcd extends
-//! leases when its leader changes.
+//! leases when its leader changes. Its leases are timed on a [`SharedClock`] handed in: the
+//! host's ([`Local::new`]), or a simulation's ([`Local::with_clock`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// Time as the coordinator reads it: since a fixed start.
-pub type Clock = Box<dyn Fn() -> Duration + Send + Sync>;
+use rackfs_clock::{SharedClock, SystemClock};
 
 use crate::{CoordError, Coordinator, Guard, LeaseId, Write};
 
@@ -93,19 +93,18 @@ impl State {
 pub struct Local {
     state: Mutex<State>,
     pause: Duration,
-    clock: Clock,
+    clock: SharedClock,
 }
 
 impl Local {
     /// `pause`: a gap between two calls longer than this means the process was paused (its
     /// owner calls at least that often).
     pub fn new(pause: Duration) -> Local {
-        let start = Instant::now();
-        Local::with_clock(pause, Box::new(move || start.elapsed()))
+        Local::with_clock(pause, Arc::new(SystemClock::new()))
     }
 
-    /// [`Local::new`] on a clock of the caller's (a simulation's).
-    pub fn with_clock(pause: Duration, clock: Clock) -> Local {
+    /// [`Local::new`] on a clock of the caller's (a memory node's, a simulation's).
+    pub fn with_clock(pause: Duration, clock: SharedClock) -> Local {
         Local {
             state: Mutex::default(),
             pause,
@@ -115,8 +114,12 @@ impl Local {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         let mut s = self.state.lock().expect("coordinator lock");
-        let now = (self.clock)();
-        if let Some(gap) = s.last.map(|l| now - l).filter(|&g| g > self.pause) {
+        let now = self.clock.now();
+        if let Some(gap) = s
+            .last
+            .map(|l| now.saturating_sub(l))
+            .filter(|&g| g > self.pause)
+        {
             tracing::info!(paused = ?gap, "the embedded coordinator was paused: every lease restarts");
             for (ttl, until) in s.leases.values_mut() {
                 *until = now + *ttl;
@@ -130,7 +133,7 @@ impl Local {
 
 impl Coordinator for Local {
     fn grant(&self, ttl: Duration) -> Result<(LeaseId, Duration), CoordError> {
-        let now = (self.clock)();
+        let now = self.clock.now();
         let mut s = self.state();
         s.next += 1;
         let id = s.next;
@@ -139,7 +142,7 @@ impl Coordinator for Local {
     }
 
     fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError> {
-        let now = (self.clock)();
+        let now = self.clock.now();
         let mut s = self.state();
         let (ttl, until) = s.leases.get_mut(&lease).ok_or(CoordError::Expired(lease))?;
         *until = now + *ttl;

@@ -89,6 +89,8 @@ impl EtcdServer {
             s.members.push(m);
         }
         let probe = Etcd::new(&s.endpoints(), "probe", Duration::from_millis(500)).expect("valid");
+        // Waiting for real etcd processes to answer: the host's time, not a simulation's (this
+        // module starts processes; the coordinator's logic is `Local`'s and `Etcd`'s).
         let end = Instant::now() + Duration::from_secs(20);
         while probe.get("ready").is_err() {
             let exited = s.members.iter_mut().any(|m| {

@@ -17,10 +17,10 @@
 //! `RACKFS_LEASE_SEEDS=N` runs more seeds.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rackfs_clock::{Clock, ManualClock};
 use rackfs_coord::{
     claim, renew, renew_every, Claimed, CoordError, Coordinator, Guard, Held, LeaseId, Local, Write,
 };
@@ -124,15 +124,10 @@ struct Coverage {
 /// without, with a plain put (the mutation the oracle must catch).
 fn run(seed: u64, guarded: bool, cov: &mut Coverage) -> Result<(), String> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let clock = Arc::new(AtomicU64::new(0));
-    let c = {
-        let clock = clock.clone();
-        Local::with_clock(
-            TTL / 4,
-            Box::new(move || Duration::from_nanos(clock.load(Ordering::SeqCst))),
-        )
-    };
-    let set = |t: Duration| clock.store(t.as_nanos() as u64, Ordering::SeqCst);
+    let clock = Arc::new(ManualClock::default());
+    let c = Local::with_clock(TTL / 4, clock.clone());
+    // The coordinator's clock follows the simulation's (which never goes back).
+    let set = |t: Duration| clock.advance(t.saturating_sub(clock.now()));
     let kinds = (0..CANDIDATES)
         .map(|_| Kind::Candidate)
         .chain((0..MEMBERS).map(Kind::Member));

@@ -17,7 +17,6 @@ const RULES: [Rule; 2] = [
     Rule {
         calls: &["Instant::now", "SystemTime::now", "thread::sleep"],
         allowed: &[
-            ("clock/system.rs", "the host's clock itself"),
             // Mounting (daemon start, waiting for the mount to show up) is the process's own
             // business, outside the core.
             ("mount.rs", "daemon start-up, outside the core"),

@@ -88,7 +88,7 @@ fn handshake<S: Read + Write>(
             Err("shm connections must use the memory node's Unix socket (--shm-socket)".into())
         } else if h.kind == ConnKind::Rdma && node.rdma.is_none() {
             Err("this memory node serves no RDMA clients (start it with --rdma-device NAME)".into())
-        } else if h.kind != ConnKind::Control && !node.serve.valid() {
+        } else if h.kind != ConnKind::Control && !node.serving() {
             Err(format!(
                 "memory node {}'s lease from the primary lapsed: it serves no data until the \
                  primary renews it",
@@ -182,6 +182,9 @@ impl Conn for UnixStream {
 
 /// Authenticates a connection and serves it as the kind of connection it asked for.
 fn serve_conn<S: Conn>(mut stream: S, peer: &str, node: &Node) {
+    // A socket's read timeout is the kernel's, on the host's time, not the node's clock: this
+    // is plumbing between sockets and the node (so are the verbs NIC threads' lease checks,
+    // on the host's clock the serve lease is kept on: see `Node::lease_ns`).
     stream.set_timeout(Some(HANDSHAKE_TIMEOUT));
     let unix = std::any::TypeId::of::<S>() == std::any::TypeId::of::<UnixStream>();
     let Some(admitted) = handshake(&mut stream, peer, node, unix) else {

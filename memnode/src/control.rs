@@ -42,7 +42,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         if let (false, Err(r)) = (harmless, l.check(session)) {
             return r.into();
         }
-        if !harmless && !node.serve.valid() {
+        if !harmless && !node.serving() {
             return refused(
                 ErrorCode::NotPrimary,
                 format!(
@@ -250,7 +250,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     .expect("primary");
                 // A change is answered only while the primary still holds its lease: a
                 // standby elected meanwhile may lack it (its journal may not have arrived).
-                if !node.serve.valid() {
+                if !node.serving() {
                     return refused(
                         ErrorCode::NotPrimary,
                         format!(

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rackfs_clock::{SharedClock, SystemClock};
 use rackfs_coord::{CoordError, Coordinator, Etcd, Guard, LeaseId, Local, Write};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
@@ -95,8 +96,9 @@ pub fn members(c: &dyn Coordinator) -> Result<Vec<(u32, LeaseId)>, CoordError> {
 pub type Opened = (Arc<dyn Coordinator>, Option<Arc<Remote>>);
 
 /// The coordinator of a node with configuration `cfg`, and, for a data node on the embedded
-/// one, the [`Remote`] itself: it is pointed at the primary once the node found it.
-pub fn open(cfg: &NodeConfig) -> Result<Opened, CoordError> {
+/// one, the [`Remote`] itself: it is pointed at the primary once the node found it. The one
+/// embedded in the primary times its leases on `clock` (the node's).
+pub fn open(cfg: &NodeConfig, clock: &SharedClock) -> Result<Opened, CoordError> {
     let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
     Ok(match (&cfg.coordinator, &cfg.role) {
         (Coordination::Etcd(endpoints), _) => (
@@ -113,7 +115,10 @@ pub fn open(cfg: &NodeConfig) -> Result<Opened, CoordError> {
             (r.clone(), Some(r))
         }
         // The primary asks it at least every member check, an eighth of a lease.
-        (Coordination::InPrimary, _) => (Arc::new(Local::new(cfg.node_lease / 4)), None),
+        (Coordination::InPrimary, _) => (
+            Arc::new(Local::with_clock(cfg.node_lease / 4, clock.clone())),
+            None,
+        ),
     })
 }
 
@@ -376,9 +381,11 @@ impl CoordService {
     /// Serves a fresh [`Local`] at `path` to clients proving `secret`. `node_lease` is the
     /// nodes' lease: a gap of a quarter of it between two looks at the clock means this process
     /// was paused, and every lease then restarts instead of lapsing (nobody could renew).
+    /// A service of its own process, it runs on the host's clock.
     pub fn start(path: &Path, secret: Secret, node_lease: Duration) -> std::io::Result<Self> {
         let listener = UnixListener::bind(path)?;
-        let coord = Arc::new(Local::new(node_lease / 4));
+        let clock: SharedClock = Arc::new(SystemClock::new());
+        let coord = Arc::new(Local::with_clock(node_lease / 4, clock.clone()));
         let keeper = coord.clone();
         let look_every = (node_lease / 16).max(Duration::from_millis(5));
         std::thread::Builder::new()
@@ -386,7 +393,7 @@ impl CoordService {
             .spawn(move || loop {
                 // Any call looks at the clock: only a pause of the whole process leaves a gap.
                 let _ = keeper.get("");
-                std::thread::sleep(look_every);
+                clock.sleep(look_every);
             })?;
         let welcome = Welcome {
             proof: [0; rackfs_verbs::wire::PROOF_LEN],

@@ -1,5 +1,6 @@
 //! Starting and stopping a memory node: regions, listeners, and one thread per background
-//! duty (quarantine reaper, QoS monitor and controller, lock-tree tending, metrics).
+//! duty (quarantine reaper, QoS monitor and controller, lock-tree tending, metrics). The
+//! threads are the host's; their loops sleep on the node's clock.
 //!
 //! Remote memory ownership: the node's CPU writes region memory only when it initialises the
 //! read-only info region at start-up, and where its parts say so (the store's tags and zeroing,
@@ -11,8 +12,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::{SharedClock, SystemClock};
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
 use rackfs_verbs::auth::NonceLog;
@@ -24,14 +26,16 @@ use tracing::{info, warn};
 use crate::baseline::BaselineLocks;
 use crate::config::{NodeConfig, Role};
 use crate::counters::NodeCounters;
+use crate::fence::Fences;
 use crate::lease::Leases;
 use crate::liveness::{Renewer, TakeOver};
 use crate::membership::Membership;
-use crate::node::{first_session, wall_ns, Node};
+use crate::node::{first_session, host_origin, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
 use crate::term::PRIMARY_KEY;
+use crate::watch::Watchers;
 
 /// Magic at offset 0 of the read-only info region.
 pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
@@ -68,7 +72,11 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
             .is_ok()
         && node
             .leases
-            .set(Leases::on(node.cfg.lock_lease, node.coord.clone()))
+            .set(Leases::on(
+                node.cfg.lock_lease,
+                node.coord.clone(),
+                node.clock.clone(),
+            ))
             .is_ok()
         && node.epochs.set(Default::default()).is_ok();
     assert!(set, "a node becomes primary once");
@@ -86,17 +94,18 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
     let check = (lease / 20).max(Duration::from_millis(10));
     thread(node, "leases", move |n| {
         let leases = n.leases.get().expect("primary");
-        let mut last = Instant::now();
+        let mut last = n.clock.now();
         while !n.is_stopping() {
-            std::thread::sleep(check);
-            let now = Instant::now();
-            if now - last > check + leases.lease() / 4 {
+            n.clock.sleep(check);
+            let now = n.clock.now();
+            let gap = now.saturating_sub(last);
+            if gap > check + leases.lease() / 4 {
                 // This node was paused: nobody could renew meanwhile.
-                info!(paused = ?(now - last), "lease checks resumed after a pause of this node: every mount's lease restarts");
+                info!(paused = ?gap, "lease checks resumed after a pause of this node: every mount's lease restarts");
                 leases.restart_all(now);
             }
             last = now;
-            if !n.serve.valid() {
+            if !n.serving() {
                 continue; // deposed, or not yet renewed: no mount is fenced meanwhile
             }
             for session in leases.expire(now) {
@@ -109,8 +118,8 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
     thread(node, "mount-leases", move |n| {
         let leases = n.leases.get().expect("primary");
         while !n.is_stopping() {
-            std::thread::sleep(lease / 8);
-            if !n.serve.valid() {
+            n.clock.sleep(lease / 8);
+            if !n.serving() {
                 continue;
             }
             for session in leases.lapsed_in_coordinator() {
@@ -168,11 +177,11 @@ fn thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 's
         .expect("spawn a node thread");
 }
 
-/// Runs `tick` every `every` on a named thread until the node stops.
+/// Runs `tick` every `every` (on the node's clock) on a named thread until the node stops.
 fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + Send + 'static) {
     thread(node, name, move |n| {
         while !n.is_stopping() {
-            std::thread::sleep(every);
+            n.clock.sleep(every);
             tick(&n);
         }
     });
@@ -183,15 +192,23 @@ fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + S
 /// [`crate::term`]).
 fn duty(node: &Arc<Node>, name: &str, every_: Duration, tick: impl Fn(&Node) + Send + 'static) {
     every(node, name, every_, move |n| {
-        if n.serve.valid() {
+        if n.serving() {
             tick(n)
         }
     });
 }
 
 impl MemNode {
-    /// Creates the regions, binds the listeners and starts serving.
-    pub fn start(mut cfg: NodeConfig) -> Result<MemNode, StartError> {
+    /// Creates the regions, binds the listeners and starts serving, on the host's clock.
+    pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
+        MemNode::start_with_clock(cfg, Arc::new(SystemClock::new()))
+    }
+
+    /// [`MemNode::start`] with the node's parts taking time from `clock` (a simulation's).
+    pub fn start_with_clock(
+        mut cfg: NodeConfig,
+        clock: SharedClock,
+    ) -> Result<MemNode, StartError> {
         if cfg.listen.is_none() && cfg.shm_socket.is_none() {
             return Err(StartError::NoListener);
         }
@@ -251,14 +268,20 @@ impl MemNode {
             Role::Standalone => 0,
             _ => crate::store::meta_area_len(len),
         };
-        let store = Store::new(&cfg.name, data.clone(), cfg.quarantine, meta_len);
+        let store = Store::new(
+            &cfg.name,
+            data.clone(),
+            cfg.quarantine,
+            meta_len,
+            clock.clone(),
+        );
         // Cluster members run QoS on an area of their region; a standalone node (benchmarks,
         // verbs tests) leaves its whole region to its clients.
         let qos = (cfg.role != Role::Standalone).then(|| {
             let area = store
                 .alloc(rackfs_qos::area::AREA_LEN, 64, None)
                 .expect("a fresh region has room for the QoS area");
-            NodeQos::new(cfg.qos.clone(), &data, area)
+            NodeQos::new(cfg.qos.clone(), &data, area, clock.clone())
         });
         let me = NodeAddr {
             node_id: cfg.node_id,
@@ -270,7 +293,7 @@ impl MemNode {
             quarantine_ms: cfg.quarantine.as_millis() as u64,
             domain: cfg.domain.clone(),
         };
-        let (coord, remote) = crate::coordinator::open(&cfg)?;
+        let (coord, remote) = crate::coordinator::open(&cfg, &clock)?;
         if cfg.role == Role::Primary && cfg.coordinator.elects() {
             if let Some(why) = crate::election::joins_instead(&*coord, cfg.node_id)? {
                 info!(reason = %why, "the cluster lives: joining it as a data node, not as its primary");
@@ -278,13 +301,14 @@ impl MemNode {
             }
         }
         let is_primary = cfg.role == Role::Primary;
-        let sessions_from = first_session();
+        let sessions_from = first_session(&*clock);
         let primacy = match (is_primary, cfg.coordinator.elects()) {
             (true, true) => Some(crate::election::Primacy::campaign(
                 coord.clone(),
                 crate::coordinator::primary_value(&me, sessions_from),
                 cfg.node_lease,
                 &cfg.cluster,
+                &*clock,
             )?),
             _ => None,
         };
@@ -306,18 +330,14 @@ impl MemNode {
             members: Membership::new(me, is_primary),
             meta: OnceLock::new(),
             controller: OnceLock::new(),
-            watchers: Default::default(),
-            fences: Default::default(),
+            watchers: Watchers::new(clock.clone()),
+            fences: Fences::new(clock.clone()),
             leases: OnceLock::new(),
             epochs: OnceLock::new(),
             coord,
             serve: match (&cfg.role, &primacy) {
-                (Role::Join(_), _) => ServeLease::none(),
-                (_, Some(p)) => {
-                    let l = ServeLease::none();
-                    l.extend_to(p.until_ns());
-                    l
-                }
+                // An elected primary's is its election's lease (extended below).
+                (Role::Join(_), _) | (_, Some(_)) => ServeLease::none(),
                 _ => ServeLease::forever(),
             },
             lease_words: Default::default(),
@@ -337,10 +357,15 @@ impl MemNode {
             standby: Default::default(),
             term: Default::default(),
             followed: Default::default(),
-            started: Instant::now(),
+            host_origin: host_origin(&*clock),
+            started: clock.now(),
+            clock,
             stopping: AtomicBool::new(false),
             cfg,
         });
+        if let Some(p) = &primacy {
+            node.serve.extend_to(node.lease_ns(p.until()));
+        }
         if let Some((lease, epoch)) = term {
             node.term.begin(lease, epoch);
         }
@@ -359,7 +384,7 @@ impl MemNode {
             });
         }
         if is_primary {
-            let mut m = MetaService::new(node.cfg.quarantine, wall_ns());
+            let mut m = MetaService::new(node.cfg.quarantine, node.clock.wall_ns());
             m.namespace.set_default_replicas(node.cfg.replicas);
             start_primary(&node, m);
         }

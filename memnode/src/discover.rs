@@ -9,7 +9,7 @@
 //! not change it.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::RpcError;
@@ -191,7 +191,7 @@ fn candidates(node: &Node, addrs: &[String], tried: &mut Tried) -> Vec<String> {
 /// returns the address that took the node in.
 pub fn join(node: &Node, addrs: &[String]) -> Result<String, JoinError> {
     check(&node.cfg.role, &node.cfg.coordinator)?;
-    let started = Instant::now();
+    let started = node.clock.now();
     let give_up = started + patience(node.cfg.node_lease);
     let mut tried = Tried::default();
     loop {
@@ -213,14 +213,16 @@ pub fn join(node: &Node, addrs: &[String]) -> Result<String, JoinError> {
                 break;
             }
         }
-        let now = Instant::now();
+        let now = node.clock.now();
         if now >= give_up || node.is_stopping() {
+            let waited = now.saturating_sub(started);
             return Err(JoinError::NoPrimary {
-                waited: Duration::from_millis(started.elapsed().as_millis() as u64),
+                waited: Duration::from_millis(waited.as_millis() as u64),
                 tried,
             });
         }
-        std::thread::sleep((give_up - now).min(Duration::from_millis(300)));
+        node.clock
+            .sleep((give_up - now).min(Duration::from_millis(300)));
     }
 }
 

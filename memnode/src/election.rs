@@ -8,10 +8,10 @@
 //! the primary itself, so there it simply holds.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::Clock;
 use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Guard, Held, LeaseId};
-use rackfs_verbs::lease::monotonic_ns;
 use tracing::{error, info, warn};
 
 use crate::coordinator::{members, parse_primary, parse_standby};
@@ -50,11 +50,6 @@ pub fn joins_instead(coord: &dyn Coordinator, me: u32) -> Result<Option<String>,
         .then(|| format!("node {standby} is the metadata standby and takes over the namespace")))
 }
 
-/// Now on the clock leases are timed by (`rackfs_verbs::lease`).
-fn now() -> Duration {
-    Duration::from_nanos(monotonic_ns())
-}
-
 /// A primary's hold on its cluster.
 pub struct Primacy {
     coord: Arc<dyn Coordinator>,
@@ -67,17 +62,19 @@ pub struct Primacy {
 
 impl Primacy {
     /// Takes the `primary` key for `me` (its value) under a lease of `ttl`, waiting out an earlier
-    /// holder's lease for up to twice `ttl` (plus a second).
+    /// holder's lease for up to twice `ttl` (plus a second); the lease is timed on `clock`
+    /// (the node's).
     pub fn campaign(
         coord: Arc<dyn Coordinator>,
         me: Vec<u8>,
         ttl: Duration,
         cluster: &str,
+        clock: &dyn Clock,
     ) -> Result<Primacy, ElectionError> {
-        let give_up = Instant::now() + 2 * ttl + Duration::from_secs(1);
+        let give_up = clock.now() + 2 * ttl + Duration::from_secs(1);
         let mut told = false;
         loop {
-            match claim(&*coord, PRIMARY_KEY, &me, ttl, now()) {
+            match claim(&*coord, PRIMARY_KEY, &me, ttl, clock.now()) {
                 Ok(Ok(won)) => {
                     info!(coordinator = %coord.describe(), lease = won.held.lease, epoch = won.epoch, "elected primary of the cluster");
                     return Ok(Primacy {
@@ -90,7 +87,7 @@ impl Primacy {
                 }
                 Ok(Err(holder)) => {
                     let holder = String::from_utf8_lossy(&holder).to_string();
-                    if Instant::now() > give_up {
+                    if clock.now() > give_up {
                         return Err(ElectionError::Held {
                             cluster: cluster.into(),
                             holder,
@@ -101,12 +98,12 @@ impl Primacy {
                     }
                 }
                 // A coordinator that answers slowly or not yet: try again until giving up.
-                Err(e) if Instant::now() > give_up => return Err(e.into()),
+                Err(e) if clock.now() > give_up => return Err(e.into()),
                 Err(e) => {
                     warn!(coordinator = %coord.describe(), error = %e, "cannot campaign for primary yet; retrying")
                 }
             }
-            std::thread::sleep(Duration::from_millis(200));
+            clock.sleep(Duration::from_millis(200));
         }
     }
 
@@ -128,9 +125,9 @@ impl Primacy {
         }
     }
 
-    /// Until when the primary may act, in `rackfs_verbs::lease` time.
-    pub fn until_ns(&self) -> u64 {
-        self.held.until().as_nanos() as u64
+    /// Until when the primary may act, on the clock it campaigned on (the node's).
+    pub fn until(&self) -> Duration {
+        self.held.until()
     }
 
     /// Renews the primary's lease while the node runs, extending its serve lease with each
@@ -140,8 +137,8 @@ impl Primacy {
     pub fn run(mut self, node: &Node) {
         let mut complained = false;
         while !node.is_stopping() {
-            std::thread::sleep(renew_every(self.ttl));
-            match renew(&*self.coord, &mut self.held, now()) {
+            node.clock.sleep(renew_every(self.ttl));
+            match renew(&*self.coord, &mut self.held, node.clock.now()) {
                 Ok(()) => {
                     self.serve(node);
                     if std::mem::replace(&mut complained, false) {
@@ -170,14 +167,20 @@ impl Primacy {
     }
 
     fn serve(&self, node: &Node) {
-        node.serve.extend_to(self.until_ns());
+        node.serve.extend_to(node.lease_ns(self.until()));
         node.lease_words.publish(node.serve.until());
     }
 
     /// Campaigns again after the lease lapsed.
     fn again(&mut self, node: &Node) {
         while !node.is_stopping() {
-            match claim(&*self.coord, PRIMARY_KEY, &self.me, self.ttl, now()) {
+            match claim(
+                &*self.coord,
+                PRIMARY_KEY,
+                &self.me,
+                self.ttl,
+                node.clock.now(),
+            ) {
                 Ok(Ok(won)) => {
                     info!(
                         lease = won.held.lease,
@@ -193,13 +196,13 @@ impl Primacy {
                 }
                 // Its own key from the lapsed lease, not yet reaped by the coordinator.
                 Ok(Err(holder)) if holder == self.me => {
-                    std::thread::sleep(Duration::from_millis(200))
+                    node.clock.sleep(Duration::from_millis(200))
                 }
                 Ok(Err(holder)) => {
                     error!(holder = %String::from_utf8_lossy(&holder), "another node is primary now: this one exits");
                     std::process::exit(3);
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                Err(_) => node.clock.sleep(Duration::from_millis(200)),
             }
         }
     }

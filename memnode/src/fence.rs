@@ -20,8 +20,9 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::SharedClock;
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 
@@ -131,10 +132,11 @@ struct State {
 }
 
 /// The fenced tokens and the live fenceable connections of this node (see the module docs).
-#[derive(Default)]
 pub struct Fences {
     state: Mutex<State>,
     ended: Condvar,
+    /// The node's clock: how long a fence waits.
+    clock: SharedClock,
 }
 
 /// A registered connection; dropping it (when the connection ends) unregisters it.
@@ -166,6 +168,15 @@ pub struct Fenced {
 }
 
 impl Fences {
+    /// Nothing fenced, no connection yet; waits timed on `clock` (the node's).
+    pub fn new(clock: SharedClock) -> Fences {
+        Fences {
+            state: Mutex::default(),
+            ended: Condvar::new(),
+            clock,
+        }
+    }
+
     pub fn is_fenced(&self, token: u64) -> bool {
         token != 0
             && self
@@ -224,7 +235,7 @@ impl Fences {
 
     /// Fences `token` (see the module docs); waits at most `wait` for its connections to end.
     pub fn fence(&self, token: u64, wait: Duration) -> Result<Fenced, String> {
-        let started = Instant::now();
+        let started = self.clock.now();
         let victims: Vec<Stop> = {
             let mut st = self.state.lock().expect("fences lock");
             st.fenced.insert(token);
@@ -275,7 +286,7 @@ impl Fences {
         }
         let mut st = self.state.lock().expect("fences lock");
         while st.conns.values().any(|c| c.token == token) {
-            let left = wait.saturating_sub(started.elapsed());
+            let left = wait.saturating_sub(self.clock.now().saturating_sub(started));
             if left.is_zero() {
                 return Err(format!(
                     "{} connections of the fenced mount did not end within {wait:?}",
@@ -284,7 +295,7 @@ impl Fences {
             }
             st = self.ended.wait_timeout(st, left).expect("fences lock").0;
         }
-        info!(token, connections = done.connections, killed = ?done.killed, took = ?started.elapsed(), "mount fenced on this node");
+        info!(token, connections = done.connections, killed = ?done.killed, took = ?self.clock.now().saturating_sub(started), "mount fenced on this node");
         Ok(done)
     }
 }
@@ -292,10 +303,16 @@ impl Fences {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rackfs_clock::{Clock, SystemClock};
     use rackfs_verbs::shm::BUSY_WORD;
     use rackfs_verbs::Access;
     use std::os::unix::net::UnixStream;
     use std::process::Command;
+
+    /// Fences on the host's clock (their waits are real).
+    fn fences() -> Fences {
+        Fences::new(Arc::new(SystemClock::new()))
+    }
 
     fn shm_stop(busy: u64, process: Option<Process>) -> (Stop, Arc<Region>, UnixStream) {
         let block = Arc::new(Region::create_memfd("t", 4096, 0, Access::ALL).unwrap());
@@ -311,13 +328,13 @@ mod tests {
 
     #[test]
     fn an_idle_shm_client_fences_itself_and_new_connections_are_refused() {
-        let f = Fences::default();
+        let f = fences();
         let (stop, block, _peer) = shm_stop(0, None);
         let reg = f.register(9, stop).unwrap();
         let done = std::thread::scope(|s| {
             s.spawn(move || {
                 // The connection's thread: it ends soon after its socket is shut down.
-                std::thread::sleep(Duration::from_millis(50));
+                SystemClock::new().sleep(Duration::from_millis(50));
                 drop(reg);
             });
             f.fence(9, Duration::from_secs(5)).unwrap()
@@ -337,17 +354,18 @@ mod tests {
     fn an_shm_client_stopped_inside_a_batch_is_killed() {
         let mut child = Command::new("sleep").arg("30").spawn().unwrap();
         let process = Process::open(child.id() as i32).unwrap();
-        let f = Fences::default();
+        let f = fences();
         let (stop, _block, _peer) = shm_stop(1, Some(process));
         let reg = f.register(5, stop).unwrap();
         let fences = &f;
         std::thread::scope(|s| {
             let fencing = s.spawn(move || fences.fence(5, Duration::from_secs(5)));
             // The connection ends once its socket is shut down (after the kill).
+            let clock = SystemClock::new();
             while !reg.stop.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(1));
+                clock.sleep(Duration::from_millis(1));
             }
-            std::thread::sleep(Duration::from_millis(700));
+            clock.sleep(Duration::from_millis(700));
             drop(reg);
             let done = fencing.join().unwrap().unwrap();
             assert_eq!(done.killed, vec![child.id() as i32]);
@@ -359,7 +377,7 @@ mod tests {
 
     #[test]
     fn a_connection_that_does_not_end_fails_the_fence() {
-        let f = Fences::default();
+        let f = fences();
         let (stop, _block, _peer) = shm_stop(0, None);
         let _reg = f.register(3, stop).unwrap();
         let err = f.fence(3, Duration::from_millis(100)).unwrap_err();

@@ -21,8 +21,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::SharedClock;
 use rackfs_coord::{CoordError, Coordinator, Guard, LeaseId, Write};
 use tracing::warn;
 
@@ -34,8 +35,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(4);
 
 #[derive(Default)]
 struct State {
-    /// Sessions holding a lease, with when it was last renewed.
-    held: HashMap<u64, Instant>,
+    /// Sessions holding a lease, with when it was last renewed (on the primary's clock).
+    held: HashMap<u64, Duration>,
     fenced: HashSet<u64>,
     /// The coordinator's lease of each held session.
     in_coordinator: HashMap<u64, LeaseId>,
@@ -46,6 +47,7 @@ pub struct Leases {
     lease: Duration,
     state: Mutex<State>,
     coord: Option<Arc<dyn Coordinator>>,
+    clock: SharedClock,
 }
 
 /// The coordinator key of mount session `session`.
@@ -54,20 +56,21 @@ pub fn mount_key(session: u64) -> String {
 }
 
 impl Leases {
-    /// Leases timed by the primary alone (unit tests).
-    pub fn new(lease: Duration) -> Leases {
+    /// Leases timed by the primary alone, on `clock` (unit tests).
+    pub fn new(lease: Duration, clock: SharedClock) -> Leases {
         Leases {
             lease,
             state: Mutex::default(),
             coord: None,
+            clock,
         }
     }
 
-    /// Leases kept on `coord` too (see the module docs).
-    pub fn on(lease: Duration, coord: Arc<dyn Coordinator>) -> Leases {
+    /// Leases kept on `coord` too (see the module docs), timed on `clock` (the node's).
+    pub fn on(lease: Duration, coord: Arc<dyn Coordinator>, clock: SharedClock) -> Leases {
         Leases {
             coord: Some(coord),
-            ..Leases::new(lease)
+            ..Leases::new(lease, clock)
         }
     }
 
@@ -84,7 +87,7 @@ impl Leases {
             if st.fenced.contains(&session) || st.held.contains_key(&session) {
                 return;
             }
-            st.held.insert(session, Instant::now());
+            st.held.insert(session, self.clock.now());
         }
         let Some(c) = &self.coord else { return };
         let granted = c.grant(self.lease).and_then(|(id, _)| {
@@ -188,7 +191,7 @@ impl Leases {
                 return Err(fenced(session, self.lease));
             }
             if let Some(t) = st.held.get_mut(&session) {
-                *t = Instant::now();
+                *t = self.clock.now();
             }
             st.in_coordinator.get(&session).copied()
         };
@@ -229,19 +232,19 @@ impl Leases {
 
     /// Restarts every lease at `now`: after this node itself was paused (stopped, starved), no
     /// mount could renew, so none is blamed for it.
-    pub fn restart_all(&self, now: Instant) {
+    pub fn restart_all(&self, now: Duration) {
         for t in self.state.lock().expect("leases lock").held.values_mut() {
             *t = (*t).max(now);
         }
     }
 
     /// Sessions whose lease ran out by `now`: from now on they are fenced.
-    pub fn expire(&self, now: Instant) -> Vec<u64> {
+    pub fn expire(&self, now: Duration) -> Vec<u64> {
         let mut st = self.state.lock().expect("leases lock");
         let out: Vec<u64> = st
             .held
             .iter()
-            .filter(|(_, &t)| now.saturating_duration_since(t) >= self.lease)
+            .filter(|(_, &t)| now.saturating_sub(t) >= self.lease)
             .map(|(&s, _)| s)
             .collect();
         for s in &out {
@@ -270,16 +273,23 @@ fn fenced(session: u64, lease: Duration) -> Refusal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rackfs_clock::{Clock, ManualClock};
+
+    /// Leases of `lease` timed on a clock the test moves.
+    fn leases(lease: Duration) -> (Leases, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::default());
+        (Leases::new(lease, clock.clone()), clock)
+    }
 
     #[test]
     fn a_lease_expires_once_unless_renewed_and_fences_its_session() {
-        let l = Leases::new(Duration::from_millis(100));
+        let (l, clock) = leases(Duration::from_millis(100));
         l.hold(1, None);
         l.hold(2, None);
-        let t0 = Instant::now();
+        let t0 = clock.now();
         assert!(l.expire(t0).is_empty());
         l.renew(2).unwrap();
-        let later = Instant::now() + Duration::from_millis(100);
+        let later = clock.now() + Duration::from_millis(100);
         let mut gone = l.expire(later);
         gone.sort();
         assert_eq!(gone, vec![1, 2]);
@@ -301,9 +311,9 @@ mod tests {
 
     #[test]
     fn a_pause_of_the_primary_restarts_every_lease() {
-        let l = Leases::new(Duration::from_millis(100));
+        let (l, clock) = leases(Duration::from_millis(100));
         l.hold(1, None);
-        let resumed = Instant::now() + Duration::from_secs(5);
+        let resumed = clock.now() + Duration::from_secs(5);
         l.restart_all(resumed);
         assert!(l.expire(resumed + Duration::from_millis(99)).is_empty());
         assert_eq!(l.expire(resumed + Duration::from_millis(100)), vec![1]);
@@ -313,7 +323,11 @@ mod tests {
     fn a_lease_the_coordinator_let_lapse_fences_its_session() {
         let coord: Arc<dyn Coordinator> =
             Arc::new(rackfs_coord::Local::new(Duration::from_secs(60)));
-        let l = Leases::on(Duration::from_secs(5), coord.clone());
+        let l = Leases::on(
+            Duration::from_secs(5),
+            coord.clone(),
+            Arc::new(ManualClock::default()),
+        );
         coord.put("primary", b"p", None).unwrap();
         let term = Some(Guard {
             key: "primary".into(),
@@ -344,16 +358,13 @@ mod tests {
 
     #[test]
     fn renewal_keeps_a_lease() {
-        let l = Leases::new(Duration::from_millis(200));
+        let (l, clock) = leases(Duration::from_millis(200));
         l.hold(7, None);
-        std::thread::sleep(Duration::from_millis(120));
+        clock.sleep(Duration::from_millis(120));
         l.renew(7).unwrap();
         assert!(l
-            .expire(Instant::now() + Duration::from_millis(150))
+            .expire(clock.now() + Duration::from_millis(150))
             .is_empty());
-        assert_eq!(
-            l.expire(Instant::now() + Duration::from_millis(200)),
-            vec![7]
-        );
+        assert_eq!(l.expire(clock.now() + Duration::from_millis(200)), vec![7]);
     }
 }

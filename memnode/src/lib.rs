@@ -11,6 +11,11 @@
 //! and carries out role changes (a standby taking over). The modules form a one-way chain: a
 //! module uses only those below it (`tests/module_chain.rs` checks it). The metadata service
 //! itself is `rackfs_meta`; the wire contract is `rackfs_proto`.
+//!
+//! The node's logic takes its time from a `rackfs_clock::Clock` handed in
+//! ([`MemNode::start_with_clock`]; the host's with [`MemNode::start`]), never from the
+//! operating system, so that a simulation can run whole clusters on virtual time
+//! (`tests/core_isolation.rs` holds the modules to that).
 
 pub mod alloc;
 pub mod baseline;

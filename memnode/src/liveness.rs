@@ -34,7 +34,6 @@ use std::time::Duration;
 use rackfs_coord::{renew, renew_every, CoordError, Coordinator, Held, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::{ControlClient, Refusal, RpcError};
-use rackfs_verbs::lease::monotonic_ns;
 use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
@@ -147,7 +146,7 @@ impl Renewer {
     }
 
     fn step(&mut self, node: &Node) -> Result<(), String> {
-        let now = || Duration::from_nanos(monotonic_ns());
+        let now = || node.clock.now();
         match &mut self.lease {
             None => {
                 let sent = now();
@@ -181,7 +180,7 @@ impl Renewer {
             self.admit(node, held.lease)?;
             self.lease = Some((held, true));
         }
-        node.serve.extend_to(held.until().as_nanos() as u64);
+        node.serve.extend_to(node.lease_ns(held.until()));
         node.lease_words.publish(node.serve.until());
         if std::mem::replace(&mut self.complained, false) {
             info!("this node's lease is renewed again");
@@ -223,7 +222,7 @@ impl Renewer {
 
     /// Once the lease lapsed: logged, and rdma clients are cut off.
     fn check(&mut self, node: &Node) {
-        if node.serve.valid() {
+        if node.serving() {
             self.lapsed = false;
         } else if !std::mem::replace(&mut self.lapsed, true) {
             warn!("this node's lease lapsed: it serves no data until it is admitted again");
@@ -235,7 +234,7 @@ impl Renewer {
     /// its own); a node that took over as primary gives its data node's lease up.
     pub fn run(mut self, node: &Arc<Node>) {
         while !node.is_stopping() {
-            std::thread::sleep(self.every);
+            node.clock.sleep(self.every);
             if node.meta.get().is_some() {
                 if let Some((held, _)) = self.lease {
                     let _ = self.coord.revoke(held.lease);
@@ -394,7 +393,7 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
             format!("memory node {id} is the primary and answers"),
         ));
     }
-    let until = std::time::Instant::now() + node.cfg.node_lease + Duration::from_millis(1500);
+    let until = node.clock.now() + node.cfg.node_lease + Duration::from_millis(1500);
     if node.members.peer(id).is_err() {
         // Not a member of this primary: an old primary after a take-over, whose stripes lose
         // it (nothing of it is live), or a data node that has not followed this primary yet
@@ -412,12 +411,12 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
                         "memory node {id} has just joined this primary: write again"
                     ));
                 }
-                _ if std::time::Instant::now() > until => {
+                _ if node.clock.now() > until => {
                     return unavailable(format!(
                         "memory node {id} holds its lease but has not joined this primary yet"
                     ));
                 }
-                _ => std::thread::sleep(Duration::from_millis(20)),
+                _ => node.clock.sleep(Duration::from_millis(20)),
             }
         }
     }
@@ -427,13 +426,13 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
             declare_dead(node, id, "its lease lapsed");
             return Ok(());
         }
-        if std::time::Instant::now() > until {
+        if node.clock.now() > until {
             return Err(Refusal::new(
                 ErrorCode::Unavailable,
                 format!("memory node {id} still holds its lease"),
             ));
         }
-        std::thread::sleep(Duration::from_millis(20));
+        node.clock.sleep(Duration::from_millis(20));
     }
 }
 

@@ -263,6 +263,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             let qps: Vec<_> = (0..clients)
                 .map(|_| connect().map_err(|e| e.to_string()))
                 .collect::<Result<_, _>>()?;
+            // Measuring the host's real IOPS: its own time, not a node's clock.
             let until = std::time::Instant::now() + std::time::Duration::from_secs(secs.max(1));
             let threads: Vec<_> = qps
                 .into_iter()

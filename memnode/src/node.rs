@@ -7,17 +7,24 @@
 //! store, remote memory through peers' control connections. What drives the parts sits above
 //! this module and is not named here: the control RPC (`control`), data nodes' liveness, the
 //! metadata standby, connections (`conn`) and threads (`daemon`).
+//!
+//! Time is the node's [`Clock`] ([`Node::clock`]): every part reads it and sleeps on it
+//! instead of the host's, so a simulation can run the node on virtual time. Only the serve
+//! lease is kept on the host's `CLOCK_MONOTONIC`, which its NIC threads and its shm clients
+//! (other processes) check it against; [`Node::lease_ns`] moves the node's times onto it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use rackfs_clock::{Clock, SharedClock};
 use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, Resolved,
 };
 use rackfs_proto::space::NodeSpace;
 use rackfs_proto::{Refusal, RpcError};
+use rackfs_verbs::lease::monotonic_ns;
 use rackfs_verbs::wire::Welcome;
 use rackfs_verbs::{Region, RegionTable};
 use tracing::{debug, warn};
@@ -92,7 +99,13 @@ pub struct Node {
     pub term: Term,
     /// A data node's view of primaries: the newest epoch, and what each connection declared.
     pub followed: Followed,
-    pub started: Instant,
+    /// Where the node takes time from and sleeps on: the host's clocks in production, virtual
+    /// time under simulation.
+    pub clock: SharedClock,
+    /// The host's `CLOCK_MONOTONIC` (ns) at 0 on [`Node::clock`] (see [`Node::lease_ns`]).
+    pub host_origin: u64,
+    /// When the node started, on its clock.
+    pub started: Duration,
     pub stopping: AtomicBool,
 }
 
@@ -111,11 +124,14 @@ impl Node {
             let out = f(&mut m);
             (out, self.standby.queue(&mut m))
         };
-        let frees = self
-            .standby
-            .commit(ticket, meta, &self.members, &*self.coord, || {
-                self.term.guard()
-            });
+        let frees = self.standby.commit(
+            ticket,
+            meta,
+            &self.members,
+            &*self.coord,
+            &*self.clock,
+            || self.term.guard(),
+        );
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in frees {
             self.free_soon(node, offset, tag);
@@ -134,6 +150,23 @@ impl Node {
     /// Whether the node is shutting down (its threads end their loops).
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// How long the node has run, on its clock.
+    pub fn uptime(&self) -> Duration {
+        self.clock.now().saturating_sub(self.started)
+    }
+
+    /// `t` on the node's clock in the serve lease's time (`rackfs_verbs::lease`: the host's
+    /// `CLOCK_MONOTONIC`, which the node's NIC threads and its shm clients check it against).
+    pub fn lease_ns(&self, t: Duration) -> u64 {
+        self.host_origin.saturating_add(t.as_nanos() as u64)
+    }
+
+    /// Whether the node may serve now: its serve lease holds at its clock's now.
+    pub fn serving(&self) -> bool {
+        let until = self.serve.until();
+        until == u64::MAX || self.lease_ns(self.clock.now()) < until
     }
 
     /// The nodes the QoS controller drives.
@@ -156,7 +189,7 @@ impl Node {
         let mut s = NodeStats {
             node_id: self.cfg.node_id,
             name: self.cfg.name.clone(),
-            uptime_ms: self.started.elapsed().as_millis() as u64,
+            uptime_ms: self.uptime().as_millis() as u64,
             rdma: self.rdma.as_ref().map(|n| n.describe()),
             ..NodeStats::default()
         };
@@ -215,7 +248,7 @@ impl Node {
     /// locks are given up once every node is fenced or known down, and a down node is fenced
     /// when it is seen up again. Runs on a thread of its own until every node is fenced.
     pub fn fence_mount(&self, session: u64) {
-        let started = Instant::now();
+        let started = self.clock.now();
         let lease = self.leases.get().map(Leases::lease);
         warn!(
             session,
@@ -227,9 +260,9 @@ impl Node {
         let mut reported = std::collections::HashSet::new();
         let mut released = false;
         while !self.is_stopping() {
-            if !self.serve.valid() {
+            if !self.serving() {
                 // Not while this primary's own lease lapsed: deposed, it acts on nothing.
-                std::thread::sleep(Duration::from_millis(200));
+                self.clock.sleep(Duration::from_millis(200));
                 continue;
             }
             let up = self.members.data_nodes();
@@ -254,7 +287,7 @@ impl Node {
                 released = true;
                 warn!(
                     session,
-                    took = ?started.elapsed(),
+                    took = ?self.clock.now().saturating_sub(started),
                     down = ?pending,
                     "mount fenced on every memory node that is up; its range locks are recovered"
                 );
@@ -262,7 +295,7 @@ impl Node {
             if pending.is_empty() {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(200));
+            self.clock.sleep(Duration::from_millis(200));
         }
     }
 
@@ -398,18 +431,20 @@ impl Node {
     }
 }
 
-/// Wall-clock time, ns since the Unix epoch.
-pub fn wall_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+/// The first session id a node hands out: `clock`'s wall time in ms, shifted, so that
+/// sessions of a primary that took over (or restarted) never reuse an earlier primary's ids,
+/// which data nodes may hold fenced.
+pub(crate) fn first_session(clock: &dyn Clock) -> u64 {
+    (clock.wall_ns() / 1_000_000) << 16
 }
 
-/// The first session id a node hands out: the time in ms, shifted, so that sessions of a
-/// primary that took over (or restarted) never reuse an earlier primary's ids, which data
-/// nodes may hold fenced.
-pub(crate) fn first_session() -> u64 {
-    (wall_ns() / 1_000_000) << 16
+/// The host's `CLOCK_MONOTONIC` at 0 on `clock` ([`Node::host_origin`]): the one reading of
+/// the host's clock the node's logic makes, to keep its serve lease where the host checks it.
+/// The host's clock is read first, so the origin errs early by the time between the two
+/// readings: a lease moved onto the host's clock ends at worst that much sooner, never later.
+pub(crate) fn host_origin(clock: &dyn Clock) -> u64 {
+    let host = monotonic_ns();
+    host.saturating_sub(clock.now().as_nanos() as u64)
 }
 
 impl Storage for Node {
@@ -581,10 +616,10 @@ impl Storage for Node {
     }
 
     fn wall_ns(&self) -> u64 {
-        wall_ns()
+        self.clock.wall_ns()
     }
 
     fn elapsed(&self) -> Duration {
-        self.started.elapsed()
+        self.uptime()
     }
 }

@@ -5,8 +5,9 @@
 //! (above this one: it drives every node's monitor).
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::SharedClock;
 use rackfs_meta::placement::per_period;
 use rackfs_proto::control::{QosNodeStatus, QosPeriod};
 use rackfs_qos::monitor::PeriodRecord;
@@ -48,12 +49,15 @@ impl Default for QosConfig {
 pub struct NodeQos {
     pub cfg: QosConfig,
     pub area: u64,
-    started: Instant,
+    /// The node's clock, and when the monitor started on it.
+    clock: SharedClock,
+    started: Duration,
     monitor: Mutex<QosMonitor>,
 }
 
 impl NodeQos {
-    pub fn new(cfg: QosConfig, region: &Region, area: u64) -> NodeQos {
+    /// The monitor of the QoS area at `area` of `region`, timed on `clock` (the node's).
+    pub fn new(cfg: QosConfig, region: &Region, area: u64, clock: SharedClock) -> NodeQos {
         let capacity = per_period(cfg.capacity_iops.unwrap_or(ASSUMED_IOPS), cfg.period);
         // History of 8 periods, growth step 1% of capacity, lower bound 3 sigma = 30%.
         let estimator = CapacityEstimator::new(capacity, capacity / 10, capacity / 100, 8);
@@ -71,7 +75,8 @@ impl NodeQos {
         NodeQos {
             cfg,
             area,
-            started: Instant::now(),
+            started: clock.now(),
+            clock,
             monitor: Mutex::new(monitor),
         }
     }
@@ -81,7 +86,7 @@ impl NodeQos {
         self.monitor
             .lock()
             .expect("qos monitor")
-            .tick(region, self.started.elapsed());
+            .tick(region, self.clock.now().saturating_sub(self.started));
     }
 
     /// Replaces the mounts' shares (from the next period on).

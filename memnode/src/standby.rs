@@ -31,7 +31,7 @@
 //! [`Standby::commit`]: crate::standby_state::Standby::commit
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rackfs_coord::Write;
 use rackfs_meta::MetaService;
@@ -53,12 +53,12 @@ pub fn keep(node: &Node) {
     if !node.cfg.coordinator.elects()
         || !node.cfg.standby
         || node.standby.follower().is_some()
-        || !node.serve.valid()
+        || !node.serving()
     {
         return;
     }
     let retry = node.cfg.node_lease;
-    if node.standby.failed_within(retry) {
+    if node.standby.failed_within(retry, node.clock.now()) {
         return;
     }
     let me = node.cfg.node_id;
@@ -80,7 +80,7 @@ pub fn keep(node: &Node) {
         }
         Err(why) => {
             m.set_journaling(false);
-            node.standby.sync_failed();
+            node.standby.sync_failed(node.clock.now());
             warn!(standby = id, error = %why, "cannot make this node the metadata standby; retrying later");
         }
     }
@@ -177,14 +177,15 @@ fn named(node: &Node) -> bool {
 /// (`start_primary`, the daemon's, starts the node as the primary serving it). Returns whether
 /// it did.
 pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -> bool {
-    let started = Instant::now();
-    let sessions_from = first_session();
+    let started = node.clock.now();
+    let sessions_from = first_session(&*node.clock);
     let me = node.members.me();
     let primacy = match Primacy::campaign(
         node.coord.clone(),
         primary_value(&me, sessions_from),
         node.cfg.node_lease,
         &node.cfg.cluster,
+        &*node.clock,
     ) {
         Ok(p) => p,
         Err(e) => {
@@ -250,7 +251,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
     rejoined_after_take_over(node.cfg.node_id, &mut meta, node);
     node.sessions_from
         .store(first, std::sync::atomic::Ordering::SeqCst);
-    node.serve.extend_to(primacy.until_ns());
+    node.serve.extend_to(node.lease_ns(primacy.until()));
     start_primary(node, meta);
     {
         let n = node.clone();
@@ -260,7 +261,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
             .expect("spawn the primary's lease thread");
     }
     end_orphans(node, old_sessions);
-    info!(old_primary = old, seq = mirror.seq, took = ?started.elapsed(), "took over as primary: serving the namespace mirrored from the old primary");
+    info!(old_primary = old, seq = mirror.seq, took = ?node.clock.now().saturating_sub(started), "took over as primary: serving the namespace mirrored from the old primary");
     true
 }
 
@@ -293,8 +294,8 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
     let _ = std::thread::Builder::new()
         .name("orphans".into())
         .spawn(move || {
-            std::thread::sleep(wait);
-            if !n.serve.valid() {
+            n.clock.sleep(wait);
+            if !n.serving() {
                 return; // deposed meanwhile: the sessions are the next primary's concern
             }
             n.with_meta(|m| {

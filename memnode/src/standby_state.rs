@@ -6,8 +6,9 @@
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::Clock;
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
@@ -69,8 +70,9 @@ pub struct Standby {
     /// Data node: the snapshot pieces received so far, and the journal position they are of
     /// (pieces of another position start afresh: an earlier sync failed half-way).
     pieces: Mutex<(u64, Vec<u8>)>,
-    /// Primary: when a standby last failed to sync (retried after a pause).
-    failed_at: Mutex<Option<Instant>>,
+    /// Primary: when a standby last failed to sync, on the node's clock (retried after a
+    /// pause).
+    failed_at: Mutex<Option<Duration>>,
     /// Primary: extents a change released, freed once the standby has the change (see
     /// [`Standby::defer_free`]).
     deferred: Mutex<Vec<Free>>,
@@ -146,14 +148,14 @@ impl Standby {
         *self.follower.lock().expect("follower lock") = Some((id, conn));
     }
 
-    /// Primary: whether a standby failed to sync less than `retry` ago (not retried yet).
-    pub fn failed_within(&self, retry: Duration) -> bool {
-        matches!(*self.failed_at.lock().expect("failed lock"), Some(t) if t.elapsed() < retry)
+    /// Primary: whether a standby failed to sync less than `retry` before `now`.
+    pub fn failed_within(&self, retry: Duration, now: Duration) -> bool {
+        matches!(*self.failed_at.lock().expect("failed lock"), Some(t) if now.saturating_sub(t) < retry)
     }
 
-    /// Primary: a standby failed to sync now.
-    pub fn sync_failed(&self) {
-        *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
+    /// Primary: a standby failed to sync at `now`.
+    pub fn sync_failed(&self, now: Duration) {
+        *self.failed_at.lock().expect("failed lock") = Some(now);
     }
 
     /// Primary, under the metadata lock: queues the journal entries `m` made and the frees
@@ -176,14 +178,15 @@ impl Standby {
     /// is in the mirror. Group commit: one caller ships everything queued so far in one
     /// journal RPC while the others wait for it, so many changes share a round trip. A
     /// standby that does not take them is dropped (the `standby` key first, from `coord`,
-    /// under the primary's `guard`: see `crate::term`), with `meta` locked. Returns the
-    /// extents the shipped changes released, to free now.
+    /// under the primary's `guard`: see `crate::term`), with `meta` locked, and the failure
+    /// noted at `clock`'s now. Returns the extents the shipped changes released, to free now.
     pub fn commit(
         &self,
         ticket: u64,
         meta: &Mutex<MetaService>,
         members: &Membership,
         coord: &dyn Coordinator,
+        clock: &dyn Clock,
         guard: impl FnOnce() -> Option<Guard>,
     ) -> Vec<Free> {
         let mut out = self.outgoing.lock().expect("outgoing lock");
@@ -211,7 +214,7 @@ impl Standby {
         if let Err((id, why)) = sent {
             let mut m = meta.lock().expect("metadata lock");
             if self.follower() == Some(id) {
-                self.drop_follower(&mut m, coord, guard(), id, &why);
+                self.drop_follower(&mut m, coord, guard(), id, &why, clock.now());
             }
         }
         drop(done);
@@ -264,8 +267,8 @@ impl Standby {
         }
     }
 
-    /// Primary: the standby fell out of sync; the `standby` key goes before anything else is
-    /// answered.
+    /// Primary: the standby fell out of sync at `now`; the `standby` key goes before anything
+    /// else is answered.
     fn drop_follower(
         &self,
         m: &mut MetaService,
@@ -273,10 +276,11 @@ impl Standby {
         guard: Option<Guard>,
         id: u32,
         why: &str,
+        now: Duration,
     ) {
         m.set_journaling(false);
         *self.follower.lock().expect("follower lock") = None;
-        *self.failed_at.lock().expect("failed lock") = Some(Instant::now());
+        *self.failed_at.lock().expect("failed lock") = Some(now);
         let clear = Write::Delete {
             key: "standby".into(),
         };

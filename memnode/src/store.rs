@@ -12,8 +12,9 @@
 
 use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rackfs_clock::SharedClock;
 use rackfs_proto::control::{ErrorCode, NodeStats};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;
@@ -25,8 +26,9 @@ use rackfs_proto::control::Resolved;
 
 use crate::alloc::{AllocError, ExtentAllocator};
 
-/// Tagged extents freed and not yet reusable: (reusable at, offset, length).
-type Quarantine = Vec<(Instant, u64, u64)>;
+/// Tagged extents freed and not yet reusable: (reusable at, on the node's clock; offset;
+/// length).
+type Quarantine = Vec<(Duration, u64, u64)>;
 
 /// Where the metadata area starts (offset 0 of a region is never a record).
 const META_BASE: u64 = 4096;
@@ -47,6 +49,8 @@ pub struct Store {
     meta_len: u64,
     quarantine: Mutex<Quarantine>,
     hold: Duration,
+    /// The node's clock: the quarantine's time.
+    clock: SharedClock,
     /// Moves and retags of stripe extents, for a primary that takes over (taken after
     /// `allocator`, never before it).
     history: Mutex<TagHistory>,
@@ -65,8 +69,14 @@ impl From<AllocError> for Refusal {
 
 impl Store {
     /// A store over `region` whose first `meta_len` bytes are the metadata area (0: none);
-    /// freed stripes are held back for `hold`.
-    pub fn new(name: &str, region: Arc<Region>, hold: Duration, meta_len: u64) -> Store {
+    /// freed stripes are held back for `hold` on `clock`.
+    pub fn new(
+        name: &str,
+        region: Arc<Region>,
+        hold: Duration,
+        meta_len: u64,
+        clock: SharedClock,
+    ) -> Store {
         let len = region.info().len;
         Store {
             region,
@@ -75,6 +85,7 @@ impl Store {
             meta_len,
             quarantine: Mutex::new(Vec::new()),
             hold,
+            clock,
             history: Mutex::default(),
         }
     }
@@ -174,7 +185,7 @@ impl Store {
             let Some(due) = next else {
                 return res;
             };
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            self.clock.sleep(due.saturating_sub(self.clock.now()));
             self.reap();
         }
     }
@@ -213,7 +224,7 @@ impl Store {
         self.history.lock().expect("history lock").forget(offset);
         drop(a);
         self.quarantine.lock().expect("quarantine lock").push((
-            Instant::now() + self.hold,
+            self.clock.now() + self.hold,
             offset,
             len,
         ));
@@ -387,7 +398,7 @@ impl Store {
 
     /// Returns quarantined extents whose time is up to the allocator, zeroed.
     pub fn reap(&self) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let due: Quarantine = {
             let mut q = self.quarantine.lock().expect("quarantine lock");
             let (due, keep) = q.drain(..).partition(|e| e.0 <= now);
@@ -445,7 +456,8 @@ mod tests {
 
     fn store() -> Store {
         let region = Region::create_memfd("store-test", 1 << 20, 1, Access::ALL).unwrap();
-        Store::new("test", Arc::new(region), Duration::ZERO, 64 << 10)
+        let clock = Arc::new(rackfs_clock::ManualClock::default());
+        Store::new("test", Arc::new(region), Duration::ZERO, 64 << 10, clock)
     }
 
     /// A standby taking over keeps the records and tables it mirrored and zeroes the rest of

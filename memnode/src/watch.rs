@@ -15,11 +15,13 @@
 //!   mount's kernel may hold the directory lock the watcher needs to invalidate an entry, for
 //!   the very operation that waits, and two such mounts would wait for each other.
 //!
-//! The waiting happens outside the metadata lock.
+//! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use rackfs_clock::SharedClock;
 
 use rackfs_proto::namespace::Change;
 
@@ -27,10 +29,10 @@ use rackfs_proto::namespace::Change;
 const MAX_QUEUED: usize = 65_536;
 
 /// The watchers of all mounts, by the mount's main session.
-#[derive(Default)]
 pub struct Watchers {
     state: Mutex<HashMap<u64, Watcher>>,
     changed: Condvar,
+    clock: SharedClock,
 }
 
 struct Watcher {
@@ -48,6 +50,15 @@ struct Watcher {
 }
 
 impl Watchers {
+    /// No watchers yet; deadlines on `clock` (the node's).
+    pub fn new(clock: SharedClock) -> Watchers {
+        Watchers {
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            clock,
+        }
+    }
+
     /// A watcher's poll: acknowledges changes up to `acked`, then waits up to `poll` for more.
     /// Returns the number to acknowledge them with, the changes, and whether some were lost.
     pub fn watch(
@@ -58,7 +69,7 @@ impl Watchers {
         ttl: Duration,
         poll: Duration,
     ) -> (u64, Vec<Change>, bool) {
-        let deadline = Instant::now() + poll;
+        let deadline = self.clock.now() + poll;
         let mut state = self.state.lock().expect("watchers lock");
         let w = state.entry(of).or_insert_with(|| Watcher {
             conn,
@@ -81,14 +92,14 @@ impl Watchers {
             let Some(w) = state.get_mut(&of) else {
                 return (0, Vec::new(), false);
             };
-            let now = Instant::now();
+            let now = self.clock.now();
             if !w.queue.is_empty() || now >= deadline {
                 let lost = std::mem::take(&mut w.lost);
                 return (w.queued, std::mem::take(&mut w.queue), lost);
             }
             state = self
                 .changed
-                .wait_timeout(state, deadline - now)
+                .wait_timeout(state, deadline.saturating_sub(now))
                 .expect("watchers lock")
                 .0;
         }
@@ -100,9 +111,9 @@ impl Watchers {
         if changes.is_empty() {
             return;
         }
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut state = self.state.lock().expect("watchers lock");
-        let mut wait: Vec<(u64, u64, Instant)> = Vec::new();
+        let mut wait: Vec<(u64, u64, Duration)> = Vec::new();
         for (&of, w) in state.iter_mut().filter(|(&of, _)| of != from) {
             if w.queue.len() + changes.len() > MAX_QUEUED {
                 w.queue.clear();
@@ -123,8 +134,8 @@ impl Watchers {
         let counted = state.get_mut(&from).map(|w| w.waiting += 1).is_some();
         self.changed.notify_all();
         loop {
-            let now = Instant::now();
-            let mut next: Option<Instant> = None;
+            let now = self.clock.now();
+            let mut next: Option<Duration> = None;
             wait.retain(|&(of, seq, deadline)| {
                 let Some(w) = state.get_mut(&of) else {
                     return false;
@@ -142,13 +153,13 @@ impl Watchers {
                     w.lagging = true;
                     return false;
                 }
-                next = Some(next.map_or(deadline, |n: Instant| n.min(deadline)));
+                next = Some(next.map_or(deadline, |n: Duration| n.min(deadline)));
                 true
             });
             let Some(until) = next else { break };
             state = self
                 .changed
-                .wait_timeout(state, until - now)
+                .wait_timeout(state, until.saturating_sub(now))
                 .expect("watchers lock")
                 .0;
         }
@@ -168,7 +179,14 @@ impl Watchers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rackfs_clock::SystemClock;
     use std::sync::Arc;
+
+    /// Watchers on the host's clock (their waits are real), and the clock.
+    fn watchers() -> (Watchers, SharedClock) {
+        let clock: SharedClock = Arc::new(SystemClock::new());
+        (Watchers::new(clock.clone()), clock)
+    }
 
     fn unlink(n: u8) -> Vec<Change> {
         vec![Change::Entry {
@@ -179,23 +197,24 @@ mod tests {
 
     #[test]
     fn a_change_returns_once_the_other_watcher_acknowledged_it() {
-        let w = Arc::new(Watchers::default());
+        let (w, clock) = watchers();
+        let w = Arc::new(w);
         let ttl = Duration::from_secs(30);
         // Mount 2's watcher (connection 20) registers.
         assert_eq!(w.watch(20, 2, 0, ttl, Duration::ZERO).1, vec![]);
         let w2 = w.clone();
-        let t0 = Instant::now();
+        let t0 = clock.now();
         let publisher = std::thread::spawn(move || w2.publish(1, unlink(7)));
         let (seq, changes, lost) = w.watch(20, 2, 0, ttl, Duration::from_secs(5));
         assert_eq!((changes, lost), (unlink(7), false));
-        std::thread::sleep(Duration::from_millis(50));
+        clock.sleep(Duration::from_millis(50));
         assert!(
             !publisher.is_finished(),
             "returned before the acknowledgement"
         );
         w.watch(20, 2, seq, ttl, Duration::ZERO);
         publisher.join().unwrap();
-        assert!(t0.elapsed() < ttl);
+        assert!(clock.now() - t0 < ttl);
         // The changer's own watcher is not sent its own changes.
         w.watch(10, 1, 0, ttl, Duration::ZERO);
         let w2 = w.clone();
@@ -209,31 +228,31 @@ mod tests {
 
     #[test]
     fn a_silent_watcher_is_waited_for_its_ttl_once_then_not_at_all() {
-        let w = Watchers::default();
+        let (w, clock) = watchers();
         let ttl = Duration::from_secs(1);
         w.watch(20, 2, 0, ttl, Duration::ZERO);
-        let t0 = Instant::now();
+        let t0 = clock.now();
         w.publish(1, unlink(1));
-        let waited = t0.elapsed();
+        let waited = clock.now() - t0;
         assert!(waited >= ttl, "{waited:?}");
-        let t0 = Instant::now();
+        let t0 = clock.now();
         w.publish(1, unlink(2));
         assert!(
-            t0.elapsed() < ttl,
+            clock.now() - t0 < ttl,
             "a lagging watcher is not waited for again"
         );
         // It catches up: waited for again.
         let (seq, changes, _) = w.watch(20, 2, 0, ttl, Duration::ZERO);
         assert_eq!(changes.len(), 2);
         w.watch(20, 2, seq, ttl, Duration::ZERO);
-        let t0 = Instant::now();
+        let t0 = clock.now();
         w.publish(1, unlink(3));
-        assert!(t0.elapsed() >= ttl);
+        assert!(clock.now() - t0 >= ttl);
         // A watcher whose connection ended is not waited for.
         w.end_session(20);
-        let t0 = Instant::now();
+        let t0 = clock.now();
         w.publish(1, unlink(4));
-        assert!(t0.elapsed() < ttl);
+        assert!(clock.now() - t0 < ttl);
     }
 
     /// The changing mount's own watcher registers (it reconnected) while its change waits for
@@ -242,7 +261,7 @@ mod tests {
     /// change; found by `rackfs up`'s chaos test).
     #[test]
     fn a_watcher_that_registers_while_its_mount_waits_breaks_nothing() {
-        let w = Arc::new(Watchers::default());
+        let w = Arc::new(watchers().0);
         let ttl = Duration::from_secs(30);
         w.watch(20, 2, 0, ttl, Duration::ZERO);
         let w2 = w.clone();

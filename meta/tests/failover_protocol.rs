@@ -24,10 +24,10 @@
 //! `RACKFS_FAILOVER_SEEDS=N` runs more seeds (default 10,000).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rackfs_clock::{Clock, ManualClock};
 use rackfs_coord::{claim, renew, renew_every, Coordinator, Held, Local};
 use rackfs_meta::{journal, Entry, MemStorage, MetaService, Namespace, Storage};
 use rackfs_proto::control::ControlResponse;
@@ -159,14 +159,8 @@ macro_rules! trace {
 
 fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let clock = Arc::new(AtomicU64::new(0));
-    let c = {
-        let clock = clock.clone();
-        Local::with_clock(
-            TTL / 4,
-            Box::new(move || Duration::from_nanos(clock.load(Ordering::SeqCst))),
-        )
-    };
+    let clock = Arc::new(ManualClock::default());
+    let c = Local::with_clock(TTL / 4, clock.clone());
     let mut nodes: Vec<Node> = (0..NODES)
         .map(|i| Node::fresh(i, Duration::ZERO, 0))
         .collect();
@@ -195,7 +189,7 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
     let mut now = Duration::ZERO;
     while now < RUN {
         now += TICK;
-        clock.store(now.as_nanos() as u64, Ordering::SeqCst);
+        clock.advance(now.saturating_sub(clock.now()));
         // Faults.
         if rng.chance(3) {
             let i = rng.below(NODES as u64) as usize;

@@ -1,5 +1,6 @@
-//! The host's clocks: the only place of the client core that reads the operating system's
-//! time or sleeps on it (the source scan in `fs/tests/core_isolation.rs` holds the rest to that).
+//! The host's clocks: what a process's logic reads the operating system's time and sleeps on
+//! through (the source scans in `fs/tests/core_isolation.rs` and
+//! `memnode/tests/core_isolation.rs` hold the client core and the memory node to that).
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

@@ -1,0 +1,113 @@
+//! A lint as a test: the memory node's logic takes time from its node's
+//! [`rackfs_clock::Clock`] (`Node::clock`, handed in through `MemNode::start_with_clock`); it
+//! never reads the operating system's clock or sleeps on it, so that a simulation can run
+//! whole clusters on virtual time. Each rule names the only files allowed to, and why.
+//! Threads may still be the host's (`daemon`'s loops sleep on the node's clock).
+
+use std::path::{Path, PathBuf};
+
+/// Calls the node's logic must not make, and the files (under `memnode/src`) that may.
+struct Rule {
+    calls: &'static [&'static str],
+    /// File and why it may.
+    allowed: &'static [(&'static str, &'static str)],
+    instead: &'static str,
+}
+
+const RULES: [Rule; 2] = [
+    Rule {
+        calls: &["Instant::now", "SystemTime::now", "thread::sleep"],
+        allowed: &[
+            // `rackfs-memnode profile` measures how many reads the host serves per second of
+            // real time, before any node runs.
+            ("main.rs", "the profile command times the host itself"),
+        ],
+        instead: "take time from the node's Clock (Node::clock) and sleep on it",
+    },
+    Rule {
+        // The serve lease lives on the host's CLOCK_MONOTONIC, where the node's NIC threads
+        // and its shm clients (other processes) check it; the node maps its clock onto it in
+        // one place.
+        calls: &["monotonic_ns", "serve.valid()"],
+        allowed: &[(
+            "node.rs",
+            "maps the node's clock onto the serve lease's (Node::host_origin)",
+        )],
+        instead: "check the serve lease with Node::serving, move times onto it with Node::lease_ns",
+    },
+];
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).expect("memnode/src") {
+        let p = e.expect("dir entry").path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The calls of `calls` in `text`, as `line: call`, comments left out.
+fn find(text: &str, calls: &[&str]) -> Vec<String> {
+    text.lines()
+        .enumerate()
+        .flat_map(|(i, line)| {
+            let code = line.split("//").next().unwrap_or("");
+            calls
+                .iter()
+                .filter(move |c| code.contains(*c))
+                .map(move |c| format!("{}: {c}", i + 1))
+        })
+        .collect()
+}
+
+#[test]
+fn the_memory_node_reads_no_os_clock_and_sleeps_on_none() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut offences = Vec::new();
+    for rule in &RULES {
+        let mut allowed_hits = 0;
+        for f in &files {
+            let rel = f.strip_prefix(&src).expect("under src");
+            let rel = rel.to_string_lossy().replace('\\', "/");
+            let found = find(&std::fs::read_to_string(f).expect("a source"), rule.calls);
+            if rule.allowed.iter().any(|(a, _)| *a == rel) {
+                allowed_hits += found.len();
+            } else {
+                offences.extend(
+                    found
+                        .into_iter()
+                        .map(|c| format!("memnode/src/{rel}:{c}: {}", rule.instead)),
+                );
+            }
+        }
+        // The scan itself works: the allowed files do make these calls.
+        assert!(allowed_hits > 0, "{:?} found nowhere", rule.calls);
+    }
+    assert!(
+        offences.is_empty(),
+        "the memory node reaches for the host's clock:\n{}",
+        offences.join("\n")
+    );
+}
+
+#[test]
+fn the_scan_sees_calls_and_skips_comments() {
+    let text = "let t = std::time::Instant::now();\n// std::thread::sleep(d) in a comment\nx; // SystemTime::now()\nif !node.serve.valid() {";
+    let calls = &[
+        "Instant::now",
+        "SystemTime::now",
+        "thread::sleep",
+        "serve.valid()",
+    ];
+    assert_eq!(
+        find(text, calls),
+        vec![
+            "1: Instant::now".to_string(),
+            "4: serve.valid()".to_string()
+        ]
+    );
+}
