@@ -14,6 +14,12 @@
 //! limit (or reservation) whatever its size, and no period ever spends more than it had. While
 //! a request waits, the engine reports its demand even when the monitor did not ask for
 //! reports, so the primary's placement sees the node the mount is held back on.
+//!
+//! A mount's limit is one budget over its engines: the primary splits it over the nodes by
+//! demand, and a request held back by its node's share borrows room the mount's engine on
+//! another node has left this period ([`QosEngine::admit_borrowing`], [`QosEngine::lend_room`]):
+//! the lender counts it as spent, the borrower as its own, and a new period clears both, so
+//! the mount spends its limit wherever it works and never more over any run of periods.
 
 use std::future::Future;
 use std::pin::Pin;
