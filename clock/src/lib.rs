@@ -12,6 +12,8 @@
 //!   memory node's daemon).
 //! * [`ManualClock`]: time that moves only when told to (or slept through), for tests and
 //!   single-threaded simulation.
+//! * [`Turnstile`]: a simulated world's clock and scheduler: threads that run one at a time
+//!   in an order a seed decides, on virtual time (see [`turnstile`]).
 //!
 //! Invariant: [`Clock::mono_ns`] is never 0 and never goes back, so atomics may use 0 for
 //! "never".
@@ -21,8 +23,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod system;
+pub mod turnstile;
 
 pub use system::SystemClock;
+pub use turnstile::Turnstile;
 
 /// Where time comes from (see the crate docs).
 pub trait Clock: Send + Sync {

@@ -1,0 +1,530 @@
+//! A deterministic scheduler for code written with threads and blocking waits, so that whole
+//! processes' production code (a memory node's roles, a mount's core) can run under
+//! simulation without being rewritten as steps or futures.
+//!
+//! Every thread of a simulated world is an OS thread started by [`Turnstile::spawn`], but only
+//! one of them runs at a time: the one holding the *turn*. A thread gives the turn back only
+//! where the simulation can see it wait: a [`Clock::sleep`] on the turnstile's clock, a
+//! [`Turnstile::yield_now`], a [`SimMutex`] another thread holds, a [`SimCondvar`] wait. The
+//! driver ([`Turnstile::run`]) then hands the turn to a thread chosen by a seeded random
+//! source among those that can run; when none can, virtual time jumps to the earliest timer.
+//! So a seed replays the same interleaving and the same virtual times, whatever the host's
+//! scheduler does, and hours of leases and timeouts pass in milliseconds.
+//!
+//! Threads belong to *groups* (a process): [`Turnstile::kill`] makes every thread of a group
+//! unwind at its next wait (its destructors run, as the memory it shared is dropped by its
+//! owner), which is how a simulation kills a node or a mount.
+//!
+//! Invariants:
+//! * at most one simulated thread runs between two waits; the driver runs only while none
+//!   does;
+//! * virtual time moves only when no thread can run, and only forward, to the earliest timer;
+//! * a thread that holds the turn and blocks where the simulation cannot see it (a
+//!   `std::sync::Mutex` another simulated thread holds, a socket) would stall the world: the
+//!   driver reports it after [`Turnstile::set_watchdog`]'s real-time limit instead of hanging.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::ops::{Deref, DerefMut};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use crate::Clock;
+
+/// Payload a killed thread unwinds with.
+struct Killed;
+
+/// How [`Turnstile::run`] stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every thread finished (or was killed).
+    Finished,
+    /// Virtual time reached the limit with threads still alive.
+    TimeLimit,
+    /// Threads remain, none can run and no timer will wake one: a liveness failure.
+    Stalled(Vec<String>),
+    /// A thread panicked (other than by being killed): its name and message.
+    Panicked(String),
+    /// A thread held the turn past the watchdog without waiting where the simulation sees it.
+    Stuck(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Runnable,
+    /// Waiting for a timer or a gate; `epoch` tells a stale timer from the current wait.
+    Parked,
+    Done,
+}
+
+struct Thread {
+    name: String,
+    group: u32,
+    run: Run,
+    /// Counts this thread's waits: a timer or a gate wakes only the wait it was set for.
+    epoch: u64,
+    killed: bool,
+    /// Not given the turn before this virtual time (a stopped process).
+    paused_until: Duration,
+}
+
+#[derive(Default)]
+struct State {
+    now: Duration,
+    rng: u64,
+    running: Option<usize>,
+    threads: Vec<Thread>,
+    /// (deadline, sequence, thread, epoch)
+    timers: BinaryHeap<Reverse<(Duration, u64, usize, u64)>>,
+    seq: u64,
+    /// Gate id -> (thread, epoch) waiting for it to open.
+    gates: HashMap<u64, Vec<(usize, u64)>>,
+    panicked: Option<String>,
+    /// Turns handed out, and a fingerprint of who got them when.
+    turns: u64,
+    fingerprint: u64,
+}
+
+impl State {
+    fn random(&mut self) -> u64 {
+        // splitmix64
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn wake(&mut self, tid: usize, epoch: u64) {
+        let t = &mut self.threads[tid];
+        if t.run == Run::Parked && t.epoch == epoch {
+            t.run = Run::Runnable;
+        }
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    turn: Condvar,
+    wall_origin: u64,
+    gate_ids: AtomicU64,
+    watchdog: Mutex<Duration>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock means a simulated thread panicked while the driver recorded it;
+        // the state is still consistent (every update is made whole under the lock).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+thread_local! {
+    /// The turnstile and thread id of the calling thread, if it is a simulated one.
+    static CURRENT: std::cell::RefCell<Option<(Arc<Shared>, usize)>> = const { std::cell::RefCell::new(None) };
+}
+
+fn current() -> Option<(Arc<Shared>, usize)> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
+/// A simulated world's scheduler and clock (see the module docs). Clones share the world.
+#[derive(Clone)]
+pub struct Turnstile {
+    shared: Arc<Shared>,
+}
+
+impl Turnstile {
+    /// An empty world at virtual time 0, its choices drawn from `seed`; its wall clock reads
+    /// 2024-01-01T00:00:00Z at time 0.
+    pub fn new(seed: u64) -> Turnstile {
+        Turnstile {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    rng: seed,
+                    ..State::default()
+                }),
+                turn: Condvar::new(),
+                wall_origin: 1_704_067_200_000_000_000,
+                gate_ids: AtomicU64::new(1),
+                watchdog: Mutex::new(Duration::from_secs(20)),
+            }),
+        }
+    }
+
+    /// How long (real time) a thread may hold the turn before [`Turnstile::run`] reports it
+    /// as [`Outcome::Stuck`].
+    pub fn set_watchdog(&self, d: Duration) {
+        *self.shared.watchdog.lock().expect("watchdog") = d;
+    }
+
+    /// Starts `f` on a thread of group `group`, named `name`; it first runs when the driver
+    /// gives it the turn.
+    pub fn spawn(&self, group: u32, name: &str, f: impl FnOnce() + Send + 'static) {
+        let tid = {
+            let mut s = self.shared.lock();
+            s.threads.push(Thread {
+                name: name.to_string(),
+                group,
+                run: Run::Runnable,
+                epoch: 0,
+                killed: false,
+                paused_until: Duration::ZERO,
+            });
+            s.threads.len() - 1
+        };
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("sim-{name}"))
+            .spawn(move || {
+                CURRENT.with(|c| *c.borrow_mut() = Some((shared.clone(), tid)));
+                let outcome = catch_unwind(AssertUnwindSafe(|| {
+                    wait_turn(&shared, tid);
+                    f();
+                }));
+                let mut s = shared.lock();
+                s.threads[tid].run = Run::Done;
+                if let Err(p) = outcome {
+                    if !p.is::<Killed>() && s.panicked.is_none() {
+                        let msg = p
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|m| m.to_string()))
+                            .unwrap_or_else(|| "(not a string)".into());
+                        s.panicked = Some(format!("{}: {msg}", s.threads[tid].name));
+                    }
+                }
+                s.running = None;
+                shared.turn.notify_all();
+            });
+        if let Err(e) = spawned {
+            let mut s = self.shared.lock();
+            s.threads[tid].run = Run::Done;
+            s.panicked = Some(format!("{name}: no OS thread: {e}"));
+        }
+    }
+
+    /// Kills group `group`: each of its threads unwinds at its next wait (at once if it is
+    /// waiting now).
+    pub fn kill(&self, group: u32) {
+        let mut s = self.shared.lock();
+        for t in s.threads.iter_mut().filter(|t| t.group == group) {
+            t.killed = true;
+            if t.run == Run::Parked {
+                t.run = Run::Runnable;
+            }
+        }
+        drop(s);
+        if let Some((shared, me)) = current() {
+            if Arc::ptr_eq(&shared, &self.shared) && shared.lock().threads[me].killed {
+                resume_unwind(Box::new(Killed));
+            }
+        }
+    }
+
+    /// Pauses group `group` for `d` of virtual time from now: none of its threads gets the
+    /// turn meanwhile (a stopped process); what it waits for may come and go.
+    pub fn pause(&self, group: u32, d: Duration) {
+        let mut s = self.shared.lock();
+        let until = s.now + d;
+        for t in s.threads.iter_mut().filter(|t| t.group == group) {
+            t.paused_until = t.paused_until.max(until);
+        }
+        drop(s);
+        // A thread pausing its own group stops here.
+        Turnstile::yield_now();
+    }
+
+    /// Runs the world until every thread is done, or virtual time reaches `until`, or
+    /// something went wrong (see [`Outcome`]). May be called again to go on.
+    pub fn run(&self, until: Duration) -> Outcome {
+        let watchdog = *self.shared.watchdog.lock().expect("watchdog");
+        let mut s = self.shared.lock();
+        loop {
+            if let Some(p) = s.panicked.take() {
+                return Outcome::Panicked(p);
+            }
+            let now = s.now;
+            let runnable: Vec<usize> = (0..s.threads.len())
+                .filter(|&i| s.threads[i].run == Run::Runnable && s.threads[i].paused_until <= now)
+                .collect();
+            if runnable.is_empty() {
+                // The earliest end of a pause of a thread that could run, if it comes before
+                // every timer: time moves there.
+                let resume = s
+                    .threads
+                    .iter()
+                    .filter(|t| t.run == Run::Runnable)
+                    .map(|t| t.paused_until)
+                    .min();
+                let next_timer = s.timers.peek().map(|Reverse(t)| t.0);
+                if let Some(r) = resume.filter(|&r| next_timer.is_none_or(|t| r <= t)) {
+                    if r > until {
+                        s.now = s.now.max(until);
+                        return Outcome::TimeLimit;
+                    }
+                    s.now = r;
+                    continue;
+                }
+                let Some(Reverse((at, _, tid, epoch))) = s.timers.pop() else {
+                    let waiting: Vec<String> = s
+                        .threads
+                        .iter()
+                        .filter(|t| t.run == Run::Parked)
+                        .map(|t| t.name.clone())
+                        .collect();
+                    return if waiting.is_empty() {
+                        Outcome::Finished
+                    } else {
+                        Outcome::Stalled(waiting)
+                    };
+                };
+                let t = &s.threads[tid];
+                if t.run != Run::Parked || t.epoch != epoch {
+                    // A wait that ended otherwise (a gate, a kill): time does not move for it.
+                    continue;
+                }
+                if at > until {
+                    s.timers.push(Reverse((at, 0, tid, epoch)));
+                    s.now = s.now.max(until);
+                    return Outcome::TimeLimit;
+                }
+                s.now = s.now.max(at);
+                s.wake(tid, epoch);
+                continue;
+            }
+            let pick = runnable[(s.random() % runnable.len() as u64) as usize];
+            s.turns += 1;
+            s.fingerprint = s
+                .fingerprint
+                .rotate_left(7)
+                .wrapping_add(pick as u64 ^ s.now.as_nanos() as u64);
+            s.running = Some(pick);
+            self.shared.turn.notify_all();
+            while s.running.is_some() {
+                let (next, timeout) = self
+                    .shared
+                    .turn
+                    .wait_timeout(s, watchdog)
+                    .unwrap_or_else(|p| p.into_inner());
+                s = next;
+                if timeout.timed_out() && s.running == Some(pick) {
+                    let name = s.threads[pick].name.clone();
+                    return Outcome::Stuck(format!(
+                        "{name} held the turn for {watchdog:?} of real time without waiting \
+                         where the simulation sees it (a std lock, a socket?)"
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Virtual time now.
+    pub fn now(&self) -> Duration {
+        self.shared.lock().now
+    }
+
+    /// Turns handed out so far, and a fingerprint of who got them at what virtual time: two
+    /// runs of one seed agree on both.
+    pub fn schedule(&self) -> (u64, u64) {
+        let s = self.shared.lock();
+        (s.turns, s.fingerprint)
+    }
+
+    /// Gives the turn back while staying runnable: another thread may run first. A point
+    /// where the simulation may interleave (a message sent, a shared word read).
+    pub fn yield_now() {
+        if let Some((shared, me)) = current() {
+            park(&shared, me, None, None, true);
+        }
+    }
+}
+
+/// Blocks until `tid` holds the turn; a killed thread unwinds instead.
+fn wait_turn(shared: &Shared, tid: usize) {
+    let mut s = shared.lock();
+    while s.running != Some(tid) {
+        s = shared.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+    }
+    if s.threads[tid].killed {
+        drop(s);
+        resume_unwind(Box::new(Killed));
+    }
+}
+
+/// Gives the turn back until a timer at `until`, the gate `gate` opening, or (`runnable`)
+/// the driver choosing this thread again, and takes it back.
+fn park(shared: &Shared, me: usize, until: Option<Duration>, gate: Option<u64>, runnable: bool) {
+    {
+        let mut s = shared.lock();
+        let t = &mut s.threads[me];
+        t.epoch += 1;
+        let epoch = t.epoch;
+        t.run = if runnable { Run::Runnable } else { Run::Parked };
+        if let Some(at) = until {
+            s.seq += 1;
+            let seq = s.seq;
+            s.timers.push(Reverse((at, seq, me, epoch)));
+        }
+        if let Some(g) = gate {
+            s.gates.entry(g).or_default().push((me, epoch));
+        }
+        s.running = None;
+        shared.turn.notify_all();
+    }
+    wait_turn(shared, me);
+}
+
+impl Clock for Turnstile {
+    fn now(&self) -> Duration {
+        self.shared.lock().now
+    }
+
+    fn wall_ns(&self) -> u64 {
+        self.shared.wall_origin + self.shared.lock().now.as_nanos() as u64
+    }
+
+    /// On a simulated thread: waits `d` of virtual time. Elsewhere (the test driving the
+    /// world) there is nothing to wait for: it returns at once.
+    fn sleep(&self, d: Duration) {
+        if let Some((shared, me)) = current() {
+            let until = shared.lock().now + d;
+            park(&shared, me, Some(until), None, false);
+        }
+    }
+}
+
+/// A gate simulated threads wait at until it opens ([`SimMutex`], [`SimCondvar`]).
+fn new_gate(t: &Turnstile) -> u64 {
+    t.shared.gate_ids.fetch_add(1, Ordering::Relaxed)
+}
+
+fn open_gate(shared: &Shared, gate: u64) {
+    let mut s = shared.lock();
+    if let Some(waiters) = s.gates.remove(&gate) {
+        for (tid, epoch) in waiters {
+            s.wake(tid, epoch);
+        }
+    }
+}
+
+/// A mutex whose contention the turnstile sees: a simulated thread that finds it held gives
+/// the turn back until it is unlocked (a `std::sync::Mutex` would block the whole world).
+pub struct SimMutex<T> {
+    inner: Mutex<T>,
+    gate: u64,
+    world: Turnstile,
+}
+
+/// [`SimMutex`]'s guard: unlocking lets the threads waiting for it run again.
+pub struct SimMutexGuard<'a, T> {
+    guard: Option<MutexGuard<'a, T>>,
+    mutex: &'a SimMutex<T>,
+}
+
+impl<T> SimMutex<T> {
+    pub fn new(world: &Turnstile, value: T) -> SimMutex<T> {
+        SimMutex {
+            inner: Mutex::new(value),
+            gate: new_gate(world),
+            world: world.clone(),
+        }
+    }
+
+    /// Locks it, giving the turn back while another thread holds it.
+    pub fn lock(&self) -> SimMutexGuard<'_, T> {
+        loop {
+            match self.inner.try_lock() {
+                Ok(g) => {
+                    return SimMutexGuard {
+                        guard: Some(g),
+                        mutex: self,
+                    }
+                }
+                Err(TryLockError::Poisoned(p)) => {
+                    return SimMutexGuard {
+                        guard: Some(p.into_inner()),
+                        mutex: self,
+                    }
+                }
+                Err(TryLockError::WouldBlock) => match current() {
+                    Some((shared, me)) => park(&shared, me, None, Some(self.gate), false),
+                    // Not a simulated thread (the driver, between runs): nobody else runs.
+                    None => {
+                        return SimMutexGuard {
+                            guard: Some(self.inner.lock().unwrap_or_else(|p| p.into_inner())),
+                            mutex: self,
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+impl<T> Deref for SimMutexGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.guard.as_ref().expect("held")
+    }
+}
+
+impl<T> DerefMut for SimMutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.guard.as_mut().expect("held")
+    }
+}
+
+impl<T> Drop for SimMutexGuard<'_, T> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        open_gate(&self.mutex.world.shared, self.mutex.gate);
+    }
+}
+
+/// A condition variable for [`SimMutex`]: waits give the turn back until a notification or a
+/// timeout on virtual time.
+pub struct SimCondvar {
+    gate: Mutex<u64>,
+    world: Turnstile,
+}
+
+impl SimCondvar {
+    pub fn new(world: &Turnstile) -> SimCondvar {
+        SimCondvar {
+            gate: Mutex::new(new_gate(world)),
+            world: world.clone(),
+        }
+    }
+
+    /// Unlocks `guard`, waits for a notification or `timeout` (virtual), and locks again;
+    /// `true` if it timed out. Like any condition variable, it may wake spuriously.
+    pub fn wait_timeout<'a, T>(
+        &self,
+        guard: SimMutexGuard<'a, T>,
+        timeout: Option<Duration>,
+    ) -> (SimMutexGuard<'a, T>, bool) {
+        let mutex = guard.mutex;
+        let Some((shared, me)) = current() else {
+            return (guard, true);
+        };
+        let gate = *self.gate.lock().expect("gate");
+        let until = timeout.map(|d| shared.lock().now + d);
+        // No other simulated thread runs between the unlock and the wait (this one holds the
+        // turn), so no notification falls between them.
+        drop(guard);
+        park(&shared, me, until, Some(gate), false);
+        let timed_out = until.is_some_and(|u| shared.lock().now >= u);
+        (mutex.lock(), timed_out)
+    }
+
+    /// Wakes every thread waiting.
+    pub fn notify_all(&self) {
+        let mut gate = self.gate.lock().expect("gate");
+        let old = std::mem::replace(&mut *gate, new_gate(&self.world));
+        drop(gate);
+        open_gate(&self.world.shared, old);
+    }
+}
