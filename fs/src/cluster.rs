@@ -345,7 +345,8 @@ impl Cluster {
             req: Box::new(req),
         };
         let (primary, mut session) = self.primary_session();
-        let mut r = primary.meta(req.clone());
+        let mut asked = req.clone();
+        let mut r = primary.meta(req);
         // A primary that took over may die too.
         for _ in 0..META_FAILOVERS {
             match r {
@@ -355,14 +356,15 @@ impl Cluster {
                         return Err(e);
                     }
                     // If the old primary made the change before it died, the new one answers
-                    // what it answered instead of making it twice.
-                    let retry = MetaRequest::Retry {
+                    // what it answered instead of making it twice. The retry wraps the earlier
+                    // ones: any session this request went through may have made it.
+                    asked = MetaRequest::Retry {
                         from: session,
-                        req: Box::new(req.clone()),
+                        req: Box::new(asked),
                     };
                     let (primary, now) = self.primary_session();
                     session = now;
-                    r = primary.meta(retry);
+                    r = primary.meta(asked.clone());
                 }
                 done => return done,
             }

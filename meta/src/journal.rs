@@ -456,12 +456,22 @@ pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<Outco
 /// as a standby replayed them or the primary made them: a primary (the same, or one that took
 /// over) answers a mount's retry of one ([`MetaRequest::Retry`]) from here. Several threads of a mount may have had a change in
 /// flight when the primary died.
+///
+/// A session's answers outlive its end (for the last [`Answered::ENDED`] sessions that
+/// ended): a mount that gave up on a slow primary and continues on the same one in a new
+/// session drops its old connection, which ends the old session, before it retries there.
 #[derive(Default)]
-pub struct Answered(BTreeMap<u64, VecDeque<(MetaRequest, ControlResponse)>>);
+pub struct Answered {
+    kept: BTreeMap<u64, VecDeque<(MetaRequest, ControlResponse)>>,
+    /// Sessions that ended with answers kept, oldest first.
+    ended: VecDeque<u64>,
+}
 
 impl Answered {
     /// Changes kept per session.
     pub const KEPT: usize = 64;
+    /// Ended sessions whose answers are kept.
+    pub const ENDED: usize = 256;
 
     /// Notes what a replayed step answered.
     pub fn note(&mut self, step: &Step, out: &Outcome) {
@@ -476,23 +486,36 @@ impl Answered {
 
     /// Keeps what session `session`'s change `req` was answered.
     pub fn keep(&mut self, session: u64, req: MetaRequest, resp: ControlResponse) {
-        let kept = self.0.entry(session).or_default();
+        let kept = self.kept.entry(session).or_default();
         if kept.len() == Self::KEPT {
             kept.pop_front();
         }
         kept.push_back((req, resp));
     }
 
-    /// Session `session` ended: its answers go.
+    /// Session `session` ended: its answers go once [`Answered::ENDED`] sessions ended after
+    /// it.
     pub fn end(&mut self, session: u64) {
-        self.0.remove(&session);
+        if !self.kept.contains_key(&session) || self.ended.contains(&session) {
+            return;
+        }
+        self.ended.push_back(session);
+        while self.ended.len() > Self::ENDED {
+            if let Some(old) = self.ended.pop_front() {
+                self.kept.remove(&old);
+            }
+        }
     }
 
-    /// The answer to `req` if session `from` made it lately (the newest such; taken: answered
-    /// once).
+    /// The answer to `req` if session `from` made it lately (the newest such). An unnumbered
+    /// request's answer is taken (answered once: an equal request later is a new one); a
+    /// numbered one's stays, as the mount may have to ask again after another failover.
     pub fn take(&mut self, from: u64, req: &MetaRequest) -> Option<ControlResponse> {
-        let kept = self.0.get_mut(&from)?;
+        let kept = self.kept.get_mut(&from)?;
         let at = kept.iter().rposition(|(r, _)| r == req)?;
-        kept.remove(at).map(|(_, resp)| resp)
+        match req {
+            MetaRequest::Numbered { .. } => Some(kept[at].1.clone()),
+            _ => kept.remove(at).map(|(_, resp)| resp),
+        }
     }
 }

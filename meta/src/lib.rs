@@ -164,10 +164,20 @@ impl MetaService {
             MetaRequest::SizeAtTakeOver { ino } => {
                 ControlResponse::SizeAtTakeOver(self.sizes_at_take_over.get(&ino).copied())
             }
-            MetaRequest::Retry { from, req } => match self.answered.take(from, &req) {
-                Some(resp) => resp,
-                None => return self.handle(session, *req, st),
-            },
+            MetaRequest::Retry { from, req } => {
+                // A retry wraps the retries of earlier sessions, one per failover: each
+                // session it went through may have made it and kept the answer.
+                let mut froms = vec![from];
+                let mut inner = *req;
+                while let MetaRequest::Retry { from, req } = inner {
+                    froms.push(from);
+                    inner = *req;
+                }
+                match froms.iter().find_map(|&f| self.answered.take(f, &inner)) {
+                    Some(resp) => resp,
+                    None => return self.handle(session, inner, st),
+                }
+            }
             MetaRequest::Numbered { req, .. } if !Step::changes(&req) => {
                 return self.handle(session, *req, st)
             }

@@ -556,3 +556,55 @@ fn a_retried_open_is_matched_to_itself_not_to_an_earlier_equal_one() {
         "{gone:?}"
     );
 }
+
+/// A mount whose answer was lost asks again in a new session, and again in another if that
+/// answer is lost too, each retry wrapping the one before. Found by the client core's
+/// turnstile simulation (`fs/tests/turnstile_mounts.rs`): the second retry named only the
+/// session of the first, whose answer the primary had not kept there, so an unlink made once
+/// was answered ENOENT, a create EEXIST.
+#[test]
+fn a_retry_of_a_retry_finds_the_answer_in_any_session_the_change_went_through() {
+    let st = MemStorage::new(1, 1 << 22);
+    let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    let numbered = |id, req| MetaRequest::Numbered {
+        id,
+        req: Box::new(req),
+    };
+    // Made in session 7; the answer is lost.
+    let x = numbered(1, create("x"));
+    let made = m.handle(7, x.clone(), &st);
+    assert!(matches!(made, ControlResponse::Attr(_)), "{made:?}");
+    // Retried in 8 (the answer lost again), then in 9 wrapping that retry.
+    assert_eq!(m.handle(8, retry(7, x.clone()), &st), made);
+    assert_eq!(m.handle(9, retry(8, retry(7, x.clone())), &st), made);
+    // A change the first session never made is made by its first retry, and a retry of that
+    // retry finds it in the session that made it.
+    let y = numbered(2, create("y"));
+    let first = m.handle(8, retry(7, y.clone()), &st);
+    assert!(matches!(first, ControlResponse::Attr(_)), "{first:?}");
+    assert_eq!(m.handle(9, retry(8, retry(7, y)), &st), first);
+}
+
+/// A session's connection may close (the mount gave up on it and dropped it, or the network
+/// broke it) before the mount's retry arrives: its answers outlive its end.
+#[test]
+fn an_ended_sessions_answers_still_answer_its_retries() {
+    let st = MemStorage::new(1, 1 << 22);
+    let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    let x = MetaRequest::Numbered {
+        id: 1,
+        req: Box::new(create("x")),
+    };
+    let made = m.handle(7, x.clone(), &st);
+    m.end_session(7, &st);
+    assert_eq!(m.handle(8, retry(7, x.clone()), &st), made);
+    // Only the newest ended sessions are kept.
+    for s in 100..100 + Answered::ENDED as u64 + 1 {
+        m.handle(s, create(&format!("f{s}")), &st);
+        m.end_session(s, &st);
+    }
+    assert!(
+        exists(&m.handle(8, retry(7, x), &st)),
+        "forgotten: made again"
+    );
+}

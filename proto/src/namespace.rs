@@ -290,7 +290,8 @@ pub enum MetaRequest {
     /// `from` of the old primary (whose answer was lost): if the old primary made that change
     /// (the standby replayed it among `from`'s last ones: mounts send changes
     /// [`MetaRequest::Numbered`], so it is that very request), its answer is returned, not
-    /// made twice.
+    /// made twice. A mount that must ask again once more (its answer lost again) wraps this
+    /// retry in another: the primary looks in every session the request went through.
     Retry {
         from: u64,
         #[serde(deserialize_with = "wrapped")]
@@ -335,8 +336,8 @@ pub enum MetaRequest {
 }
 
 /// How deep [`MetaRequest::Retry`] and [`MetaRequest::Numbered`] may wrap requests in a
-/// decoded message: a mount wraps at most twice (a retry of a numbered request). Deeper is
-/// refused before decoding recurses further, so a crafted frame cannot exhaust a node's
+/// decoded message: a mount wraps at most four times (a numbered request in up to three
+/// retries, one per failover it follows, see [`MetaRequest::Retry`]). Deeper is refused before decoding recurses further, so a crafted frame cannot exhaust a node's
 /// stack.
 pub const MAX_WRAPPING: u32 = 4;
 
