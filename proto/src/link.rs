@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use rackfs_verbs::{Secret, VerbsError};
+use rackfs_verbs::{Access, RegionInfo, Secret, VerbsError};
 
-use crate::control::{ClusterInfo, ControlRequest, ControlResponse};
+use crate::control::{ClusterInfo, ControlRequest, ControlResponse, NodeStats, Resolved};
 use crate::namespace::MetaRequest;
 use crate::{ControlClient, RpcError};
 
@@ -55,11 +55,83 @@ pub trait ControlLink: Send + Sync {
     fn cluster(&self) -> Result<ClusterInfo, RpcError> {
         match self.call(&ControlRequest::Cluster)? {
             ControlResponse::Cluster(c) => Ok(*c),
-            other => Err(RpcError::Unexpected {
-                peer: self.peer().into(),
-                what: format!("{other:?}"),
-            }),
+            other => Err(unexpected(self.peer(), other)),
         }
+    }
+
+    /// The node's statistics (its memory among them).
+    fn stats(&self) -> Result<NodeStats, RpcError> {
+        match self.call(&ControlRequest::Stats)? {
+            ControlResponse::Stats(s) => Ok(*s),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
+    /// Allocates an extent, optionally tagged as a file stripe (see [`ControlRequest::Alloc`]);
+    /// returns its region and offset.
+    fn alloc_tagged(
+        &self,
+        len: u64,
+        align: u64,
+        tag: Option<u64>,
+    ) -> Result<(RegionInfo, u64), RpcError> {
+        match self.call(&ControlRequest::Alloc { len, align, tag })? {
+            ControlResponse::Allocated {
+                rkey,
+                region_len,
+                offset,
+                ..
+            } => Ok((
+                RegionInfo {
+                    rkey,
+                    len: region_len,
+                    access: Access::ALL,
+                },
+                offset,
+            )),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
+    /// Moves the file stripe extent at `offset` into a new one (see [`ControlRequest::Resize`]);
+    /// returns the new extent's offset.
+    fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, RpcError> {
+        let req = ControlRequest::Resize {
+            offset,
+            len,
+            tag,
+            expect,
+        };
+        match self.call(&req)? {
+            ControlResponse::Allocated { offset, .. } => Ok(offset),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
+    /// What the node holds now where stripe extents (base offset, tag) were (see
+    /// [`ControlRequest::Resolve`]).
+    fn resolve(&self, extents: Vec<(u64, u64)>) -> Result<Resolved, RpcError> {
+        match self.call(&ControlRequest::Resolve { extents })? {
+            ControlResponse::Resolved(r) => Ok(r),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
+    /// Frees the extent at `offset` (with `tag`: only the stripe extent with that owner tag);
+    /// returns how many bytes come back.
+    fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
+        match self.call(&ControlRequest::Free { offset, tag })? {
+            ControlResponse::Freed { len } => Ok(len),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+}
+
+/// An answer that does not fit the request, from `peer`.
+fn unexpected(peer: &str, got: ControlResponse) -> RpcError {
+    RpcError::Unexpected {
+        peer: peer.into(),
+        what: format!("{got:?}"),
     }
 }
 
@@ -78,6 +150,26 @@ impl ControlLink for ControlClient {
     }
     fn node_name(&self) -> &str {
         ControlClient::node_name(self)
+    }
+    fn stats(&self) -> Result<NodeStats, RpcError> {
+        ControlClient::stats(self)
+    }
+    fn alloc_tagged(
+        &self,
+        len: u64,
+        align: u64,
+        tag: Option<u64>,
+    ) -> Result<(RegionInfo, u64), RpcError> {
+        ControlClient::alloc_tagged(self, len, align, tag)
+    }
+    fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, RpcError> {
+        ControlClient::resize(self, offset, len, tag, expect)
+    }
+    fn resolve(&self, extents: Vec<(u64, u64)>) -> Result<Resolved, RpcError> {
+        ControlClient::resolve(self, extents)
+    }
+    fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
+        ControlClient::free(self, offset, tag)
     }
 }
 
@@ -312,5 +404,53 @@ mod tests {
         assert!(lo.connect("elsewhere", &secret(), "c").is_err());
         lo.set_down("n0", false);
         assert_eq!(b.call(&ControlRequest::Cluster), Ok(ControlResponse::Ok));
+    }
+
+    #[test]
+    fn a_link_reads_a_data_node_s_answers_and_names_one_that_does_not_fit() {
+        let lo = Loopback::new();
+        lo.serve(
+            "n1",
+            1,
+            "node-one",
+            |_, req| match req {
+                ControlRequest::Alloc { len, tag, .. } => ControlResponse::Allocated {
+                    rkey: 7,
+                    region_len: 1 << 20,
+                    offset: 4096 + tag.unwrap_or(0),
+                    len,
+                },
+                ControlRequest::Resize { offset, .. } => ControlResponse::Allocated {
+                    rkey: 7,
+                    region_len: 1 << 20,
+                    offset: offset + 8192,
+                    len: 0,
+                },
+                ControlRequest::Free { offset, .. } => ControlResponse::Freed { len: offset },
+                ControlRequest::Resolve { extents } => ControlResponse::Resolved(Resolved {
+                    changed: extents.into_iter().map(|e| (e, None)).collect(),
+                    moved: Vec::new(),
+                }),
+                ControlRequest::Stats => ControlResponse::Stats(Box::new(NodeStats {
+                    node_id: 1,
+                    ..NodeStats::default()
+                })),
+                _ => ControlResponse::Ok,
+            },
+            None,
+        );
+        let l = lo.connect("n1", &secret(), "primary").unwrap();
+        let (region, offset) = l.alloc_tagged(4096, 4096, Some(3)).unwrap();
+        assert_eq!((region.rkey, region.len, offset), (7, 1 << 20, 4099));
+        assert_eq!(l.resize(4096, 8192, 3, 3), Ok(12288));
+        assert_eq!(l.free(4096, None), Ok(4096));
+        assert_eq!(l.stats().map(|s| s.node_id), Ok(1));
+        let gone = l.resolve(vec![(4096, 3)]).unwrap();
+        assert_eq!(gone.changed, vec![((4096, 3), None)]);
+        let unexpected = l.cluster().unwrap_err();
+        assert!(
+            matches!(&unexpected, RpcError::Unexpected { peer, what } if peer == "n1" && what == "Ok"),
+            "{unexpected:?}"
+        );
     }
 }
