@@ -16,7 +16,8 @@
 //! * a refusal comes back as [`RpcError::Refused`] (never as `ControlResponse::Error`);
 //! * a node gone or not answering is [`RpcError::Connection`] or [`RpcError::Timeout`], which
 //!   the client core takes as "the primary may have died" (see `rackfs_fs`'s
-//!   `Cluster::failover`).
+//!   `Cluster::failover`) and a primary as "this data node may be down" (`rackfs_memnode`'s
+//!   `Node::with_peer`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
