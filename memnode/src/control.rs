@@ -318,9 +318,14 @@ fn accept_join(node: &Node, addr: NodeAddr, epoch: Option<i64>) -> Result<Cluste
     // another address) leaves the running node's replicas alone.
     let live = |id| node.epochs.get().is_some_and(|e| e.is_live(id));
     let term = (node.cfg.node_id, node.term.epoch());
-    let info = node
-        .members
-        .accept_join(addr, &node.cfg.secret, term, peer_deadline(node), live)?;
+    let info = node.members.accept_join(
+        &*node.dial,
+        addr,
+        &node.cfg.secret,
+        term,
+        peer_deadline(node),
+        live,
+    )?;
     match epoch {
         Some(e) => {
             crate::liveness::admit(node, id, e)?;

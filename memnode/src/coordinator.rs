@@ -4,7 +4,8 @@
 //! cluster's keys: in the primary, or (`--coordinator ADDR`) in a process of its own that
 //! outlives every node (`rackfs up`'s; see [`CoordService`]). Nodes reach one they do not hold
 //! through [`Remote`], which carries each operation in a [`ControlRequest::Coord`] ([`serve`]
-//! answers it): one interface, one liveness protocol, whichever coordinator runs it.
+//! answers it) over a connection opened through the node's [`Dial`]: one interface, one
+//! liveness protocol, whichever coordinator runs it.
 //!
 //! Keys a cluster keeps (relative to its prefix): `primary` (the primary's address, under its
 //! lease: the election), `nodes/<id>` (a data node's address and epoch, under the lease
@@ -26,7 +27,8 @@ use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
 };
 use rackfs_proto::coord::{CoordAnswer, CoordCall, CoordWrite};
-use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_proto::link::{ControlLink, Dial};
+use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::auth::{server_handshake, NonceLog};
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, Welcome};
 use rackfs_verbs::Secret;
@@ -97,8 +99,13 @@ pub type Opened = (Arc<dyn Coordinator>, Option<Arc<Remote>>);
 
 /// The coordinator of a node with configuration `cfg`, and, for a data node on the embedded
 /// one, the [`Remote`] itself: it is pointed at the primary once the node found it. The one
-/// embedded in the primary times its leases on `clock` (the node's).
-pub fn open(cfg: &NodeConfig, clock: &SharedClock) -> Result<Opened, CoordError> {
+/// embedded in the primary times its leases on `clock` (the node's); a [`Remote`] reaches
+/// its holder through `dial` (the node's).
+pub fn open(
+    cfg: &NodeConfig,
+    clock: &SharedClock,
+    dial: &Arc<dyn Dial>,
+) -> Result<Opened, CoordError> {
     let deadline = (cfg.node_lease / 2).max(Duration::from_millis(200));
     Ok(match (&cfg.coordinator, &cfg.role) {
         (Coordination::Etcd(endpoints), _) => (
@@ -106,12 +113,18 @@ pub fn open(cfg: &NodeConfig, clock: &SharedClock) -> Result<Opened, CoordError>
             None,
         ),
         (Coordination::Served(addr), _) => {
-            let r = Remote::new(addr, &cfg.secret, &cfg.name, deadline);
+            let r = Remote::new(addr, &cfg.secret, &cfg.name, deadline, dial.clone());
             (Arc::new(Remote { served: true, ..r }), None)
         }
         (Coordination::InPrimary, Role::Join(addrs)) => {
             let first = addrs.first().map_or("", String::as_str);
-            let r = Arc::new(Remote::new(first, &cfg.secret, &cfg.name, deadline));
+            let r = Arc::new(Remote::new(
+                first,
+                &cfg.secret,
+                &cfg.name,
+                deadline,
+                dial.clone(),
+            ));
             (r.clone(), Some(r))
         }
         // The primary asks it at least every member check, an eighth of a lease.
@@ -131,17 +144,28 @@ pub struct Remote {
     secret: Secret,
     name: String,
     deadline: Duration,
-    conn: Mutex<Option<ControlClient>>,
+    /// How the connection is opened (the node's dial).
+    dial: Arc<dyn Dial>,
+    conn: Mutex<Option<Arc<dyn ControlLink>>>,
 }
 
 impl Remote {
-    pub fn new(primary: &str, secret: &Secret, name: &str, deadline: Duration) -> Remote {
+    /// Reaches the coordinator at `primary` through `dial`, each call giving up after
+    /// `deadline`.
+    pub fn new(
+        primary: &str,
+        secret: &Secret,
+        name: &str,
+        deadline: Duration,
+        dial: Arc<dyn Dial>,
+    ) -> Remote {
         Remote {
             primary: Mutex::new(primary.into()),
             served: false,
             secret: secret.clone(),
             name: format!("coord-{name}"),
             deadline,
+            dial,
             conn: Mutex::new(None),
         }
     }
@@ -180,7 +204,9 @@ impl Remote {
         let c = match conn.take() {
             Some(c) => c,
             None => {
-                let c = ControlClient::connect(&primary, &self.secret, &self.name)
+                let c = self
+                    .dial
+                    .connect(&primary, &self.secret, &self.name)
                     .map_err(unreachable)?;
                 c.set_deadline(self.deadline);
                 c

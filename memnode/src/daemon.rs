@@ -2,6 +2,12 @@
 //! duty (quarantine reaper, QoS monitor and controller, lock-tree tending, metrics). The
 //! threads are the host's; their loops sleep on the node's clock.
 //!
+//! What the node runs on is handed in ([`NodeEnv`]): its clock and the [`Dial`] it opens
+//! control connections to other nodes through. A process hands it the host's
+//! ([`MemNode::start`]); several nodes in one process share a virtual clock and a
+//! `rackfs_proto::link::Loopback`, each made reachable on it once it serves
+//! ([`NodeEnv::serving`]).
+//!
 //! Remote memory ownership: the node's CPU writes region memory only when it initialises the
 //! read-only info region at start-up, and where its parts say so (the store's tags and zeroing,
 //! the QoS monitor's area words, the metadata service's records, tables and lock-tree words);
@@ -17,6 +23,7 @@ use std::time::Duration;
 use rackfs_clock::{SharedClock, SystemClock};
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
+use rackfs_proto::link::{Dial, NetDial};
 use rackfs_verbs::auth::NonceLog;
 use rackfs_verbs::lease::ServeLease;
 use rackfs_verbs::wire::Welcome;
@@ -156,6 +163,37 @@ fn take_over(node: &Arc<Node>) -> bool {
     crate::standby::take_over(node, start_primary)
 }
 
+/// Told a node once it serves (see [`NodeEnv::serving`]).
+pub type Serving = Box<dyn FnOnce(&Arc<Node>) + Send>;
+
+/// What a node runs on besides its configuration (see the module docs).
+pub struct NodeEnv {
+    /// Where the node takes time from and sleeps on.
+    pub clock: SharedClock,
+    /// How it opens control connections to other nodes.
+    pub dial: Arc<dyn Dial>,
+    /// Told the node once it is built, where its listeners start accepting and before it
+    /// joins a cluster: an in-process cluster makes it reachable here (serves it on its
+    /// loopback). A process needs none: its listeners are its sockets.
+    pub serving: Option<Serving>,
+}
+
+impl NodeEnv {
+    /// The host's: its clocks and the network.
+    pub fn host() -> NodeEnv {
+        NodeEnv::on_clock(Arc::new(SystemClock::new()))
+    }
+
+    /// Time from `clock`, control connections over the network.
+    pub fn on_clock(clock: SharedClock) -> NodeEnv {
+        NodeEnv {
+            clock,
+            dial: Arc::new(NetDial),
+            serving: None,
+        }
+    }
+}
+
 /// A running memory node.
 pub struct MemNode {
     node: Arc<Node>,
@@ -199,16 +237,25 @@ fn duty(node: &Arc<Node>, name: &str, every_: Duration, tick: impl Fn(&Node) + S
 }
 
 impl MemNode {
-    /// Creates the regions, binds the listeners and starts serving, on the host's clock.
+    /// Creates the regions, binds the listeners and starts serving, on the host's clock and
+    /// network.
     pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
-        MemNode::start_with_clock(cfg, Arc::new(SystemClock::new()))
+        MemNode::start_in(cfg, NodeEnv::host())
     }
 
     /// [`MemNode::start`] with the node's parts taking time from `clock` (a simulation's).
-    pub fn start_with_clock(
-        mut cfg: NodeConfig,
-        clock: SharedClock,
-    ) -> Result<MemNode, StartError> {
+    pub fn start_with_clock(cfg: NodeConfig, clock: SharedClock) -> Result<MemNode, StartError> {
+        MemNode::start_in(cfg, NodeEnv::on_clock(clock))
+    }
+
+    /// [`MemNode::start`] on `env`: its clock, its dial, and who is told once the node
+    /// serves.
+    pub fn start_in(mut cfg: NodeConfig, env: NodeEnv) -> Result<MemNode, StartError> {
+        let NodeEnv {
+            clock,
+            dial,
+            serving,
+        } = env;
         if cfg.listen.is_none() && cfg.shm_socket.is_none() {
             return Err(StartError::NoListener);
         }
@@ -293,7 +340,7 @@ impl MemNode {
             quarantine_ms: cfg.quarantine.as_millis() as u64,
             domain: cfg.domain.clone(),
         };
-        let (coord, remote) = crate::coordinator::open(&cfg, &clock)?;
+        let (coord, remote) = crate::coordinator::open(&cfg, &clock, &dial)?;
         if cfg.role == Role::Primary && cfg.coordinator.elects() {
             if let Some(why) = crate::election::joins_instead(&*coord, cfg.node_id)? {
                 info!(reason = %why, "the cluster lives: joining it as a data node, not as its primary");
@@ -360,6 +407,7 @@ impl MemNode {
             host_origin: host_origin(&*clock),
             started: clock.now(),
             clock,
+            dial,
             stopping: AtomicBool::new(false),
             cfg,
         });
@@ -411,6 +459,9 @@ impl MemNode {
                 crate::conn::accept_unix(l, n)
             });
         }
+        if let Some(serving) = serving {
+            serving(&node);
+        }
         if let Role::Join(addrs) = &node.cfg.role {
             let primary = match crate::discover::join(&node, addrs) {
                 Ok(p) => p,
@@ -441,6 +492,11 @@ impl MemNode {
             "memory node serving"
         );
         Ok(MemNode { node, tcp_addr })
+    }
+
+    /// The node's parts (for a test or a simulation that drives them).
+    pub fn node(&self) -> &Arc<Node> {
+        &self.node
     }
 
     /// The bound TCP address (useful with port 0).

@@ -196,7 +196,10 @@ pub fn join(node: &Node, addrs: &[String]) -> Result<String, JoinError> {
     let mut tried = Tried::default();
     loop {
         for addr in candidates(node, addrs, &mut tried) {
-            match node.members.join(&addr, &node.cfg.secret, None) {
+            match node
+                .members
+                .join(&*node.dial, &addr, &node.cfg.secret, None)
+            {
                 Ok(()) => {
                     info!(primary = %addr, "joined the primary");
                     return Ok(addr);

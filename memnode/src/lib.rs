@@ -12,10 +12,12 @@
 //! module uses only those below it (`tests/module_chain.rs` checks it). The metadata service
 //! itself is `rackfs_meta`; the wire contract is `rackfs_proto`.
 //!
-//! The node's logic takes its time from a `rackfs_clock::Clock` handed in
-//! ([`MemNode::start_with_clock`]; the host's with [`MemNode::start`]), never from the
-//! operating system, so that a simulation can run whole clusters on virtual time
-//! (`tests/core_isolation.rs` holds the modules to that).
+//! The node's logic takes its time from a `rackfs_clock::Clock` handed in, never from the
+//! operating system, and opens its control connections to other nodes through a
+//! `rackfs_proto::link::Dial` handed in, never a socket of its own ([`MemNode::start_in`] with
+//! a [`NodeEnv`]; the host's clock and network with [`MemNode::start`]), so that a simulation
+//! can run whole clusters in one process on virtual time (`tests/core_isolation.rs` holds the
+//! modules to that; `tests/in_process.rs` runs two nodes over a loopback).
 
 pub mod alloc;
 pub mod baseline;
@@ -46,4 +48,4 @@ pub mod term;
 pub mod watch;
 
 pub use config::{NodeConfig, Role};
-pub use daemon::{MemNode, StartError};
+pub use daemon::{MemNode, NodeEnv, StartError};

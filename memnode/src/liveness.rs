@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use rackfs_coord::{renew, renew_every, CoordError, Coordinator, Held, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
-use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_proto::link::ControlLink;
+use rackfs_proto::{Refusal, RpcError};
 use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
@@ -58,7 +59,8 @@ pub struct TakeOver {
 pub struct Renewer {
     coord: Arc<dyn Coordinator>,
     primary: String,
-    conn: Option<ControlClient>,
+    /// The connection to the primary (opened through the node's dial).
+    conn: Option<Arc<dyn ControlLink>>,
     /// The lease this node registered under, and whether the primary admitted it.
     lease: Option<(Held, bool)>,
     every: Duration,
@@ -116,7 +118,10 @@ impl Renewer {
                 info!(primary = id, %tcp, "another primary was elected: following it");
                 node.fences
                     .fence_below(sessions_from, Duration::from_secs(3));
-                match node.members.join(&tcp, &node.cfg.secret, Some(epoch)) {
+                match node
+                    .members
+                    .join(&*node.dial, &tcp, &node.cfg.secret, Some(epoch))
+                {
                     Ok(()) => {
                         self.primary = tcp;
                         self.conn = None;
@@ -192,12 +197,14 @@ impl Renewer {
     fn admit(&mut self, node: &Node, lease: LeaseId) -> Result<(), String> {
         let c = match self.conn.take() {
             Some(c) => c,
-            None => ControlClient::connect(
-                &self.primary,
-                &node.cfg.secret,
-                &format!("lease-{}", node.cfg.name),
-            )
-            .map_err(|e| e.to_string())?,
+            None => node
+                .dial
+                .connect(
+                    &self.primary,
+                    &node.cfg.secret,
+                    &format!("lease-{}", node.cfg.name),
+                )
+                .map_err(|e| e.to_string())?,
         };
         let r = c.call(&ControlRequest::NodeAdmit {
             node: node.cfg.node_id,

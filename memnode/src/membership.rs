@@ -1,5 +1,6 @@
 //! Cluster membership as a node knows it: where it is reached itself, the primary, and (on the
-//! primary) every other data node with a control connection to it.
+//! primary) every other data node with a control connection to it. Connections are opened
+//! through the [`Dial`] the caller hands in (the node's), never a socket of this module's own.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
-use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_proto::link::{ControlLink, Dial};
+use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::Secret;
 use tracing::{info, warn};
 
 /// Another node of the cluster, as the primary knows it.
 struct Peer {
     addr: NodeAddr,
-    control: Arc<ControlClient>,
+    control: Arc<dyn ControlLink>,
     /// Why the primary cannot reach it (`None`: up).
     down: Option<String>,
 }
@@ -121,7 +123,7 @@ impl Membership {
     }
 
     /// The control connection to peer `node`.
-    pub fn peer(&self, node: u32) -> Result<Arc<ControlClient>, Refusal> {
+    pub fn peer(&self, node: u32) -> Result<Arc<dyn ControlLink>, Refusal> {
         self.peers
             .lock()
             .expect("peers lock")
@@ -136,7 +138,7 @@ impl Membership {
     }
 
     /// Every peer's id and control connection.
-    pub fn peers(&self) -> Vec<(u32, Arc<ControlClient>)> {
+    pub fn peers(&self) -> Vec<(u32, Arc<dyn ControlLink>)> {
         self.peers
             .lock()
             .expect("peers lock")
@@ -146,7 +148,7 @@ impl Membership {
     }
 
     /// The peers that are up.
-    pub fn live_peers(&self) -> Vec<(u32, Arc<ControlClient>)> {
+    pub fn live_peers(&self) -> Vec<(u32, Arc<dyn ControlLink>)> {
         self.peers
             .lock()
             .expect("peers lock")
@@ -179,11 +181,18 @@ impl Membership {
         })
     }
 
-    /// Offers this node to the primary at `addr`: a new node (`epoch` `None`), or one that
-    /// keeps its memory and follows a primary that took over, registered under `epoch`.
-    pub fn join(&self, addr: &str, secret: &Secret, epoch: Option<i64>) -> Result<(), RpcError> {
+    /// Offers this node to the primary at `addr` (reached through `dial`): a new node (`epoch`
+    /// `None`), or one that keeps its memory and follows a primary that took over, registered
+    /// under `epoch`.
+    pub fn join(
+        &self,
+        dial: &dyn Dial,
+        addr: &str,
+        secret: &Secret,
+        epoch: Option<i64>,
+    ) -> Result<(), RpcError> {
         let me = self.me();
-        let c = ControlClient::connect(addr, secret, &format!("node-{}", me.name))?;
+        let c = dial.connect(addr, secret, &format!("node-{}", me.name))?;
         match c.call(&ControlRequest::Join { node: me, epoch })? {
             ControlResponse::Cluster(info) => {
                 info!(primary = %info.primary.name, nodes = info.nodes.len(), "joined the cluster");
@@ -197,12 +206,13 @@ impl Membership {
         }
     }
 
-    /// The primary's side of a join: connects back to the node (declaring `term`, this
-    /// primary's node id and epoch: see `crate::term`) and adds it; each call on that
-    /// connection gives up after `deadline`. A node id already in the cluster at another
+    /// The primary's side of a join: connects back to the node through `dial` (declaring
+    /// `term`, this primary's node id and epoch: see `crate::term`) and adds it; each call on
+    /// that connection gives up after `deadline`. A node id already in the cluster at another
     /// address is refused while `live` says its holder is.
     pub fn accept_join(
         &self,
+        dial: &dyn Dial,
         node: NodeAddr,
         secret: &Secret,
         term: (u32, u64),
@@ -244,19 +254,20 @@ impl Membership {
             }
         };
         let name = format!("primary-{}", me.name);
-        let control = crate::term::connect(&addr, secret, &name, term.0, term.1).map_err(|e| {
-            Refusal::new(
-                ErrorCode::Unavailable,
-                format!("cannot reach joining node {} at {addr}: {e}", node.name),
-            )
-        })?;
+        let control =
+            crate::term::connect(dial, &addr, secret, &name, term.0, term.1).map_err(|e| {
+                Refusal::new(
+                    ErrorCode::Unavailable,
+                    format!("cannot reach joining node {} at {addr}: {e}", node.name),
+                )
+            })?;
         control.set_deadline(deadline);
         info!(node = node.node_id, name = %node.name, %addr, "node joined");
         self.peers.lock().expect("peers lock").insert(
             node.node_id,
             Peer {
                 addr: node,
-                control: Arc::new(control),
+                control,
                 down: None,
             },
         );

@@ -12,9 +12,14 @@
 //! instead of the host's, so a simulation can run the node on virtual time. Only the serve
 //! lease is kept on the host's `CLOCK_MONOTONIC`, which its NIC threads and its shm clients
 //! (other processes) check it against; [`Node::lease_ns`] moves the node's times onto it.
+//!
+//! Control connections to other nodes (peers, the primary, the standby, the coordinator in
+//! the primary) are opened through the node's [`Dial`] ([`Node::dial`]): the network's in
+//! production, an in-process one (`rackfs_proto::link::Loopback`) when several nodes run in
+//! one process.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rackfs_clock::{Clock, SharedClock};
@@ -22,6 +27,7 @@ use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, Resolved,
 };
+use rackfs_proto::link::{ControlLink, Dial};
 use rackfs_proto::space::NodeSpace;
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::lease::monotonic_ns;
@@ -102,6 +108,9 @@ pub struct Node {
     /// Where the node takes time from and sleeps on: the host's clocks in production, virtual
     /// time under simulation.
     pub clock: SharedClock,
+    /// How the node opens control connections to other nodes: the network in production, an
+    /// in-process loopback when several nodes run in one process.
+    pub dial: Arc<dyn Dial>,
     /// The host's `CLOCK_MONOTONIC` (ns) at 0 on [`Node::clock`] (see [`Node::lease_ns`]).
     pub host_origin: u64,
     /// When the node started, on its clock.
@@ -412,7 +421,7 @@ impl Node {
     fn with_peer<T>(
         &self,
         node: u32,
-        call: impl FnOnce(&rackfs_proto::ControlClient) -> Result<T, RpcError>,
+        call: impl FnOnce(&dyn ControlLink) -> Result<T, RpcError>,
     ) -> Result<T, Refusal> {
         if self.members.is_down(node) {
             return Err(Refusal::new(

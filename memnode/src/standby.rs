@@ -36,7 +36,8 @@ use std::time::Duration;
 use rackfs_coord::Write;
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
-use rackfs_proto::{ControlClient, Refusal};
+use rackfs_proto::link::ControlLink;
+use rackfs_proto::Refusal;
 use tracing::{error, info, warn};
 
 use crate::coordinator::{parse_standby, primary_value, standby_value};
@@ -72,7 +73,7 @@ pub fn keep(node: &Node) {
     let mut m = meta.lock().expect("metadata lock");
     match sync(node, &mut m, id) {
         Ok((seq, conn)) => {
-            node.standby.set_follower(id, Arc::new(conn));
+            node.standby.set_follower(id, conn);
             info!(
                 standby = id,
                 seq, "metadata standby in sync: every change reaches it before it is answered"
@@ -88,7 +89,7 @@ pub fn keep(node: &Node) {
 
 /// Sends node `id` a snapshot of `m` with journaling on, then names it in the `standby` key;
 /// returns the journal position the snapshot stands at and the connection for the journal.
-fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient), String> {
+fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, Arc<dyn ControlLink>), String> {
     let seq = m.set_journaling(true);
     let bytes = crate::standby_state::snapshot(m, node.data_region())?;
     let addr = node
@@ -97,6 +98,7 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, ControlClient
         .and_then(|a| a.tcp.or(a.shm.map(|p| format!("unix:{p}"))))
         .ok_or_else(|| format!("node {id} has no address"))?;
     let peer = crate::term::connect(
+        &*node.dial,
         &addr,
         &node.cfg.secret,
         &format!("journal-{}", node.cfg.name),

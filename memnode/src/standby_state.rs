@@ -12,7 +12,8 @@ use rackfs_clock::Clock;
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
-use rackfs_proto::{ControlClient, Refusal};
+use rackfs_proto::link::ControlLink;
+use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
 use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
@@ -64,7 +65,7 @@ pub struct Standby {
     /// Primary: the data node whose mirror is in sync (named by the `standby` key), and the
     /// connection its journal goes over (its deadline is half a node lease: a standby that
     /// stalls the metadata service longer is dropped).
-    follower: Mutex<Option<(u32, Arc<ControlClient>)>>,
+    follower: Mutex<Option<(u32, Arc<dyn ControlLink>)>>,
     /// Data node: the mirror, once a whole snapshot came in.
     mirror: Mutex<Option<Mirror>>,
     /// Data node: the snapshot pieces received so far, and the journal position they are of
@@ -144,7 +145,7 @@ impl Standby {
     }
 
     /// Primary: node `id` is in sync and follows over `conn` from now on.
-    pub fn set_follower(&self, id: u32, conn: Arc<ControlClient>) {
+    pub fn set_follower(&self, id: u32, conn: Arc<dyn ControlLink>) {
         *self.follower.lock().expect("follower lock") = Some((id, conn));
     }
 

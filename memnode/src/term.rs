@@ -21,11 +21,12 @@
 //! [`ControlRequest::Primary`]: rackfs_proto::control::ControlRequest::Primary
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
-use rackfs_proto::{ControlClient, Refusal, RpcError};
+use rackfs_proto::link::{ControlLink, Dial};
+use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::Secret;
 use tracing::info;
 
@@ -82,16 +83,17 @@ pub fn write_guarded(
     }
 }
 
-/// A control connection to the data node at `addr` that speaks for primary `node` of `epoch`
-/// (see the module docs).
+/// A control connection, opened through `dial`, to the data node at `addr` that speaks for
+/// primary `node` of `epoch` (see the module docs).
 pub fn connect(
+    dial: &dyn Dial,
     addr: &str,
     secret: &Secret,
     name: &str,
     node: u32,
     epoch: u64,
-) -> Result<ControlClient, RpcError> {
-    let c = ControlClient::connect(addr, secret, name)?;
+) -> Result<Arc<dyn ControlLink>, RpcError> {
+    let c = dial.connect(addr, secret, name)?;
     match c.call(&ControlRequest::Primary { node, epoch })? {
         ControlResponse::Ok => Ok(c),
         other => Err(RpcError::Unexpected {

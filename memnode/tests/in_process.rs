@@ -1,0 +1,245 @@
+//! Two memory nodes in one process, calling each other in memory: a primary and a data node,
+//! each a real node started by `MemNode::start_in`, sharing a `rackfs_proto::link::Loopback`
+//! that hands each control request to the addressed node's own dispatch
+//! (`rackfs_memnode::control::answer`). The data node joins the primary, registers with the
+//! coordinator embedded in it and is admitted, and the primary places a new file's stripe on
+//! it, all over the loopback: the first step of a whole-cluster simulation (issue 24).
+//!
+//! Each node still binds a Unix socket (a node must listen somewhere to be joined, and its
+//! address is where the loopback serves it), but no connection crosses one: the test checks
+//! that neither node accepted any. The nodes run on the host's clock: their duty threads
+//! sleep on the node's clock, and a `ManualClock`'s sleep returns at once having moved time,
+//! so on one they would spin; virtual time for whole nodes needs the simulation's scheduler.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rackfs_clock::{SharedClock, SystemClock};
+use rackfs_memnode::config::Coordination;
+use rackfs_memnode::control::answer;
+use rackfs_memnode::node::Node;
+use rackfs_memnode::qos::QosConfig;
+use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
+use rackfs_proto::control::{ControlResponse, ErrorCode, RPC_KINDS};
+use rackfs_proto::link::{Dial, Loopback};
+use rackfs_proto::namespace::{MetaRequest, NewKind, ROOT_INO};
+use rackfs_proto::record::TAG_SPACE;
+use rackfs_verbs::Secret;
+
+fn secret() -> Secret {
+    Secret::new(b"in-process-memnode-test-secret").expect("a secret")
+}
+
+/// A node of the test's cluster, its Unix socket in `dir`.
+fn config(dir: &Path, id: u32, role: Role) -> NodeConfig {
+    NodeConfig {
+        node_id: id,
+        name: format!("mn{id}"),
+        domain: None,
+        listen: None,
+        shm_socket: Some(socket(dir, id)),
+        region_len: 32 << 20,
+        secret: secret(),
+        poll: Duration::ZERO,
+        role,
+        quarantine: Duration::from_secs(1),
+        lock_lease: Duration::from_secs(5),
+        node_lease: Duration::from_secs(3),
+        coordinator: Coordination::InPrimary,
+        cluster: "in-process".into(),
+        standby: false,
+        replicas: 2,
+        rebuild_rate: 1 << 20,
+        qos: QosConfig::default(),
+        metrics: None,
+        rdma_device: None,
+        baseline_lock_server: false,
+    }
+}
+
+fn socket(dir: &Path, id: u32) -> PathBuf {
+    dir.join(format!("mn{id}.sock"))
+}
+
+/// Where node `id` is reached: the address its peers dial (a joining node's, as the primary
+/// connects back to it: `unix:` and its socket).
+fn addr(dir: &Path, id: u32) -> String {
+    format!("unix:{}", socket(dir, id).display())
+}
+
+/// Runs on `clock`, dials `lo`, and is served on `lo` at its address once it serves: each
+/// request goes to the node's control dispatch, each closed connection ends its session
+/// there. The loopback keeps only a weak handle on the node (the node keeps the loopback).
+fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
+    let served = lo.clone();
+    NodeEnv {
+        clock: clock.clone(),
+        dial: lo.clone(),
+        serving: Some(Box::new(move |node: &Arc<Node>| {
+            let at = format!(
+                "unix:{}",
+                node.cfg.shm_socket.as_ref().expect("a socket").display()
+            );
+            let (serving, closing) = (Arc::downgrade(node), Arc::downgrade(node));
+            served.serve(
+                &at,
+                node.cfg.node_id,
+                &node.cfg.name,
+                move |session, req| match serving.upgrade() {
+                    Some(n) => answer(&n, session, req),
+                    None => ControlResponse::Error {
+                        code: ErrorCode::Unavailable,
+                        message: "the node stopped".into(),
+                    },
+                },
+                Some(Arc::new(move |session| {
+                    if let Some(n) = closing.upgrade() {
+                        n.end_session(session);
+                    }
+                })),
+            );
+        })),
+    }
+}
+
+/// A scratch directory of this test's own, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Scratch {
+        let d = std::env::temp_dir().join(format!("rackfs-in-process-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("a scratch directory");
+        Scratch(d)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The index of RPC kind `name` in a node's counters (`NodeStats::rpcs`).
+fn kind(name: &str) -> usize {
+    RPC_KINDS
+        .iter()
+        .position(|k| *k == name)
+        .expect("an RPC kind")
+}
+
+#[test]
+fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
+    let dir = Scratch::new();
+    let lo = Arc::new(Loopback::new());
+    let clock: SharedClock = Arc::new(SystemClock::new());
+
+    let primary = MemNode::start_in(config(&dir.0, 0, Role::Primary), env(&lo, &clock))
+        .expect("the primary starts");
+    // The data node joins in `start_in`: through the loopback to the primary, which connects
+    // back to it (declaring its term) over the loopback too; then it registers with the
+    // coordinator embedded in the primary and is admitted, all before `start_in` returns.
+    let data = MemNode::start_in(
+        config(&dir.0, 1, Role::Join(vec![addr(&dir.0, 0)])),
+        env(&lo, &clock),
+    )
+    .expect("the data node starts and joins the primary");
+    let (p, d) = (primary.node(), data.node());
+
+    assert_eq!(
+        d.members.primary_id(),
+        Some(0),
+        "the data node follows node 0"
+    );
+    assert_eq!(p.members.data_nodes(), vec![0, 1]);
+    let epoch = p.epochs.get().and_then(|e| e.admitted(1));
+    assert!(epoch.is_some(), "the primary admitted node 1");
+    let registered = rackfs_memnode::coordinator::members(&*p.coord).expect("the members");
+    assert_eq!(
+        registered,
+        vec![(1, epoch.unwrap())],
+        "node 1 registered in the primary's coordinator under the epoch it was admitted with"
+    );
+    assert!(d.serving(), "admitted, the data node serves data");
+    let before = d.stats();
+
+    // A mount's requests, over the loopback to the primary.
+    let mount = lo
+        .connect(&addr(&dir.0, 0), &secret(), "mount")
+        .expect("a connection to the primary");
+    let ino = match mount.meta(MetaRequest::Create {
+        parent: ROOT_INO,
+        name: b"f".to_vec(),
+        kind: NewKind::File {
+            stripe_unit: 1 << 20,
+            replicas: 2,
+        },
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+    }) {
+        Ok(ControlResponse::Attr(a)) => a.ino,
+        other => panic!("create: {other:?}"),
+    };
+    let replicas = match mount.meta(MetaRequest::AllocStripe {
+        ino,
+        stripe: 0,
+        end: 4096,
+    }) {
+        Ok(ControlResponse::Stripe(r)) => r,
+        other => panic!("alloc stripe: {other:?}"),
+    };
+    let mut nodes: Vec<u32> = replicas.iter().map(|r| r.node).collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, vec![0, 1], "one replica on each node: {replicas:?}");
+
+    // The data node allocated its replica itself, for the primary, and holds it under the
+    // stripe's tag (written at the extent's base, `TAG_SPACE` before its data).
+    let on_data = replicas.iter().find(|r| r.node == 1).expect("node 1's");
+    let base = on_data.offset - TAG_SPACE;
+    assert_eq!(d.data_region().load(base).ok(), Some(on_data.tag));
+    let held = d.store.resolve(&[(base, on_data.tag)]);
+    assert!(
+        held.changed.is_empty(),
+        "node 1 holds its extent under its tag: {held:?}"
+    );
+    let after = d.stats();
+    assert!(
+        after.used > before.used,
+        "{} -> {}",
+        before.used,
+        after.used
+    );
+    let alloc = kind("alloc");
+    assert_eq!(after.rpcs[alloc] - before.rpcs[alloc], 1, "one alloc");
+    assert!(
+        after.rpcs[kind("primary")] >= 1,
+        "the primary declared its term to the data node"
+    );
+    let ps = p.stats();
+    assert_eq!(ps.rpcs[kind("join")], 1);
+    assert!(ps.rpcs[kind("node_admit")] >= 1);
+    assert!(
+        ps.rpcs[kind("coord")] >= 2,
+        "the data node's coordinator calls (its lease, its key) went to the primary"
+    );
+
+    // The primary counts the data node's memory by asking it (its stats, over the loopback).
+    let stat = match mount.meta(MetaRequest::StatFs) {
+        Ok(ControlResponse::FsStat(s)) => s,
+        other => panic!("statfs: {other:?}"),
+    };
+    let counted: Vec<u32> = stat.nodes.iter().map(|n| n.node).collect();
+    assert_eq!(counted, vec![0, 1]);
+    assert_eq!(
+        stat.nodes[1].capacity, after.capacity,
+        "node 1's memory as it told the primary"
+    );
+
+    // Nothing crossed a socket.
+    assert_eq!((ps.connections_total, after.connections_total), (0, 0));
+
+    drop(mount);
+    drop(data);
+    drop(primary);
+}
