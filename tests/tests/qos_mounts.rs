@@ -331,10 +331,11 @@ fn spent_per_node(q: &rackfs_proto::control::QosStatus, slot: u16) -> Vec<Vec<(u
 }
 
 /// A limit split over the nodes (by the mount's demand on each) is reached whole with two
-/// replicas: a mount reading far below what it could is held at its limit, not at the 90% it
-/// used to reach (it spent its share of the node it read from and never the tenth the idle
-/// node kept). The figure is the nodes' own accounting: per node, the tokens the mount spent
-/// per period while it read, averaged, summed over the nodes (their periods need not align).
+/// replicas: a mount reading far below what it could (a 1000 IOPS limit; one reader does
+/// tens of thousands) is held at its limit, not at the 90% it used to reach (it spent its
+/// share of the node it read from and never the tenth the idle node kept: fio measured 919).
+/// The figure is fio's: the nodes' own accounting comes from the engines' reports, which lag
+/// by a refresh at each period's end, so it is printed, not judged.
 #[test]
 fn a_limit_is_reached_whole_with_two_replicas_on_two_and_three_nodes() {
     use rackfs_proto::control::{ControlRequest, ControlResponse};
@@ -382,9 +383,11 @@ fn a_limit_is_reached_whole_with_two_replicas_on_two_and_three_nodes() {
             eprintln!("{nodes} nodes, node {node}: tokens per period {whole:?}");
         }
         eprintln!("{nodes} nodes: fio {iops:.0} IOPS, {per_period:.1} tokens per period");
+        // Over 3 s of 200 ms periods, up to one period per node may fall at either end.
         assert!(
-            (190.0..=206.0).contains(&per_period),
-            "{nodes} nodes, limit 200 tokens per period: spent {per_period:.1} a period"
+            (950.0..=1100.0).contains(&iops),
+            "{nodes} nodes, limit 1000 IOPS: fio measured {iops:.0} (the nodes counted \
+             {per_period:.1} tokens a period of 200)"
         );
     }
 }
