@@ -13,6 +13,7 @@
 //! answer them in any order, and whichever caller is reading files the others' answers. Two
 //! calls are ordered only when one returned before the other began.
 
+use crate::link::ControlLink;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
-use rackfs_verbs::{Access, RegionInfo, VerbsError};
+use rackfs_verbs::{RegionInfo, VerbsError};
 
 use crate::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeStats, Refusal, Resolved,
@@ -492,11 +493,9 @@ impl ControlClient {
         }
     }
 
+    /// The node's counters ([`ControlLink::stats`]).
     pub fn stats(&self) -> Result<NodeStats, RpcError> {
-        match self.call(&ControlRequest::Stats)? {
-            ControlResponse::Stats(s) => Ok(*s),
-            other => Err(self.mismatch(other)),
-        }
+        ControlLink::stats(self)
     }
 
     /// Allocates an extent; returns its region and offset.
@@ -504,62 +503,29 @@ impl ControlClient {
         self.alloc_tagged(len, align, None)
     }
 
-    /// Allocates an extent, optionally tagged as a file stripe (see [`ControlRequest::Alloc`]).
+    /// [`ControlLink::alloc_tagged`].
     pub fn alloc_tagged(
         &self,
         len: u64,
         align: u64,
         tag: Option<u64>,
     ) -> Result<(RegionInfo, u64), RpcError> {
-        match self.call(&ControlRequest::Alloc { len, align, tag })? {
-            ControlResponse::Allocated {
-                rkey,
-                region_len,
-                offset,
-                ..
-            } => Ok((
-                RegionInfo {
-                    rkey,
-                    len: region_len,
-                    access: Access::ALL,
-                },
-                offset,
-            )),
-            other => Err(self.mismatch(other)),
-        }
+        ControlLink::alloc_tagged(self, len, align, tag)
     }
 
-    /// Moves the file stripe extent at `offset` into a new one (see [`ControlRequest::Resize`]);
-    /// returns the new extent's offset.
+    /// [`ControlLink::resize`].
     pub fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, RpcError> {
-        let req = ControlRequest::Resize {
-            offset,
-            len,
-            tag,
-            expect,
-        };
-        match self.call(&req)? {
-            ControlResponse::Allocated { offset, .. } => Ok(offset),
-            other => Err(self.mismatch(other)),
-        }
+        ControlLink::resize(self, offset, len, tag, expect)
     }
 
-    /// What the node holds now where stripe extents (base offset, tag) were (see
-    /// [`ControlRequest::Resolve`]).
+    /// [`ControlLink::resolve`].
     pub fn resolve(&self, extents: Vec<(u64, u64)>) -> Result<Resolved, RpcError> {
-        match self.call(&ControlRequest::Resolve { extents })? {
-            ControlResponse::Resolved(r) => Ok(r),
-            other => Err(self.mismatch(other)),
-        }
+        ControlLink::resolve(self, extents)
     }
 
-    /// Frees the extent at `offset` (with `tag`: only the stripe extent with that owner tag);
-    /// returns how many bytes come back.
+    /// [`ControlLink::free`].
     pub fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
-        match self.call(&ControlRequest::Free { offset, tag })? {
-            ControlResponse::Freed { len } => Ok(len),
-            other => Err(self.mismatch(other)),
-        }
+        ControlLink::free(self, offset, tag)
     }
 
     pub fn cluster(&self) -> Result<ClusterInfo, RpcError> {

@@ -152,26 +152,6 @@ impl ControlLink for ControlClient {
     fn node_name(&self) -> &str {
         ControlClient::node_name(self)
     }
-    fn stats(&self) -> Result<NodeStats, RpcError> {
-        ControlClient::stats(self)
-    }
-    fn alloc_tagged(
-        &self,
-        len: u64,
-        align: u64,
-        tag: Option<u64>,
-    ) -> Result<(RegionInfo, u64), RpcError> {
-        ControlClient::alloc_tagged(self, len, align, tag)
-    }
-    fn resize(&self, offset: u64, len: u64, tag: u64, expect: u64) -> Result<u64, RpcError> {
-        ControlClient::resize(self, offset, len, tag, expect)
-    }
-    fn resolve(&self, extents: Vec<(u64, u64)>) -> Result<Resolved, RpcError> {
-        ControlClient::resolve(self, extents)
-    }
-    fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
-        ControlClient::free(self, offset, tag)
-    }
 }
 
 /// Opens control connections.
