@@ -4,6 +4,9 @@
 //! [`rackfs_fs::clock::ManualClock`]. No sockets, no threads of the test's own, no real time:
 //! what a deterministic simulation of the cluster builds on.
 
+mod common;
+
+use common::node;
 use std::ffi::OsStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,26 +19,13 @@ use rackfs_fs::link::Loopback;
 use rackfs_fs::options::{MountOptions, TransportChoice};
 use rackfs_fs::spawn::Queue;
 use rackfs_meta::{MemStorage, MetaService};
-use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
+use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::{Kind, ROOT_INO};
 use rackfs_verbs::Secret;
 
 /// The metadata service and the memory it keeps its records in (one for the whole cluster: a
 /// standby that takes over has mirrored it exactly).
 type Meta = Arc<Mutex<(MetaService, MemStorage)>>;
-
-fn node(id: u32) -> NodeAddr {
-    NodeAddr {
-        node_id: id,
-        name: format!("node{id}"),
-        tcp: Some(format!("n{id}")),
-        shm: None,
-        capacity: 16 << 20,
-        qos_area: 0,
-        quarantine_ms: 1000,
-        domain: None,
-    }
-}
 
 /// The cluster as a node sees it, with `primary` as the primary.
 fn info(nodes: u32, primary: u32, elects: bool) -> ClusterInfo {

@@ -16,6 +16,9 @@
 //!
 //! `RACKFS_TURNSTILE_SEEDS=N` runs N seeds (default 500); `RACKFS_TURNSTILE_SEED=S` one.
 
+mod common;
+
+use common::node;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,7 +36,7 @@ use rackfs_fs::spawn::{Spawn, Work};
 use rackfs_meta::journal::{self, Answered};
 use rackfs_meta::namespace::Namespace;
 use rackfs_meta::{MemStorage, MetaService, Storage};
-use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
+use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::namespace::ROOT_INO;
 use rackfs_proto::RpcError;
 use rackfs_verbs::Secret;
@@ -122,19 +125,6 @@ impl Spawn for SimThreads {
     fn spawn(&self, name: &str, work: Work) -> std::io::Result<()> {
         self.world.spawn(self.group, name, work);
         Ok(())
-    }
-}
-
-fn node(id: u32) -> NodeAddr {
-    NodeAddr {
-        node_id: id,
-        name: format!("node{id}"),
-        tcp: Some(format!("n{id}")),
-        shm: None,
-        capacity: 16 << 20,
-        qos_area: 0,
-        quarantine_ms: 1000,
-        domain: None,
     }
 }
 
