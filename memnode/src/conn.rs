@@ -333,9 +333,12 @@ struct Crew {
 /// which costs no thread switch (most of a round trip on a local connection).
 fn may_wait(node: &Node, req: &ControlRequest) -> bool {
     match req {
-        // With a standby, even a read waits for changes in flight to reach it.
-        ControlRequest::Meta(_) if node.standby.follower().is_some() => true,
-        ControlRequest::Meta(m) => !rackfs_meta::journal::Step::only_reads(m),
+        // With a standby, even a read waits for changes in flight to reach it; with none in
+        // flight it waits for nothing (one queued meanwhile only delays this connection).
+        ControlRequest::Meta(m) => {
+            !rackfs_meta::journal::Step::only_reads(m)
+                || (node.standby.follower().is_some() && !node.standby.all_shipped())
+        }
         ControlRequest::Hello { .. }
         | ControlRequest::Ping
         | ControlRequest::Stats

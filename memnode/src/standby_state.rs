@@ -174,6 +174,13 @@ impl Standby {
         out.queued
     }
 
+    /// Primary: whether every change queued so far has reached the standby (nothing in
+    /// flight for a read to wait for). A hint: a change may be queued right after.
+    pub fn all_shipped(&self) -> bool {
+        let out = self.outgoing.lock().expect("outgoing lock");
+        out.acked >= out.queued && !out.shipping
+    }
+
     /// Primary, outside the metadata lock: returns once the standby has every change queued
     /// up to `ticket` (or no standby follows any more), so that what a change's answer shows
     /// is in the mirror. Group commit: one caller ships everything queued so far in one

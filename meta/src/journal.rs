@@ -283,12 +283,13 @@ impl<'a> Replay<'a> {
 
     fn next<T>(&self, call: &str, take: impl FnOnce(Answer) -> Option<T>, or: T) -> T {
         let a = self.answers.lock().expect("answers lock").pop_front();
-        let got = format!("{a:?}");
+        // Described only if it does not fit (a clone is cheap, formatting every answer not).
+        let got = a.clone();
         match a.and_then(take) {
             Some(v) => v,
             None => {
                 let mut d = self.diverged.lock().expect("diverged lock");
-                d.get_or_insert_with(|| format!("{call} was answered {got}"));
+                d.get_or_insert_with(|| format!("{call} was answered {got:?}"));
                 or
             }
         }
