@@ -42,7 +42,11 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         if let (false, Err(r)) = (harmless, l.check(session)) {
             return r.into();
         }
-        if !harmless && !node.serving() {
+        // Admitting a data node drops and frees its old epoch's replicas: a primary whose
+        // lease lapsed (deposed, perhaps, with a standby taking over on a mirror that still
+        // lists them) must not.
+        let acts = !harmless || matches!(req, ControlRequest::NodeAdmit { .. });
+        if acts && !node.serving() {
             return refused(
                 ErrorCode::NotPrimary,
                 format!(

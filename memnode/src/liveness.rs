@@ -343,6 +343,17 @@ pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> 
             .mark_down(id, "it comes back under a new epoch");
         drop_replicas(node, id, "its earlier epoch ended", &mut discards, false);
     }
+    // The replicas just dropped are freed only by a primary that still holds its lease (a
+    // deposed one, whose standby took over on a mirror that keeps them, frees nothing).
+    if !node.serving() {
+        return Err(Refusal::new(
+            ErrorCode::NotPrimary,
+            format!(
+                "primary {} lost its lease while admitting node {id}",
+                node.cfg.name
+            ),
+        ));
+    }
     let peer = node.members.peer(id)?;
     let pending = discards.remove(&id).unwrap_or_default();
     for (i, &offset) in pending.iter().enumerate() {

@@ -133,14 +133,20 @@ impl Node {
             let out = f(&mut m);
             (out, self.standby.queue(&mut m))
         };
-        let frees = self.standby.commit(
+        let Some(frees) = self.standby.commit(
             ticket,
             meta,
             &self.members,
             &*self.coord,
             &*self.clock,
             || self.term.guard(),
-        );
+        ) else {
+            // Deposed: its successor's mirror may lack the change, so nothing acts on it (the
+            // callers see `serving()` false and answer nothing).
+            self.serve.end();
+            self.lease_words.lapsed();
+            return Some(out);
+        };
         // Only now that the standby has the change may the extents it released go.
         for (node, offset, tag) in frees {
             self.free_soon(node, offset, tag);

@@ -187,7 +187,10 @@ impl Standby {
     /// journal RPC while the others wait for it, so many changes share a round trip. A
     /// standby that does not take them is dropped (the `standby` key first, from `coord`,
     /// under the primary's `guard`: see `crate::term`), with `meta` locked, and the failure
-    /// noted at `clock`'s now. Returns the extents the shipped changes released, to free now.
+    /// noted at `clock`'s now. Returns the extents the shipped changes released, to free now,
+    /// or `None` if the standby did not take them and this primary no longer holds its term
+    /// (deposed: a standby may serve a mirror without these changes, so nothing they released
+    /// may be freed, and nothing more may be answered).
     pub fn commit(
         &self,
         ticket: u64,
@@ -196,13 +199,13 @@ impl Standby {
         coord: &dyn Coordinator,
         clock: &dyn Clock,
         guard: impl FnOnce() -> Option<Guard>,
-    ) -> Vec<Free> {
+    ) -> Option<Vec<Free>> {
         let mut out = self.outgoing.lock().expect("outgoing lock");
         while out.acked < ticket && out.shipping {
             out = self.shipped.wait(out).expect("outgoing lock");
         }
         if out.acked >= ticket {
-            return Vec::new();
+            return Some(Vec::new());
         }
         out.shipping = true;
         let entries = std::mem::take(&mut out.entries);
@@ -219,14 +222,15 @@ impl Standby {
             (true, Some(id)) => Err((id, "a journal shipment was cut short".to_string())),
             _ => self.ship(entries, members),
         };
+        let mut deposed = false;
         if let Err((id, why)) = sent {
             let mut m = meta.lock().expect("metadata lock");
             if self.follower() == Some(id) {
-                self.drop_follower(&mut m, coord, guard(), id, &why, clock.now());
+                deposed = self.drop_follower(&mut m, coord, guard(), id, &why, clock.now());
             }
         }
         drop(done);
-        frees
+        (!deposed).then_some(frees)
     }
 
     /// Marks the changes queued up to `upto` as shipped (or beyond a standby) and lets the next
@@ -285,7 +289,7 @@ impl Standby {
         id: u32,
         why: &str,
         now: Duration,
-    ) {
+    ) -> bool {
         m.set_journaling(false);
         *self.follower.lock().expect("follower lock") = None;
         *self.failed_at.lock().expect("failed lock") = Some(now);
@@ -295,15 +299,18 @@ impl Standby {
         let withdrawn = crate::term::write_guarded(coord, guard.as_ref(), clear);
         match withdrawn {
             Ok(()) => {
-                warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync")
+                warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
+                false
             }
             // Deposed: the standby key is the new primary's now, and this change is refused
             // (its lease lapsed, so it answers nothing).
             Err(CoordError::NotHeld { .. }) => {
-                warn!(standby = id, error = %why, "the standby refused the journal and this primary no longer holds its term: it was deposed, and leaves the standby key alone")
+                warn!(standby = id, error = %why, "the standby refused the journal and this primary no longer holds its term: it was deposed, and leaves the standby key alone");
+                true
             }
             Err(e) => {
-                error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now")
+                error!(standby = id, error = %e, "cannot withdraw the standby's name from the coordinator: it could take over without the latest changes if this primary died now");
+                false
             }
         }
     }

@@ -18,13 +18,15 @@ use std::time::Duration;
 use rackfs_clock::{SharedClock, SystemClock};
 use rackfs_memnode::config::Coordination;
 use rackfs_memnode::control::answer;
+use rackfs_memnode::coordinator::{node_key, node_value};
 use rackfs_memnode::node::Node;
 use rackfs_memnode::qos::QosConfig;
 use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
-use rackfs_proto::control::{ControlResponse, ErrorCode, RPC_KINDS};
+use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, RPC_KINDS};
 use rackfs_proto::link::{Dial, Loopback};
 use rackfs_proto::namespace::{MetaRequest, NewKind, ROOT_INO};
 use rackfs_proto::record::TAG_SPACE;
+use rackfs_proto::RpcError;
 use rackfs_verbs::Secret;
 
 fn secret() -> Secret {
@@ -103,12 +105,13 @@ fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
     }
 }
 
-/// A scratch directory of this test's own, removed when dropped.
+/// A scratch directory of test `name`'s own, removed when dropped.
 struct Scratch(PathBuf);
 
 impl Scratch {
-    fn new() -> Scratch {
-        let d = std::env::temp_dir().join(format!("rackfs-in-process-{}", std::process::id()));
+    fn new(name: &str) -> Scratch {
+        let d =
+            std::env::temp_dir().join(format!("rackfs-in-process-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&d).expect("a scratch directory");
         Scratch(d)
     }
@@ -130,7 +133,7 @@ fn kind(name: &str) -> usize {
 
 #[test]
 fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("joins");
     let lo = Arc::new(Loopback::new());
     let clock: SharedClock = Arc::new(SystemClock::new());
 
@@ -242,4 +245,84 @@ fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
     drop(mount);
     drop(data);
     drop(primary);
+}
+
+/// A primary whose lease lapsed (deposed, perhaps: on etcd its standby may be taking over on
+/// a mirror that still lists the data node's replicas) admits no data node under a new epoch,
+/// so it frees none of the replicas of the node's earlier epoch. Seen on etcd: a primary that
+/// had not yet noticed its lapse admitted its standby under a new epoch, freed the standby's
+/// replicas, and the standby took over with a layout pointing at freed extents.
+#[test]
+fn a_primary_whose_lease_lapsed_admits_no_node_and_frees_nothing() {
+    let dir = Scratch::new("lapsed");
+    let lo = Arc::new(Loopback::new());
+    let clock: SharedClock = Arc::new(SystemClock::new());
+    let primary = MemNode::start_in(config(&dir.0, 0, Role::Primary), env(&lo, &clock))
+        .expect("the primary starts");
+    let data = MemNode::start_in(
+        config(&dir.0, 1, Role::Join(vec![addr(&dir.0, 0)])),
+        env(&lo, &clock),
+    )
+    .expect("the data node joins");
+    let (p, d) = (primary.node(), data.node());
+    let first = p
+        .epochs
+        .get()
+        .and_then(|e| e.admitted(1))
+        .expect("admitted");
+    let mount = lo
+        .connect(&addr(&dir.0, 0), &secret(), "mount")
+        .expect("a connection to the primary");
+    let ino = match mount.meta(MetaRequest::Create {
+        parent: ROOT_INO,
+        name: b"f".to_vec(),
+        kind: NewKind::File {
+            stripe_unit: 1 << 20,
+            replicas: 2,
+        },
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+    }) {
+        Ok(ControlResponse::Attr(a)) => a.ino,
+        other => panic!("create: {other:?}"),
+    };
+    let replicas = match mount.meta(MetaRequest::AllocStripe {
+        ino,
+        stripe: 0,
+        end: 4096,
+    }) {
+        Ok(ControlResponse::Stripe(r)) => r,
+        other => panic!("alloc stripe: {other:?}"),
+    };
+    let on_data = *replicas.iter().find(|r| r.node == 1).expect("node 1's");
+    let base = on_data.offset - TAG_SPACE;
+
+    // Node 1 registers under a new epoch (as after its own lease lapsed), and the primary's
+    // lease lapses before node 1 asks it to be admitted.
+    let (lease, _) = p.coord.grant(Duration::from_secs(60)).expect("a lease");
+    p.coord
+        .put(
+            &node_key(1),
+            &node_value(&d.members.me(), lease),
+            Some(lease),
+        )
+        .expect("node 1 registers again");
+    p.serve.end();
+    let asks = lo
+        .connect(&addr(&dir.0, 0), &secret(), "lease-mn1")
+        .expect("a connection to the primary");
+    match asks.call(&ControlRequest::NodeAdmit {
+        node: 1,
+        epoch: lease,
+    }) {
+        Err(RpcError::Refused { code, .. }) => assert_eq!(code, ErrorCode::NotPrimary),
+        other => panic!("a lapsed primary admitted node 1: {other:?}"),
+    }
+    assert_eq!(p.epochs.get().and_then(|e| e.admitted(1)), Some(first));
+    let held = d.store.resolve(&[(base, on_data.tag)]);
+    assert!(
+        held.changed.is_empty(),
+        "node 1 still holds its replica under its tag: {held:?}"
+    );
 }

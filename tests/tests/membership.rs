@@ -240,7 +240,10 @@ fn on_etcd_the_cluster_rides_out_an_etcd_pause() {
     assert!(
         wait_for(Duration::from_secs(20), || fs::read(m.path("f"))
             .is_ok_and(|d| d == vec![5u8; 1 << 20])),
-        "the file reads back once the cluster serves again"
+        "the file reads back once the cluster serves again:\nmount:\n{}\nmn0:\n{}\nmn1:\n{}",
+        m.log_text(),
+        log(0),
+        log(1)
     );
     // New files too, once the mount follows whoever serves (a namespace change may meet the
     // moment the old primary exits).
