@@ -42,6 +42,11 @@ trait Faulted {
     /// After a pause of a node: starts again the one that exited (a deposed primary does),
     /// as a unit's restart policy would; `rackfs up` does that itself.
     fn revive(&mut self) {}
+    /// The nodes' warnings and errors, for a failure's message (`rackfs up` prints its own
+    /// logs when it is dropped).
+    fn warnings(&self) -> String {
+        String::new()
+    }
 
     /// Waits until the cluster is whole again: `nodes` up, a standby in sync, every stripe at
     /// its replicas; returns the primary's and the standby's names.
@@ -608,6 +613,19 @@ impl Faulted for OnEtcd {
         self.c.restart(i);
     }
 
+    fn warnings(&self) -> String {
+        let mut out = String::new();
+        for (i, n) in self.c.nodes.iter().enumerate() {
+            let Some(n) = n else { continue };
+            out += &format!("--- mn{i} (warnings; a node started again shows its latest run)\n");
+            for l in n.stderr().lines().filter(|l| !l.contains(" INFO ")) {
+                out += l;
+                out.push('\n');
+            }
+        }
+        out
+    }
+
     fn revive(&mut self) {
         let exited = |c: &mut TestCluster| {
             let dead = c.nodes.iter_mut().position(|n| {
@@ -717,7 +735,11 @@ fn chaos(cluster: &mut dyn Faulted) {
         let warnings = || {
             let log = second.log_text();
             let warned: Vec<&str> = log.lines().filter(|l| !l.contains(" INFO ")).collect();
-            format!("the second mount's warnings:\n{}", warned.join("\n"))
+            format!(
+                "the second mount's warnings:\n{}\n{}",
+                warned.join("\n"),
+                cluster.warnings()
+            )
         };
         if !fio_a.running() {
             panic!("fio a ended at fault {fault}: {:?}", fio_a.finish());
