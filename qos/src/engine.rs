@@ -49,6 +49,13 @@ impl Default for EngineConfig {
     }
 }
 
+/// How long a request may wait without gathering a single token (at least: ten of the
+/// node's periods if they are longer) before the node's QoS is taken for gone: a monitor that
+/// stopped (a dead node whose memory a shm client still maps reads as frozen) or one that
+/// does not serve this mount's slot (a node started again). The wait ends with an error, so
+/// nothing waits forever; the mount then treats the node as failed.
+pub const STALL: Duration = Duration::from_secs(10);
+
 #[derive(Default, Debug, Clone, Copy)]
 struct State {
     period: u64,
@@ -579,26 +586,41 @@ impl QosEngine {
         res
     }
 
+    /// Gathers `missing` tokens. Fails once none came for [`STALL`] (or ten of the node's
+    /// periods, if longer): the node's QoS monitor no longer serves this mount.
     async fn gather(
         &self,
         missing: &mut u64,
         borrow: &dyn Fn(u64) -> bool,
     ) -> Result<(), VerbsError> {
+        let mut progress = (*missing, self.clock.now());
         loop {
             self.refresh_if_due().await?;
-            let step = {
+            let (step, period) = {
                 let mut inner = self.lock();
                 let (got, step) = Self::take(&mut inner, *missing, true);
                 inner.owed -= got;
                 *missing -= got;
-                step
+                (step, Duration::from_micros(inner.s.period_us))
             };
             let short = *missing;
+            if short < progress.0 {
+                progress = (short, self.clock.now());
+            }
             match step {
                 Step::Go => return Ok(()),
                 Step::Claim => self.claim(*missing).await?,
                 Step::Wait if self.short_of_room(short) && borrow(short) => self.add_room(short),
                 Step::Wait => {
+                    let stalled = self.clock.now().saturating_sub(progress.1);
+                    if stalled > STALL.max(period * 10) {
+                        return Err(VerbsError::ConnectionLost {
+                            peer: self.qp.peer().to_string(),
+                            reason: format!(
+                                "no QoS token came in {stalled:?}: the node's QoS monitor does not serve this mount (the node died or was started again)"
+                            ),
+                        });
+                    }
                     self.clock.sleep(self.cfg.delta).await;
                     self.refresh().await?;
                 }

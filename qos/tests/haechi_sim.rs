@@ -585,3 +585,54 @@ fn lent_room(seed: u64) -> Result<f64, String> {
 fn a_limit_split_where_the_mount_does_not_work_is_reached_by_lending_room() {
     check_many(100, lent_room);
 }
+
+/// A node whose QoS monitor stops (a dead node whose memory a shm mount still maps reads as
+/// frozen words; a node started again does not serve the mount's slot): a request waiting for
+/// tokens there ends with an error naming the stall, about `STALL` after the last token came,
+/// instead of waiting forever.
+#[test]
+fn a_wait_on_a_node_whose_qos_stopped_ends_with_an_error() {
+    let mut sim = Sim::new(SimConfig {
+        seed: 7,
+        region_len: 1 << 20,
+        ..SimConfig::default()
+    });
+    let h = sim.handle();
+    let stop = PERIOD * 5;
+    let share = MountShare {
+        reservation: 0,
+        limit: 50,
+        weight: 1,
+    };
+    memory_node(&mut sim, true, &[share], stop);
+    let mount = sim.add_client();
+    let e = engine(&h.connect(mount), 0, BATCH);
+    let ended = Rc::new(RefCell::new(None));
+    let (h2, out) = (h.clone(), ended.clone());
+    sim.spawn(mount, async move {
+        let mut last_token = Duration::ZERO;
+        loop {
+            match e.admit_borrowing(1, &|_| false).await {
+                Ok(admitted) => {
+                    last_token = h2.now();
+                    drop(admitted);
+                }
+                Err(err) => {
+                    *out.borrow_mut() = Some((last_token, h2.now(), err.to_string()));
+                    return;
+                }
+            }
+        }
+    });
+    let outcome = sim.run(rackfs_qos::engine::STALL * 3);
+    assert_eq!(outcome, RunOutcome::Finished, "the wait never ended");
+    let (last_token, failed_at, why) = ended.borrow().clone().expect("an error");
+    assert!(last_token <= stop + PERIOD, "{last_token:?}");
+    let waited = failed_at - last_token;
+    assert!(
+        waited >= rackfs_qos::engine::STALL
+            && waited < rackfs_qos::engine::STALL + Duration::from_secs(1),
+        "failed {waited:?} after the last token"
+    );
+    assert!(why.contains("no QoS token came"), "{why}");
+}
