@@ -819,7 +819,6 @@ impl Client {
             Ok(ControlResponse::Created(c)) => {
                 let f = self.file(&c.attr)?;
                 f.cache_stripe(0, c.stripe, sent);
-                f.adopt_lock_tree(&self.cluster, c.lock_tree, sent);
                 let opened = self.new_handle(flags, c.attr.perm);
                 return Ok((c.attr, opened));
             }

@@ -357,13 +357,6 @@ impl FileData {
         Ok(())
     }
 
-    /// Takes the lock tree a create published (`word`, answered to an RPC sent at `sent`).
-    pub(crate) fn adopt_lock_tree(&self, cl: &Cluster, word: u64, sent: u64) {
-        if let Some(l) = &self.locks {
-            l.adopt_published(cl, word, sent);
-        }
-    }
-
     /// Caches stripe `k`'s replicas, learnt from the service by an RPC sent at `sent`.
     pub(crate) fn cache_stripe(&self, k: u64, replicas: Vec<StripeExtent>, sent: u64) {
         if replicas.is_empty() {

@@ -75,15 +75,6 @@ fn errno(cl: &Cluster, node: u32, e: &VerbsError) -> i32 {
     cl.verbs_errno(node, e)
 }
 
-/// The primary, whose region holds files' trees, and its data connection in `session`.
-fn primary_node(cl: &Cluster, session: u64) -> Result<(u32, Arc<crate::cluster::Node>), i32> {
-    let primary = cl.primary_id();
-    let p = cl
-        .node_in(primary, session)
-        .map_err(|e| errno(cl, primary, &e))?;
-    Ok((primary, p))
-}
-
 impl FileLocks {
     pub fn new(ino: u64, record: u64) -> FileLocks {
         FileLocks {
@@ -118,8 +109,12 @@ impl FileLocks {
                 return Ok(t.clone());
             }
         }
-        let (_, _, session) = cl.lock_client()?;
-        let (primary, p) = primary_node(cl, session)?;
+        let (slot, cfg, session) = cl.lock_client()?;
+        let session_over = cl.session_over();
+        let primary = cl.primary_id();
+        let p = cl
+            .node_in(primary, session)
+            .map_err(|e| errno(cl, primary, &e))?;
         let mut word = TreeWord(
             p.qp.faa(RemoteAddr::new(p.rkey, self.record + REC_LOCKS), 0)
                 .map_err(|e| errno(cl, primary, &e))?,
@@ -127,15 +122,6 @@ impl FileLocks {
         if word.tree().is_none() {
             word = self.publish(cl, TreeWord::NONE, units)?;
         }
-        self.adopt(cl, word, cl.clock().mono_ns())
-    }
-
-    /// Takes the published tree `word` (seen live at `seen`, the mount's `mono_ns`) as this
-    /// file's tree in the mount's current session.
-    fn adopt(&self, cl: &Cluster, word: TreeWord, seen: u64) -> Result<Arc<Tree>, i32> {
-        let (slot, cfg, session) = cl.lock_client()?;
-        let session_over = cl.session_over();
-        let (primary, p) = primary_node(cl, session)?;
         let (geo, offset) = geometry(word).ok_or(libc::EIO)?;
         let t = Arc::new(Tree {
             word,
@@ -148,22 +134,11 @@ impl FileLocks {
                 slot,
             )
             .give_up_when(session_over),
-            seen_live: AtomicU64::new(seen),
+            seen_live: AtomicU64::new(cl.clock().mono_ns()),
             session,
         });
         *self.tree.write().expect("tree lock") = Some(t.clone());
         Ok(t)
-    }
-
-    /// The tree a create published for the new file (`word`, read by the primary after an
-    /// RPC sent at `sent`), so that the first write skips reading the file record. Kept only
-    /// if the mount has no tree for the file yet; a failure leaves the read to that write.
-    pub fn adopt_published(&self, cl: &Cluster, word: u64, sent: u64) {
-        let word = TreeWord(word);
-        if word.tree().is_none() || self.tree.read().expect("tree lock").is_some() {
-            return;
-        }
-        let _ = self.adopt(cl, word, sent);
     }
 
     fn forget(&self, t: &Arc<Tree>) {

@@ -356,6 +356,16 @@ impl Row {
         self.net(self.delta.verbs.batches, self.idle.verbs.batches)
     }
 
+    /// Verbs of `opcode` (`READ`, `WRITE`, `CAS`, `FAA`, `MCAS`, `MFAA`) per operation,
+    /// less the idle background.
+    pub fn verbs_of(&self, opcode: &str) -> f64 {
+        let k = OPCODES
+            .iter()
+            .position(|o| *o == opcode)
+            .unwrap_or_else(|| panic!("no opcode {opcode}"));
+        self.net(self.delta.verbs.ops[k], self.idle.verbs.ops[k])
+    }
+
     /// Verbs per operation by opcode (those above 0.05), less the idle background.
     pub fn verbs_by_opcode(&self) -> String {
         let v: Vec<String> = OPCODES
