@@ -23,8 +23,8 @@ use rackfs_memnode::node::Node;
 use rackfs_memnode::qos::QosConfig;
 use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, RPC_KINDS};
-use rackfs_proto::link::{Dial, Loopback};
-use rackfs_proto::namespace::{MetaRequest, NewKind, ROOT_INO};
+use rackfs_proto::link::{ControlLink, Dial, Loopback};
+use rackfs_proto::namespace::{MetaRequest, NewKind, StripeExtent, ROOT_INO};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::RpcError;
 use rackfs_verbs::Secret;
@@ -131,6 +131,33 @@ fn kind(name: &str) -> usize {
         .expect("an RPC kind")
 }
 
+/// Creates file `f` (two replicas) through `mount` and has its first 4 KiB placed: the
+/// stripe's replicas.
+fn file_with_a_stripe(mount: &dyn ControlLink) -> Vec<StripeExtent> {
+    let ino = match mount.meta(MetaRequest::Create {
+        parent: ROOT_INO,
+        name: b"f".to_vec(),
+        kind: NewKind::File {
+            stripe_unit: 1 << 20,
+            replicas: 2,
+        },
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+    }) {
+        Ok(ControlResponse::Attr(a)) => a.ino,
+        other => panic!("create: {other:?}"),
+    };
+    match mount.meta(MetaRequest::AllocStripe {
+        ino,
+        stripe: 0,
+        end: 4096,
+    }) {
+        Ok(ControlResponse::Stripe(r)) => r,
+        other => panic!("alloc stripe: {other:?}"),
+    }
+}
+
 #[test]
 fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
     let dir = Scratch::new("joins");
@@ -170,28 +197,7 @@ fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
     let mount = lo
         .connect(&addr(&dir.0, 0), &secret(), "mount")
         .expect("a connection to the primary");
-    let ino = match mount.meta(MetaRequest::Create {
-        parent: ROOT_INO,
-        name: b"f".to_vec(),
-        kind: NewKind::File {
-            stripe_unit: 1 << 20,
-            replicas: 2,
-        },
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-    }) {
-        Ok(ControlResponse::Attr(a)) => a.ino,
-        other => panic!("create: {other:?}"),
-    };
-    let replicas = match mount.meta(MetaRequest::AllocStripe {
-        ino,
-        stripe: 0,
-        end: 4096,
-    }) {
-        Ok(ControlResponse::Stripe(r)) => r,
-        other => panic!("alloc stripe: {other:?}"),
-    };
+    let replicas = file_with_a_stripe(&*mount);
     let mut nodes: Vec<u32> = replicas.iter().map(|r| r.node).collect();
     nodes.sort_unstable();
     assert_eq!(nodes, vec![0, 1], "one replica on each node: {replicas:?}");
@@ -273,28 +279,7 @@ fn a_primary_whose_lease_lapsed_admits_no_node_and_frees_nothing() {
     let mount = lo
         .connect(&addr(&dir.0, 0), &secret(), "mount")
         .expect("a connection to the primary");
-    let ino = match mount.meta(MetaRequest::Create {
-        parent: ROOT_INO,
-        name: b"f".to_vec(),
-        kind: NewKind::File {
-            stripe_unit: 1 << 20,
-            replicas: 2,
-        },
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-    }) {
-        Ok(ControlResponse::Attr(a)) => a.ino,
-        other => panic!("create: {other:?}"),
-    };
-    let replicas = match mount.meta(MetaRequest::AllocStripe {
-        ino,
-        stripe: 0,
-        end: 4096,
-    }) {
-        Ok(ControlResponse::Stripe(r)) => r,
-        other => panic!("alloc stripe: {other:?}"),
-    };
+    let replicas = file_with_a_stripe(&*mount);
     let on_data = *replicas.iter().find(|r| r.node == 1).expect("node 1's");
     let base = on_data.offset - TAG_SPACE;
 
