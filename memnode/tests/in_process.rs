@@ -131,6 +131,23 @@ fn kind(name: &str) -> usize {
         .expect("an RPC kind")
 }
 
+/// A primary (node 0) and a data node (node 1) on the host's clock, their sockets in `dir`,
+/// calling each other over `lo`. The data node joins in `start_in`: through the loopback to
+/// the primary, which connects back to it (declaring its term) over the loopback too; then it
+/// registers with the coordinator embedded in the primary and is admitted, all before
+/// `start_in` returns.
+fn two_nodes(dir: &Path, lo: &Arc<Loopback>) -> (MemNode, MemNode) {
+    let clock: SharedClock = Arc::new(SystemClock::new());
+    let primary = MemNode::start_in(config(dir, 0, Role::Primary), env(lo, &clock))
+        .expect("the primary starts");
+    let data = MemNode::start_in(
+        config(dir, 1, Role::Join(vec![addr(dir, 0)])),
+        env(lo, &clock),
+    )
+    .expect("the data node starts and joins the primary");
+    (primary, data)
+}
+
 /// Creates file `f` (two replicas) through `mount` and has its first 4 KiB placed: the
 /// stripe's replicas.
 fn file_with_a_stripe(mount: &dyn ControlLink) -> Vec<StripeExtent> {
@@ -162,18 +179,7 @@ fn file_with_a_stripe(mount: &dyn ControlLink) -> Vec<StripeExtent> {
 fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
     let dir = Scratch::new("joins");
     let lo = Arc::new(Loopback::new());
-    let clock: SharedClock = Arc::new(SystemClock::new());
-
-    let primary = MemNode::start_in(config(&dir.0, 0, Role::Primary), env(&lo, &clock))
-        .expect("the primary starts");
-    // The data node joins in `start_in`: through the loopback to the primary, which connects
-    // back to it (declaring its term) over the loopback too; then it registers with the
-    // coordinator embedded in the primary and is admitted, all before `start_in` returns.
-    let data = MemNode::start_in(
-        config(&dir.0, 1, Role::Join(vec![addr(&dir.0, 0)])),
-        env(&lo, &clock),
-    )
-    .expect("the data node starts and joins the primary");
+    let (primary, data) = two_nodes(&dir.0, &lo);
     let (p, d) = (primary.node(), data.node());
 
     assert_eq!(
@@ -262,14 +268,7 @@ fn a_data_node_joins_a_primary_in_memory_and_takes_a_stripe_of_a_new_file() {
 fn a_primary_whose_lease_lapsed_admits_no_node_and_frees_nothing() {
     let dir = Scratch::new("lapsed");
     let lo = Arc::new(Loopback::new());
-    let clock: SharedClock = Arc::new(SystemClock::new());
-    let primary = MemNode::start_in(config(&dir.0, 0, Role::Primary), env(&lo, &clock))
-        .expect("the primary starts");
-    let data = MemNode::start_in(
-        config(&dir.0, 1, Role::Join(vec![addr(&dir.0, 0)])),
-        env(&lo, &clock),
-    )
-    .expect("the data node joins");
+    let (primary, data) = two_nodes(&dir.0, &lo);
     let (p, d) = (primary.node(), data.node());
     let first = p
         .epochs
