@@ -23,11 +23,12 @@ pub struct Env {
 }
 
 impl Env {
-    /// The host's: its clocks, control connections over TCP or Unix sockets, OS threads.
-    pub fn real() -> Env {
+    /// The host's: its clocks, control connections over TCP or Unix sockets that poll for
+    /// answers for `poll` before they sleep, OS threads.
+    pub fn real(poll: std::time::Duration) -> Env {
         Env {
             clock: Arc::new(SystemClock::new()),
-            dial: Arc::new(NetDial),
+            dial: Arc::new(NetDial { poll }),
             spawn: Arc::new(Threads),
         }
     }

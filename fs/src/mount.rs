@@ -215,7 +215,7 @@ pub fn prepare(source: &str, dir: &Path, opts: &MountOptions) -> Result<Prepared
     let name = format!("mount:{}", dir.display());
     // The mount is where the core meets the host: its clocks.
     let cluster = Cluster::connect(
-        Env::real(),
+        Env::real(opts.poll),
         &addrs,
         secret,
         opts.transport,

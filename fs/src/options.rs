@@ -73,9 +73,14 @@ pub struct MountOptions {
     pub weight: u32,
     /// Where the mount serves its Prometheus text metrics (`None`: nowhere).
     pub metrics: Option<SocketAddr>,
+    /// How long a control RPC's caller polls for the answer before it sleeps.
+    pub poll: Duration,
     /// Options accepted for compatibility with mount(8)/fstab and ignored.
     pub ignored: Vec<String>,
 }
+
+/// The longest `poll_us` (a poller longer than a round trip only burns a CPU).
+const MAX_POLL_US: u64 = 10_000;
 
 pub const DEFAULT_SECRET_FILE: &str = "/etc/rackfs/secret";
 
@@ -100,6 +105,7 @@ impl Default for MountOptions {
             limit: 0,
             weight: 1,
             metrics: None,
+            poll: rackfs_verbs::poll::CONTROL_POLL,
             ignored: Vec::new(),
         }
     }
@@ -255,6 +261,15 @@ impl MountOptions {
                         .filter(|n| (1..=64).contains(n))
                         .ok_or_else(|| bad(key, v, "a number from 1 to 64"))?;
                 }
+                "poll_us" => {
+                    let v = need(key, value)?;
+                    o.poll = v
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= MAX_POLL_US)
+                        .map(Duration::from_micros)
+                        .ok_or_else(|| bad(key, v, "microseconds from 0 to 10000"))?;
+                }
                 "attr_timeout" => {
                     o.attr_timeout = seconds(key, need(key, value)?, 0.0, "seconds from 0 to 3600")?
                 }
@@ -341,6 +356,14 @@ mod tests {
         assert_eq!(m.metrics, Some("127.0.0.1:9101".parse().unwrap()));
         let m = MountOptions::parse("metrics=[::1]:9101").unwrap();
         assert_eq!(m.metrics, Some("[::1]:9101".parse().unwrap()));
+        assert_eq!(
+            MountOptions::parse("poll_us=0").unwrap().poll,
+            Duration::ZERO
+        );
+        assert_eq!(
+            MountOptions::parse("poll_us=200").unwrap().poll,
+            Duration::from_micros(200)
+        );
         assert_eq!(MountOptions::parse("").unwrap(), MountOptions::default());
         for (bad, says) in [
             ("bogus", "unknown mount option \"bogus\""),
@@ -366,6 +389,8 @@ mod tests {
             ("metrics=host.example:9101", "HOST:PORT"),
             ("metrics=127.0.0.1:99999", "HOST:PORT"),
             ("metrics=", "needs a value"),
+            ("poll_us=10001", "from 0 to 10000"),
+            ("poll_us=-1", "from 0 to 10000"),
         ] {
             let e = MountOptions::parse(bad).unwrap_err();
             assert!(e.to_string().contains(says), "{bad}: {e}");

@@ -20,7 +20,8 @@ pub struct NodeConfig {
     pub shm_socket: Option<PathBuf>,
     pub region_len: u64,
     pub secret: Secret,
-    /// Adaptive-polling budget of NIC threads before they sleep in `read`.
+    /// Adaptive-polling budget of NIC threads, control sessions and this node's own control
+    /// calls before they sleep in `read` (`rackfs_verbs::poll`).
     pub poll: Duration,
     pub role: Role,
     /// How long freed file stripes are held back before their memory is reused.

@@ -21,6 +21,7 @@ use rackfs_proto::control::{ControlRequest, ErrorCode, PROTOCOL_VERSION};
 use rackfs_proto::Refusal;
 use rackfs_verbs::auth::{server_handshake, Admitted, HandshakeError};
 use rackfs_verbs::counters::COUNTER_BLOCK_LEN;
+use rackfs_verbs::poll::Polled;
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, WireError};
 use rackfs_verbs::{Access, Region, VerbCounters};
 use tracing::{debug, info, warn};
@@ -279,13 +280,17 @@ fn serve_shm(mut stream: UnixStream, node: &Node, fence: u64) {
 
 /// Serves control RPCs; the connection is one client session (its opens end with it once
 /// every request in flight is answered).
-fn serve_control(r: impl Read + Send, w: impl Write + Send, node: &Node) -> Result<(), WireError> {
+fn serve_control(
+    r: impl Read + AsRawFd + Send,
+    w: impl Write + Send,
+    node: &Node,
+) -> Result<(), WireError> {
     let session = node.next_session.fetch_add(1, Ordering::Relaxed);
     let conn = Session {
         node,
         id: session,
         requests: Mutex::new(Requests {
-            reader: BufReader::new(r),
+            reader: BufReader::new(Polled::new(r, node.cfg.poll)),
             body: Vec::new(),
         }),
         answers: Mutex::new(BufWriter::new(w)),

@@ -188,7 +188,7 @@ impl NodeEnv {
     pub fn on_clock(clock: SharedClock) -> NodeEnv {
         NodeEnv {
             clock,
-            dial: Arc::new(NetDial),
+            dial: Arc::new(NetDial::default()),
             serving: None,
         }
     }
@@ -240,7 +240,12 @@ impl MemNode {
     /// Creates the regions, binds the listeners and starts serving, on the host's clock and
     /// network.
     pub fn start(cfg: NodeConfig) -> Result<MemNode, StartError> {
-        MemNode::start_in(cfg, NodeEnv::host())
+        // Its own control connections (to the primary, its peers) poll as its sessions do.
+        let env = NodeEnv {
+            dial: Arc::new(NetDial { poll: cfg.poll }),
+            ..NodeEnv::host()
+        };
+        MemNode::start_in(cfg, env)
     }
 
     /// [`MemNode::start`] with the node's parts taking time from `clock` (a simulation's).

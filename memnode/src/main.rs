@@ -39,7 +39,8 @@ struct Args {
     /// go to nodes of different domains while there are enough (default: a domain of its own).
     #[arg(long, value_name = "NAME")]
     domain: Option<String>,
-    /// Microseconds a NIC thread polls its connection before sleeping (0: never poll).
+    /// Microseconds a NIC thread, a control session or a control call of this node polls its
+    /// connection before sleeping (0: never poll).
     #[arg(long, default_value_t = 50)]
     poll_us: u64,
     /// Run the cluster's metadata service (one node per cluster).

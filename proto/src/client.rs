@@ -16,14 +16,17 @@
 use crate::link::ControlLink;
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
+use rackfs_verbs::poll::{try_read_for, CONTROL_POLL};
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
 use rackfs_verbs::{RegionInfo, VerbsError};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeStats, Refusal, Resolved,
@@ -82,7 +85,7 @@ impl RpcError {
 pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A connected socket whose reads and writes can be bounded in time.
-trait Socket: Read + Write + Send {
+trait Socket: Read + Write + Send + AsRawFd {
     fn bound_reads(&self, d: Duration) -> std::io::Result<()>;
     fn bound_writes(&self, d: Duration) -> std::io::Result<()>;
     /// A second handle on the same connection (one side reads, the other writes).
@@ -228,6 +231,8 @@ pub struct ControlClient {
     node_name: String,
     regions: Vec<RegionInfo>,
     deadline: Mutex<Duration>,
+    /// Microseconds the reader polls for an answer before it sleeps ([`rackfs_verbs::poll`]).
+    poll_us: AtomicU64,
     outbox: Mutex<Outbox>,
     /// Locked only by the caller that set [`Calls::reading`].
     inbox: Mutex<Inbox>,
@@ -296,6 +301,7 @@ impl ControlClient {
             node_name: acc.node_name,
             regions: acc.welcome.regions,
             deadline: Mutex::new(RPC_DEADLINE),
+            poll_us: AtomicU64::new(CONTROL_POLL.as_micros() as u64),
             outbox: Mutex::new(Outbox {
                 socket,
                 unsent: Vec::new(),
@@ -316,6 +322,15 @@ impl ControlClient {
     /// Sets how long each call may take from now on.
     pub fn set_deadline(&self, d: Duration) {
         *self.deadline.lock().expect("deadline lock") = d.max(Duration::from_millis(1));
+    }
+
+    /// Sets how long a caller waiting for an answer polls the socket before it sleeps (0:
+    /// never polls).
+    pub fn set_poll(&self, d: Duration) {
+        self.poll_us.store(
+            d.as_micros().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     /// Tells the node which protocol version this side speaks (done by every connect); the
@@ -457,7 +472,13 @@ impl ControlClient {
             }
             inbox.bound.0 = Some(left);
         }
-        match inbox.socket.read(&mut buf) {
+        // The answer mostly comes within the poll: no sleep, no wake-up for it.
+        let poll = Duration::from_micros(self.poll_us.load(Ordering::Relaxed));
+        let got = match try_read_for(&*inbox.socket, &mut buf, poll) {
+            Some(r) => r,
+            None => inbox.socket.read(&mut buf),
+        };
+        match got {
             Ok(0) => return Received::Broken(self.lost("the node closed the connection".into())),
             Ok(n) => inbox.bytes.extend_from_slice(&buf[..n]),
             Err(e) if timed_out(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}

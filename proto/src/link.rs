@@ -166,9 +166,20 @@ pub trait Dial: Send + Sync {
     ) -> Result<Arc<dyn ControlLink>, RpcError>;
 }
 
-/// Dials the network: `host:port` over TCP, `unix:PATH` over the node's Unix socket.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NetDial;
+/// Dials the network: `host:port` over TCP, `unix:PATH` over the node's Unix socket. Its
+/// connections poll for answers for `poll` before they sleep ([`rackfs_verbs::poll`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NetDial {
+    pub poll: std::time::Duration,
+}
+
+impl Default for NetDial {
+    fn default() -> NetDial {
+        NetDial {
+            poll: rackfs_verbs::poll::CONTROL_POLL,
+        }
+    }
+}
 
 impl Dial for NetDial {
     fn connect(
@@ -177,7 +188,9 @@ impl Dial for NetDial {
         secret: &Secret,
         client_name: &str,
     ) -> Result<Arc<dyn ControlLink>, RpcError> {
-        Ok(Arc::new(ControlClient::connect(addr, secret, client_name)?))
+        let c = ControlClient::connect(addr, secret, client_name)?;
+        c.set_poll(self.poll);
+        Ok(Arc::new(c))
     }
 }
 

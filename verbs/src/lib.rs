@@ -21,6 +21,7 @@ pub mod counters;
 mod error;
 pub mod lease;
 pub mod masked;
+pub mod poll;
 mod qp;
 pub mod rdma;
 pub mod region;

@@ -39,7 +39,7 @@ fn main() {
         })
         .expect("--range L:R");
     let cl = Cluster::connect(
-        Env::real(),
+        Env::real(rackfs_verbs::poll::CONTROL_POLL),
         &[get("--cluster")],
         secret,
         transport,
