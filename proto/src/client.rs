@@ -23,10 +23,9 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
-use rackfs_verbs::poll::{try_read_for, CONTROL_POLL};
+use rackfs_verbs::poll::{Fd, Poller, CONTROL_POLL};
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
 use rackfs_verbs::{RegionInfo, VerbsError};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeStats, Refusal, Resolved,
@@ -231,8 +230,8 @@ pub struct ControlClient {
     node_name: String,
     regions: Vec<RegionInfo>,
     deadline: Mutex<Duration>,
-    /// Microseconds the reader polls for an answer before it sleeps ([`rackfs_verbs::poll`]).
-    poll_us: AtomicU64,
+    /// How the reader polls for answers before it sleeps ([`rackfs_verbs::poll`]).
+    poller: Poller,
     outbox: Mutex<Outbox>,
     /// Locked only by the caller that set [`Calls::reading`].
     inbox: Mutex<Inbox>,
@@ -301,7 +300,7 @@ impl ControlClient {
             node_name: acc.node_name,
             regions: acc.welcome.regions,
             deadline: Mutex::new(RPC_DEADLINE),
-            poll_us: AtomicU64::new(CONTROL_POLL.as_micros() as u64),
+            poller: Poller::new(CONTROL_POLL),
             outbox: Mutex::new(Outbox {
                 socket,
                 unsent: Vec::new(),
@@ -327,10 +326,7 @@ impl ControlClient {
     /// Sets how long a caller waiting for an answer polls the socket before it sleeps (0:
     /// never polls).
     pub fn set_poll(&self, d: Duration) {
-        self.poll_us.store(
-            d.as_micros().min(u64::MAX as u128) as u64,
-            Ordering::Relaxed,
-        );
+        self.poller.set(d);
     }
 
     /// Tells the node which protocol version this side speaks (done by every connect); the
@@ -473,11 +469,9 @@ impl ControlClient {
             inbox.bound.0 = Some(left);
         }
         // The answer mostly comes within the poll: no sleep, no wake-up for it.
-        let poll = Duration::from_micros(self.poll_us.load(Ordering::Relaxed));
-        let got = match try_read_for(&*inbox.socket, &mut buf, poll) {
-            Some(r) => r,
-            None => inbox.socket.read(&mut buf),
-        };
+        let Inbox { socket, .. } = &mut *inbox;
+        let fd = socket.as_raw_fd();
+        let got = self.poller.read(&Fd(fd), &mut buf, |b| socket.read(b));
         match got {
             Ok(0) => return Received::Broken(self.lost("the node closed the connection".into())),
             Ok(n) => inbox.bytes.extend_from_slice(&buf[..n]),

@@ -10,34 +10,103 @@
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a control connection's reader polls before it sleeps, unless configured
 /// (`--poll-us` on a node, `poll_us=` on a mount): the nodes' default for their NIC threads.
 pub const CONTROL_POLL: Duration = Duration::from_micros(50);
 
-/// A reader that polls its socket for up to `poll` before a blocking read.
+/// Reads that poll for up to a budget first, and back off while polling does not pay: after
+/// `k` polls in a row that found nothing, the next `2^k` reads (at most [`MAX_SKIP`]) block
+/// at once. So a peer that answers slowly (an idle client between requests, a round trip
+/// longer than the budget, CPUs taken by other work) costs little spinning.
+#[derive(Debug)]
+pub struct Poller {
+    poll_us: AtomicU64,
+    misses: AtomicU32,
+    skip: AtomicU32,
+}
+
+/// The most reads a [`Poller`] lets block without polling after polls that found nothing.
+pub const MAX_SKIP: u32 = 64;
+
+impl Poller {
+    pub fn new(poll: Duration) -> Poller {
+        Poller {
+            poll_us: AtomicU64::new(poll.as_micros().min(u64::MAX as u128) as u64),
+            misses: AtomicU32::new(0),
+            skip: AtomicU32::new(0),
+        }
+    }
+
+    pub fn set(&self, poll: Duration) {
+        self.poll_us.store(
+            poll.as_micros().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Reads `socket` into `buf`: polling first unless backing off, then with `read`.
+    pub fn read<S: AsRawFd + ?Sized>(
+        &self,
+        socket: &S,
+        buf: &mut [u8],
+        read: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
+    ) -> std::io::Result<usize> {
+        let poll = Duration::from_micros(self.poll_us.load(Ordering::Relaxed));
+        if poll.is_zero() {
+            return read(buf);
+        }
+        let skip = self.skip.load(Ordering::Relaxed);
+        if skip > 0 {
+            self.skip.store(skip - 1, Ordering::Relaxed);
+            return read(buf);
+        }
+        match try_read_for(socket, buf, poll) {
+            Some(r) => {
+                self.misses.store(0, Ordering::Relaxed);
+                r
+            }
+            None => {
+                let k = (self.misses.load(Ordering::Relaxed) + 1).min(6);
+                self.misses.store(k, Ordering::Relaxed);
+                self.skip.store((1 << k).min(MAX_SKIP), Ordering::Relaxed);
+                read(buf)
+            }
+        }
+    }
+}
+
+/// A reader that polls its socket ([`Poller`]) before a blocking read.
 pub struct Polled<R> {
     inner: R,
-    poll: Duration,
+    poller: Poller,
 }
 
 impl<R: Read + AsRawFd> Polled<R> {
     pub fn new(inner: R, poll: Duration) -> Polled<R> {
-        Polled { inner, poll }
-    }
-
-    pub fn get_ref(&self) -> &R {
-        &self.inner
+        Polled {
+            inner,
+            poller: Poller::new(poll),
+        }
     }
 }
 
 impl<R: Read + AsRawFd> Read for Polled<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match try_read_for(&self.inner, buf, self.poll) {
-            Some(r) => r,
-            None => self.inner.read(buf),
-        }
+        let Polled { inner, poller } = self;
+        let fd = inner.as_raw_fd();
+        poller.read(&Fd(fd), buf, |b| inner.read(b))
+    }
+}
+
+/// A descriptor borrowed for one read.
+pub struct Fd(pub std::os::fd::RawFd);
+
+impl AsRawFd for Fd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
     }
 }
 
@@ -102,6 +171,53 @@ mod tests {
         let t = Instant::now();
         assert!(try_read_for(&b, &mut buf, Duration::from_millis(2)).is_none());
         assert!(t.elapsed() >= Duration::from_millis(2));
+    }
+
+    #[test]
+    fn polls_that_find_nothing_back_off_and_one_that_finds_resets() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let p = Poller::new(Duration::from_micros(100));
+        let mut buf = [0u8; 16];
+        let state = |p: &Poller| {
+            (
+                p.misses.load(Ordering::Relaxed),
+                p.skip.load(Ordering::Relaxed),
+            )
+        };
+        // Nothing is there until the read blocks: every poll misses. Reads that poll leave
+        // the state in `after`, the others count their skip down.
+        let mut states = Vec::new();
+        for _ in 0..8 {
+            let n = p
+                .read(&b, &mut buf, |bb| {
+                    a.write_all(b"x").unwrap();
+                    (&b).read(bb)
+                })
+                .unwrap();
+            assert_eq!(n, 1);
+            states.push(state(&p));
+        }
+        assert_eq!(
+            states,
+            [
+                (1, 2),
+                (1, 1),
+                (1, 0),
+                (2, 4),
+                (2, 3),
+                (2, 2),
+                (2, 1),
+                (2, 0)
+            ],
+            "a miss, 2 reads without a poll; a miss, 4 without"
+        );
+        // A byte already there when a poll is due: read by the poll, and the backoff resets.
+        a.write_all(b"y").unwrap();
+        let n = p
+            .read(&b, &mut buf, |_| panic!("polled, not blocked"))
+            .unwrap();
+        assert_eq!((n, buf[0]), (1, b'y'));
+        assert_eq!(state(&p), (0, 0));
     }
 
     #[test]
