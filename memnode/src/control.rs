@@ -10,6 +10,7 @@ use std::time::Duration;
 use rackfs_proto::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
 };
+use rackfs_proto::namespace::MetaRequest;
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;
 use tracing::warn;
@@ -17,7 +18,7 @@ use tracing::warn;
 use crate::alloc::GRANULE;
 use crate::config::Role;
 use crate::lease::Leases;
-use crate::node::{Node, FENCE_WAIT};
+use crate::node::{FreesGo, Node, FENCE_WAIT};
 use crate::qos_controller::QosRequest;
 
 fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
@@ -75,6 +76,18 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             },
             Err(e) => Refusal::from(e).into(),
         },
+        ControlRequest::AllocMany { len, tags } => {
+            let mut offsets = Vec::with_capacity(tags.len().min(MAX_ALLOC_MANY));
+            for tag in tags.into_iter().take(MAX_ALLOC_MANY) {
+                match node.store.alloc(len, GRANULE, Some(tag)) {
+                    Ok(offset) => offsets.push(offset),
+                    Err(e) if offsets.is_empty() => return Refusal::from(e).into(),
+                    // As many as fit: the primary places the rest as it always did.
+                    Err(_) => break,
+                }
+            }
+            ControlResponse::AllocatedMany { offsets }
+        }
         ControlRequest::Free { offset, tag } => match node.store.free(offset, tag) {
             Ok(len) => ControlResponse::Freed { len },
             Err(e) => e.into(),
@@ -249,8 +262,18 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         }
         ControlRequest::Meta(m) => match node.meta.get() {
             Some(_) => {
+                // Removing names frees only files nobody can read any more: their extents on
+                // other nodes need not hold the answer up.
+                let go = match m.inner() {
+                    MetaRequest::Unlink { .. }
+                    | MetaRequest::Rmdir { .. }
+                    | MetaRequest::Rename { .. } => FreesGo::Soon,
+                    _ => FreesGo::BeforeAnswer,
+                };
                 let (resp, changes) = node
-                    .with_meta(|meta| (meta.handle(session, m, node), meta.take_changes()))
+                    .with_meta_freeing(go, |meta| {
+                        (meta.handle(session, m, node), meta.take_changes())
+                    })
                     .expect("primary");
                 // A change is answered only while the primary still holds its lease: a
                 // standby elected meanwhile may lack it (its journal may not have arrived).
@@ -281,6 +304,10 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
     }
 }
 
+/// The most extents one [`ControlRequest::AllocMany`] allocates (a primary asks for far
+/// fewer; this bounds what a request can make a node do).
+const MAX_ALLOC_MANY: usize = 1024;
+
 /// The primary's side of a join. A new node is empty (a new process), so replicas it held
 /// before are dropped first; it takes data once admitted under its epoch. A node that
 /// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
@@ -291,6 +318,7 @@ fn primary_action_allowed(node: &Node, session: u64, req: &ControlRequest) -> Re
     let primarys = matches!(
         req,
         ControlRequest::Alloc { .. }
+            | ControlRequest::AllocMany { .. }
             | ControlRequest::Free { .. }
             | ControlRequest::Resize { .. }
             | ControlRequest::Zero { .. }

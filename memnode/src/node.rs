@@ -118,6 +118,18 @@ pub struct Node {
     pub stopping: AtomicBool,
 }
 
+/// When the extents a namespace change released on other data nodes are freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreesGo {
+    /// Before the change is answered: a file that lives on may have moved or lost a stripe
+    /// that a mount still caches.
+    BeforeAnswer,
+    /// By the frees thread, right after: only files nobody can read any more lost extents
+    /// (removed, with no link left and open nowhere: an open file is kept until its last
+    /// close, which frees before its answer).
+    Soon,
+}
+
 /// How long fencing a mount on one node may take (below a control RPC's deadline).
 pub(crate) const FENCE_WAIT: Duration = Duration::from_secs(3);
 
@@ -127,6 +139,16 @@ impl Node {
     /// anything is answered; the lock is not held meanwhile (group commit, see
     /// [`Standby::commit`](crate::standby_state::Standby::commit)).
     pub fn with_meta<T>(&self, f: impl FnOnce(&mut MetaService) -> T) -> Option<T> {
+        self.with_meta_freeing(FreesGo::BeforeAnswer, f)
+    }
+
+    /// [`Node::with_meta`], with the extents the change released on other nodes freed before
+    /// it returns or soon after ([`FreesGo`]).
+    pub fn with_meta_freeing<T>(
+        &self,
+        go: FreesGo,
+        f: impl FnOnce(&mut MetaService) -> T,
+    ) -> Option<T> {
         let meta = self.meta.get()?;
         let (out, ticket) = {
             let mut m = meta.lock().expect("metadata lock");
@@ -154,7 +176,10 @@ impl Node {
         // And they go before the answer: a mount that still caches a stripe the change moved
         // or released (a truncate, a trim) must find its tag gone when it reads after the
         // answer, not the old bytes under the old tag (fsx across two mounts read those).
-        self.send_frees();
+        match go {
+            FreesGo::BeforeAnswer => self.send_frees(),
+            FreesGo::Soon => {}
+        }
         Some(out)
     }
 
@@ -482,6 +507,21 @@ impl Storage for Node {
         }
         self.with_peer(node, |c| c.alloc_tagged(len, GRANULE, tag))
             .map(|(_, off)| off)
+    }
+
+    fn alloc_many(&self, node: u32, len: u64, tags: &[u64]) -> Result<Vec<u64>, Refusal> {
+        if node == self.cfg.node_id {
+            let mut out = Vec::with_capacity(tags.len());
+            for &t in tags {
+                match self.store.alloc(len, GRANULE, Some(t)) {
+                    Ok(base) => out.push(base),
+                    Err(e) if out.is_empty() => return Err(e.into()),
+                    Err(_) => break,
+                }
+            }
+            return Ok(out);
+        }
+        self.with_peer(node, |c| c.alloc_many(len, tags.to_vec()))
     }
 
     fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {

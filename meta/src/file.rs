@@ -27,6 +27,7 @@ use rackfs_proto::Refusal;
 use rackfs_verbs::Region;
 use serde::{Deserialize, Serialize};
 
+use crate::pool::Slot;
 use crate::storage::Storage;
 
 type MetaResult<T> = Result<T, Refusal>;
@@ -328,7 +329,45 @@ impl File {
             self.grow_table(stripe, st)?;
         }
         let cap = extent_cap(self.stripe_unit, stripe, end, 0);
-        let r = self.place(ino, stripe, stripe_tag(serial, cap), st)?;
+        let r = self.place(ino, stripe, stripe_tag(serial, cap), None, st)?;
+        let (_, region) = st.local();
+        let live = r.live();
+        self.publish(region, stripe, r);
+        Ok(live)
+    }
+
+    /// The capacity a hole at stripe `stripe` gets to hold its first `end` bytes; `None` if
+    /// the stripe is no hole.
+    pub fn hole_cap(&self, stripe: u64, end: u64) -> Option<u64> {
+        (!self.stripes.contains_key(&stripe)).then(|| extent_cap(self.stripe_unit, stripe, end, 0))
+    }
+
+    /// [`File::alloc_stripe`] for a hole, placed from `slot` ([`crate::pool`]): its serial
+    /// numbers the stripe, and its extents are used where the placement puts a replica.
+    pub fn alloc_hole_from(
+        &mut self,
+        ino: u64,
+        stripe: u64,
+        end: u64,
+        slot: Slot,
+        st: &dyn Storage,
+    ) -> MetaResult<Vec<StripeExtent>> {
+        let cap = extent_cap(self.stripe_unit, stripe, end, 0);
+        let tag = stripe_tag(slot.serial, cap);
+        if self.stripes.contains_key(&stripe) {
+            release(slot, tag, st);
+            return Err(Refusal::new(
+                ErrorCode::Internal,
+                "a pooled extent placed where a stripe is",
+            ));
+        }
+        if stripe >= self.table_cap {
+            if let Err(e) = self.grow_table(stripe, st) {
+                release(slot, tag, st);
+                return Err(e);
+            }
+        }
+        let r = self.place(ino, stripe, tag, Some(slot), st)?;
         let (_, region) = st.local();
         let live = r.live();
         self.publish(region, stripe, r);
@@ -340,7 +379,16 @@ impl File {
     /// nodes of different failure domains while there are enough ([`Storage::domain`]); a node
     /// that cannot be reached or is full passes its replica on to the next. A stripe gets fewer
     /// replicas (degraded) when fewer nodes can take one, and fails only when none can.
-    fn place(&self, ino: u64, stripe: u64, tag: u64, st: &dyn Storage) -> MetaResult<Replicas> {
+    /// With `slot`, its extents are taken where a replica goes (tagged `tag` already), and
+    /// those left over are freed.
+    fn place(
+        &self,
+        ino: u64,
+        stripe: u64,
+        tag: u64,
+        mut slot: Option<Slot>,
+        st: &dyn Storage,
+    ) -> MetaResult<Replicas> {
         let nodes = st.data_nodes();
         let cap = rackfs_proto::record::tag_capacity(tag);
         let first = ((ino + stripe) % nodes.len() as u64) as usize;
@@ -364,7 +412,8 @@ impl File {
                     continue;
                 }
                 tried.push(node);
-                match st.alloc(node, cap, Some(tag)) {
+                let pooled = slot.as_mut().and_then(|s| s.extents.remove(&node));
+                match pooled.map_or_else(|| st.alloc(node, cap, Some(tag)), Ok) {
                     Ok(base) => placed.push(Some(StripeExtent {
                         node,
                         offset: base + TAG_SPACE,
@@ -377,10 +426,16 @@ impl File {
                         for p in placed.iter().flatten() {
                             let _ = st.free(p.node, p.offset - TAG_SPACE, Some(p.tag));
                         }
+                        if let Some(s) = slot {
+                            release(s, tag, st);
+                        }
                         return Err(e);
                     }
                 }
             }
+        }
+        if let Some(s) = slot {
+            release(s, tag, st);
         }
         if placed.is_empty() {
             return Err(last.expect("at least one node was tried"));
@@ -823,6 +878,15 @@ pub fn extent_cap(unit: u64, stripe: u64, end: u64, old: u64) -> u64 {
         unit
     } else {
         want
+    }
+}
+
+/// Frees the extents of a pooled slot that no replica took (tagged `tag`).
+fn release(slot: Slot, tag: u64, st: &dyn Storage) {
+    for (node, base) in slot.extents {
+        if let Err(e) = st.free(node, base, Some(tag)) {
+            tracing::warn!(node, base, error = %e, "a pooled extent stays allocated");
+        }
     }
 }
 

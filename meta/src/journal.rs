@@ -131,6 +131,7 @@ pub enum Answer {
     Elapsed(Duration),
     Word(u64),
     Resolved(Result<Resolved, Refusal>),
+    Offsets(Result<Vec<u64>, Refusal>),
 }
 
 /// A step with the answers its storage gave, numbered in the primary's order.
@@ -180,6 +181,11 @@ impl Storage for Recorder<'_> {
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal> {
         self.keep(self.inner.alloc(node, len, tag), |r| {
             Answer::Offset(r.clone())
+        })
+    }
+    fn alloc_many(&self, node: u32, len: u64, tags: &[u64]) -> Result<Vec<u64>, Refusal> {
+        self.keep(self.inner.alloc_many(node, len, tags), |r| {
+            Answer::Offsets(r.clone())
         })
     }
     fn free(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
@@ -349,6 +355,17 @@ impl Storage for Replay<'_> {
     }
     fn alloc(&self, _: u32, _: u64, _: Option<u64>) -> Result<u64, Refusal> {
         self.offset("alloc")
+    }
+    fn alloc_many(&self, _: u32, _: u64, _: &[u64]) -> Result<Vec<u64>, Refusal> {
+        let take = |a| {
+            if let Answer::Offsets(r) = a {
+                Some(r)
+            } else {
+                None
+            }
+        };
+        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
+        self.next("alloc_many", take, or)
     }
     fn free(&self, _: u32, _: u64, _: Option<u64>) -> Result<(), Refusal> {
         self.done("free")

@@ -14,6 +14,7 @@ pub mod journal;
 pub mod locktree;
 pub mod namespace;
 pub mod placement;
+pub mod pool;
 pub mod recordlocks;
 pub mod storage;
 pub mod xattr;

@@ -47,6 +47,7 @@ pub struct RolledForward {
     /// The node did not answer.
     pub unanswered: bool,
 }
+use crate::pool::Pool;
 use crate::storage::Storage;
 use crate::xattr::Xattrs;
 
@@ -116,6 +117,9 @@ pub struct Namespace {
     /// ([`Namespace::roll_forward`]).
     #[serde(default)]
     resolved: BTreeSet<u32>,
+    /// Extents placed ahead on the other data nodes for new files' first stripes.
+    #[serde(default)]
+    pool: Pool,
 }
 
 impl Namespace {
@@ -150,6 +154,7 @@ impl Namespace {
             deleted: Vec::new(),
             trims_held: false,
             resolved: BTreeSet::new(),
+            pool: Pool::default(),
         }
     }
 
@@ -662,10 +667,12 @@ impl Namespace {
         let unit = attr.layout.as_ref().map_or(0, |l| l.stripe_unit);
         let stripe = match reserve.min(unit) {
             0 => Vec::new(),
-            end => self.alloc_stripe(attr.ino, 0, end, st).unwrap_or_else(|e| {
-                tracing::debug!(ino = attr.ino, error = %e, "no stripe placed at create");
-                Vec::new()
-            }),
+            end => self
+                .alloc_first_stripe(attr.ino, end, st)
+                .unwrap_or_else(|e| {
+                    tracing::debug!(ino = attr.ino, error = %e, "no stripe placed at create");
+                    Vec::new()
+                }),
         };
         let ControlResponse::Attr(parent) = self.attr(parent, st)? else {
             unreachable!("attr answers attributes")
@@ -1217,9 +1224,33 @@ impl Namespace {
         f.alloc_stripe(ino, stripe, end, serial, st)
     }
 
+    /// A new file's first stripe, placed from the pool ([`crate::pool`]) where it can be.
+    fn alloc_first_stripe(
+        &mut self,
+        ino: u64,
+        end: u64,
+        st: &dyn Storage,
+    ) -> MetaResult<Vec<StripeExtent>> {
+        let cap = match self.get(ino)?.file.as_ref() {
+            Some(f) if end <= f.stripe_unit => f.hole_cap(0, end),
+            _ => None,
+        };
+        let Some(slot) = cap.and_then(|cap| self.pool.take(cap, &mut self.next_tag, st)) else {
+            return self.alloc_stripe(ino, 0, end, st);
+        };
+        let f = self.get_mut(ino)?.file.as_mut().expect("a regular file");
+        f.alloc_hole_from(ino, 0, end, slot, st)
+    }
+
+    /// Node memory held by extents placed ahead ([`crate::pool`]), in data bytes.
+    pub fn pooled_bytes(&self) -> u64 {
+        self.pool.bytes()
+    }
+
     /// Data node `node` was declared dead: its replicas are dropped from every stripe that
-    /// has another (see [`File::drop_node`]).
+    /// has another (see [`File::drop_node`]), and its extents placed ahead.
     pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
+        self.pool.drop_node(node);
         let (_, region) = st.local();
         let mut d = Dropped::default();
         for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {

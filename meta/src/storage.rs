@@ -27,6 +27,20 @@ pub trait Storage: Send + Sync {
     /// Allocates `len` bytes on `node`. A tagged extent is a file stripe: its tag is written in
     /// its first 8 bytes and its data starts [`TAG_SPACE`] after the returned offset.
     fn alloc(&self, node: u32, len: u64, tag: Option<u64>) -> Result<u64, Refusal>;
+    /// Allocates one stripe extent of `len` data bytes on `node` per tag of `tags`, as
+    /// [`Storage::alloc`] would; returns the base offsets of as many as fit (at least one), in
+    /// order. A node elsewhere does it in one round trip.
+    fn alloc_many(&self, node: u32, len: u64, tags: &[u64]) -> Result<Vec<u64>, Refusal> {
+        let mut out = Vec::with_capacity(tags.len());
+        for &t in tags {
+            match self.alloc(node, len, Some(t)) {
+                Ok(base) => out.push(base),
+                Err(e) if out.is_empty() => return Err(e),
+                Err(_) => break,
+            }
+        }
+        Ok(out)
+    }
     /// Frees the extent at `offset` on `node` (a stripe is tombstoned and quarantined; a
     /// stripe extent moved away by [`Storage::resize`] is freed with the tag it had).
     ///

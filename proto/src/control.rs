@@ -20,10 +20,10 @@ use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 29] = [
+pub const RPC_KINDS: [&str; 30] = [
     "hello",
     "ping",
     "stats",
@@ -53,6 +53,7 @@ pub const RPC_KINDS: [&str; 29] = [
     "journal",
     "primary",
     "resolve",
+    "alloc_many",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -240,6 +241,14 @@ pub enum ControlRequest {
     Resolve {
         extents: Vec<ExtentAt>,
     },
+    /// Allocate one file stripe extent of `len` data bytes per tag in `tags` (as
+    /// [`ControlRequest::Alloc`] with that tag): a primary placing stripes ahead of need, in
+    /// one round trip. Answered with [`ControlResponse::AllocatedMany`]: as many as fit, in the
+    /// order asked.
+    AllocMany {
+        len: u64,
+        tags: Vec<u64>,
+    },
 }
 
 /// A stripe extent as a node holds it: (base offset, owner tag).
@@ -290,6 +299,7 @@ impl ControlRequest {
             ControlRequest::Journal { .. } => 26,
             ControlRequest::Primary { .. } => 27,
             ControlRequest::Resolve { .. } => 28,
+            ControlRequest::AllocMany { .. } => 29,
         }
     }
 }
@@ -617,6 +627,10 @@ pub enum ControlResponse {
     EntriesPlus(Vec<(DirEntry, Attr)>),
     /// See [`ControlRequest::Resolve`].
     Resolved(Resolved),
+    /// The base offsets of the extents a [`ControlRequest::AllocMany`] allocated.
+    AllocatedMany {
+        offsets: Vec<u64>,
+    },
     /// See [`crate::namespace::MetaRequest::SizeAtTakeOver`].
     SizeAtTakeOver(Option<u64>),
 }

@@ -118,6 +118,15 @@ pub trait ControlLink: Send + Sync {
         }
     }
 
+    /// [`ControlRequest::AllocMany`]: the base offsets of the stripe extents allocated, one
+    /// per tag from the first, as many as fit.
+    fn alloc_many(&self, len: u64, tags: Vec<u64>) -> Result<Vec<u64>, RpcError> {
+        match self.call(&ControlRequest::AllocMany { len, tags })? {
+            ControlResponse::AllocatedMany { offsets } => Ok(offsets),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
     /// Frees the extent at `offset` (with `tag`: only the stripe extent with that owner tag);
     /// returns how many bytes come back.
     fn free(&self, offset: u64, tag: Option<u64>) -> Result<u64, RpcError> {
