@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 pub const CONTROL_POLL: Duration = Duration::from_micros(50);
 
 /// Reads that poll for up to a budget first, and back off while polling does not pay: after
-/// `k` polls in a row that found nothing, the next `2^k` reads (at most [`MAX_SKIP`]) block
-/// at once. So a peer that answers slowly (an idle client between requests, a round trip
-/// longer than the budget, CPUs taken by other work) costs little spinning.
+/// `k >=` [`BACK_OFF_AFTER`] polls in a row that found nothing, the next `2^(k - 3)` reads
+/// (at most [`MAX_SKIP`]) block at once. So a peer that answers slowly (an idle client
+/// between requests, CPUs taken by other work) costs little spinning, while a mix of quick
+/// and slow answers (a lookup, then a create that waits for the standby) keeps polling.
 #[derive(Debug)]
 pub struct Poller {
     poll_us: AtomicU64,
@@ -30,6 +31,9 @@ pub struct Poller {
 
 /// The most reads a [`Poller`] lets block without polling after polls that found nothing.
 pub const MAX_SKIP: u32 = 64;
+
+/// Polls in a row that find nothing before a [`Poller`] backs off.
+pub const BACK_OFF_AFTER: u32 = 4;
 
 impl Poller {
     pub fn new(poll: Duration) -> Poller {
@@ -69,9 +73,12 @@ impl Poller {
                 r
             }
             None => {
-                let k = (self.misses.load(Ordering::Relaxed) + 1).min(6);
+                let k = (self.misses.load(Ordering::Relaxed) + 1).min(BACK_OFF_AFTER + 6);
                 self.misses.store(k, Ordering::Relaxed);
-                self.skip.store((1 << k).min(MAX_SKIP), Ordering::Relaxed);
+                if k >= BACK_OFF_AFTER {
+                    let skip = 1u32 << (k + 1 - BACK_OFF_AFTER);
+                    self.skip.store(skip.min(MAX_SKIP), Ordering::Relaxed);
+                }
                 read(buf)
             }
         }
@@ -184,8 +191,8 @@ mod tests {
                 p.skip.load(Ordering::Relaxed),
             )
         };
-        // Nothing is there until the read blocks: every poll misses. Reads that poll leave
-        // the state in `after`, the others count their skip down.
+        // Nothing is there until the read blocks: every poll misses; reads that skip the poll
+        // count the backoff down.
         let mut states = Vec::new();
         for _ in 0..8 {
             let n = p
@@ -200,18 +207,27 @@ mod tests {
         assert_eq!(
             states,
             [
-                (1, 2),
-                (1, 1),
                 (1, 0),
-                (2, 4),
-                (2, 3),
-                (2, 2),
-                (2, 1),
-                (2, 0)
+                (2, 0),
+                (3, 0),
+                (4, 2),
+                (4, 1),
+                (4, 0),
+                (5, 4),
+                (5, 3)
             ],
-            "a miss, 2 reads without a poll; a miss, 4 without"
+            "three misses, then 2 reads without a poll; a miss, then 4 without"
         );
-        // A byte already there when a poll is due: read by the poll, and the backoff resets.
+        // The rest of the backoff, then a byte already there when a poll is due: read by the
+        // poll, and the backoff resets.
+        for _ in 0..3 {
+            p.read(&b, &mut buf, |bb| {
+                a.write_all(b"x").unwrap();
+                (&b).read(bb)
+            })
+            .unwrap();
+        }
+        assert_eq!(state(&p), (5, 0));
         a.write_all(b"y").unwrap();
         let n = p
             .read(&b, &mut buf, |_| panic!("polled, not blocked"))
