@@ -226,9 +226,11 @@ impl Namespace {
                 }
                 Ok(ControlResponse::Ok)
             }
-            MetaRequest::AllocStripe { ino, stripe, end } => self
-                .alloc_stripe(ino, stripe, end, st)
-                .map(ControlResponse::Stripe),
+            MetaRequest::AllocStripe { ino, stripe, end } => {
+                let placed = self.alloc_stripe(ino, stripe, end, st);
+                self.give_back_pool_if_short(ino, placed.as_ref().map(Vec::len), st);
+                placed.map(ControlResponse::Stripe)
+            }
             MetaRequest::GetStripe { ino, stripe } => {
                 self.get(ino).and_then(|i| match i.file.as_ref() {
                     Some(f) => Ok(ControlResponse::Stripe(f.stripe(stripe))),
@@ -279,9 +281,14 @@ impl Namespace {
                 offset,
                 len,
                 mode,
-            } => self
-                .fallocate(ino, offset, len, mode, st)
-                .map(|()| ControlResponse::Ok),
+            } => {
+                let done = self.fallocate(ino, offset, len, mode, st);
+                let out_of_memory = matches!(&done, Err(e) if e.code == ErrorCode::OutOfMemory);
+                if out_of_memory {
+                    self.pool.give_back(st);
+                }
+                done.map(|()| ControlResponse::Ok)
+            }
             MetaRequest::Settle { ino, size, mtime } => self
                 .settle(ino, size, mtime, st)
                 .map(|()| ControlResponse::Ok),
@@ -1235,11 +1242,40 @@ impl Namespace {
             Some(f) if end <= f.stripe_unit => f.hole_cap(0, end),
             _ => None,
         };
-        let Some(slot) = cap.and_then(|cap| self.pool.take(cap, &mut self.next_tag, st)) else {
-            return self.alloc_stripe(ino, 0, end, st);
+        let placed = match cap.and_then(|cap| self.pool.take(cap, &mut self.next_tag, st)) {
+            Some(slot) => {
+                let f = self.get_mut(ino)?.file.as_mut().expect("a regular file");
+                f.alloc_hole_from(ino, 0, end, slot, st)
+            }
+            None => self.alloc_stripe(ino, 0, end, st),
         };
-        let f = self.get_mut(ino)?.file.as_mut().expect("a regular file");
-        f.alloc_hole_from(ino, 0, end, slot, st)
+        self.give_back_pool_if_short(ino, placed.as_ref().map(Vec::len), st);
+        placed
+    }
+
+    /// A placement for file `ino` ran short of memory (failed for it, or got fewer replicas
+    /// than the file asks while there are nodes enough for them): the pooled extents are
+    /// freed, so that memory serves the stripes that need it.
+    fn give_back_pool_if_short(
+        &mut self,
+        ino: u64,
+        placed: Result<usize, &Refusal>,
+        st: &dyn Storage,
+    ) {
+        let short = match placed {
+            Err(e) => e.code == ErrorCode::OutOfMemory,
+            Ok(n) => {
+                let asked = self
+                    .get(ino)
+                    .ok()
+                    .and_then(|i| i.file.as_ref())
+                    .map_or(0, |f| f.replicas as usize);
+                n < asked && st.data_nodes().len() >= asked
+            }
+        };
+        if short {
+            self.pool.give_back(st);
+        }
     }
 
     /// Node memory held by extents placed ahead ([`crate::pool`]), in data bytes.

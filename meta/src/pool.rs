@@ -13,7 +13,9 @@
 //! nodes answered, so a standby holds the same pool and a primary that takes over places
 //! from it. A primary that dies between a refill and its journal leaves those extents
 //! allocated (as it does any extent of a change it died in). A node declared dead loses its
-//! pooled extents with its replicas ([`Pool::drop_node`]).
+//! pooled extents with its replicas ([`Pool::drop_node`]). When a placement runs short of
+//! memory, the pool gives all its extents back ([`Pool::give_back`]) and is not filled again
+//! for the next [`HOLD_AFTER_GIVING_BACK`] creates.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -37,13 +39,23 @@ pub struct Slot {
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pool {
     slots: BTreeMap<u64, VecDeque<Slot>>,
+    /// Creates left that place without refilling: memory ran short lately.
+    #[serde(default)]
+    held: u64,
 }
+
+/// Creates that place without refilling the pool after it gave its extents back.
+pub const HOLD_AFTER_GIVING_BACK: u64 = 1024;
 
 impl Pool {
     /// A slot for an extent of `cap` data bytes, refilling first if none is left (serials
     /// from `next_serial`, which it advances). `None` when there is no other data node, or
     /// none could take an extent.
     pub fn take(&mut self, cap: u64, next_serial: &mut u64, st: &dyn Storage) -> Option<Slot> {
+        if self.held > 0 {
+            self.held -= 1;
+            return None;
+        }
         let queue = self.slots.entry(cap).or_default();
         if queue.is_empty() {
             let local = st.local().0;
@@ -88,6 +100,21 @@ impl Pool {
                 slot.extents.remove(&node);
             }
             queue.retain(|s| !s.extents.is_empty());
+        }
+    }
+
+    /// Frees every pooled extent (memory ran short: stripes need it more).
+    pub fn give_back(&mut self, st: &dyn Storage) {
+        self.held = HOLD_AFTER_GIVING_BACK;
+        for (cap, queue) in std::mem::take(&mut self.slots) {
+            for slot in queue {
+                let tag = stripe_tag(slot.serial, cap);
+                for (node, base) in slot.extents {
+                    if let Err(e) = st.free(node, base, Some(tag)) {
+                        tracing::warn!(node, base, error = %e, "a pooled extent stays allocated");
+                    }
+                }
+            }
         }
     }
 

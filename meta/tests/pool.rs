@@ -149,3 +149,60 @@ fn a_lone_node_places_without_a_pool() {
     }
     assert_eq!(m.namespace.pooled_bytes(), 0);
 }
+
+#[test]
+fn memory_running_short_takes_the_pooled_extents_back() {
+    // Room for about 60 extents of 4 KiB on each node.
+    let st = MemStorage::new(2, 256 << 10);
+    let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    create(&mut m, &st, "first");
+    assert!(m.namespace.pooled_bytes() > 0);
+    let stripe_of = |m: &mut MetaService, st: &MemStorage, name: &str| {
+        let req = MetaRequest::CreateOpen {
+            parent: 1,
+            name: name.as_bytes().to_vec(),
+            stripe_unit: 1 << 16,
+            replicas: 2,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            reserve: 4096,
+            lock_units: 0,
+        };
+        match m.handle(SESSION, req, st) {
+            ControlResponse::Created(c) => c.stripe.len(),
+            other => panic!("create {name}: {other:?}"),
+        }
+    };
+    let used = |st: &MemStorage| (0..2).map(|n| st.used(n)).sum::<u64>();
+    let mut short_at = None;
+    let mut pooled_before = 0;
+    for i in 0..200 {
+        pooled_before = m.namespace.pooled_bytes() / 4096;
+        let before = used(&st);
+        if stripe_of(&mut m, &st, &format!("f{i}")) < 2 {
+            short_at = Some((i, before));
+            break;
+        }
+    }
+    let (i, before) = short_at.expect("the nodes fill up within 200 files");
+    assert_eq!(
+        m.namespace.pooled_bytes(),
+        0,
+        "file {i} got fewer replicas: the pool gave its extents back"
+    );
+    assert!(
+        pooled_before > 0,
+        "the pool held extents when memory ran short"
+    );
+    assert!(
+        used(&st) < before,
+        "the {pooled_before} pooled extents' memory came back: {before} -> {}",
+        used(&st)
+    );
+    // The pool is not filled again while memory is short.
+    for k in 0..5 {
+        stripe_of(&mut m, &st, &format!("after{k}"));
+        assert_eq!(m.namespace.pooled_bytes(), 0, "no refill after giving back");
+    }
+}
