@@ -77,16 +77,11 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             Err(e) => Refusal::from(e).into(),
         },
         ControlRequest::AllocMany { len, tags } => {
-            let mut offsets = Vec::with_capacity(tags.len().min(MAX_ALLOC_MANY));
-            for tag in tags.into_iter().take(MAX_ALLOC_MANY) {
-                match node.store.alloc(len, GRANULE, Some(tag)) {
-                    Ok(offset) => offsets.push(offset),
-                    Err(e) if offsets.is_empty() => return Refusal::from(e).into(),
-                    // As many as fit: the primary places the rest as it always did.
-                    Err(_) => break,
-                }
+            let tags = &tags[..tags.len().min(MAX_ALLOC_MANY)];
+            match node.store.alloc_many(len, GRANULE, tags) {
+                Ok(offsets) => ControlResponse::AllocatedMany { offsets },
+                Err(e) => Refusal::from(e).into(),
             }
-            ControlResponse::AllocatedMany { offsets }
         }
         ControlRequest::Free { offset, tag } => match node.store.free(offset, tag) {
             Ok(len) => ControlResponse::Freed { len },

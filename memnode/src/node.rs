@@ -511,15 +511,7 @@ impl Storage for Node {
 
     fn alloc_many(&self, node: u32, len: u64, tags: &[u64]) -> Result<Vec<u64>, Refusal> {
         if node == self.cfg.node_id {
-            let mut out = Vec::with_capacity(tags.len());
-            for &t in tags {
-                match self.store.alloc(len, GRANULE, Some(t)) {
-                    Ok(base) => out.push(base),
-                    Err(e) if out.is_empty() => return Err(e.into()),
-                    Err(_) => break,
-                }
-            }
-            return Ok(out);
+            return Ok(self.store.alloc_many(len, GRANULE, tags)?);
         }
         self.with_peer(node, |c| c.alloc_many(len, tags.to_vec()))
     }

@@ -7,7 +7,8 @@
 //! on): its replica on this node is allocated then, with the same tag, and a node the slot has
 //! no extent on gets an allocation of its own. Extents of the slot the placement did not use
 //! are freed. Slots are made [`SLOTS`] at a time, with one [`Storage::alloc_many`] call per
-//! node, when a placement finds none left.
+//! node, when a placement finds none left; a node makes them only from memory free at once
+//! (never waiting for quarantined extents, which the stripes that need memory wait for).
 //!
 //! The pool is namespace state: the step that refilled it is journaled with the offsets the
 //! nodes answered, so a standby holds the same pool and a primary that takes over places
