@@ -8,8 +8,8 @@ use rackfs_tests::rpc_table::{measure, Config, Op, Options};
 /// Most control RPCs per operation (periodic kinds left out): in all, and to the primary.
 /// Today's measured counts; lower them when an operation gets cheaper.
 const BOUNDS: [(Op, Options, f64, f64); 23] = [
-    (Op::Create, Options::Default, 3.0, 2.0),
-    (Op::CreateWrite, Options::Default, 2.0, 2.0),
+    (Op::Create, Options::Default, 3.05, 2.0),
+    (Op::CreateWrite, Options::Default, 2.05, 2.0),
     (Op::OpenRead, Options::Default, 1.0, 1.0),
     (Op::Stat, Options::Default, 0.0, 0.0),
     (Op::StatLapsed, Options::Default, 1.0, 1.0),
@@ -21,8 +21,8 @@ const BOUNDS: [(Op, Options, f64, f64); 23] = [
     (Op::Mkdir, Options::Default, 3.0, 3.0),
     (Op::Chmod, Options::Default, 1.0, 1.0),
     (Op::Truncate, Options::Default, 2.0, 2.0),
-    (Op::Create, Options::NoCache, 6.0, 5.0),
-    (Op::CreateWrite, Options::NoCache, 5.0, 5.0),
+    (Op::Create, Options::NoCache, 6.05, 5.0),
+    (Op::CreateWrite, Options::NoCache, 5.05, 5.0),
     (Op::OpenRead, Options::NoCache, 4.0, 4.0),
     (Op::Stat, Options::NoCache, 3.0, 3.0),
     (Op::Readdir, Options::NoCache, 7.0, 7.0),
@@ -34,12 +34,13 @@ const BOUNDS: [(Op, Options, f64, f64); 23] = [
     (Op::Truncate, Options::NoCache, 3.0, 3.0),
 ];
 
-/// Counts are whole per operation, plus the primary's allocations ahead on the other node (one
-/// `AllocMany` per 32 creates) and the last closes' batches (one `Releases` per 20 ms
-/// window, so a slower run sends more of them: create read 4.06 in 2 of 4 runs on a loaded
-/// 2-core machine) and a kernel cache entry lapsing once a second. A grown count adds at
-/// least 1.
-const EPSILON: f64 = 0.15;
+/// Counts are whole per operation (the create rows' bounds include the primary's allocations
+/// ahead on the other node, one `AllocMany` per 32 creates: 0.03), plus the last closes'
+/// batches (one `Releases` per 20 ms window, so a slower run sends more of them: create read
+/// 4.06 in 2 of 4 runs on a loaded 2-core machine, create + write with `attr_timeout=0` 5.15
+/// to the primary in a full-suite run) and a kernel cache entry lapsing once a second. A grown
+/// count adds at least 1.
+const EPSILON: f64 = 0.25;
 
 /// Most masked compare-and-swaps per create + 4 KiB write + close: 2.0 measured (2026-11-27;
 /// 2.4 before), the lock and its release. The lock of a one-leaf tree (a small file's) has no
