@@ -301,34 +301,28 @@ impl<'a> Replay<'a> {
         }
     }
 
-    fn offset(&self, call: &str) -> Result<u64, Refusal> {
+    /// [`Replay::next`] for a call that may fail: a diverged replay answers it with a refusal.
+    fn fallible<T>(
+        &self,
+        call: &str,
+        take: impl FnOnce(Answer) -> Option<Result<T, Refusal>>,
+    ) -> Result<T, Refusal> {
         let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
-        self.next(
-            call,
-            |a| {
-                if let Answer::Offset(r) = a {
-                    Some(r)
-                } else {
-                    None
-                }
-            },
-            or,
-        )
+        self.next(call, take, or)
+    }
+
+    fn offset(&self, call: &str) -> Result<u64, Refusal> {
+        self.fallible(call, |a| match a {
+            Answer::Offset(r) => Some(r),
+            _ => None,
+        })
     }
 
     fn done(&self, call: &str) -> Result<(), Refusal> {
-        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
-        self.next(
-            call,
-            |a| {
-                if let Answer::Done(r) = a {
-                    Some(r)
-                } else {
-                    None
-                }
-            },
-            or,
-        )
+        self.fallible(call, |a| match a {
+            Answer::Done(r) => Some(r),
+            _ => None,
+        })
     }
 }
 
@@ -357,15 +351,10 @@ impl Storage for Replay<'_> {
         self.offset("alloc")
     }
     fn alloc_many(&self, _: u32, _: u64, _: &[u64]) -> Result<Vec<u64>, Refusal> {
-        let take = |a| {
-            if let Answer::Offsets(r) = a {
-                Some(r)
-            } else {
-                None
-            }
-        };
-        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
-        self.next("alloc_many", take, or)
+        self.fallible("alloc_many", |a| match a {
+            Answer::Offsets(r) => Some(r),
+            _ => None,
+        })
     }
     fn free(&self, _: u32, _: u64, _: Option<u64>) -> Result<(), Refusal> {
         self.done("free")
@@ -383,15 +372,10 @@ impl Storage for Replay<'_> {
         self.done("copy")
     }
     fn resolve(&self, _: u32, _: &[(u64, u64)]) -> Result<Resolved, Refusal> {
-        let take = |a| {
-            if let Answer::Resolved(r) = a {
-                Some(r)
-            } else {
-                None
-            }
-        };
-        let or = Err(Refusal::new(ErrorCode::Internal, "replay diverged"));
-        self.next("resolve", take, or)
+        self.fallible("resolve", |a| match a {
+            Answer::Resolved(r) => Some(r),
+            _ => None,
+        })
     }
     fn domain(&self, _: u32) -> Option<String> {
         let take = |a| {

@@ -157,23 +157,7 @@ fn memory_running_short_takes_the_pooled_extents_back() {
     let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
     create(&mut m, &st, "first");
     assert!(m.namespace.pooled_bytes() > 0);
-    let stripe_of = |m: &mut MetaService, st: &MemStorage, name: &str| {
-        let req = MetaRequest::CreateOpen {
-            parent: 1,
-            name: name.as_bytes().to_vec(),
-            stripe_unit: 1 << 16,
-            replicas: 2,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            reserve: 4096,
-            lock_units: 0,
-        };
-        match m.handle(SESSION, req, st) {
-            ControlResponse::Created(c) => c.stripe.len(),
-            other => panic!("create {name}: {other:?}"),
-        }
-    };
+    let stripe_of = |m: &mut MetaService, st: &MemStorage, name: &str| create(m, st, name).len();
     let used = |st: &MemStorage| (0..2).map(|n| st.used(n)).sum::<u64>();
     let mut short_at = None;
     let mut pooled_before = 0;

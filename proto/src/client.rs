@@ -23,7 +23,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
-use rackfs_verbs::poll::{Fd, Poller, CONTROL_POLL};
+use rackfs_verbs::poll::{Poller, CONTROL_POLL};
 use rackfs_verbs::wire::{self, ConnKind, FrameKind, HEADER_LEN};
 use rackfs_verbs::{RegionInfo, VerbsError};
 
@@ -471,7 +471,7 @@ impl ControlClient {
         // The answer mostly comes within the poll: no sleep, no wake-up for it.
         let Inbox { socket, .. } = &mut *inbox;
         let fd = socket.as_raw_fd();
-        let got = self.poller.read(&Fd(fd), &mut buf, |b| socket.read(b));
+        let got = self.poller.read(&fd, &mut buf, |b| socket.read(b));
         match got {
             Ok(0) => return Received::Broken(self.lost("the node closed the connection".into())),
             Ok(n) => inbox.bytes.extend_from_slice(&buf[..n]),

@@ -104,16 +104,8 @@ impl<R: Read + AsRawFd> Read for Polled<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let Polled { inner, poller } = self;
         let fd = inner.as_raw_fd();
-        poller.read(&Fd(fd), buf, |b| inner.read(b))
-    }
-}
-
-/// A descriptor borrowed for one read.
-pub struct Fd(pub std::os::fd::RawFd);
-
-impl AsRawFd for Fd {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.0
+        // The descriptor itself (a `RawFd` is one): `inner` is borrowed by the blocking read.
+        poller.read(&fd, buf, |b| inner.read(b))
     }
 }
 
