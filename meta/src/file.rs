@@ -214,6 +214,17 @@ impl File {
             .collect()
     }
 
+    /// Whether stripe `stripe` is below its replicas while one of `nodes` holds a live copy
+    /// and another none: a copy could be made if that node had the memory.
+    pub fn could_rebuild(&self, stripe: u64, nodes: &[u32]) -> bool {
+        let Some(live) = self.stripes.get(&stripe).map(Replicas::live) else {
+            return false;
+        };
+        live.len() < self.replicas as usize
+            && live.iter().any(|e| nodes.contains(&e.node))
+            && nodes.iter().any(|n| !live.iter().any(|e| e.node == *n))
+    }
+
     /// Copies degraded stripe `stripe` onto another live node, back towards the file's
     /// replication factor. In order: a new extent, tagged with a new tag, is allocated on a
     /// node holding no replica (nothing happens if none can take it); the entry is marked

@@ -1409,10 +1409,16 @@ impl Namespace {
     pub fn rebuild(&mut self, ino: u64, stripe: u64, st: &dyn Storage) -> MetaResult<u64> {
         let serial = self.next_tag;
         self.next_tag += 1;
-        match self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut()) {
-            Some(f) => f.rebuild(ino, stripe, serial, st),
-            None => Ok(0), // deleted meanwhile
+        let Some(f) = self.inodes.get_mut(&ino).and_then(|i| i.file.as_mut()) else {
+            return Ok(0); // deleted meanwhile
+        };
+        let copied = f.rebuild(ino, stripe, serial, st);
+        // Nothing copied though a node could take the copy: memory ran short there, and the
+        // pooled extents serve a degraded stripe better than a create to come.
+        if copied == Ok(0) && self.pool.bytes() > 0 && f.could_rebuild(stripe, &st.data_nodes()) {
+            self.pool.give_back(st);
         }
+        copied
     }
 
     /// The health of the files' data: files with a degraded stripe (fewer live replicas than

@@ -190,3 +190,60 @@ fn memory_running_short_takes_the_pooled_extents_back() {
         assert_eq!(m.namespace.pooled_bytes(), 0, "no refill after giving back");
     }
 }
+
+#[test]
+fn a_degraded_stripe_with_nowhere_to_go_takes_the_pooled_extents_back() {
+    let st = MemStorage::new(3, 1 << 20);
+    let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    let req = MetaRequest::CreateOpen {
+        parent: 1,
+        name: b"first".to_vec(),
+        stripe_unit: 1 << 16,
+        replicas: 2,
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+        reserve: 4096,
+        lock_units: 0,
+    };
+    let (ino, stripe) = match m.handle(SESSION, req, &st) {
+        ControlResponse::Created(c) => (c.attr.ino, c.stripe),
+        other => panic!("create: {other:?}"),
+    };
+    let holders: Vec<u32> = stripe.iter().map(|e| e.node).collect();
+    let spare = (0..3).find(|n| !holders.contains(n)).unwrap();
+    assert_ne!(
+        spare, 0,
+        "the primary's own node takes a replica of a new file"
+    );
+    assert!(m.namespace.pooled_bytes() > 0);
+    // Every node full; then the node of a replica other than `spare`'s dies.
+    for n in 0..3 {
+        while st.alloc(n, 4096, None).is_ok() {}
+    }
+    let dead = *holders.iter().find(|&&n| n != 0).unwrap_or(&0);
+    st.set_down(dead);
+    m.drop_node(dead, &st);
+    assert!(
+        m.namespace.pooled_bytes() > 0,
+        "the spare node's pooled extents stay"
+    );
+    let before = st.used(spare);
+    assert_eq!(
+        m.rebuild(ino, 0, &st),
+        Ok(0),
+        "node {spare} is full: nothing is copied"
+    );
+    assert_eq!(
+        m.namespace.pooled_bytes(),
+        0,
+        "the pool gave its extents back for the stripe"
+    );
+    // (`MemStorage` never reuses freed memory; a data node's store gives it to the next
+    // round's copy.)
+    assert!(
+        st.used(spare) < before,
+        "node {spare}'s pooled memory came back: {before} -> {}",
+        st.used(spare)
+    );
+}

@@ -453,6 +453,13 @@ fn record(t: usize, seq: usize) -> Vec<u8> {
     r
 }
 
+/// Records each appender of [`appends_in_flight_when_the_primary_dies_land_once`] writes at
+/// most, and its pause after each: at most 1.5 MB/s and 30 MB a thread, so the file (twice,
+/// with its replicas) stays well inside the cluster's 720 MiB however fast the machine. (Unpaced,
+/// a fast machine filled the cluster: its degraded stripes had nowhere to be copied.)
+const APPENDS: usize = 20_000;
+const APPEND_PACE: Duration = Duration::from_millis(1);
+
 /// O_APPEND writes of four threads to one file (and a fifth opening and closing it, so the
 /// primary journals its size meanwhile) while the primary is killed, twice: each record the
 /// application was told is written is in the file exactly once, whole. A write in flight at
@@ -477,10 +484,11 @@ fn appends_in_flight_when_the_primary_dies_land_once() {
             std::thread::spawn(move || {
                 let mut h = fs::OpenOptions::new().append(true).open(&log).unwrap();
                 let mut seq = 0;
-                while !stop.load(Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) && seq < APPENDS {
                     h.write_all(&record(t, seq))
                         .map_err(|e| format!("{t}:{seq}: {e}"))?;
                     seq += 1;
+                    std::thread::sleep(APPEND_PACE);
                 }
                 Ok::<usize, String>(seq)
             })
