@@ -1,7 +1,8 @@
 //! What a mount keeps between requests besides the kernel's own caches: its open files' data
-//! paths, and attributes the primary answered its own changes with. The watcher
-//! ([`crate::watch`]) makes both forget what other mounts change, before those changes are
-//! answered, exactly as it makes the kernel forget.
+//! paths, attributes the primary answered its own changes with, and the directories it holds
+//! whole ([`crate::whole`]). The watcher ([`crate::watch`]) makes them forget (or learn) what
+//! other mounts change, before those changes are answered, exactly as it makes the kernel
+//! forget.
 //!
 //! Invariant of [`LearntAttrs`]: it holds at most the attributes the mount's last change was
 //! answered with, and only if nothing that could change attributes finished (on this mount)
@@ -16,6 +17,7 @@ use std::time::Duration;
 use rackfs_proto::namespace::{Attr, Change};
 
 use crate::file::FileData;
+use crate::whole::WholeDirs;
 
 /// This mount's open files by inode (the watcher forgets their sizes on change).
 pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
@@ -25,14 +27,18 @@ pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
 pub struct Caches {
     pub files: Files,
     pub attrs: Arc<LearntAttrs>,
+    pub whole: Arc<WholeDirs>,
 }
 
 impl Caches {
     /// Another mount changed something: forget what this mount knew of it.
     pub fn forget(&self, ch: &Change) {
+        self.whole.heard(ch);
         match ch {
             // A name changed: its directory's times did too.
-            Change::Entry { parent, .. } => self.attrs.forget(*parent),
+            Change::Entry { parent, .. } | Change::Created { parent, .. } => {
+                self.attrs.forget(*parent)
+            }
             Change::Inode { ino } => {
                 if let Some(f) = self.files.lock().expect("files lock").get(ino) {
                     f.forget_size();
@@ -162,6 +168,7 @@ mod tests {
         let c = Caches {
             files: Files::default(),
             attrs: Arc::new(l),
+            whole: Arc::default(),
         };
         let g = c.attrs.generation();
         c.attrs.keep(dir(5, 4), g, 30);

@@ -272,6 +272,21 @@ fn reads_only(req: &MetaRequest) -> bool {
     )
 }
 
+/// The name `req` may create: its directory and the name.
+fn name_made(req: &MetaRequest) -> Option<(u64, &[u8])> {
+    match req {
+        MetaRequest::Create { parent, name, .. }
+        | MetaRequest::CreateOpen { parent, name, .. }
+        | MetaRequest::Link { parent, name, .. } => Some((*parent, name)),
+        MetaRequest::Rename {
+            new_parent,
+            new_name,
+            ..
+        } => Some((*new_parent, new_name)),
+        _ => None,
+    }
+}
+
 /// `t` in nanoseconds since the epoch; `Now` is `clock`'s wall time.
 fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
     match t {
@@ -390,9 +405,18 @@ impl Client {
         r.map_err(Errno::new)
     }
 
+    /// Sends `req` to the primary. A name it may create is no longer answered as absent
+    /// from here (from before it is sent: see [`crate::whole`]).
+    fn send(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+        if let Some((parent, name)) = name_made(&req) {
+            self.caches.whole.may_exist(parent, name);
+        }
+        self.cluster.meta(req).map_err(rpc)
+    }
+
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
         let changes = !reads_only(&req);
-        let r = self.cluster.meta(req).map_err(rpc);
+        let r = self.send(req);
         if changes {
             self.caches.attrs.changed();
         }
@@ -403,7 +427,7 @@ impl Client {
     /// rmdir): they are kept for the kernel's next getattr of it (see [`crate::caches::LearntAttrs`]).
     fn meta_learning(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
         let sent = self.caches.attrs.generation();
-        let r = self.cluster.meta(req).map_err(rpc);
+        let r = self.send(req);
         let now = self.cluster.clock().mono_ns();
         match &r {
             Ok(ControlResponse::Attr(dir)) if self.learns() => {
@@ -504,14 +528,21 @@ impl Client {
         caller: Caller,
     ) -> Result<Attr, Errno> {
         self.writable()?;
-        self.attr_of(MetaRequest::Create {
+        let dir = kind == NewKind::Dir;
+        let held = self.caches.whole.generation(self.cluster.clock().mono_ns());
+        let a = self.attr_of(MetaRequest::Create {
             parent,
             name: name.as_bytes().to_vec(),
             kind,
             perm,
             uid: caller.uid,
             gid: caller.gid,
-        })
+        })?;
+        // The primary registered a new directory with this mount's watcher as it made it.
+        if dir {
+            self.caches.whole.hold(a.ino, held);
+        }
+        Ok(a)
     }
 
     /// The kind of a regular file this mount creates (its stripe unit and replicas).
@@ -543,8 +574,13 @@ impl Client {
         }
     }
 
-    /// Looks `name` up in directory `parent`.
+    /// Looks `name` up in directory `parent`: absent without asking in a directory this
+    /// mount holds whole ([`crate::whole`]).
     pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, Errno> {
+        let now = self.cluster.clock().mono_ns();
+        if self.caches.whole.absent(parent, name.as_bytes(), now) {
+            return Err(Errno(libc::ENOENT));
+        }
         self.attr_of(MetaRequest::Lookup {
             parent,
             name: name.as_bytes().to_vec(),

@@ -20,6 +20,7 @@ use rackfs_proto::namespace::Change;
 use tracing::{debug, warn};
 
 use crate::caches::Caches;
+use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::link::ControlLink;
 
@@ -36,7 +37,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Dur
         // The mount's current session (a fenced mount starts a new one here).
         let of = cluster.primary_session().1;
         match cluster.connect_primary() {
-            Ok(c) => match serve(&*c, of, ttl, &notifier, &caches) {
+            Ok(c) => match serve(&*c, of, ttl, &**cluster.clock(), &notifier, &caches) {
                 rackfs_proto::RpcError::Refused {
                     code: ErrorCode::Fenced,
                     ..
@@ -64,52 +65,73 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Dur
     }
 }
 
-/// Polls and applies changes until the connection fails.
+/// Polls and applies changes until the connection fails. A poll is answered within a third
+/// of `ttl`, so the lease of the directories held whole ([`crate::whole`]) runs on unbroken
+/// while the primary answers; a new connection starts with none held (the primary knows of
+/// none).
 fn serve(
     c: &dyn ControlLink,
     of: u64,
     ttl: Duration,
+    clock: &dyn Clock,
     notifier: &Notifier,
     caches: &Caches,
 ) -> rackfs_proto::RpcError {
-    c.set_deadline(POLL + RPC_DEADLINE);
+    let poll = POLL.min(ttl / 3);
+    c.set_deadline(poll + RPC_DEADLINE);
+    caches.whole.forget_all();
     let mut acked = 0;
-    loop {
+    // The first poll is answered at once: it starts the lease.
+    let mut wait = Duration::ZERO;
+    let e = loop {
         let req = ControlRequest::Watch {
             of,
             acked,
             ttl_ms: ttl.as_millis() as u64,
-            poll_ms: POLL.as_millis() as u64,
+            poll_ms: std::mem::replace(&mut wait, poll).as_millis() as u64,
+            dropped: caches.whole.take_dropped(),
         };
+        let sent = clock.mono_ns();
         match c.call(&req) {
             Ok(ControlResponse::Changes { seq, changes, lost }) => {
+                // This mount's own caches first (no kernel lock needed), then the kernel's.
+                for ch in &changes {
+                    caches.forget(ch);
+                }
                 if lost {
                     warn!("the primary dropped changes while this mount lagged");
+                    caches.whole.forget_all();
+                } else {
+                    caches.whole.renew(sent, ttl);
                 }
                 for ch in &changes {
-                    apply(ch, notifier, caches);
+                    invalidate(ch, notifier);
                 }
                 acked = seq;
             }
             Ok(other) => {
-                return rackfs_proto::RpcError::Unexpected {
+                break rackfs_proto::RpcError::Unexpected {
                     peer: c.peer().into(),
                     what: format!("{other:?} to Watch"),
                 }
             }
-            Err(e) => return e,
+            Err(e) => break e,
         }
-    }
+    };
+    caches.whole.forget_all();
+    e
 }
 
-fn apply(ch: &Change, notifier: &Notifier, caches: &Caches) {
-    caches.forget(ch);
+/// Makes the kernel forget what `ch` changed.
+fn invalidate(ch: &Change, notifier: &Notifier) {
     // ENOENT: the kernel had nothing cached for it, which is fine.
     let r = match ch {
         Change::Entry { parent, name } => {
             notifier.inval_entry(INodeNo(*parent), OsStr::from_bytes(name))
         }
         Change::Inode { ino } => notifier.inval_inode(INodeNo(*ino), 0, 0),
+        // The kernel caches no negative entries here: nothing to forget.
+        Change::Created { .. } => return,
     };
     if let Err(e) = r {
         debug!(change = ?ch, error = %e, "kernel cache invalidation");

@@ -10,7 +10,7 @@ use std::time::Duration;
 use rackfs_proto::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
 };
-use rackfs_proto::namespace::MetaRequest;
+use rackfs_proto::namespace::{MetaRequest, NewKind};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;
 use tracing::warn;
@@ -241,11 +241,13 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             acked,
             ttl_ms,
             poll_ms,
+            dropped,
         } => {
             // A fenced mount is nobody's concern any more: no change waits for it.
             if let Some(Err(r)) = node.leases.get().map(|l| l.check(of)) {
                 return r.into();
             }
+            node.watchers.drop_whole(of, &dropped);
             let (seq, changes, lost) = node.watchers.watch(
                 session,
                 of,
@@ -265,9 +267,22 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     | MetaRequest::Rename { .. } => FreesGo::Soon,
                     _ => FreesGo::BeforeAnswer,
                 };
+                let mkdir = matches!(
+                    m.inner(),
+                    MetaRequest::Create {
+                        kind: NewKind::Dir,
+                        ..
+                    }
+                );
                 let (resp, changes) = node
                     .with_meta_freeing(go, |meta| {
-                        (meta.handle(session, m, node), meta.take_changes())
+                        let resp = meta.handle(session, m, node);
+                        // The mount that made a directory holds it whole from the start: no
+                        // name can appear in it before this (see `crate::watch`).
+                        if let (true, ControlResponse::Attr(a)) = (mkdir, &resp) {
+                            node.watchers.hold_whole(session, a.ino);
+                        }
+                        (resp, meta.take_changes())
                     })
                     .expect("primary");
                 // A change is answered only while the primary still holds its lease: a

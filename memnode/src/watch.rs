@@ -15,9 +15,15 @@
 //!   mount's kernel may hold the directory lock the watcher needs to invalidate an entry, for
 //!   the very operation that waits, and two such mounts would wait for each other.
 //!
+//! A creation ([`Change::Created`]) goes only to the watchers of mounts that hold its directory
+//! whole: a mount holds a directory it made ([`Watchers::hold_whole`], under the metadata
+//! lock that made it, so no name can appear there unseen) until it says it dropped it
+//! ([`Watchers::drop_whole`]) or its watcher goes. Such a mount answers lookups of names it
+//! does not know there as absent, while its watcher's polls keep being answered.
+//!
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -47,6 +53,8 @@ struct Watcher {
     lost: bool,
     /// Operations of this mount now waiting for acknowledgements.
     waiting: u32,
+    /// Directories the mount holds whole: creations in them are pushed to it.
+    whole: HashSet<u64>,
 }
 
 impl Watchers {
@@ -80,6 +88,7 @@ impl Watchers {
             lagging: false,
             lost: false,
             waiting: 0,
+            whole: HashSet::new(),
         });
         w.conn = conn;
         w.ttl = ttl;
@@ -105,6 +114,23 @@ impl Watchers {
         }
     }
 
+    /// Mount `of` made directory `dir` (and holds it whole) if its watcher is here; called
+    /// under the metadata lock that made it.
+    pub fn hold_whole(&self, of: u64, dir: u64) {
+        if let Some(w) = self.state.lock().expect("watchers lock").get_mut(&of) {
+            w.whole.insert(dir);
+        }
+    }
+
+    /// Mount `of` no longer holds `dirs` whole.
+    pub fn drop_whole(&self, of: u64, dirs: &[u64]) {
+        if let Some(w) = self.state.lock().expect("watchers lock").get_mut(&of) {
+            for d in dirs {
+                w.whole.remove(d);
+            }
+        }
+    }
+
     /// Queues `changes`, made by session `from`, for every other mount's watcher and waits
     /// until each has acknowledged them, passed its `ttl`, or gone (see the module docs).
     pub fn publish(&self, from: u64, changes: Vec<Change>) {
@@ -115,11 +141,21 @@ impl Watchers {
         let mut state = self.state.lock().expect("watchers lock");
         let mut wait: Vec<(u64, u64, Duration)> = Vec::new();
         for (&of, w) in state.iter_mut().filter(|(&of, _)| of != from) {
-            if w.queue.len() + changes.len() > MAX_QUEUED {
+            let theirs: Vec<&Change> = changes
+                .iter()
+                .filter(|c| match c {
+                    Change::Created { parent, .. } => w.whole.contains(parent),
+                    _ => true,
+                })
+                .collect();
+            if theirs.is_empty() {
+                continue;
+            }
+            if w.queue.len() + theirs.len() > MAX_QUEUED {
                 w.queue.clear();
                 w.lost = true;
             } else {
-                w.queue.extend(changes.iter().cloned());
+                w.queue.extend(theirs.into_iter().cloned());
             }
             w.queued += 1;
             if !w.lagging && w.waiting == 0 {
@@ -224,6 +260,43 @@ mod tests {
         w.watch(20, 2, seq, ttl, Duration::ZERO);
         p.join().unwrap();
         assert_eq!(w.watch(10, 1, 0, ttl, Duration::ZERO).1, vec![]);
+    }
+
+    #[test]
+    fn creations_go_only_to_the_mounts_holding_their_directory_whole() {
+        let (w, clock) = watchers();
+        let ttl = Duration::from_secs(1);
+        let created = |parent| {
+            vec![Change::Created {
+                parent,
+                name: b"n".to_vec(),
+            }]
+        };
+        w.watch(20, 2, 0, ttl, Duration::ZERO);
+        w.watch(30, 3, 0, ttl, Duration::ZERO);
+        w.hold_whole(2, 40);
+        // Mount 3 holds nothing: a creation in 40 is not sent to it, and waits for mount 2
+        // only (silent here: its whole ttl).
+        let t0 = clock.now();
+        w.publish(1, created(40));
+        assert!(clock.now() - t0 >= ttl);
+        assert_eq!(w.watch(30, 3, 0, ttl, Duration::ZERO).1, vec![]);
+        let (seq, changes, _) = w.watch(20, 2, 0, ttl, Duration::ZERO);
+        assert_eq!(changes, created(40));
+        w.watch(20, 2, seq, ttl, Duration::ZERO);
+        // Elsewhere, or once dropped, a creation goes to nobody and waits for nobody.
+        w.drop_whole(2, &[40]);
+        for dir in [40, 41] {
+            let t0 = clock.now();
+            w.publish(1, created(dir));
+            assert!(clock.now() - t0 < ttl);
+        }
+        assert_eq!(w.watch(20, 2, seq, ttl, Duration::ZERO).1, vec![]);
+        // A watcher that is not there holds nothing.
+        w.hold_whole(9, 40);
+        w.watch(90, 9, 0, ttl, Duration::ZERO);
+        w.publish(1, created(40));
+        assert_eq!(w.watch(90, 9, 0, ttl, Duration::ZERO).1, vec![]);
     }
 
     #[test]

@@ -303,9 +303,9 @@ impl Namespace {
         r.unwrap_or_else(ControlResponse::from)
     }
 
-    /// What other mounts must forget if `req` succeeds: names removed or replaced, and inodes
-    /// whose attributes change (mode, owner, size, link count). Creations are not listed: a
-    /// new name is found by a lookup, as the kernel caches no negative entries here.
+    /// What other mounts must forget or learn if `req` succeeds: names removed or replaced,
+    /// inodes whose attributes change (mode, owner, size, link count), and names created
+    /// (for the mounts holding their directory whole; the kernel caches no negative entries).
     pub fn changes_of(&self, req: &MetaRequest) -> Vec<Change> {
         let entry = |parent: u64, name: &[u8]| Change::Entry {
             parent,
@@ -316,9 +316,17 @@ impl Namespace {
                 .ok()
                 .map(|ino| Change::Inode { ino })
         };
+        let created = |parent: u64, name: &[u8]| Change::Created {
+            parent,
+            name: name.to_vec(),
+        };
         match req {
+            MetaRequest::Create { parent, name, .. }
+            | MetaRequest::CreateOpen { parent, name, .. } => vec![created(*parent, name)],
+            MetaRequest::Link { ino, parent, name } => {
+                vec![Change::Inode { ino: *ino }, created(*parent, name)]
+            }
             MetaRequest::SetAttr { ino, .. }
-            | MetaRequest::Link { ino, .. }
             | MetaRequest::SetXattr { ino, .. }
             | MetaRequest::Fallocate { ino, .. }
             | MetaRequest::RemoveXattr { ino, .. } => {

@@ -20,7 +20,7 @@ use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
 pub const RPC_KINDS: [&str; 30] = [
@@ -113,12 +113,14 @@ pub enum ControlRequest {
     /// `poll_ms`) for namespace changes made by other sessions than `of` (the mount's main
     /// session). A change's operation returns only when every other watcher acknowledged it,
     /// or after that watcher's `ttl_ms` (its kernel cache timeout, after which it forgets
-    /// anyway). Answered with [`ControlResponse::Changes`].
+    /// anyway). Answered with [`ControlResponse::Changes`]. `dropped`: directories this
+    /// mount no longer holds whole (see [`crate::namespace::Change::Created`]).
     Watch {
         of: u64,
         acked: u64,
         ttl_ms: u64,
         poll_ms: u64,
+        dropped: Vec<u64>,
     },
     /// Sent by a mount that holds a lock client slot, on a connection of its own, to the
     /// primary: renews the lease of session `of` (the mount's main session). A mount whose lease

@@ -1155,3 +1155,55 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
             .contains("mount fenced on every memory node that is up"));
     }
 }
+
+/// A directory a mount made is held whole (issue 25): that mount answers lookups of names it
+/// does not know there itself (the kernel's lookup before a create costs no round trip, see
+/// `rpc_counts.rs`), yet sees at once a name another mount makes there, by any kind of
+/// creation (the primary pushes it first). Stopped past its `attr_timeout`, it holds up
+/// another mount's create once, by that long, and once resumed sees what was made meanwhile.
+#[test]
+fn names_another_mount_makes_in_a_directory_held_whole_are_seen_at_once() {
+    let c = TestCluster::start(1, "64M");
+    let a = Mount::new(&c, "attr_timeout=2");
+    let b = Mount::new(&c, "attr_timeout=30,transport=tcp");
+    fs::create_dir(a.path("d")).unwrap();
+    fs::create_dir(a.path("d/sub")).unwrap();
+    let seen = |n: &str| fs::symlink_metadata(a.path(n)).is_ok();
+    let names = ["d/f", "d/g", "d/l", "d/s", "d/r", "d/sub/x", "d/late"];
+    for n in names {
+        assert!(!seen(n), "{n} before it exists");
+    }
+    fs::write(b.path("d/f"), b"1").unwrap();
+    assert!(seen("d/f"), "create seen");
+    fs::create_dir(b.path("d/g")).unwrap();
+    assert!(seen("d/g"), "mkdir seen");
+    fs::hard_link(b.path("d/f"), b.path("d/l")).unwrap();
+    assert!(seen("d/l"), "link seen");
+    std::os::unix::fs::symlink("f", b.path("d/s")).unwrap();
+    assert!(seen("d/s"), "symlink seen");
+    fs::write(b.path("top"), b"2").unwrap();
+    fs::rename(b.path("top"), b.path("d/r")).unwrap();
+    assert!(seen("d/r"), "rename into it seen");
+    fs::write(b.path("d/sub/x"), b"3").unwrap();
+    assert!(seen("d/sub/x"), "create in a nested held directory seen");
+    assert_eq!(fs::read(a.path("d/f")).unwrap(), b"1");
+
+    let pid = a.child.id() as i32;
+    // SAFETY: signalling a child process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let t0 = std::time::Instant::now();
+    fs::write(b.path("d/late"), b"4").unwrap();
+    let waited = t0.elapsed();
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        waited < Duration::from_secs(10),
+        "waited {waited:?} for a stopped mount"
+    );
+    assert!(
+        seen("d/late"),
+        "made while the mount was stopped, seen after"
+    );
+    assert_eq!(fs::read(a.path("d/late")).unwrap(), b"4");
+}
