@@ -7,8 +7,10 @@
 //!   made it (`rackfs_memnode::watch`): from then on every creation there by another mount is
 //!   pushed to the watcher ([`Change::Created`]) and, unless the watcher lags, acknowledged
 //!   before it returns. The names a directory holds are those this mount sent a create of
-//!   (added before sending) and those the watcher heard of (created, renamed in or removed:
-//!   a name that may exist is a name to ask the primary about).
+//!   (added before sending) and those the watcher heard of (renamed in or removed: a name
+//!   that may exist is a name to ask the primary about). A creation there by another mount
+//!   drops the directory instead: it is shared, and holding it would make every create there
+//!   wait for this mount's watcher.
 //! * Absence is answered only under the watcher's lease: until `ttl` (the mount's
 //!   `attr_timeout`, the longest the primary waits for this watcher) after sending a poll
 //!   whose answer was applied, less a tenth for the clocks' drift. The primary waits for an
@@ -93,13 +95,17 @@ impl WholeDirs {
         Self::add(&mut w, parent, name);
     }
 
-    /// The watcher heard of `ch`.
+    /// The watcher heard of `ch`. Another mount creating in a held directory shares it:
+    /// the directory is dropped, so that its creates there stop waiting for this mount.
     pub fn heard(&self, ch: &Change) {
         let mut w = self.0.lock().expect("whole dirs lock");
         w.generation += 1;
         match ch {
-            Change::Entry { parent, name } | Change::Created { parent, name } => {
-                Self::add(&mut w, *parent, name)
+            Change::Entry { parent, name } => Self::add(&mut w, *parent, name),
+            Change::Created { parent, .. } => {
+                if w.dirs.remove(parent).is_some() {
+                    w.dropped.push(*parent);
+                }
             }
             Change::Inode { .. } => {}
         }
@@ -166,11 +172,6 @@ mod tests {
         assert!(w.absent(5, b"a", 2));
         w.may_exist(5, b"a");
         assert!(!w.absent(5, b"a", 2), "its own create");
-        w.heard(&Change::Created {
-            parent: 5,
-            name: b"b".to_vec(),
-        });
-        assert!(!w.absent(5, b"b", 2), "another mount's create");
         w.heard(&Change::Entry {
             parent: 5,
             name: b"c".to_vec(),
@@ -181,6 +182,14 @@ mod tests {
         assert!(!w.absent(5, b"z", S * 9 / 10), "the lease lapsed");
         w.renew(S / 2, TTL);
         assert!(w.absent(5, b"z", S));
+        // Another mount creates there: the directory is shared, and dropped.
+        w.heard(&Change::Created {
+            parent: 5,
+            name: b"b".to_vec(),
+        });
+        assert!(!w.absent(5, b"b", S));
+        assert!(!w.absent(5, b"z", S));
+        assert_eq!(w.take_dropped(), vec![5]);
     }
 
     #[test]

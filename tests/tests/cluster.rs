@@ -1159,40 +1159,46 @@ fn a_stopped_lock_holder_is_fenced_after_its_lease_and_its_late_write_fails() {
 /// A directory a mount made is held whole (issue 25): that mount answers lookups of names it
 /// does not know there itself (the kernel's lookup before a create costs no round trip, see
 /// `rpc_counts.rs`), yet sees at once a name another mount makes there, by any kind of
-/// creation (the primary pushes it first). Stopped past its `attr_timeout`, it holds up
-/// another mount's create once, by that long, and once resumed sees what was made meanwhile.
+/// creation (the primary pushes it first; the directory is then shared and no longer held).
+/// Stopped past its `attr_timeout`, it holds up another mount's create once, by that long,
+/// and once resumed sees what was made meanwhile.
 #[test]
 fn names_another_mount_makes_in_a_directory_held_whole_are_seen_at_once() {
     let c = TestCluster::start(1, "64M");
     let a = Mount::new(&c, "attr_timeout=2");
     let b = Mount::new(&c, "attr_timeout=30,transport=tcp");
-    fs::create_dir(a.path("d")).unwrap();
-    fs::create_dir(a.path("d/sub")).unwrap();
     let seen = |n: &str| fs::symlink_metadata(a.path(n)).is_ok();
-    let names = ["d/f", "d/g", "d/l", "d/s", "d/r", "d/sub/x", "d/late"];
-    for n in names {
-        assert!(!seen(n), "{n} before it exists");
+    let kinds: [(&str, &dyn Fn(&std::path::Path)); 5] = [
+        ("create", &|p| fs::write(p, b"1").unwrap()),
+        ("mkdir", &|p| fs::create_dir(p).unwrap()),
+        ("link", &|p| fs::hard_link(b.path("file"), p).unwrap()),
+        ("symlink", &|p| {
+            std::os::unix::fs::symlink("file", p).unwrap()
+        }),
+        ("rename", &|p| {
+            fs::write(b.path("moved"), b"2").unwrap();
+            fs::rename(b.path("moved"), p).unwrap()
+        }),
+    ];
+    fs::write(b.path("file"), b"0").unwrap();
+    for (kind, make) in kinds {
+        fs::create_dir_all(a.path(&format!("{kind}/sub"))).unwrap();
+        for n in ["x", "sub/x"] {
+            let n = format!("{kind}/{n}");
+            assert!(!seen(&n), "{n} before it exists");
+            make(&b.path(&n));
+            assert!(seen(&n), "{n}: {kind} seen");
+        }
     }
-    fs::write(b.path("d/f"), b"1").unwrap();
-    assert!(seen("d/f"), "create seen");
-    fs::create_dir(b.path("d/g")).unwrap();
-    assert!(seen("d/g"), "mkdir seen");
-    fs::hard_link(b.path("d/f"), b.path("d/l")).unwrap();
-    assert!(seen("d/l"), "link seen");
-    std::os::unix::fs::symlink("f", b.path("d/s")).unwrap();
-    assert!(seen("d/s"), "symlink seen");
-    fs::write(b.path("top"), b"2").unwrap();
-    fs::rename(b.path("top"), b.path("d/r")).unwrap();
-    assert!(seen("d/r"), "rename into it seen");
-    fs::write(b.path("d/sub/x"), b"3").unwrap();
-    assert!(seen("d/sub/x"), "create in a nested held directory seen");
-    assert_eq!(fs::read(a.path("d/f")).unwrap(), b"1");
+    assert_eq!(fs::read(a.path("create/x")).unwrap(), b"1");
 
+    fs::create_dir(a.path("late")).unwrap();
+    assert!(!seen("late/x"));
     let pid = a.child.id() as i32;
     // SAFETY: signalling a child process this test started.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let t0 = std::time::Instant::now();
-    fs::write(b.path("d/late"), b"4").unwrap();
+    fs::write(b.path("late/x"), b"4").unwrap();
     let waited = t0.elapsed();
     std::thread::sleep(Duration::from_secs(1));
     // SAFETY: as above.
@@ -1202,8 +1208,8 @@ fn names_another_mount_makes_in_a_directory_held_whole_are_seen_at_once() {
         "waited {waited:?} for a stopped mount"
     );
     assert!(
-        seen("d/late"),
+        seen("late/x"),
         "made while the mount was stopped, seen after"
     );
-    assert_eq!(fs::read(a.path("d/late")).unwrap(), b"4");
+    assert_eq!(fs::read(a.path("late/x")).unwrap(), b"4");
 }
