@@ -1168,7 +1168,8 @@ fn names_another_mount_makes_in_a_directory_held_whole_are_seen_at_once() {
     let a = Mount::new(&c, "attr_timeout=2");
     let b = Mount::new(&c, "attr_timeout=30,transport=tcp");
     let seen = |n: &str| fs::symlink_metadata(a.path(n)).is_ok();
-    let kinds: [(&str, &dyn Fn(&std::path::Path)); 5] = [
+    type Make<'a> = &'a dyn Fn(&std::path::Path);
+    let kinds: [(&str, Make); 5] = [
         ("create", &|p| fs::write(p, b"1").unwrap()),
         ("mkdir", &|p| fs::create_dir(p).unwrap()),
         ("link", &|p| fs::hard_link(b.path("file"), p).unwrap()),
