@@ -5,9 +5,10 @@
 //! forget.
 //!
 //! Invariant of [`LearntAttrs`]: it holds at most the attributes the mount's last change was
-//! answered with, and only if nothing that could change attributes finished (on this mount)
-//! or was heard of (from the watcher) between the moment that request was sent and the moment
-//! it was kept, or since; they are served at most once, within the mount's `attr_timeout` of
+//! answered with, and only if nothing that could change them finished (on this mount: any
+//! change but one of another inode's own attributes, such as a chmod of a file in a directory
+//! learnt) or was heard of (from the watcher) between the moment that request was sent and
+//! the moment it was kept, or since; they are served at most once, within the mount's `attr_timeout` of
 //! being learnt, so they are never staler than the kernel's own cache would be.
 
 use std::collections::HashMap;
@@ -88,7 +89,7 @@ impl LearntAttrs {
         l.generation += 1;
     }
 
-    /// Another mount changed `ino`.
+    /// Another mount changed `ino`, or this mount changed `ino`'s own attributes alone.
     pub fn forget(&self, ino: u64) {
         let mut l = self.0.lock().expect("learnt attrs lock");
         l.attrs.remove(&ino);

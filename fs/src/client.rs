@@ -248,6 +248,17 @@ const CREATE_RESERVE: u64 = 4096;
 /// How many failovers of the primary one data operation is carried across.
 const FAILOVER_RETRIES: u32 = 3;
 
+/// The inode whose own attributes alone `req` may change, if that is all it changes.
+fn changes_only(req: &MetaRequest) -> Option<u64> {
+    match req {
+        MetaRequest::SetAttr { ino, .. }
+        | MetaRequest::SetXattr { ino, .. }
+        | MetaRequest::RemoveXattr { ino, .. }
+        | MetaRequest::Fallocate { ino, .. } => Some(*ino),
+        _ => None,
+    }
+}
+
 /// Whether `req` leaves every directory's attributes as they were (so the attributes this
 /// mount learnt stay true).
 fn reads_only(req: &MetaRequest) -> bool {
@@ -416,9 +427,14 @@ impl Client {
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
         let changes = !reads_only(&req);
+        let only = changes_only(&req);
         let r = self.send(req);
-        if changes {
-            self.caches.attrs.changed();
+        match only {
+            // A file's own attributes changed: what was learnt of its directory still holds
+            // (tar sets a file's owner, mode and times right after creating it).
+            Some(ino) => self.caches.attrs.forget(ino),
+            None if changes => self.caches.attrs.changed(),
+            None => {}
         }
         r
     }
@@ -851,10 +867,18 @@ impl Client {
             },
         };
         let sent = self.cluster.clock().mono_ns();
+        let news = self.caches.whole.news();
         let a = match self.meta_learning(req) {
             Ok(ControlResponse::Created(c)) => {
                 let f = self.file(&c.attr)?;
                 f.cache_stripe(0, c.stripe, sent);
+                // A new file has no extended attributes: the kernel's question before the
+                // first write (`security.capability`) needs no round trip, unless the
+                // watcher heard of anything since the create left (another mount may have
+                // set one on it).
+                if self.caches.whole.news() == news {
+                    f.set_lacks_capability(true);
+                }
                 let opened = self.new_handle(flags, c.attr.perm);
                 return Ok((c.attr, opened));
             }

@@ -57,6 +57,13 @@ impl WholeDirs {
         (now < w.lease_until).then_some(w.generation)
     }
 
+    /// A number that changes whenever the watcher hears anything (or forgets all): an
+    /// answer to a request sent at one value is as fresh as the watcher's news if it is
+    /// still the value when the answer arrives.
+    pub fn news(&self) -> u64 {
+        self.0.lock().expect("whole dirs lock").generation
+    }
+
     /// Holds directory `dir`, made by a mkdir sent at generation `sent`, if nothing was heard
     /// or forgotten since (a name pushed for it meanwhile would be missed).
     pub fn hold(&self, dir: u64, sent: Option<u64>) {
