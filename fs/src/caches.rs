@@ -1,6 +1,6 @@
 //! What a mount keeps between requests besides the kernel's own caches: its open files' data
-//! paths, attributes the primary answered its own changes with, and the directories it holds
-//! whole ([`crate::whole`]). The watcher ([`crate::watch`]) makes them forget (or learn) what
+//! paths, attributes the primary answered its own changes with, and what it answers itself
+//! under its watcher's lease ([`crate::leased`]). The watcher ([`crate::watch`]) makes them forget (or learn) what
 //! other mounts change, before those changes are answered, exactly as it makes the kernel
 //! forget.
 //!
@@ -18,7 +18,7 @@ use std::time::Duration;
 use rackfs_proto::namespace::{Attr, Change};
 
 use crate::file::FileData;
-use crate::whole::WholeDirs;
+use crate::leased::Leased;
 
 /// This mount's open files by inode (the watcher forgets their sizes on change).
 pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
@@ -28,13 +28,13 @@ pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
 pub struct Caches {
     pub files: Files,
     pub attrs: Arc<LearntAttrs>,
-    pub whole: Arc<WholeDirs>,
+    pub leased: Arc<Leased>,
 }
 
 impl Caches {
     /// Another mount changed something: forget what this mount knew of it.
     pub fn forget(&self, ch: &Change) {
-        self.whole.heard(ch);
+        self.leased.heard(ch);
         match ch {
             // A name changed: its directory's times did too.
             Change::Entry { parent, .. } | Change::Created { parent, .. } => {
@@ -169,7 +169,7 @@ mod tests {
         let c = Caches {
             files: Files::default(),
             attrs: Arc::new(l),
-            whole: Arc::default(),
+            leased: Arc::default(),
         };
         let g = c.attrs.generation();
         c.attrs.keep(dir(5, 4), g, 30);

@@ -283,21 +283,6 @@ fn reads_only(req: &MetaRequest) -> bool {
     )
 }
 
-/// The name `req` may create: its directory and the name.
-fn name_made(req: &MetaRequest) -> Option<(u64, &[u8])> {
-    match req {
-        MetaRequest::Create { parent, name, .. }
-        | MetaRequest::CreateOpen { parent, name, .. }
-        | MetaRequest::Link { parent, name, .. } => Some((*parent, name)),
-        MetaRequest::Rename {
-            new_parent,
-            new_name,
-            ..
-        } => Some((*new_parent, new_name)),
-        _ => None,
-    }
-}
-
 /// `t` in nanoseconds since the epoch; `Now` is `clock`'s wall time.
 fn nanos(t: SetTime, clock: &dyn Clock) -> u64 {
     match t {
@@ -354,11 +339,12 @@ impl Client {
                 }
             });
         }
+        let releases = Arc::new(Releases::new(caches.leased.clone()));
         Client {
             cluster,
             opts,
             caches,
-            releases: Arc::default(),
+            releases,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
         }
@@ -416,13 +402,30 @@ impl Client {
         r.map_err(Errno::new)
     }
 
-    /// Sends `req` to the primary. A name it may create is no longer answered as absent
-    /// from here (from before it is sent: see [`crate::whole`]).
+    /// Sends `req` to the primary. What it may change is no longer answered from this
+    /// mount's leased cache, from before it is sent ([`crate::leased`]).
     fn send(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
-        if let Some((parent, name)) = name_made(&req) {
-            self.caches.whole.may_exist(parent, name);
-        }
+        self.caches.leased.changing(&req);
         self.cluster.meta(req).map_err(rpc)
+    }
+
+    /// The attributes `req` is answered with, kept in the leased cache (with the name they
+    /// were looked up by) if nothing happened meanwhile.
+    fn attr_learnt(&self, name: Option<(u64, &[u8])>, req: MetaRequest) -> Result<Attr, Errno> {
+        let news = self.caches.leased.news();
+        let a = self.attr_of(req)?;
+        self.caches.leased.learn(name, &a, news);
+        Ok(a)
+    }
+
+    /// What the leased cache answers for `a`: itself, unless it is a regular file whose
+    /// record changed since (then forgotten).
+    fn fresh(&self, a: Attr) -> Option<Attr> {
+        if a.kind != Kind::File || crate::file::record_unchanged(&self.cluster, &a) {
+            return Some(a);
+        }
+        self.caches.leased.stale(a.ino);
+        None
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
@@ -545,7 +548,7 @@ impl Client {
     ) -> Result<Attr, Errno> {
         self.writable()?;
         let dir = kind == NewKind::Dir;
-        let held = self.caches.whole.generation(self.cluster.clock().mono_ns());
+        let (news, sent) = (self.caches.leased.news(), self.cluster.clock().mono_ns());
         let a = self.attr_of(MetaRequest::Create {
             parent,
             name: name.as_bytes().to_vec(),
@@ -556,7 +559,11 @@ impl Client {
         })?;
         // The primary registered a new directory with this mount's watcher as it made it.
         if dir {
-            self.caches.whole.hold(a.ino, held);
+            self.caches.leased.hold(a.ino, news, sent);
+        } else {
+            self.caches
+                .leased
+                .learn(Some((parent, name.as_bytes())), &a, news);
         }
         Ok(a)
     }
@@ -590,27 +597,41 @@ impl Client {
         }
     }
 
-    /// Looks `name` up in directory `parent`: absent without asking in a directory this
-    /// mount holds whole ([`crate::whole`]).
+    /// Looks `name` up in directory `parent`, answered from the leased cache
+    /// ([`crate::leased`]) if it can: absent from a directory this mount holds whole, or
+    /// known.
     pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, Errno> {
+        let name = name.as_bytes();
         let now = self.cluster.clock().mono_ns();
-        if self.caches.whole.absent(parent, name.as_bytes(), now) {
+        if self.caches.leased.absent(parent, name, now) {
             return Err(Errno(libc::ENOENT));
         }
-        self.attr_of(MetaRequest::Lookup {
+        if let Some(a) = self.caches.leased.lookup(parent, name, now) {
+            if let Some(a) = self.fresh(a) {
+                return Ok(a);
+            }
+        }
+        let req = MetaRequest::Lookup {
             parent,
-            name: name.as_bytes().to_vec(),
-        })
+            name: name.to_vec(),
+        };
+        self.attr_learnt(Some((parent, name)), req)
     }
 
     /// An inode's attributes: those this mount's last change of it was answered with, if
-    /// still fresh (see [`crate::caches::LearntAttrs`]), else the primary's.
+    /// still fresh (see [`crate::caches::LearntAttrs`]), else the leased cache's
+    /// ([`crate::leased`]), else the primary's.
     pub fn getattr(&self, ino: u64) -> Result<Attr, Errno> {
         let now = self.cluster.clock().mono_ns();
         if let Some(a) = self.caches.attrs.take(ino, now, self.opts.attr_timeout) {
             return Ok(a);
         }
-        self.attr_of(MetaRequest::GetAttr { ino })
+        if let Some(a) = self.caches.leased.attr(ino, now) {
+            if let Some(a) = self.fresh(a) {
+                return Ok(a);
+            }
+        }
+        self.attr_learnt(None, MetaRequest::GetAttr { ino })
     }
 
     /// Changes attributes; a size change of a regular file is a truncate under its whole-file
@@ -867,16 +888,19 @@ impl Client {
             },
         };
         let sent = self.cluster.clock().mono_ns();
-        let news = self.caches.whole.news();
+        let news = self.caches.leased.news();
         let a = match self.meta_learning(req) {
             Ok(ControlResponse::Created(c)) => {
+                self.caches
+                    .leased
+                    .learn(Some((parent, name.as_bytes())), &c.attr, news);
                 let f = self.file(&c.attr)?;
                 f.cache_stripe(0, c.stripe, sent);
                 // A new file has no extended attributes: the kernel's question before the
                 // first write (`security.capability`) needs no round trip, unless the
                 // watcher heard of anything since the create left (another mount may have
                 // set one on it).
-                if self.caches.whole.news() == news {
+                if self.caches.leased.news() == news {
                     f.set_lacks_capability(true);
                 }
                 let opened = self.new_handle(flags, c.attr.perm);

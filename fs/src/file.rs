@@ -135,6 +135,25 @@ pub struct FileData {
     no_capability: AtomicBool,
 }
 
+/// Whether regular file `a`'s record still holds the size and modification time `a` was
+/// answered with, by one one-sided read of it: every data write moves one of them, so the rest
+/// of `a` is as fresh as the changes pushed to the mount (see [`crate::leased`]). False when
+/// the read fails.
+pub fn record_unchanged(cl: &Cluster, a: &rackfs_proto::namespace::Attr) -> bool {
+    let Some(l) = a.layout else { return false };
+    let Ok(node) = cl.node(l.node) else {
+        return false;
+    };
+    let Ok(r) = node
+        .qp
+        .read(RemoteAddr::new(node.rkey, l.record), RECORD_LEN as u32)
+    else {
+        return false;
+    };
+    let at = |w: u64| word(&r, (w / 8) as usize);
+    at(REC_INO) == a.ino && at(REC_SIZE) == a.size && at(REC_MTIME) <= a.mtime_ns
+}
+
 fn word(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
 }

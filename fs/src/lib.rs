@@ -4,8 +4,9 @@
 //! * [`client`]: the client core, one method per filesystem operation, and every policy of a
 //!   mount (failover retries, set-user-ID clearing, O_APPEND, open handles, record locks).
 //! * [`caches`]: what a mount keeps between requests (open files, attributes its own changes
-//!   were answered with), forgotten on other mounts' changes; [`whole`]: directories the
-//!   mount made, whose absent names it answers itself.
+//!   were answered with), forgotten on other mounts' changes; [`leased`]: what the mount
+//!   answers itself while its watcher's lease runs (names absent from directories it made,
+//!   names and attributes it learnt).
 //! * [`cluster`]: the mount's connections (control to the primary, a queue pair per node).
 //! * [`file`](mod@file): the data path of one file (layout cache, tag checks, size CAS-max).
 //! * [`fuse`]: the FUSE adapter, kernel requests translated into [`client`] calls and back.
@@ -39,6 +40,7 @@ pub mod error;
 pub mod file;
 pub mod fuse;
 pub mod layout;
+pub mod leased;
 pub mod link;
 pub mod lock;
 pub mod metrics;
@@ -49,4 +51,3 @@ pub mod releases;
 pub mod replica;
 pub mod spawn;
 pub mod watch;
-pub mod whole;

@@ -5,15 +5,19 @@
 //! queued, at once when [`BATCH`] wait, and always before this mount removes or renames a
 //! name or asks for free space, so a file it closed and then removed is freed when the
 //! removal returns. Until it is sent the primary counts the file open a little longer:
-//! its memory comes back that much later, and nothing else differs.
+//! its memory comes back that much later, and nothing else differs. The primary answers with
+//! the files' attributes after the release (a last close may trim a file's memory), which the
+//! mount's leased cache keeps ([`crate::leased`]).
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
+use rackfs_proto::control::ControlResponse;
 use rackfs_proto::namespace::MetaRequest;
 use tracing::warn;
 
 use crate::cluster::Cluster;
+use crate::leased::Leased;
 
 /// How long the first queued release waits for others.
 pub const WINDOW: Duration = Duration::from_millis(20);
@@ -22,13 +26,23 @@ pub const WINDOW: Duration = Duration::from_millis(20);
 pub const BATCH: usize = 64;
 
 /// The releases a mount has not sent yet.
-#[derive(Default)]
 pub struct Releases {
     pending: Mutex<Vec<u64>>,
     queued: Condvar,
+    /// The mount's leased cache: it forgets, then learns, the released files' attributes.
+    leased: Arc<Leased>,
 }
 
 impl Releases {
+    /// Nothing queued; the released files' attributes go to `leased`.
+    pub fn new(leased: Arc<Leased>) -> Releases {
+        Releases {
+            pending: Mutex::default(),
+            queued: Condvar::new(),
+            leased,
+        }
+    }
+
     /// Queues a release of `ino`; true when a batch is full (the caller sends it).
     pub fn add(&self, ino: u64) -> bool {
         let mut p = self.pending.lock().expect("releases lock");
@@ -44,9 +58,20 @@ impl Releases {
         if inos.is_empty() {
             return;
         }
-        if let Err(e) = cl.meta(MetaRequest::Releases { inos: inos.clone() }) {
-            warn!(error = %e, files = inos.len(), "the primary did not take this mount's closes; they are sent again");
-            self.pending.lock().expect("releases lock").extend(inos);
+        let req = MetaRequest::Releases { inos: inos.clone() };
+        self.leased.changing(&req);
+        let news = self.leased.news();
+        match cl.meta(req) {
+            Ok(ControlResponse::Released(attrs)) => {
+                for a in &attrs {
+                    self.leased.learn(None, a, news);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!(error = %e, files = inos.len(), "the primary did not take this mount's closes; they are sent again");
+                self.pending.lock().expect("releases lock").extend(inos);
+            }
         }
     }
 
@@ -86,7 +111,7 @@ mod tests {
 
     #[test]
     fn a_full_batch_is_reported_to_the_closing_thread() {
-        let r = Releases::default();
+        let r = Releases::new(Arc::default());
         for ino in 1..BATCH as u64 {
             assert!(!r.add(ino));
         }

@@ -66,7 +66,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Dur
 }
 
 /// Polls and applies changes until the connection fails. A poll is answered within a third
-/// of `ttl`, so the lease of the directories held whole ([`crate::whole`]) runs on unbroken
+/// of `ttl`, so the lease of the cache answered under the watcher's lease ([`crate::leased`]) runs on unbroken
 /// while the primary answers; a new connection starts with none held (the primary knows of
 /// none).
 fn serve(
@@ -79,7 +79,7 @@ fn serve(
 ) -> rackfs_proto::RpcError {
     let poll = POLL.min(ttl / 3);
     c.set_deadline(poll + RPC_DEADLINE);
-    caches.whole.forget_all();
+    caches.leased.forget_all();
     let mut acked = 0;
     // The first poll is answered at once: it starts the lease.
     let mut wait = Duration::ZERO;
@@ -89,7 +89,7 @@ fn serve(
             acked,
             ttl_ms: ttl.as_millis() as u64,
             poll_ms: std::mem::replace(&mut wait, poll).as_millis() as u64,
-            dropped: caches.whole.take_dropped(),
+            dropped: caches.leased.take_dropped(),
         };
         let sent = clock.mono_ns();
         match c.call(&req) {
@@ -100,9 +100,9 @@ fn serve(
                 }
                 if lost {
                     warn!("the primary dropped changes while this mount lagged");
-                    caches.whole.forget_all();
+                    caches.leased.forget_all();
                 } else {
-                    caches.whole.renew(sent, ttl);
+                    caches.leased.renew(sent, ttl);
                 }
                 for ch in &changes {
                     invalidate(ch, notifier);
@@ -118,7 +118,7 @@ fn serve(
             Err(e) => break e,
         }
     };
-    caches.whole.forget_all();
+    caches.leased.forget_all();
     e
 }
 

@@ -267,6 +267,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     | MetaRequest::Rename { .. } => FreesGo::Soon,
                     _ => FreesGo::BeforeAnswer,
                 };
+                let releases = matches!(m.inner(), MetaRequest::Releases { .. });
                 let mkdir = matches!(
                     m.inner(),
                     MetaRequest::Create {
@@ -300,7 +301,11 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     l.hold(session, node.term.guard());
                 }
                 // Outside the metadata lock: other mounts forget what changed.
-                node.watchers.publish(session, changes);
+                if releases {
+                    node.watchers.hint(session, changes);
+                } else {
+                    node.watchers.publish(session, changes);
+                }
                 resp
             }
             None => refused(

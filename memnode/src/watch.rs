@@ -134,6 +134,16 @@ impl Watchers {
     /// Queues `changes`, made by session `from`, for every other mount's watcher and waits
     /// until each has acknowledged them, passed its `ttl`, or gone (see the module docs).
     pub fn publish(&self, from: u64, changes: Vec<Change>) {
+        self.queue(from, changes, true)
+    }
+
+    /// Queues `changes` as [`Watchers::publish`] does without waiting for anyone: for what
+    /// may show late (a last close's trim of a file's memory, that is its block count).
+    pub fn hint(&self, from: u64, changes: Vec<Change>) {
+        self.queue(from, changes, false)
+    }
+
+    fn queue(&self, from: u64, changes: Vec<Change>, wait_for_them: bool) {
         if changes.is_empty() {
             return;
         }
@@ -158,11 +168,12 @@ impl Watchers {
                 w.queue.extend(theirs.into_iter().cloned());
             }
             w.queued += 1;
-            if !w.lagging && w.waiting == 0 {
+            if wait_for_them && !w.lagging && w.waiting == 0 {
                 wait.push((of, w.queued, now + w.ttl));
             }
         }
         if wait.is_empty() {
+            self.changed.notify_all();
             return;
         }
         // Counted only if the mount has a watcher now: one that appears while this waits (its

@@ -221,10 +221,14 @@ impl Namespace {
                 self.create_open(session, parent, &name, kind, (perm, uid, gid), reserve, st)
             }
             MetaRequest::Releases { inos } => {
-                for ino in inos {
+                for &ino in &inos {
                     self.release(session, ino, st);
                 }
-                Ok(ControlResponse::Ok)
+                let attrs = inos.iter().filter_map(|&ino| match self.attr(ino, st) {
+                    Ok(ControlResponse::Attr(a)) => Some(a),
+                    _ => None,
+                });
+                Ok(ControlResponse::Released(attrs.collect()))
             }
             MetaRequest::AllocStripe { ino, stripe, end } => {
                 let placed = self.alloc_stripe(ino, stripe, end, st);
@@ -325,6 +329,11 @@ impl Namespace {
             | MetaRequest::CreateOpen { parent, name, .. } => vec![created(*parent, name)],
             MetaRequest::Link { ino, parent, name } => {
                 vec![Change::Inode { ino: *ino }, created(*parent, name)]
+            }
+            // A last close may trim the file's memory (pushed without waiting: see
+            // `rackfs_memnode::watch`).
+            MetaRequest::Releases { inos } => {
+                inos.iter().map(|&ino| Change::Inode { ino }).collect()
             }
             MetaRequest::SetAttr { ino, .. }
             | MetaRequest::SetXattr { ino, .. }

@@ -437,7 +437,11 @@ fn a_last_close_before_the_mounts_report_their_sizes_trims_nothing() {
         let open = m.handle(9, MetaRequest::Open { ino }, &st);
         assert!(matches!(open, ControlResponse::Attr(_)), "{open:?}");
         let release = MetaRequest::Releases { inos: vec![ino] };
-        assert_eq!(m.handle(9, release, &st), ControlResponse::Ok);
+        let released = m.handle(9, release, &st);
+        assert!(
+            matches!(released, ControlResponse::Released(_)),
+            "{released:?}"
+        );
         stripe0(m, &st, ino, None)
     };
     assert_eq!(close(&mut new), grown, "not trimmed to the mirror's size");
@@ -537,13 +541,21 @@ fn a_retried_open_is_matched_to_itself_not_to_an_earlier_equal_one() {
     ));
     let close = MetaRequest::Releases { inos: vec![f.ino] };
     let getattr = MetaRequest::GetAttr { ino: f.ino };
-    assert_eq!(new.handle(b, close.clone(), &st), ControlResponse::Ok);
+    let released = new.handle(b, close.clone(), &st);
+    assert!(
+        matches!(released, ControlResponse::Released(_)),
+        "{released:?}"
+    );
     let held = new.handle(b, getattr.clone(), &st);
     assert!(
         matches!(held, ControlResponse::Attr(_)),
         "still open once: {held:?}"
     );
-    assert_eq!(new.handle(b, close, &st), ControlResponse::Ok);
+    assert_eq!(
+        new.handle(b, close, &st),
+        ControlResponse::Released(Vec::new()),
+        "the file went with its last close"
+    );
     let gone = new.handle(b, getattr, &st);
     assert!(
         matches!(

@@ -635,6 +635,9 @@ pub enum ControlResponse {
     },
     /// See [`crate::namespace::MetaRequest::SizeAtTakeOver`].
     SizeAtTakeOver(Option<u64>),
+    /// The attributes, after the release, of the files a
+    /// [`crate::namespace::MetaRequest::Releases`] named that still exist.
+    Released(Vec<Attr>),
 }
 
 fn encode<T: Serialize>(id: u64, msg: &T) -> Vec<u8> {

@@ -302,7 +302,8 @@ pub enum MetaRequest {
         req: Box<MetaRequest>,
     },
     /// The mount closed these files for the last time (each once per open it registered);
-    /// a mount sends its last closes in batches.
+    /// a mount sends its last closes in batches. Answered with `ControlResponse::Released`
+    /// (a last close may trim the file's memory).
     Releases {
         inos: Vec<u64>,
     },

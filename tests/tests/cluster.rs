@@ -1214,3 +1214,51 @@ fn names_another_mount_makes_in_a_directory_held_whole_are_seen_at_once() {
     );
     assert_eq!(fs::read(a.path("late/x")).unwrap(), b"4");
 }
+
+/// A mount answers the names and attributes it learnt without asking the primary while its
+/// watcher's lease runs (issue 25), yet shows what another mount did as a mount without any
+/// cache does (`attr_timeout=0`): a size or mtime a write moved once its kernel's own cache
+/// lapsed (it reads the file's record), a chmod or an unlink at once (pushed), the blocks a
+/// last close trimmed.
+#[test]
+fn attributes_a_mount_answers_itself_follow_another_mounts_changes() {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::unix::fs::MetadataExt;
+    let c = TestCluster::start(1, "64M");
+    let a = Mount::new(&c, "attr_timeout=1");
+    let b = Mount::new(&c, "attr_timeout=1,transport=tcp");
+    let truth = Mount::new(&c, "attr_timeout=0");
+    let lapse = || std::thread::sleep(Duration::from_millis(1100));
+    let same = |what: &str| {
+        let (x, t) = (
+            fs::metadata(a.path("f")).unwrap(),
+            fs::metadata(truth.path("f")).unwrap(),
+        );
+        let view = |m: &fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec(), m.mode(), m.blocks());
+        assert_eq!(view(&x), view(&t), "{what}: (size, mtime, mode, blocks)");
+    };
+    let mut f = fs::File::create(b.path("f")).unwrap();
+    f.write_all(b"hello").unwrap();
+    same("created");
+    lapse();
+    same("learnt, then lapsed");
+    f.write_all(b" world").unwrap();
+    lapse();
+    same("grown");
+    std::thread::sleep(Duration::from_millis(20));
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.write_all(b"J").unwrap();
+    lapse();
+    same("overwritten in place");
+    fs::set_permissions(
+        b.path("f"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    same("chmod");
+    drop(f);
+    lapse();
+    same("closed");
+    fs::remove_file(b.path("f")).unwrap();
+    assert!(fs::metadata(a.path("f")).is_err(), "unlink seen at once");
+}
