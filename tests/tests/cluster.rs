@@ -303,19 +303,20 @@ fn steady_state_io_makes_no_control_rpc() {
     let mut buf = vec![0u8; 4096];
     f.read_exact_at(&mut buf, 0).unwrap();
     // Lease renewals (mounts' and data nodes' with the embedded coordinator, each on a
-    // connection of its own) are not on the I/O path.
+    // connection of its own) and the watcher's polls (three a second, on its own
+    // connection) are not on the I/O path.
     let kind = |name: &str| {
         rackfs_proto::control::RPC_KINDS
             .iter()
             .position(|k| *k == name)
             .unwrap()
     };
-    let (renew, coord) = (kind("renew"), kind("coord"));
+    let periodic = [kind("renew"), kind("coord"), kind("watch")];
     let rpcs = |c: &TestCluster| -> u64 {
         (0..2)
             .map(|i| {
                 let s = c.control(i).stats().unwrap();
-                s.rpcs.iter().sum::<u64>() - s.rpcs[renew] - s.rpcs[coord]
+                s.rpcs.iter().sum::<u64>() - periodic.iter().map(|&k| s.rpcs[k]).sum::<u64>()
             })
             .sum()
     };
