@@ -1119,13 +1119,21 @@ impl Client {
         offset: u64,
         mut add: impl FnMut(&DirEntry, &Attr) -> bool,
     ) -> Result<(), Errno> {
-        let page = |after| match self.meta(MetaRequest::ReadDirPlus {
-            ino,
-            after,
-            max: PAGE,
-        })? {
-            ControlResponse::EntriesPlus(e) => Ok(e),
-            _ => Err(Errno(libc::EIO)),
+        let page = |after| {
+            let news = self.caches.leased.news();
+            match self.meta(MetaRequest::ReadDirPlus {
+                ino,
+                after,
+                max: PAGE,
+            })? {
+                ControlResponse::EntriesPlus(e) => {
+                    for (d, a) in &e {
+                        self.caches.leased.learn(Some((ino, &d.name)), a, news);
+                    }
+                    Ok(e)
+                }
+                _ => Err(Errno(libc::EIO)),
+            }
         };
         pages(offset, page, |(e, _)| e.cookie, |(e, a)| add(e, a))
     }

@@ -175,8 +175,10 @@ impl Leased {
                 s.attrs.remove(ino);
                 Self::add(&mut s, *parent, name);
             }
-            MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
-                Self::unname(&mut s, *parent, name);
+            MetaRequest::Unlink { parent, name } => Self::unname(&mut s, *parent, name),
+            // A directory's attributes are not kept.
+            MetaRequest::Rmdir { parent, name } => {
+                s.names.remove(&(*parent, name.to_vec()));
             }
             MetaRequest::Rename {
                 parent,
