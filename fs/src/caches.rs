@@ -32,6 +32,16 @@ pub struct Caches {
 }
 
 impl Caches {
+    /// The watcher lost touch with what changed: forget everything this mount answers
+    /// itself.
+    pub fn forget_all(&self) {
+        self.leased.forget_all();
+        for f in self.files.lock().expect("files lock").values() {
+            f.forget_size();
+        }
+        self.attrs.changed();
+    }
+
     /// Another mount changed something: forget what this mount knew of it.
     pub fn forget(&self, ch: &Change) {
         self.leased.heard(ch);

@@ -248,6 +248,14 @@ const CREATE_RESERVE: u64 = 4096;
 /// How many failovers of the primary one data operation is carried across.
 const FAILOVER_RETRIES: u32 = 3;
 
+/// The attributes an answer carries.
+fn attr_in(r: ControlResponse) -> Result<Attr, Errno> {
+    match r {
+        ControlResponse::Attr(a) => Ok(a),
+        _ => Err(Errno(libc::EIO)),
+    }
+}
+
 /// The inode whose own attributes alone `req` may change, if that is all it changes.
 fn changes_only(req: &MetaRequest) -> Option<u64> {
     match req {
@@ -402,19 +410,26 @@ impl Client {
         r.map_err(Errno::new)
     }
 
-    /// Sends `req` to the primary. What it may change is no longer answered from this
-    /// mount's leased cache, from before it is sent ([`crate::leased`]).
-    fn send(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
-        self.caches.leased.changing(&req);
-        self.cluster.meta(req).map_err(rpc)
+    /// Sends `req` to the primary. What it may change is not answered from this mount's
+    /// leased cache from before it is sent, and is forgotten again once it is answered
+    /// ([`crate::leased`]). Returns the answer, and the news to learn it with if nothing
+    /// happened meanwhile.
+    fn send(&self, req: MetaRequest) -> (Result<ControlResponse, Errno>, Option<u64>) {
+        let leased = &self.caches.leased;
+        let flight = leased.changing(&req);
+        let sent = leased.news();
+        let r = self.cluster.meta(req).map_err(rpc);
+        (r, leased.answered(flight, sent))
     }
 
     /// The attributes `req` is answered with, kept in the leased cache (with the name they
     /// were looked up by) if nothing happened meanwhile.
     fn attr_learnt(&self, name: Option<(u64, &[u8])>, req: MetaRequest) -> Result<Attr, Errno> {
-        let news = self.caches.leased.news();
-        let a = self.attr_of(req)?;
-        self.caches.leased.learn(name, &a, news);
+        let (r, news) = self.meta_news(req);
+        let a = attr_in(r?)?;
+        if let Some(news) = news {
+            self.caches.leased.learn(name, &a, news);
+        }
         Ok(a)
     }
 
@@ -429,6 +444,11 @@ impl Client {
     }
 
     fn meta(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+        self.meta_news(req).0
+    }
+
+    /// [`Client::meta`], with the news to learn its answer with ([`Client::send`]).
+    fn meta_news(&self, req: MetaRequest) -> (Result<ControlResponse, Errno>, Option<u64>) {
         let changes = !reads_only(&req);
         let only = changes_only(&req);
         let r = self.send(req);
@@ -444,9 +464,9 @@ impl Client {
 
     /// A change whose answer carries a directory's attributes after it (create, unlink,
     /// rmdir): they are kept for the kernel's next getattr of it (see [`crate::caches::LearntAttrs`]).
-    fn meta_learning(&self, req: MetaRequest) -> Result<ControlResponse, Errno> {
+    fn meta_learning(&self, req: MetaRequest) -> (Result<ControlResponse, Errno>, Option<u64>) {
         let sent = self.caches.attrs.generation();
-        let r = self.send(req);
+        let (r, news) = self.send(req);
         let now = self.cluster.clock().mono_ns();
         match &r {
             Ok(ControlResponse::Attr(dir)) if self.learns() => {
@@ -457,7 +477,7 @@ impl Client {
             }
             _ => self.caches.attrs.changed(),
         }
-        r
+        (r, news)
     }
 
     /// Whether the kernel caches attributes at all (else nothing is kept for it).
@@ -466,10 +486,7 @@ impl Client {
     }
 
     fn attr_of(&self, req: MetaRequest) -> Result<Attr, Errno> {
-        match self.meta(req)? {
-            ControlResponse::Attr(a) => Ok(a),
-            _ => Err(Errno(libc::EIO)),
-        }
+        attr_in(self.meta(req)?)
     }
 
     fn writable(&self) -> Result<(), Errno> {
@@ -548,19 +565,20 @@ impl Client {
     ) -> Result<Attr, Errno> {
         self.writable()?;
         let dir = kind == NewKind::Dir;
-        let (news, sent) = (self.caches.leased.news(), self.cluster.clock().mono_ns());
-        let a = self.attr_of(MetaRequest::Create {
+        let leased = self.caches.leased.running(self.cluster.clock().mono_ns());
+        let (r, news) = self.meta_news(MetaRequest::Create {
             parent,
             name: name.as_bytes().to_vec(),
             kind,
             perm,
             uid: caller.uid,
             gid: caller.gid,
-        })?;
+        });
+        let a = attr_in(r?)?;
         // The primary registered a new directory with this mount's watcher as it made it.
         if dir {
-            self.caches.leased.hold(a.ino, news, sent);
-        } else {
+            self.caches.leased.hold(a.ino, leased, news);
+        } else if let Some(news) = news {
             self.caches
                 .leased
                 .learn(Some((parent, name.as_bytes())), &a, news);
@@ -794,7 +812,7 @@ impl Client {
         } else {
             MetaRequest::Unlink { parent, name }
         };
-        self.meta_learning(req).map(|_| ())
+        self.meta_learning(req).0.map(|_| ())
     }
 
     pub fn symlink(
@@ -888,20 +906,23 @@ impl Client {
             },
         };
         let sent = self.cluster.clock().mono_ns();
-        let news = self.caches.leased.news();
-        let a = match self.meta_learning(req) {
+        let (r, news) = self.meta_learning(req);
+        let a = match r {
             Ok(ControlResponse::Created(c)) => {
-                self.caches
-                    .leased
-                    .learn(Some((parent, name.as_bytes())), &c.attr, news);
                 let f = self.file(&c.attr)?;
                 f.cache_stripe(0, c.stripe, sent);
-                // A new file has no extended attributes: the kernel's question before the
-                // first write (`security.capability`) needs no round trip, unless the
-                // watcher heard of anything since the create left (another mount may have
-                // set one on it).
-                if self.caches.leased.news() == news {
+                if let Some(news) = news {
+                    let leased = &self.caches.leased;
+                    leased.learn(Some((parent, name.as_bytes())), &c.attr, news);
+                    // A new file has no extended attributes: the kernel's question before
+                    // the first write (`security.capability`) needs no round trip, unless the
+                    // watcher heard of anything since the create left (another mount may
+                    // have set one on it). Set first, then checked: the watcher clears it
+                    // after it bumps the news.
                     f.set_lacks_capability(true);
+                    if leased.news() != news {
+                        f.set_lacks_capability(false);
+                    }
                 }
                 let opened = self.new_handle(flags, c.attr.perm);
                 return Ok((c.attr, opened));
@@ -1120,15 +1141,17 @@ impl Client {
         mut add: impl FnMut(&DirEntry, &Attr) -> bool,
     ) -> Result<(), Errno> {
         let page = |after| {
-            let news = self.caches.leased.news();
-            match self.meta(MetaRequest::ReadDirPlus {
+            let (r, news) = self.meta_news(MetaRequest::ReadDirPlus {
                 ino,
                 after,
                 max: PAGE,
-            })? {
+            });
+            match r? {
                 ControlResponse::EntriesPlus(e) => {
-                    for (d, a) in &e {
-                        self.caches.leased.learn(Some((ino, &d.name)), a, news);
+                    if let Some(news) = news {
+                        for (d, a) in &e {
+                            self.caches.leased.learn(Some((ino, &d.name)), a, news);
+                        }
                     }
                     Ok(e)
                 }

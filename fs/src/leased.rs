@@ -35,7 +35,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rackfs_proto::namespace::{Attr, Change, Kind, MetaRequest};
+use rackfs_proto::namespace::{Attr, Change, Kind, MetaRequest, MAX_NAME};
 
 /// Directories held at most; the oldest is dropped beyond (and the primary told).
 pub const MAX_DIRS: usize = 4096;
@@ -43,10 +43,30 @@ pub const MAX_DIRS: usize = 4096;
 pub const MAX_NAMES: usize = 65_536;
 /// Names and attributes known at most; all are forgotten beyond.
 pub const MAX_KNOWN: usize = 65_536;
+/// Stamps of what changed kept at most; beyond, every answer in flight is refused.
+const MAX_STAMPS: usize = 65_536;
 
 /// See the module docs.
 #[derive(Default)]
 pub struct Leased(Mutex<State>);
+
+/// A change of this mount's in flight: what it may touch ([`Leased::changing`], then
+/// [`Leased::answered`]).
+#[must_use]
+pub struct Flight {
+    keys: Vec<Key>,
+    /// It removes or replaces a name whose inode is not known.
+    blind: bool,
+}
+
+/// What a change may have touched, for refusing answers that crossed it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Ino(u64),
+    Name(u64, Vec<u8>),
+    /// Names created or moved in this directory.
+    Dir(u64),
+}
 
 #[derive(Default)]
 struct State {
@@ -62,27 +82,42 @@ struct State {
     attrs: HashMap<u64, Attr>,
     /// Until when (the mount's `mono_ns`) answers may come from here.
     lease_until: u64,
-    /// Bumped by everything the watcher hears, by this mount's changes, and by forgetting.
+    /// Counts every change heard or made by this mount.
     generation: u64,
+    /// The generation at which each key last changed.
+    stamps: HashMap<Key, u64>,
+    /// Answers to requests sent before this generation are not kept (everything was
+    /// forgotten since).
+    floor: u64,
+    /// Keys this mount's changes in flight may change, with how many.
+    in_flight: HashMap<Key, u32>,
 }
 
 impl Leased {
-    /// A number that changes whenever the watcher hears anything, this mount changes
-    /// something, or everything is forgotten: hand the value read before sending a request
-    /// to [`Leased::hold`] or [`Leased::learn`] with its answer.
+    /// The generation to hand to [`Leased::answered`]: read after [`Leased::changing`] and
+    /// before sending.
     pub fn news(&self) -> u64 {
         self.lock().generation
+    }
+
+    /// Whether the lease runs at `now` (a mkdir sent now is registered for this mount's
+    /// watcher, which is there).
+    pub fn running(&self, now: u64) -> bool {
+        now < self.lock().lease_until
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.0.lock().expect("leased cache lock")
     }
 
-    /// Holds directory `dir`, made by a mkdir sent at `news` (and `now`, the lease then
-    /// running: the primary holds it for this mount only if its watcher was there).
-    pub fn hold(&self, dir: u64, news: u64, sent_at: u64) {
+    /// Holds directory `dir`, made by a mkdir sent while the lease ran (`leased`) and
+    /// answered quietly (`since`, from [`Leased::answered`]); else tells the primary it is
+    /// not held (it may have registered it).
+    pub fn hold(&self, dir: u64, leased: bool, since: Option<u64>) {
         let mut s = self.lock();
-        if news != s.generation || sent_at >= s.lease_until {
+        let quiet = since.is_some_and(|g| s.quiet(&Key::Dir(dir), g));
+        if !leased || !quiet {
+            s.dropped.push(dir);
             return;
         }
         s.dirs.insert(dir, HashSet::new());
@@ -101,10 +136,15 @@ impl Leased {
         }
     }
 
-    /// Whether `name` is surely absent from `parent` at `now` (the mount's `mono_ns`).
+    /// Whether `name` is surely absent from `parent` at `now` (the mount's `mono_ns`). A
+    /// name the primary would refuse (too long, or with `/` or NUL) is left to it.
     pub fn absent(&self, parent: u64, name: &[u8], now: u64) -> bool {
+        let valid = !name.is_empty() && name.len() <= MAX_NAME && !name.contains(&b'/');
         let s = self.lock();
-        now < s.lease_until && s.dirs.get(&parent).is_some_and(|n| !n.contains(name))
+        valid
+            && !name.contains(&0)
+            && now < s.lease_until
+            && s.dirs.get(&parent).is_some_and(|n| !n.contains(name))
     }
 
     /// What is known of `name` in `parent` at `now`: a non-directory's attributes, to be
@@ -125,96 +165,96 @@ impl Leased {
     }
 
     /// Keeps `attr` (and its name in `parent`, if it came with one), answered to a request
-    /// sent at `news`, if nothing happened since. Directories are not kept.
-    pub fn learn(&self, name: Option<(u64, &[u8])>, attr: &Attr, news: u64) {
+    /// sent at generation `since`, unless either changed since or a change of this mount
+    /// that may touch them is in flight. Directories are not kept.
+    pub fn learn(&self, name: Option<(u64, &[u8])>, attr: &Attr, since: u64) {
         let mut s = self.lock();
-        if news != s.generation || attr.kind == Kind::Dir {
+        let name = name.map(|(p, n)| Key::Name(p, n.to_vec()));
+        let quiet = |s: &State, k: &Key| s.quiet(k, since) && !s.in_flight.contains_key(k);
+        let ino = Key::Ino(attr.ino);
+        if attr.kind == Kind::Dir
+            || !quiet(&s, &ino)
+            || name.as_ref().is_some_and(|k| !quiet(&s, k))
+        {
             return;
         }
         if s.attrs.len() >= MAX_KNOWN || s.names.len() >= MAX_KNOWN {
             s.attrs.clear();
             s.names.clear();
         }
-        if let Some((parent, name)) = name {
-            s.names.insert((parent, name.to_vec()), attr.ino);
+        if let Some(Key::Name(parent, name)) = name {
+            s.names.insert((parent, name), attr.ino);
         }
         s.attrs.insert(attr.ino, attr.clone());
     }
 
-    /// A regular file's record read at `size` and `mtime` does not match what was learnt of
-    /// it: forgotten.
+    /// A regular file's record no longer holds the size and mtime learnt: forgotten.
     pub fn stale(&self, ino: u64) {
         self.lock().attrs.remove(&ino);
     }
 
     /// This mount is about to send `req`: what it may change is forgotten (a name it may
-    /// create may exist from now on). A creation of a new name changes nothing known, so
-    /// [`Leased::news`] read before it still holds after.
-    pub fn changing(&self, req: &MetaRequest) {
+    /// create may exist from now on), and nothing of it is kept until it is answered.
+    pub fn changing(&self, req: &MetaRequest) -> Flight {
         let mut s = self.lock();
         match req {
             MetaRequest::Create { parent, name, .. }
-            | MetaRequest::CreateOpen { parent, name, .. } => {
-                Self::add(&mut s, *parent, name);
-                return;
-            }
-            MetaRequest::Lookup { .. }
-            | MetaRequest::GetAttr { .. }
-            | MetaRequest::ReadDir { .. }
-            | MetaRequest::ReadDirPlus { .. }
-            | MetaRequest::ReadLink { .. }
-            | MetaRequest::Open { .. }
-            | MetaRequest::GetXattr { .. }
-            | MetaRequest::ListXattr { .. }
-            | MetaRequest::StatFs => return,
+            | MetaRequest::CreateOpen { parent, name, .. }
+            | MetaRequest::Link { parent, name, .. } => s.add(*parent, name),
+            MetaRequest::Rename {
+                new_parent,
+                new_name,
+                ..
+            } => s.add(*new_parent, new_name),
             _ => {}
         }
-        s.generation += 1;
-        match req {
-            MetaRequest::Link { ino, parent, name } => {
-                s.attrs.remove(ino);
-                Self::add(&mut s, *parent, name);
-            }
-            MetaRequest::Unlink { parent, name } => Self::unname(&mut s, *parent, name),
-            // A directory's attributes are not kept.
-            MetaRequest::Rmdir { parent, name } => {
-                s.names.remove(&(*parent, name.to_vec()));
-            }
+        // A name removed or replaced whose inode is not known: whichever inode it named
+        // changes its link count, so no attribute is kept across it.
+        let unknown = |p: &u64, n: &[u8]| !s.names.contains_key(&(*p, n.to_vec()));
+        let blind = match req {
+            MetaRequest::Unlink { parent, name } => unknown(parent, name),
             MetaRequest::Rename {
                 parent,
                 name,
                 new_parent,
                 new_name,
                 ..
-            } => {
-                Self::unname(&mut s, *parent, name);
-                Self::unname(&mut s, *new_parent, new_name);
-                Self::add(&mut s, *new_parent, new_name);
-            }
-            MetaRequest::SetAttr { ino, .. }
-            | MetaRequest::SetXattr { ino, .. }
-            | MetaRequest::RemoveXattr { ino, .. }
-            | MetaRequest::Fallocate { ino, .. } => {
-                s.attrs.remove(ino);
-            }
-            MetaRequest::Releases { inos } => {
-                for ino in inos {
-                    s.attrs.remove(ino);
-                }
-            }
-            _ => {}
+            } => unknown(parent, name) || unknown(new_parent, new_name),
+            _ => false,
+        };
+        let flight = Flight {
+            keys: s.keys_of(req),
+            blind,
+        };
+        s.forget(&flight);
+        for k in &flight.keys {
+            *s.in_flight.entry(k.clone()).or_default() += 1;
         }
+        flight
     }
 
-    /// The name goes, and what is known of its inode (its link count changes); if the name
-    /// was not known, neither is which inode it names: every attribute goes.
-    fn unname(s: &mut State, parent: u64, name: &[u8]) {
-        match s.names.remove(&(parent, name.to_vec())) {
-            Some(ino) => {
-                s.attrs.remove(&ino);
+    /// The change in `flight`, sent at generation `sent`, was answered: what it may have
+    /// changed is forgotten again (a read that crossed it may have kept the state before
+    /// it). Returns the generation to keep its own answer with, unless something else
+    /// touched what it touches meanwhile.
+    pub fn answered(&self, flight: Flight, sent: u64) -> Option<u64> {
+        let mut s = self.lock();
+        let quiet = flight.keys.iter().all(|k| s.quiet(k, sent));
+        for k in &flight.keys {
+            if let Some(n) = s.in_flight.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    s.in_flight.remove(k);
+                }
             }
-            None => s.attrs.clear(),
         }
+        s.forget(&flight);
+        let since = if flight.keys.is_empty() {
+            sent
+        } else {
+            s.generation
+        };
+        quiet.then_some(since)
     }
 
     /// The watcher heard of `ch`. Another mount creating in a held directory shares it:
@@ -226,51 +266,43 @@ impl Leased {
             Change::Entry { parent, name } => {
                 if let Some(ino) = s.names.remove(&(*parent, name.clone())) {
                     s.attrs.remove(&ino);
+                    s.stamp(Key::Ino(ino));
                 }
-                Self::add(&mut s, *parent, name);
+                s.stamp(Key::Name(*parent, name.clone()));
+                s.stamp(Key::Dir(*parent));
+                s.add(*parent, name);
             }
-            Change::Created { parent, .. } => {
-                if s.dirs.remove(parent).is_some() {
-                    s.dropped.push(*parent);
-                }
+            // Held or not (a mkdir whose answer was lost, a hold refused), the primary stops
+            // sending creations there.
+            Change::Created { parent, name } => {
+                s.stamp(Key::Name(*parent, name.clone()));
+                s.stamp(Key::Dir(*parent));
+                s.dirs.remove(parent);
+                s.dropped.push(*parent);
             }
             Change::Inode { ino } => {
                 s.attrs.remove(ino);
+                s.stamp(Key::Ino(*ino));
             }
-        }
-    }
-
-    /// `name` may exist in held directory `parent` from now on.
-    fn add(s: &mut State, parent: u64, name: &[u8]) {
-        let Some(names) = s.dirs.get_mut(&parent) else {
-            return;
-        };
-        if names.len() >= MAX_NAMES {
-            s.dirs.remove(&parent);
-            s.dropped.push(parent);
-        } else {
-            names.insert(name.to_vec());
         }
     }
 
     /// The watcher applied the answer to a poll sent at `sent`; the primary waits up to `ttl`
-    /// for it.
+    /// (whole milliseconds, as sent) for it.
     pub fn renew(&self, sent: u64, ttl: Duration) {
         let mut s = self.lock();
-        let lease = ttl.as_nanos() as u64 / 10 * 9;
+        let lease = ttl.as_millis() as u64 * 900_000;
         s.lease_until = s.lease_until.max(sent.saturating_add(lease));
     }
 
     /// Forgets everything (the watcher lost changes, or its connection).
     pub fn forget_all(&self) {
         let mut s = self.lock();
-        s.generation += 1;
+        s.forget_everything();
         s.lease_until = 0;
         let gone: Vec<u64> = s.dirs.drain().map(|(d, _)| d).collect();
         s.dropped.extend(gone);
         s.order.clear();
-        s.names.clear();
-        s.attrs.clear();
     }
 
     /// Directories dropped since the last call, for the primary.
@@ -279,8 +311,105 @@ impl Leased {
     }
 
     /// Directories held now.
-    pub fn held(&self) -> usize {
+    #[cfg(test)]
+    fn held(&self) -> usize {
         self.lock().dirs.len()
+    }
+}
+
+impl State {
+    /// Whether `key` is unchanged since generation `since`.
+    fn quiet(&self, key: &Key, since: u64) -> bool {
+        since >= self.floor && self.stamps.get(key).is_none_or(|&g| g <= since)
+    }
+
+    fn stamp(&mut self, key: Key) {
+        if self.stamps.len() >= MAX_STAMPS {
+            self.stamps.clear();
+            self.floor = self.generation;
+        }
+        self.stamps.insert(key, self.generation);
+    }
+
+    /// Names, attributes and answers in flight all go.
+    fn forget_everything(&mut self) {
+        self.generation += 1;
+        self.floor = self.generation;
+        self.stamps.clear();
+        self.names.clear();
+        self.attrs.clear();
+    }
+
+    /// What `req` may change. A creation of a new name changes nothing known (it only
+    /// makes the name one that may exist); a read nothing.
+    fn keys_of(&self, req: &MetaRequest) -> Vec<Key> {
+        let named = |p: u64, n: &[u8]| {
+            let mut v = vec![Key::Name(p, n.to_vec()), Key::Dir(p)];
+            v.extend(self.names.get(&(p, n.to_vec())).map(|&i| Key::Ino(i)));
+            v
+        };
+        match req {
+            MetaRequest::Link { ino, parent, name } => {
+                vec![Key::Ino(*ino), Key::Name(*parent, name.clone())]
+            }
+            MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
+                named(*parent, name)
+            }
+            MetaRequest::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                ..
+            } => {
+                let mut v = named(*parent, name);
+                v.extend(named(*new_parent, new_name));
+                v
+            }
+            MetaRequest::SetAttr { ino, .. }
+            | MetaRequest::SetXattr { ino, .. }
+            | MetaRequest::RemoveXattr { ino, .. }
+            | MetaRequest::Fallocate { ino, .. } => vec![Key::Ino(*ino)],
+            MetaRequest::Releases { inos } => inos.iter().map(|&i| Key::Ino(i)).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Forgets and stamps what a change in flight may touch.
+    fn forget(&mut self, flight: &Flight) {
+        if flight.keys.is_empty() {
+            return;
+        }
+        self.generation += 1;
+        for k in &flight.keys {
+            match k {
+                Key::Ino(i) => {
+                    self.attrs.remove(i);
+                }
+                Key::Name(p, n) => {
+                    self.names.remove(&(*p, n.clone()));
+                }
+                Key::Dir(_) => {}
+            }
+            self.stamp(k.clone());
+        }
+        if flight.blind {
+            self.attrs.clear();
+            self.floor = self.generation;
+        }
+    }
+
+    /// `name` may exist in held directory `parent` from now on.
+    fn add(&mut self, parent: u64, name: &[u8]) {
+        let Some(names) = self.dirs.get_mut(&parent) else {
+            return;
+        };
+        if names.len() >= MAX_NAMES {
+            self.dirs.remove(&parent);
+            self.dropped.push(parent);
+        } else {
+            names.insert(name.to_vec());
+        }
     }
 }
 
@@ -298,7 +427,16 @@ mod tests {
         w
     }
 
-    fn create(parent: u64, name: &[u8]) -> MetaRequest {
+    /// Sends `req` as the client does: returns what [`Leased::answered`] says, once `between`
+    /// ran while it was in flight.
+    fn send(w: &Leased, req: &MetaRequest, between: impl FnOnce()) -> Option<u64> {
+        let flight = w.changing(req);
+        let sent = w.news();
+        between();
+        w.answered(flight, sent)
+    }
+
+    fn mkdir(parent: u64, name: &[u8]) -> MetaRequest {
         MetaRequest::Create {
             parent,
             name: name.to_vec(),
@@ -331,12 +469,19 @@ mod tests {
         }
     }
 
+    fn created(parent: u64, name: &[u8]) -> Change {
+        Change::Created {
+            parent,
+            name: name.to_vec(),
+        }
+    }
+
     #[test]
     fn a_held_directory_answers_absence_of_names_it_does_not_know_only_under_the_lease() {
         let w = leased();
-        w.hold(5, w.news(), 1);
+        w.hold(5, true, send(&w, &mkdir(1, b"d"), || {}));
         assert!(w.absent(5, b"a", 2));
-        w.changing(&create(5, b"a"));
+        let _ = send(&w, &mkdir(5, b"a"), || {});
         assert!(!w.absent(5, b"a", 2), "its own create");
         w.heard(&Change::Entry {
             parent: 5,
@@ -344,47 +489,58 @@ mod tests {
         });
         assert!(!w.absent(5, b"c", 2), "renamed in");
         assert!(!w.absent(6, b"a", 2), "a directory not held");
+        assert!(
+            !w.absent(5, &[b'x'; 256], 2),
+            "a name too long is the primary's to refuse"
+        );
         assert!(w.absent(5, b"z", S * 9 / 10 - 1));
         assert!(!w.absent(5, b"z", S * 9 / 10), "the lease lapsed");
         w.renew(S / 2, TTL);
         assert!(w.absent(5, b"z", S));
         // Another mount creates there: the directory is shared, and dropped.
-        w.heard(&Change::Created {
-            parent: 5,
-            name: b"b".to_vec(),
-        });
+        w.heard(&created(5, b"b"));
         assert!(!w.absent(5, b"b", S));
         assert!(!w.absent(5, b"z", S));
         assert_eq!(w.take_dropped(), vec![5]);
     }
 
     #[test]
-    fn anything_between_a_mkdirs_sending_and_its_answer_keeps_it_unheld() {
+    fn a_mkdir_is_held_only_if_sent_under_the_lease_and_nothing_came_there_meanwhile() {
         let w = leased();
-        let g = w.news();
-        w.heard(&Change::Created {
-            parent: 9,
-            name: b"x".to_vec(),
-        });
-        w.hold(9, g, 1);
+        let made = send(&w, &mkdir(1, b"d"), || w.heard(&created(9, b"x")));
+        w.hold(9, true, made);
         assert!(!w.absent(9, b"y", 2));
-        // A create of another name changes nothing known: the mkdir is held.
-        let g = w.news();
-        w.changing(&create(1, b"other"));
-        w.hold(9, g, 1);
+        assert_eq!(w.take_dropped(), vec![9, 9], "the primary is told");
+        // Changes elsewhere meanwhile (a last close, a create) do not matter.
+        let made = send(&w, &mkdir(1, b"d"), || {
+            let _ = send(&w, &mkdir(1, b"other"), || {});
+            let _ = send(&w, &MetaRequest::Releases { inos: vec![3] }, || {});
+            w.heard(&created(8, b"x"));
+        });
+        w.hold(9, true, made);
         assert!(w.absent(9, b"y", 2));
         // Sent without a lease: not held.
         let w = Leased::default();
-        let g = w.news();
-        w.hold(9, g, 1);
-        w.renew(0, TTL);
+        let running = w.running(1);
+        let made = send(&w, &mkdir(1, b"d"), || w.renew(0, TTL));
+        w.hold(9, running, made);
         assert!(!w.absent(9, b"y", 2));
     }
 
     #[test]
     fn names_and_attributes_learnt_go_with_any_change_of_them() {
         let w = leased();
-        let learn = |w: &Leased| w.learn(Some((1, b"f")), &file(10), w.news());
+        let learn = |w: &Leased| {
+            let since = send(
+                w,
+                &MetaRequest::Lookup {
+                    parent: 1,
+                    name: b"f".to_vec(),
+                },
+                || {},
+            );
+            w.learn(Some((1, b"f")), &file(10), since.unwrap());
+        };
         learn(&w);
         assert_eq!(w.lookup(1, b"f", 2), Some(file(10)));
         assert_eq!(w.attr(10, 2), Some(file(10)));
@@ -408,23 +564,24 @@ mod tests {
             ino: 10,
             set: Default::default(),
         };
-        for own in [unlink.clone(), chmod] {
+        for own in [unlink, chmod] {
             learn(&w);
-            w.changing(&own);
+            let flight = w.changing(&own);
             assert_eq!(w.attr(10, 2), None, "{own:?}");
+            let _ = w.answered(flight, w.news());
         }
         // An unlink of a name not known: which inode it named is not known either.
         w.learn(None, &file(11), w.news());
-        w.changing(&MetaRequest::Unlink {
-            parent: 1,
-            name: b"unknown".to_vec(),
-        });
+        let _ = send(
+            &w,
+            &MetaRequest::Unlink {
+                parent: 1,
+                name: b"unknown".to_vec(),
+            },
+            || {},
+        );
         assert_eq!(w.attr(11, 2), None);
-        // An answer that crossed a change is not kept; nor is a directory's.
-        let g = w.news();
-        w.heard(&Change::Inode { ino: 99 });
-        w.learn(Some((1, b"f")), &file(10), g);
-        assert_eq!(w.lookup(1, b"f", 2), None);
+        // A directory's attributes are not kept.
         let dir = Attr {
             kind: Kind::Dir,
             ..file(12)
@@ -434,16 +591,58 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_that_crossed_a_change_of_what_it_tells_is_not_kept() {
+        let w = leased();
+        let getattr = MetaRequest::GetAttr { ino: 10 };
+        // Another mount's change heard meanwhile.
+        let since = send(&w, &getattr, || w.heard(&Change::Inode { ino: 10 }));
+        w.learn(None, &file(10), since.unwrap());
+        assert_eq!(w.attr(10, 2), None);
+        // One of another inode's does not matter.
+        let since = send(&w, &getattr, || w.heard(&Change::Inode { ino: 99 }));
+        w.learn(None, &file(10), since.unwrap());
+        assert_eq!(w.attr(10, 2), Some(file(10)));
+        // This mount's chmod in flight: a read answered before it was made is kept neither
+        // while it flies nor after.
+        let chmod = MetaRequest::SetAttr {
+            ino: 10,
+            set: Default::default(),
+        };
+        let flight = w.changing(&chmod);
+        let chmod_sent = w.news();
+        let read_sent = w.news();
+        w.learn(None, &file(10), read_sent);
+        assert_eq!(w.attr(10, 2), None, "kept while the chmod flies");
+        let _ = w.answered(flight, chmod_sent);
+        w.learn(None, &file(10), read_sent);
+        assert_eq!(w.attr(10, 2), None, "kept after the chmod was answered");
+        // A last close's answer is kept, whatever else happened meanwhile.
+        let close = MetaRequest::Releases { inos: vec![10] };
+        let since = send(&w, &close, || {
+            let _ = send(&w, &MetaRequest::Releases { inos: vec![11] }, || {});
+        });
+        w.learn(None, &file(10), since.unwrap());
+        assert_eq!(w.attr(10, 2), Some(file(10)));
+    }
+
+    #[test]
     fn forgetting_all_drops_everything_and_the_lease_and_tells_the_primary() {
         let w = leased();
-        w.hold(5, w.news(), 1);
-        w.hold(6, w.news(), 1);
-        w.learn(Some((5, b"f")), &file(10), w.news());
+        w.hold(5, true, send(&w, &mkdir(1, b"a"), || {}));
+        w.hold(6, true, send(&w, &mkdir(1, b"b"), || {}));
+        let since = w.news();
+        w.learn(Some((5, b"f")), &file(10), since);
         w.forget_all();
         assert!(!w.absent(5, b"a", 2));
         w.renew(0, TTL);
         assert!(!w.absent(5, b"a", 2), "a new lease holds nothing old");
         assert_eq!(w.lookup(5, b"f", 2), None);
+        w.learn(Some((5, b"f")), &file(10), since);
+        assert_eq!(
+            w.lookup(5, b"f", 2),
+            None,
+            "an answer sent before is not kept"
+        );
         let mut d = w.take_dropped();
         d.sort();
         assert_eq!(d, vec![5, 6]);
@@ -454,7 +653,7 @@ mod tests {
     fn the_oldest_directory_goes_beyond_the_cap() {
         let w = leased();
         for d in 0..MAX_DIRS as u64 + 3 {
-            w.hold(d, w.news(), 1);
+            w.hold(d, true, send(&w, &mkdir(1, b"d"), || {}));
         }
         assert_eq!(w.held(), MAX_DIRS);
         assert_eq!(w.take_dropped(), vec![0, 1, 2]);

@@ -59,12 +59,16 @@ impl Releases {
             return;
         }
         let req = MetaRequest::Releases { inos: inos.clone() };
-        self.leased.changing(&req);
-        let news = self.leased.news();
-        match cl.meta(req) {
+        let flight = self.leased.changing(&req);
+        let sent = self.leased.news();
+        let r = cl.meta(req);
+        let news = self.leased.answered(flight, sent);
+        match r {
             Ok(ControlResponse::Released(attrs)) => {
-                for a in &attrs {
-                    self.leased.learn(None, a, news);
+                if let Some(news) = news {
+                    for a in &attrs {
+                        self.leased.learn(None, a, news);
+                    }
                 }
             }
             Ok(_) => {}

@@ -20,7 +20,6 @@ use rackfs_proto::namespace::Change;
 use tracing::{debug, warn};
 
 use crate::caches::Caches;
-use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::link::ControlLink;
 
@@ -37,7 +36,7 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Dur
         // The mount's current session (a fenced mount starts a new one here).
         let of = cluster.primary_session().1;
         match cluster.connect_primary() {
-            Ok(c) => match serve(&*c, of, ttl, &**cluster.clock(), &notifier, &caches) {
+            Ok(c) => match serve(&*c, of, ttl, &cluster, &notifier, &caches) {
                 rackfs_proto::RpcError::Refused {
                     code: ErrorCode::Fenced,
                     ..
@@ -65,25 +64,34 @@ pub fn spawn(cluster: Arc<Cluster>, notifier: Notifier, caches: Caches, ttl: Dur
     }
 }
 
-/// Polls and applies changes until the connection fails. A poll is answered within a third
-/// of `ttl`, so the lease of the cache answered under the watcher's lease ([`crate::leased`]) runs on unbroken
-/// while the primary answers; a new connection starts with none held (the primary knows of
-/// none).
+/// Polls and applies changes until the connection fails or the mount's session changes. A
+/// poll is answered within a third of `ttl`, so the lease of what the mount answers itself
+/// ([`crate::leased`]) runs on unbroken while the primary answers; each new connection, and
+/// each answer saying changes were lost, starts that cache afresh.
 fn serve(
     c: &dyn ControlLink,
     of: u64,
     ttl: Duration,
-    clock: &dyn Clock,
+    cluster: &Cluster,
     notifier: &Notifier,
     caches: &Caches,
 ) -> rackfs_proto::RpcError {
+    let clock = &**cluster.clock();
     let poll = POLL.min(ttl / 3);
     c.set_deadline(poll + RPC_DEADLINE);
-    caches.leased.forget_all();
+    caches.forget_all();
     let mut acked = 0;
-    // The first poll is answered at once: it starts the lease.
+    // The first poll is answered at once, saying `lost` (the primary knows nothing of this
+    // connection yet); the next, at once too, starts the lease.
     let mut wait = Duration::ZERO;
     let e = loop {
+        if cluster.primary_session().1 != of {
+            break rackfs_proto::RpcError::Refused {
+                code: ErrorCode::Fenced,
+                message: "the mount's session changed".into(),
+            };
+        }
+        let first = acked == 0;
         let req = ControlRequest::Watch {
             of,
             acked,
@@ -99,8 +107,13 @@ fn serve(
                     caches.forget(ch);
                 }
                 if lost {
-                    warn!("the primary dropped changes while this mount lagged");
-                    caches.leased.forget_all();
+                    if !first {
+                        warn!("the primary dropped changes for this mount (it lagged, or a node's replicas moved): its caches start afresh");
+                    }
+                    // The lease starts again from the next poll, sent at once (this one's
+                    // entry at the primary may be gone: nothing registered there since).
+                    caches.forget_all();
+                    wait = Duration::ZERO;
                 } else {
                     caches.leased.renew(sent, ttl);
                 }
@@ -118,7 +131,7 @@ fn serve(
             Err(e) => break e,
         }
     };
-    caches.leased.forget_all();
+    caches.forget_all();
     e
 }
 

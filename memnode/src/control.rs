@@ -267,7 +267,11 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     | MetaRequest::Rename { .. } => FreesGo::Soon,
                     _ => FreesGo::BeforeAnswer,
                 };
-                let releases = matches!(m.inner(), MetaRequest::Releases { .. });
+                // What only moves a file's blocks may show late: nobody waits for it.
+                let blocks_only = matches!(
+                    m.inner(),
+                    MetaRequest::Releases { .. } | MetaRequest::AllocStripe { .. }
+                );
                 let mkdir = matches!(
                     m.inner(),
                     MetaRequest::Create {
@@ -301,7 +305,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     l.hold(session, node.term.guard());
                 }
                 // Outside the metadata lock: other mounts forget what changed.
-                if releases {
+                if blocks_only {
                     node.watchers.hint(session, changes);
                 } else {
                     node.watchers.publish(session, changes);

@@ -34,6 +34,7 @@ use std::time::Duration;
 use rackfs_coord::{renew, renew_every, CoordError, Coordinator, Held, LeaseId};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::link::ControlLink;
+use rackfs_proto::namespace::Change;
 use rackfs_proto::{Refusal, RpcError};
 use tracing::{info, warn};
 
@@ -280,6 +281,10 @@ fn drop_replicas(
     let Some(d) = node.with_meta(|m| m.drop_node(id, node)) else {
         return;
     };
+    if !d.extents.is_empty() {
+        // Files' blocks changed: the mounts forget what they answer themselves.
+        node.watchers.forget_everything();
+    }
     if !d.extents.is_empty() || d.lost > 0 {
         warn!(
             node = id,
@@ -421,7 +426,10 @@ pub fn node_failed(node: &Node, id: u32) -> Result<(), Refusal> {
         loop {
             match members(&*node.coord).map(|m| m.iter().any(|&(n, _)| n == id)) {
                 Ok(false) => {
-                    node.with_meta(|m| m.drop_node(id, node));
+                    let d = node.with_meta(|m| m.drop_node(id, node));
+                    if d.is_some_and(|d| !d.extents.is_empty()) {
+                        node.watchers.forget_everything();
+                    }
                     return Ok(());
                 }
                 _ if node.members.peer(id).is_ok() => {
@@ -484,6 +492,8 @@ pub fn rebuild_round(node: &Node, rate: u64) {
         match copied {
             Ok(0) => {}
             Ok(n) => {
+                // The file's blocks grew back: the mounts forget them (nobody waits).
+                node.watchers.hint(0, vec![Change::Inode { ino }]);
                 budget = budget.saturating_sub(n);
                 node.rebuilds.stripes.fetch_add(1, Ordering::Relaxed);
                 node.rebuilds.bytes.fetch_add(n, Ordering::Relaxed);

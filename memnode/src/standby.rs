@@ -273,6 +273,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
 pub fn rejoined_after_take_over(id: u32, meta: &mut MetaService, node: &Node) {
     let r = meta.roll_forward(id, node);
     if r != Default::default() {
+        node.watchers.forget_everything();
         warn!(node = id, relocated = r.relocated, dropped = r.dropped, freed = r.freed, unanswered = r.unanswered, "replicas the old primary changed in its last changes are followed to where their node holds them");
     }
 }

@@ -79,6 +79,10 @@ impl Watchers {
     ) -> (u64, Vec<Change>, bool) {
         let deadline = self.clock.now() + poll;
         let mut state = self.state.lock().expect("watchers lock");
+        // A new watcher, or the mount's watcher again after its entry went: it knows nothing
+        // of what was queued before and holds no directory here; it is told so (`lost`). A
+        // new connection of the same watcher takes over from the old one, whose parked poll
+        // may have taken changes it never delivered.
         let w = state.entry(of).or_insert_with(|| Watcher {
             conn,
             queue: Vec::new(),
@@ -86,11 +90,14 @@ impl Watchers {
             acked: 0,
             ttl,
             lagging: false,
-            lost: false,
+            lost: true,
             waiting: 0,
             whole: HashSet::new(),
         });
-        w.conn = conn;
+        if w.conn != conn {
+            w.conn = conn;
+            w.lost = true;
+        }
         w.ttl = ttl;
         w.acked = w.acked.max(acked.min(w.queued));
         if w.acked == w.queued {
@@ -98,11 +105,13 @@ impl Watchers {
         }
         self.changed.notify_all();
         loop {
-            let Some(w) = state.get_mut(&of) else {
-                return (0, Vec::new(), false);
+            // Gone (its session ended), or another connection took over: whatever this
+            // poll's mount knew may be stale.
+            let Some(w) = state.get_mut(&of).filter(|w| w.conn == conn) else {
+                return (0, Vec::new(), true);
             };
             let now = self.clock.now();
-            if !w.queue.is_empty() || now >= deadline {
+            if !w.queue.is_empty() || w.lost || now >= deadline {
                 let lost = std::mem::take(&mut w.lost);
                 return (w.queued, std::mem::take(&mut w.queue), lost);
             }
@@ -120,6 +129,16 @@ impl Watchers {
         if let Some(w) = self.state.lock().expect("watchers lock").get_mut(&of) {
             w.whole.insert(dir);
         }
+    }
+
+    /// Stripes of many files changed where they live (a node's replicas dropped): every
+    /// watcher is told it lost changes, so each mount forgets all it answers itself.
+    pub fn forget_everything(&self) {
+        let mut state = self.state.lock().expect("watchers lock");
+        for w in state.values_mut() {
+            w.lost = true;
+        }
+        self.changed.notify_all();
     }
 
     /// Mount `of` no longer holds `dirs` whole.

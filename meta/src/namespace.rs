@@ -330,11 +330,12 @@ impl Namespace {
             MetaRequest::Link { ino, parent, name } => {
                 vec![Change::Inode { ino: *ino }, created(*parent, name)]
             }
-            // A last close may trim the file's memory (pushed without waiting: see
-            // `rackfs_memnode::watch`).
+            // A last close may trim the file's memory, an allocation grow it (pushed without
+            // waiting: see `rackfs_memnode::watch`).
             MetaRequest::Releases { inos } => {
                 inos.iter().map(|&ino| Change::Inode { ino }).collect()
             }
+            MetaRequest::AllocStripe { ino, .. } => vec![Change::Inode { ino: *ino }],
             MetaRequest::SetAttr { ino, .. }
             | MetaRequest::SetXattr { ino, .. }
             | MetaRequest::Fallocate { ino, .. }
@@ -353,7 +354,9 @@ impl Namespace {
                 new_name,
                 ..
             } => {
+                // The moved inode's ctime changes, and the replaced one's link count.
                 let mut v = vec![entry(*parent, name), entry(*new_parent, new_name)];
+                v.extend(target(*parent, name));
                 v.extend(target(*new_parent, new_name));
                 v
             }
