@@ -8,8 +8,10 @@
 //! mount that stops (paused, cut off) stops answering from here before a change it missed
 //! returns elsewhere. A lagging watcher, a lost poll or one that reports dropped changes, and a
 //! new watcher connection (the primary knows nothing of this mount's directories then) forget
-//! everything. An answer to a request is kept only if the watcher heard nothing, and this
-//! mount changed nothing it could concern, between its sending and its arrival ([`Leased::news`]).
+//! everything. An answer is kept only if nothing it tells of (an inode, a name, a directory's
+//! names) changed between its sending and its arrival, heard from the watcher or made by this
+//! mount, and no change of this mount's that may touch it is in flight; a change's own answer
+//! forgets again what it touched, so a read that crossed it is never kept.
 //!
 //! **Directories held whole.** The mount made them, so it knows every name that may exist in
 //! them and answers a lookup of any other name there as absent (the lookup the kernel makes
@@ -26,10 +28,10 @@
 //! inode's attributes but its size, mtime and allocation is pushed to every mount's watcher,
 //! which forgets it here. Size and mtime live in the file's record, which data writes update
 //! one-sidedly: a regular file's attributes are answered only after a read of its record finds
-//! the size and mtime they were learnt with (any write moves the mtime), so its allocation,
-//! which changes only with writes, with changes pushed, or at a last close (pushed without
-//! waiting), is as fresh as the rest. Directories' attributes are not kept (creations are not
-//! pushed to every mount).
+//! the size and mtime they were learnt with (any write moves them). Its allocation changes
+//! with an allocation, a last close or a re-replication (each pushed without waiting: blocks
+//! may show a round trip late) and with a node's death (every mount forgets everything).
+//! Directories' attributes are not kept (creations are not pushed to every mount).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
