@@ -37,7 +37,7 @@ impl Caches {
     pub fn forget_all(&self) {
         self.leased.forget_all();
         for f in self.files.lock().expect("files lock").values() {
-            f.forget_size();
+            f.forget_hints();
         }
         self.attrs.changed();
     }

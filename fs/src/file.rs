@@ -254,6 +254,14 @@ impl FileData {
         self.no_capability.store(false, Ordering::Relaxed);
     }
 
+    /// Forgets the size last read and whether it lacks a capability attribute (the watcher
+    /// lost touch: another mount may have changed them). What this mount wrote stays, to be
+    /// reported to a primary that takes over.
+    pub fn forget_hints(&self) {
+        self.size_read_at.store(0, Ordering::Relaxed);
+        self.no_capability.store(false, Ordering::Relaxed);
+    }
+
     /// Whether this mount knows the file has no `security.capability` attribute.
     pub fn lacks_capability(&self) -> bool {
         self.no_capability.load(Ordering::Relaxed)
