@@ -169,6 +169,7 @@ impl Watchers {
         let now = self.clock.now();
         let mut state = self.state.lock().expect("watchers lock");
         let mut wait: Vec<(u64, u64, Duration)> = Vec::new();
+        let mut queued_any = false;
         for (&of, w) in state.iter_mut().filter(|(&of, _)| of != from) {
             let theirs: Vec<&Change> = changes
                 .iter()
@@ -187,12 +188,17 @@ impl Watchers {
                 w.queue.extend(theirs.into_iter().cloned());
             }
             w.queued += 1;
+            queued_any = true;
             if wait_for_them && !w.lagging && w.waiting == 0 {
                 wait.push((of, w.queued, now + w.ttl));
             }
         }
         if wait.is_empty() {
-            self.changed.notify_all();
+            // Wake the polls only if one has something to take (a lone mount's own watcher
+            // would wake for nothing on every change).
+            if queued_any {
+                self.changed.notify_all();
+            }
             return;
         }
         // Counted only if the mount has a watcher now: one that appears while this waits (its
