@@ -56,6 +56,7 @@ impl Caches {
                 }
                 self.attrs.forget(*ino);
             }
+            Change::Blocks { ino } => self.attrs.forget(*ino),
         }
     }
 }

@@ -282,7 +282,7 @@ impl Leased {
                 s.dirs.remove(parent);
                 s.dropped.push(*parent);
             }
-            Change::Inode { ino } => {
+            Change::Inode { ino } | Change::Blocks { ino } => {
                 s.attrs.remove(ino);
                 s.stamp(Key::Ino(*ino));
             }

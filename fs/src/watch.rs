@@ -143,6 +143,8 @@ fn invalidate(ch: &Change, notifier: &Notifier) {
             notifier.inval_entry(INodeNo(*parent), OsStr::from_bytes(name))
         }
         Change::Inode { ino } => notifier.inval_inode(INodeNo(*ino), 0, 0),
+        // Its attributes only (a negative offset): the cached data stays.
+        Change::Blocks { ino } => notifier.inval_inode(INodeNo(*ino), -1, 0),
         // The kernel caches no negative entries here: nothing to forget.
         Change::Created { .. } => return,
     };

@@ -333,9 +333,9 @@ impl Namespace {
             // A last close may trim the file's memory, an allocation grow it (pushed without
             // waiting: see `rackfs_memnode::watch`).
             MetaRequest::Releases { inos } => {
-                inos.iter().map(|&ino| Change::Inode { ino }).collect()
+                inos.iter().map(|&ino| Change::Blocks { ino }).collect()
             }
-            MetaRequest::AllocStripe { ino, .. } => vec![Change::Inode { ino: *ino }],
+            MetaRequest::AllocStripe { ino, .. } => vec![Change::Blocks { ino: *ino }],
             MetaRequest::SetAttr { ino, .. }
             | MetaRequest::SetXattr { ino, .. }
             | MetaRequest::Fallocate { ino, .. }

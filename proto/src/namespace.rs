@@ -96,6 +96,9 @@ pub enum Change {
     Entry { parent: u64, name: Vec<u8> },
     /// The inode's attributes changed (mode, owner, size, link count, times).
     Inode { ino: u64 },
+    /// The inode's blocks changed (an allocation, a last close's trim, a re-replication), and
+    /// nothing else: pushed without waiting, and its cached data stays.
+    Blocks { ino: u64 },
     /// The name `name` now exists in directory `parent`. Pushed only to the mounts that hold
     /// `parent` whole (they made it, and answer lookups of names they do not know there as
     /// absent without asking the primary).
