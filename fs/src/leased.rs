@@ -6,9 +6,9 @@
 //! answer was applied, less a tenth for the clocks' drift. The primary waits for an
 //! acknowledgement of a change until `ttl` after making it, later than the poll was sent, so a
 //! mount that stops (paused, cut off) stops answering from here before a change it missed
-//! returns elsewhere. A lagging watcher, a lost poll or one that reports dropped changes, and a
-//! new watcher connection (the primary knows nothing of this mount's directories then) forget
-//! everything. An answer is kept only if nothing it tells of (an inode, a name, a directory's
+//! returns elsewhere. A poll that fails or reports dropped changes, and a new watcher
+//! connection (the primary knows nothing of this mount's directories then), forget everything;
+//! a watcher that stops polling loses the lease until its next answered poll. An answer is kept only if nothing it tells of (an inode, a name, a directory's
 //! names) changed between its sending and its arrival, heard from the watcher or made by this
 //! mount, and no change of this mount's that may touch it is in flight; a change's own answer
 //! forgets again what it touched, so a read that crossed it is never kept.
