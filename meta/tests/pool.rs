@@ -14,6 +14,11 @@ use rackfs_proto::ControlResponse;
 const SESSION: u64 = 7;
 
 fn create(m: &mut MetaService, st: &MemStorage, name: &str) -> Vec<StripeExtent> {
+    created(m, st, name).1
+}
+
+/// Creates `name` in the root: its inode and stripe 0's replicas.
+fn created(m: &mut MetaService, st: &MemStorage, name: &str) -> (u64, Vec<StripeExtent>) {
     let req = MetaRequest::CreateOpen {
         parent: 1,
         name: name.as_bytes().to_vec(),
@@ -26,7 +31,7 @@ fn create(m: &mut MetaService, st: &MemStorage, name: &str) -> Vec<StripeExtent>
         lock_units: 0,
     };
     match m.handle(SESSION, req, st) {
-        ControlResponse::Created(c) => c.stripe,
+        ControlResponse::Created(c) => (c.attr.ino, c.stripe),
         other => panic!("create {name}: {other:?}"),
     }
 }
@@ -195,21 +200,7 @@ fn memory_running_short_takes_the_pooled_extents_back() {
 fn a_degraded_stripe_with_nowhere_to_go_takes_the_pooled_extents_back() {
     let st = MemStorage::new(3, 1 << 20);
     let mut m = MetaService::new(Duration::from_secs(2), st.wall_ns());
-    let req = MetaRequest::CreateOpen {
-        parent: 1,
-        name: b"first".to_vec(),
-        stripe_unit: 1 << 16,
-        replicas: 2,
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-        reserve: 4096,
-        lock_units: 0,
-    };
-    let (ino, stripe) = match m.handle(SESSION, req, &st) {
-        ControlResponse::Created(c) => (c.attr.ino, c.stripe),
-        other => panic!("create: {other:?}"),
-    };
+    let (ino, stripe) = created(&mut m, &st, "first");
     let holders: Vec<u32> = stripe.iter().map(|e| e.node).collect();
     let spare = (0..3).find(|n| !holders.contains(n)).unwrap();
     assert_ne!(
