@@ -267,11 +267,6 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     | MetaRequest::Rename { .. } => FreesGo::Soon,
                     _ => FreesGo::BeforeAnswer,
                 };
-                // What only moves a file's blocks may show late: nobody waits for it.
-                let blocks_only = matches!(
-                    m.inner(),
-                    MetaRequest::Releases { .. } | MetaRequest::AllocStripe { .. }
-                );
                 let mkdir = matches!(
                     m.inner(),
                     MetaRequest::Create {
@@ -305,11 +300,7 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
                     l.hold(session, node.term.guard());
                 }
                 // Outside the metadata lock: other mounts forget what changed.
-                if blocks_only {
-                    node.watchers.hint(session, changes);
-                } else {
-                    node.watchers.publish(session, changes);
-                }
+                node.watchers.publish(session, changes);
                 resp
             }
             None => refused(

@@ -493,7 +493,7 @@ pub fn rebuild_round(node: &Node, rate: u64) {
             Ok(0) => {}
             Ok(n) => {
                 // The file's blocks grew back: the mounts forget them (nobody waits).
-                node.watchers.hint(0, vec![Change::Blocks { ino }]);
+                node.watchers.publish(0, vec![Change::Blocks { ino }]);
                 budget = budget.saturating_sub(n);
                 node.rebuilds.stripes.fetch_add(1, Ordering::Relaxed);
                 node.rebuilds.bytes.fetch_add(n, Ordering::Relaxed);

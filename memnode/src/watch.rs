@@ -21,6 +21,9 @@
 //! ([`Watchers::drop_whole`]) or its watcher goes. Such a mount answers lookups of names it
 //! does not know there as absent, while its watcher's polls keep being answered.
 //!
+//! A change of a file's blocks alone ([`Change::Blocks`]: an allocation, a last close's trim,
+//! a re-replication) is queued but waited for by nobody: block counts may show late.
+//!
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
 use std::collections::{HashMap, HashSet};
@@ -151,18 +154,9 @@ impl Watchers {
     }
 
     /// Queues `changes`, made by session `from`, for every other mount's watcher and waits
-    /// until each has acknowledged them, passed its `ttl`, or gone (see the module docs).
+    /// until each has acknowledged them, passed its `ttl`, or gone (see the module docs);
+    /// block counts alone are waited for by nobody.
     pub fn publish(&self, from: u64, changes: Vec<Change>) {
-        self.queue(from, changes, true)
-    }
-
-    /// Queues `changes` as [`Watchers::publish`] does without waiting for anyone: for what
-    /// may show late (a last close's trim of a file's memory, that is its block count).
-    pub fn hint(&self, from: u64, changes: Vec<Change>) {
-        self.queue(from, changes, false)
-    }
-
-    fn queue(&self, from: u64, changes: Vec<Change>, wait_for_them: bool) {
         if changes.is_empty() {
             return;
         }
@@ -181,6 +175,7 @@ impl Watchers {
             if theirs.is_empty() {
                 continue;
             }
+            let blocks_only = theirs.iter().all(|c| matches!(c, Change::Blocks { .. }));
             if w.queue.len() + theirs.len() > MAX_QUEUED {
                 w.queue.clear();
                 w.lost = true;
@@ -189,7 +184,7 @@ impl Watchers {
             }
             w.queued += 1;
             queued_any = true;
-            if wait_for_them && !w.lagging && w.waiting == 0 {
+            if !blocks_only && !w.lagging && w.waiting == 0 {
                 wait.push((of, w.queued, now + w.ttl));
             }
         }
@@ -333,6 +328,18 @@ mod tests {
         w.watch(90, 9, 0, ttl, Duration::ZERO);
         w.publish(1, created(40));
         assert_eq!(w.watch(90, 9, 0, ttl, Duration::ZERO).1, vec![]);
+    }
+
+    #[test]
+    fn block_counts_are_queued_but_waited_for_by_nobody() {
+        let (w, clock) = watchers();
+        let ttl = Duration::from_secs(1);
+        w.watch(20, 2, 0, ttl, Duration::ZERO);
+        let blocks = vec![Change::Blocks { ino: 7 }];
+        let t0 = clock.now();
+        w.publish(1, blocks.clone());
+        assert!(clock.now() - t0 < ttl, "a silent watcher was waited for");
+        assert_eq!(w.watch(20, 2, 0, ttl, Duration::ZERO).1, blocks);
     }
 
     #[test]
