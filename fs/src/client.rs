@@ -433,9 +433,10 @@ impl Client {
         Ok(a)
     }
 
-    /// What the leased cache answers for `a`: itself, unless it is a regular file whose
-    /// record changed since (then forgotten).
-    fn fresh(&self, a: Attr) -> Option<Attr> {
+    /// What the leased cache answers, if it answered `a`: `a` itself, unless it is a regular
+    /// file whose record changed since (then forgotten).
+    fn fresh(&self, a: Option<Attr>) -> Option<Attr> {
+        let a = a?;
         if a.kind != Kind::File || crate::file::record_unchanged(&self.cluster, &a) {
             return Some(a);
         }
@@ -624,10 +625,8 @@ impl Client {
         if self.caches.leased.absent(parent, name, now) {
             return Err(Errno(libc::ENOENT));
         }
-        if let Some(a) = self.caches.leased.lookup(parent, name, now) {
-            if let Some(a) = self.fresh(a) {
-                return Ok(a);
-            }
+        if let Some(a) = self.fresh(self.caches.leased.lookup(parent, name, now)) {
+            return Ok(a);
         }
         let req = MetaRequest::Lookup {
             parent,
@@ -644,10 +643,8 @@ impl Client {
         if let Some(a) = self.caches.attrs.take(ino, now, self.opts.attr_timeout) {
             return Ok(a);
         }
-        if let Some(a) = self.caches.leased.attr(ino, now) {
-            if let Some(a) = self.fresh(a) {
-                return Ok(a);
-            }
+        if let Some(a) = self.fresh(self.caches.leased.attr(ino, now)) {
+            return Ok(a);
         }
         self.attr_learnt(None, MetaRequest::GetAttr { ino })
     }
