@@ -577,6 +577,9 @@ impl Storage for Node {
         to: u64,
         len: u64,
     ) -> Result<(), Refusal> {
+        if src == dst && dst == self.cfg.node_id {
+            return self.store.copy_within(from, to, len, expect);
+        }
         let source = self
             .members
             .addr_of(src)

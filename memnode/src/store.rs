@@ -341,6 +341,36 @@ impl Store {
             .resolve(asked, live)
     }
 
+    /// Copies `len` bytes at `from` of this node's region, data of a stripe extent tagged
+    /// `expect`, to `to`, which must lie in one allocated extent: [`Store::pull`] from the
+    /// node itself (a trim's copy), without a connection to itself.
+    pub fn copy_within(&self, from: u64, to: u64, len: u64, expect: u64) -> Result<(), Refusal> {
+        {
+            let a = self.allocator.lock().expect("allocator lock");
+            if a.containing(to, len).is_none() {
+                return Err(Refusal::new(
+                    ErrorCode::Invalid,
+                    format!("{len} bytes at {to:#x} are not inside one allocated extent"),
+                ));
+            }
+            // The source must be live under `expect` and hold `len` bytes.
+            let held = self.owned(&a, from.saturating_sub(TAG_SPACE), expect)?;
+            if held < TAG_SPACE + len {
+                return Err(Refusal::new(
+                    ErrorCode::Invalid,
+                    format!("the stripe at {from:#x} holds fewer than {len} bytes"),
+                ));
+            }
+        }
+        self.region
+            .copy_within(from, to, len)
+            .expect("both extents inside the region");
+        // Memory the source reused meanwhile is never copied as this stripe (as for a pull).
+        let a = self.allocator.lock().expect("allocator lock");
+        self.owned(&a, from.saturating_sub(TAG_SPACE), expect)
+            .map(|_| ())
+    }
+
     /// Copies `len` bytes at `from` of node `source`'s region (read one-sidedly over tcp, in
     /// pieces of at most 1 MiB) to `to` of this node's, which must lie in one allocated extent.
     pub fn pull(
@@ -557,6 +587,45 @@ mod tests {
         );
         s.retag(b, 9, 11).unwrap();
         assert!(s.free(b, Some(11)).is_ok());
+    }
+
+    /// A trim's copy within the node copies the live stripe's bytes, and refuses a source
+    /// that is not the stripe the caller names (or is shorter than asked), and a destination
+    /// outside an allocated extent, changing nothing.
+    #[test]
+    fn a_copy_within_the_node_takes_only_the_stripe_the_caller_names() {
+        let s = store();
+        let a = s.alloc(8192, 64, Some(7)).unwrap();
+        s.region().write(a + TAG_SPACE, b"stripe bytes").unwrap();
+        let b = s.alloc(4096, 64, Some(8)).unwrap();
+        s.copy_within(a + TAG_SPACE, b + TAG_SPACE, 12, 7).unwrap();
+        let mut got = [0u8; 12];
+        s.region().read(b + TAG_SPACE, &mut got).unwrap();
+        assert_eq!(&got, b"stripe bytes");
+        let untouched = |s: &Store| {
+            let mut got = [0u8; 12];
+            s.region().read(b + TAG_SPACE + 16, &mut got).unwrap();
+            got == [0u8; 12]
+        };
+        assert!(
+            s.copy_within(a + TAG_SPACE, b + TAG_SPACE + 16, 12, 9)
+                .is_err(),
+            "other tag"
+        );
+        assert!(
+            s.copy_within(a + TAG_SPACE, b + TAG_SPACE + 16, 16 << 10, 7)
+                .is_err(),
+            "longer than the source"
+        );
+        assert!(
+            s.copy_within(a + TAG_SPACE, 1 << 19, 12, 7).is_err(),
+            "destination not allocated"
+        );
+        assert!(
+            s.copy_within(3, b + TAG_SPACE, 12, 7).is_err(),
+            "no stripe there"
+        );
+        assert!(untouched(&s));
     }
 
     /// A moved extent's old copy stays held until freed under its old tag, and a primary that
