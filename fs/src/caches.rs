@@ -4,12 +4,13 @@
 //! other mounts change, before those changes are answered, exactly as it makes the kernel
 //! forget.
 //!
-//! Invariant of [`LearntAttrs`]: it holds at most the attributes the mount's last change was
-//! answered with, and only if nothing that could change them finished (on this mount: any
-//! change but one of another inode's own attributes, such as a chmod of a file in a directory
-//! learnt) or was heard of (from the watcher) between the moment that request was sent and
-//! the moment it was kept, or since; they are served at most once, within the mount's `attr_timeout` of
-//! being learnt, so they are never staler than the kernel's own cache would be.
+//! Invariant of [`LearntAttrs`]: it holds a directory's attributes that one of the mount's
+//! changes in it was answered with, and only if nothing that could change them finished (on
+//! this mount: a change in that directory or of its own attributes, or a change whose reach
+//! the mount does not know, such as a rename) or was heard of (from the watcher) between the
+//! moment that request was sent and the moment it was kept, or since; they are served at most
+//! once, within the mount's `attr_timeout` of being learnt, so they are never staler than the
+//! kernel's own cache would be.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -71,8 +72,39 @@ pub struct LearntAttrs(Mutex<Learnt>);
 struct Learnt {
     /// Attributes by inode, with when they were learnt (the mount's `mono_ns`).
     attrs: HashMap<u64, (Attr, u64)>,
-    /// Bumped by everything that may make a kept attribute stale.
+    /// Counts the events that may make a kept attribute stale.
     generation: u64,
+    /// The generation of the last event that touched each inode (at most [`TOUCHED_KEPT`]).
+    touched: HashMap<u64, u64>,
+    /// The generation of the last event that may have touched any inode.
+    all: u64,
+}
+
+/// Inodes whose last touch [`LearntAttrs`] remembers; past that it forgets everything.
+const TOUCHED_KEPT: usize = 4096;
+
+impl Learnt {
+    /// One more event, touching `ino` (`None`: any inode); its generation.
+    fn touch(&mut self, ino: Option<u64>) -> u64 {
+        self.generation += 1;
+        match ino {
+            Some(ino) if self.touched.len() < TOUCHED_KEPT => {
+                self.attrs.remove(&ino);
+                self.touched.insert(ino, self.generation);
+            }
+            _ => {
+                self.attrs.clear();
+                self.touched.clear();
+                self.all = self.generation;
+            }
+        }
+        self.generation
+    }
+
+    /// Whether nothing touched `ino` after generation `sent`.
+    fn untouched_since(&self, ino: u64, sent: u64) -> bool {
+        self.all <= sent && self.touched.get(&ino).is_none_or(|&g| g <= sent)
+    }
 }
 
 impl LearntAttrs {
@@ -81,30 +113,28 @@ impl LearntAttrs {
         self.0.lock().expect("learnt attrs lock").generation
     }
 
-    /// Keeps `attrs` (and nothing else: the change may have touched other inodes, a removed
-    /// directory for one), answered to a change sent at generation `sent`, learnt at `now`;
-    /// keeps nothing if anything else changed meanwhile. Either way this change is one more.
-    pub fn keep(&self, attrs: Attr, sent: u64, now: u64) {
+    /// Keeps a directory's attributes `attrs`, answered to a change in it sent at generation
+    /// `sent`, learnt at `now`, unless anything else touched it meanwhile; `alone`: the change
+    /// touched no other inode's attributes a mount may keep (a create or unlink of a name in
+    /// it; a removed directory's are touched). Either way this change is one more event.
+    pub fn keep(&self, attrs: Attr, alone: bool, sent: u64, now: u64) {
         let mut l = self.0.lock().expect("learnt attrs lock");
-        l.attrs.clear();
-        if l.generation == sent {
-            l.attrs.insert(attrs.ino, (attrs, now));
+        let kept = l.untouched_since(attrs.ino, sent);
+        let ino = attrs.ino;
+        l.touch(alone.then_some(ino));
+        if kept {
+            l.attrs.insert(ino, (attrs, now));
         }
-        l.generation += 1;
     }
 
     /// This mount made a change whose answer says nothing of attributes: forget them all.
     pub fn changed(&self) {
-        let mut l = self.0.lock().expect("learnt attrs lock");
-        l.attrs.clear();
-        l.generation += 1;
+        self.0.lock().expect("learnt attrs lock").touch(None);
     }
 
     /// Another mount changed `ino`, or this mount changed `ino`'s own attributes alone.
     pub fn forget(&self, ino: u64) {
-        let mut l = self.0.lock().expect("learnt attrs lock");
-        l.attrs.remove(&ino);
-        l.generation += 1;
+        self.0.lock().expect("learnt attrs lock").touch(Some(ino));
     }
 
     /// `ino`'s attributes if learnt within `ttl` of `now`, once.
@@ -148,11 +178,11 @@ mod tests {
     fn learnt_attributes_are_served_once_and_only_within_the_ttl() {
         let l = LearntAttrs::default();
         let g = l.generation();
-        l.keep(dir(5, 1), g, 100);
+        l.keep(dir(5, 1), true, g, 100);
         assert_eq!(l.take(5, 200, TTL), Some(dir(5, 1)));
         assert_eq!(l.take(5, 200, TTL), None, "served once");
         let g = l.generation();
-        l.keep(dir(5, 2), g, 100);
+        l.keep(dir(5, 2), true, g, 100);
         assert_eq!(l.take(5, 100 + TTL.as_nanos() as u64, TTL), None);
     }
 
@@ -162,18 +192,20 @@ mod tests {
         let (a, b) = (l.generation(), l.generation());
         // Two creates in flight: the second answered first is kept, the first is dropped
         // (its answer may predate the second's change).
-        l.keep(dir(5, 2), b, 10);
-        l.keep(dir(5, 1), a, 11);
+        l.keep(dir(5, 2), true, b, 10);
+        l.keep(dir(5, 1), true, a, 11);
         assert_eq!(l.take(5, 12, TTL), None);
-        // Another change of this mount or another mount's, finished meanwhile.
+        // Another change of this mount's or another mount's that may touch it, finished
+        // meanwhile.
         for stale in [
             |l: &LearntAttrs| l.changed(),
             |l: &LearntAttrs| l.forget(5),
-            |l: &LearntAttrs| l.forget(9),
+            |l: &LearntAttrs| l.keep(dir(5, 9), true, 0, 0),
+            |l: &LearntAttrs| l.keep(dir(7, 9), false, 0, 0),
         ] {
             let g = l.generation();
             stale(&l);
-            l.keep(dir(5, 3), g, 20);
+            l.keep(dir(5, 3), true, g, 20);
             assert_eq!(l.take(5, 21, TTL), None);
         }
         // Another mount's change of a name in the directory, heard after keeping, drops it.
@@ -183,11 +215,31 @@ mod tests {
             leased: Arc::default(),
         };
         let g = c.attrs.generation();
-        c.attrs.keep(dir(5, 4), g, 30);
+        c.attrs.keep(dir(5, 4), true, g, 30);
         c.forget(&Change::Entry {
             parent: 5,
             name: b"x".to_vec(),
         });
         assert_eq!(c.attrs.take(5, 31, TTL), None);
+    }
+
+    /// Threads creating in directories of their own (mdtest's unique-directory mode) keep
+    /// each other's answers: a change in one directory leaves another's attributes be.
+    #[test]
+    fn a_change_in_another_directory_keeps_the_answer() {
+        let l = LearntAttrs::default();
+        let (a, b) = (l.generation(), l.generation());
+        l.keep(dir(7, 1), true, b, 10);
+        l.forget(9);
+        l.keep(dir(5, 1), true, a, 11);
+        assert_eq!(l.take(5, 12, TTL), Some(dir(5, 1)));
+        assert_eq!(l.take(7, 12, TTL), Some(dir(7, 1)));
+        // Past the inodes it remembers touches of, it forgets everything.
+        let g = l.generation();
+        l.keep(dir(5, 2), true, g, 20);
+        for ino in 100..100 + TOUCHED_KEPT as u64 + 1 {
+            l.forget(ino);
+        }
+        assert_eq!(l.take(5, 21, TTL), None);
     }
 }

@@ -256,13 +256,15 @@ fn attr_in(r: ControlResponse) -> Result<Attr, Errno> {
     }
 }
 
-/// The inode whose own attributes alone `req` may change, if that is all it changes.
+/// The one inode whose attributes `req` may change, if that is all it changes of what a mount
+/// keeps (a new node's own are not kept yet).
 fn changes_only(req: &MetaRequest) -> Option<u64> {
     match req {
         MetaRequest::SetAttr { ino, .. }
         | MetaRequest::SetXattr { ino, .. }
         | MetaRequest::RemoveXattr { ino, .. }
         | MetaRequest::Fallocate { ino, .. } => Some(*ino),
+        MetaRequest::Create { parent, .. } => Some(*parent),
         _ => None,
     }
 }
@@ -454,8 +456,8 @@ impl Client {
         let only = changes_only(&req);
         let r = self.send(req);
         match only {
-            // A file's own attributes changed: what was learnt of its directory still holds
-            // (tar sets a file's owner, mode and times right after creating it).
+            // One inode's attributes changed: what was learnt of other directories still
+            // holds (tar sets a file's owner, mode and times right after creating it).
             Some(ino) => self.caches.attrs.forget(ino),
             None if changes => self.caches.attrs.changed(),
             None => {}
@@ -467,14 +469,16 @@ impl Client {
     /// rmdir): they are kept for the kernel's next getattr of it (see [`crate::caches::LearntAttrs`]).
     fn meta_learning(&self, req: MetaRequest) -> (Result<ControlResponse, Errno>, Option<u64>) {
         let sent = self.caches.attrs.generation();
+        // A removed directory's own attributes change too.
+        let alone = !matches!(req, MetaRequest::Rmdir { .. });
         let (r, news) = self.send(req);
         let now = self.cluster.clock().mono_ns();
         match &r {
             Ok(ControlResponse::Attr(dir)) if self.learns() => {
-                self.caches.attrs.keep(dir.clone(), sent, now)
+                self.caches.attrs.keep(dir.clone(), alone, sent, now)
             }
             Ok(ControlResponse::Created(c)) if self.learns() => {
-                self.caches.attrs.keep(c.parent.clone(), sent, now)
+                self.caches.attrs.keep(c.parent.clone(), alone, sent, now)
             }
             _ => self.caches.attrs.changed(),
         }

@@ -266,12 +266,15 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
         }
         ControlRequest::Meta(m) => match node.meta.get() {
             Some(_) => {
-                // Removing names frees only files nobody can read any more: their extents on
-                // other nodes need not hold the answer up.
+                // Removing names frees only files nobody can read any more, and growing a
+                // stripe only extents its move already took the tag from (a mount that reads
+                // one finds it gone, as after a free): their extents on other nodes need not
+                // hold the answer up.
                 let go = match m.inner() {
                     MetaRequest::Unlink { .. }
                     | MetaRequest::Rmdir { .. }
-                    | MetaRequest::Rename { .. } => FreesGo::Soon,
+                    | MetaRequest::Rename { .. }
+                    | MetaRequest::AllocStripe { .. } => FreesGo::Soon,
                     _ => FreesGo::BeforeAnswer,
                 };
                 let mkdir = matches!(
