@@ -41,7 +41,7 @@ struct Args {
     domain: Option<String>,
     /// Microseconds a NIC thread, a control session or a control call of this node polls its
     /// connection before sleeping (0: never poll).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = rackfs_verbs::poll::CONTROL_POLL.as_micros() as u64)]
     poll_us: u64,
     /// Run the cluster's metadata service (one node per cluster).
     #[arg(long, conflicts_with = "join")]

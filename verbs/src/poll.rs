@@ -15,7 +15,11 @@ use std::time::{Duration, Instant};
 
 /// How long a control connection's reader polls before it sleeps, unless configured
 /// (`--poll-us` on a node, `poll_us=` on a mount): the nodes' default for their NIC threads.
-pub const CONTROL_POLL: Duration = Duration::from_micros(50);
+/// It spans a namespace change's round trip through the metadata standby (100-150 us on the
+/// 2-core test machine) and a FUSE-driven client's gap between requests, so a session
+/// answering one small-file operation after another mostly finds each next request, and each
+/// answer, without sleeping.
+pub const CONTROL_POLL: Duration = Duration::from_micros(200);
 
 /// Reads that poll for up to a budget first, and back off while polling does not pay: after
 /// `k >=` [`BACK_OFF_AFTER`] polls in a row that found nothing, the next `2^(k - 3)` reads
