@@ -1,11 +1,12 @@
 //! What both sides of the metadata standby keep ([`Standby`]; the protocol and its invariant
 //! are the `standby` module's): on the primary, the follower its journal goes to, queued under
 //! the metadata lock ([`Standby::queue`]) and shipped by group commit before the changes are
-//! answered ([`Standby::commit`]), and the extents whose freeing waits for it; on a data node,
+//! answered ([`Standby::commit`]: several shipments in flight on the one connection, in
+//! order), and the extents whose freeing waits for it; on a data node,
 //! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rackfs_clock::Clock;
@@ -81,6 +82,25 @@ pub struct Standby {
     outgoing: Mutex<Outgoing>,
     /// Signalled when a shipment ends.
     shipped: Condvar,
+    /// Primary: held from taking a shipment's entries until they are on the connection, so
+    /// shipments go out in the order they took them (the standby refuses a gap).
+    wire: Mutex<()>,
+}
+
+/// Shipments to the standby in flight at most: each is one round trip, and the standby
+/// replays them one after another as they arrive.
+const SHIPMENTS: usize = 8;
+
+/// What one journal shipment carries ([`Standby::commit`]): the queueings after `from` up to
+/// `upto`, and the wire until they are on the connection.
+struct Shipment<'a> {
+    entries: Vec<Entry>,
+    frees: Vec<Free>,
+    from: u64,
+    upto: u64,
+    /// A shipment before it was cut short: the standby goes first.
+    broken: bool,
+    wire: MutexGuard<'a, ()>,
 }
 
 /// The end of one shipment ([`Standby::commit`]), on every way out of it.
@@ -99,16 +119,19 @@ impl Drop for Shipped<'_> {
 pub type Free = (u32, u64, Option<u64>);
 
 /// Primary: journal entries queued under the metadata lock, in order, and the frees they hold
-/// back; `queued` counts the queueings, `acked` those whose entries the standby has (or that
-/// need it no more: no standby follows).
+/// back; `queued` counts the queueings, `taken` those whose entries went into a shipment,
+/// `acked` those whose entries the standby has (or that need it no more: no standby
+/// follows). `acked <= taken <= queued`; shipments are acknowledged in the order they were
+/// taken, but for one after a shipment cut short, which drops the standby first.
 #[derive(Default)]
 struct Outgoing {
     entries: Vec<Entry>,
     frees: Vec<Free>,
     queued: u64,
+    taken: u64,
     acked: u64,
-    /// One caller ships at a time, everything queued when it starts.
-    shipping: bool,
+    /// Shipments taken and not yet ended.
+    in_flight: usize,
     /// A shipment ended half-way (its caller panicked): its entries may never reach the
     /// standby, which must be dropped before anything more is acknowledged.
     broken: bool,
@@ -178,13 +201,15 @@ impl Standby {
     /// flight for a read to wait for). A hint: a change may be queued right after.
     pub fn all_shipped(&self) -> bool {
         let out = self.outgoing.lock().expect("outgoing lock");
-        out.acked >= out.queued && !out.shipping
+        out.acked >= out.queued && out.in_flight == 0
     }
 
     /// Primary, outside the metadata lock: returns once the standby has every change queued
     /// up to `ticket` (or no standby follows any more), so that what a change's answer shows
-    /// is in the mirror. Group commit: one caller ships everything queued so far in one
-    /// journal RPC while the others wait for it, so many changes share a round trip. A
+    /// is in the mirror. Group commit: a caller whose change is not in a shipment yet ships
+    /// everything queued so far in one journal RPC, and the others whose changes it took wait
+    /// for it, so many changes share a round trip; up to [`SHIPMENTS`] go at once, one after
+    /// another on the connection, and each counts only once those before it did. A
     /// standby that does not take them is dropped (the `standby` key first, from `coord`,
     /// under the primary's `guard`: see `crate::term`), with `meta` locked, and the failure
     /// noted at `clock`'s now. Returns the extents the shipped changes released, to free now,
@@ -200,28 +225,44 @@ impl Standby {
         clock: &dyn Clock,
         guard: impl FnOnce() -> Option<Guard>,
     ) -> Option<Vec<Free>> {
-        let mut out = self.outgoing.lock().expect("outgoing lock");
-        while out.acked < ticket && out.shipping {
-            out = self.shipped.wait(out).expect("outgoing lock");
-        }
-        if out.acked >= ticket {
+        let Some(Shipment {
+            entries,
+            frees,
+            from,
+            upto,
+            broken,
+            wire,
+        }) = self.take_shipment(ticket)
+        else {
             return Some(Vec::new());
-        }
-        out.shipping = true;
-        let entries = std::mem::take(&mut out.entries);
-        let frees = std::mem::take(&mut out.frees);
-        let upto = out.queued;
-        let broken = std::mem::take(&mut out.broken);
-        drop(out);
+        };
         // Whatever happens below (a panic included), the next caller may ship.
         let done = Shipped {
             standby: self,
             upto,
         };
-        let sent = match (broken, self.follower()) {
-            (true, Some(id)) => Err((id, "a journal shipment was cut short".to_string())),
-            _ => self.ship(entries, members),
+        let mut sent = match (broken, self.follower()) {
+            (true, Some(id)) => {
+                drop(wire);
+                Err((id, "a journal shipment was cut short".to_string()))
+            }
+            _ => self.ship(entries, members, wire),
         };
+        // The standby took these entries only if it took those shipped before them.
+        if !broken {
+            let mut out = self.outgoing.lock().expect("outgoing lock");
+            while out.acked < from && !out.broken {
+                out = self.shipped.wait(out).expect("outgoing lock");
+            }
+            let cut_short_before = out.acked < from;
+            drop(out);
+            if let (true, Ok(()), Some(id)) = (cut_short_before, &sent, self.follower()) {
+                sent = Err((
+                    id,
+                    "a journal shipment before this one was cut short".into(),
+                ));
+            }
+        }
         let mut deposed = false;
         if let Err((id, why)) = sent {
             let mut m = meta.lock().expect("metadata lock");
@@ -231,6 +272,47 @@ impl Standby {
         }
         drop(done);
         (!deposed).then_some(frees)
+    }
+
+    /// The shipment that carries `ticket`'s entries, taken here with everything queued
+    /// meanwhile and holding the wire, if no shipment took them yet; `None` once the standby
+    /// has them (a shipment that took them ended). Waits while [`SHIPMENTS`] are in flight.
+    fn take_shipment(&self, ticket: u64) -> Option<Shipment<'_>> {
+        let waits = |out: &Outgoing| {
+            // Its entries taken by a shipment in flight (unless that one was cut short), or
+            // no room for another.
+            (out.taken >= ticket && !(out.broken && out.in_flight == 0))
+                || out.in_flight >= SHIPMENTS
+        };
+        loop {
+            let mut out = self.outgoing.lock().expect("outgoing lock");
+            while out.acked < ticket && waits(&out) {
+                out = self.shipped.wait(out).expect("outgoing lock");
+            }
+            if out.acked >= ticket {
+                return None;
+            }
+            drop(out);
+            // The wire before the queue (never the other way): shipments go out in the
+            // order they took their entries, and queueing never waits for a send.
+            // A shipment that panicked holding it is `broken`, which the next one handles.
+            let wire = self.wire.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut out = self.outgoing.lock().expect("outgoing lock");
+            if out.acked >= ticket || waits(&out) {
+                continue;
+            }
+            let shipment = Shipment {
+                entries: std::mem::take(&mut out.entries),
+                frees: std::mem::take(&mut out.frees),
+                from: out.taken,
+                upto: out.queued,
+                broken: std::mem::take(&mut out.broken),
+                wire,
+            };
+            out.taken = out.queued;
+            out.in_flight += 1;
+            return Some(shipment);
+        }
     }
 
     /// Marks the changes queued up to `upto` as shipped (or beyond a standby) and lets the next
@@ -243,13 +325,18 @@ impl Standby {
         } else {
             out.acked = out.acked.max(upto);
         }
-        out.shipping = false;
+        out.in_flight -= 1;
         self.shipped.notify_all();
     }
 
-    /// Sends `entries` to the standby, if one follows; the standby and why, if it did not
-    /// take them.
-    fn ship(&self, entries: Vec<Entry>, members: &Membership) -> Result<(), (u32, String)> {
+    /// Sends `entries` to the standby, if one follows, letting `wire` go once they are on the
+    /// connection; the standby and why, if it did not take them.
+    fn ship(
+        &self,
+        entries: Vec<Entry>,
+        members: &Membership,
+        wire: MutexGuard<'_, ()>,
+    ) -> Result<(), (u32, String)> {
         if entries.is_empty() {
             return Ok(());
         }
@@ -260,7 +347,9 @@ impl Standby {
             return Err((id, "it is down".to_string()));
         }
         let bytes = postcard::to_allocvec(&entries).map_err(|e| (id, e.to_string()))?;
-        match peer.call(&ControlRequest::Journal { entries: bytes }) {
+        let mut wire = Some(wire);
+        let req = ControlRequest::Journal { entries: bytes };
+        match peer.call_sent(&req, &mut || drop(wire.take())) {
             Ok(ControlResponse::Ok) => Ok(()),
             Ok(other) => Err((id, format!("unexpected answer {other:?}"))),
             Err(e) => Err((id, e.to_string())),
@@ -425,5 +514,146 @@ impl Standby {
     /// Data node taking over: the mirror, which it serves from now on.
     pub fn take_mirror(&self) -> Option<Mirror> {
         self.mirror.lock().expect("mirror lock").take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfs_meta::storage::MemStorage;
+    use rackfs_proto::control::NodeAddr;
+    use rackfs_proto::namespace::{MetaRequest, NewKind};
+    use rackfs_proto::RpcError;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A standby that takes journal shipments as they arrive on its connection: it checks
+    /// they come without a gap, lets the next go once it has the entries (as a socket would),
+    /// and answers after a varying delay, so shipments overlap.
+    #[derive(Default)]
+    struct Follower {
+        /// The last entry received, and the last one answered.
+        received: Mutex<u64>,
+        answered: AtomicU64,
+        calls: AtomicU64,
+        /// Shipments between arriving and being answered, now and at most.
+        open: AtomicU64,
+        most_open: AtomicU64,
+    }
+
+    impl ControlLink for Follower {
+        fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
+            self.call_sent(req, &mut || {})
+        }
+        fn call_sent(
+            &self,
+            req: &ControlRequest,
+            sent: &mut dyn FnMut(),
+        ) -> Result<ControlResponse, RpcError> {
+            let ControlRequest::Journal { entries } = req else {
+                panic!("not a journal shipment: {req:?}");
+            };
+            let entries: Vec<Entry> = postcard::from_bytes(entries).unwrap();
+            let last = {
+                let mut r = self.received.lock().unwrap();
+                for e in &entries {
+                    assert_eq!(e.seq, *r + 1, "entries in order, none missing");
+                    *r = e.seq;
+                }
+                *r
+            };
+            let open = self.open.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_open.fetch_max(open, Ordering::SeqCst);
+            sent();
+            let n = self.calls.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_micros(50 + (n * 7919) % 400));
+            // The standby answers a connection's shipments in the order they came.
+            while self.answered.load(Ordering::SeqCst) < last - entries.len() as u64 {
+                std::thread::yield_now();
+            }
+            self.answered.store(last, Ordering::SeqCst);
+            self.open.fetch_sub(1, Ordering::SeqCst);
+            Ok(ControlResponse::Ok)
+        }
+        fn set_deadline(&self, _: Duration) {}
+        fn peer(&self) -> &str {
+            "follower"
+        }
+        fn node_id(&self) -> u32 {
+            1
+        }
+        fn node_name(&self) -> &str {
+            "mn1"
+        }
+    }
+
+    /// Many changes committed at once: every one returns only once the standby answered its
+    /// entries and all before them, several shipments overlap on the connection, and the
+    /// entries arrive in order without a gap.
+    #[test]
+    fn overlapping_shipments_reach_the_standby_in_order_before_any_answer() {
+        let st = MemStorage::new(1, 64 << 20);
+        let mut m = MetaService::new(Duration::from_secs(1), 1);
+        m.set_journaling(true);
+        let meta = Mutex::new(m);
+        let me = NodeAddr {
+            node_id: 0,
+            name: "mn0".into(),
+            tcp: None,
+            shm: None,
+            capacity: 0,
+            qos_area: 0,
+            quarantine_ms: 0,
+            domain: None,
+        };
+        let members = Membership::new(me, true);
+        let coord = rackfs_coord::Local::new(Duration::from_secs(5));
+        let clock = rackfs_clock::ManualClock::default();
+        let standby = Standby::default();
+        let follower = Arc::new(Follower::default());
+        standby.set_follower(1, follower.clone());
+        let (threads, changes) = (8, 50);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let (standby, meta, members, coord, clock, st, follower) =
+                    (&standby, &meta, &members, &coord, &clock, &st, &follower);
+                s.spawn(move || {
+                    for i in 0..changes {
+                        let (seq, ticket) = {
+                            let mut m = meta.lock().unwrap();
+                            let req = MetaRequest::Create {
+                                parent: 1,
+                                name: format!("f{t}-{i}").into_bytes(),
+                                kind: NewKind::Dir,
+                                perm: 0o755,
+                                uid: 0,
+                                gid: 0,
+                            };
+                            m.handle(1, req, st);
+                            let seq = m.journal_seq();
+                            (seq, standby.queue(&mut m))
+                        };
+                        let frees = standby.commit(ticket, meta, members, coord, clock, || None);
+                        assert!(frees.is_some(), "the standby took every shipment");
+                        assert!(
+                            follower.answered.load(Ordering::SeqCst) >= seq,
+                            "change {seq} answered before the standby had it"
+                        );
+                    }
+                });
+            }
+        });
+        assert_eq!(*follower.received.lock().unwrap(), threads * changes);
+        assert_eq!(standby.follower(), Some(1), "never dropped");
+        assert!(standby.all_shipped());
+        assert!(
+            follower.most_open.load(Ordering::SeqCst) > 1,
+            "shipments overlapped"
+        );
+        let calls = follower.calls.load(Ordering::SeqCst);
+        assert!(
+            calls < threads * changes,
+            "{calls} shipments for {} changes: group commit shares them",
+            threads * changes
+        );
     }
 }

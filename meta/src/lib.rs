@@ -121,6 +121,11 @@ impl MetaService {
         self.seq
     }
 
+    /// The number of the last step run (the journal's position).
+    pub fn journal_seq(&self) -> u64 {
+        self.seq
+    }
+
     /// The journal entries made since the last call, in order.
     pub fn take_journal(&mut self) -> Vec<Entry> {
         std::mem::take(&mut self.journal)

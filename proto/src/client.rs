@@ -367,6 +367,16 @@ impl ControlClient {
     /// Sends one request and waits for its response, at most the deadline; an error response
     /// becomes `Refused`. Other threads' calls proceed meanwhile on the same connection.
     pub fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
+        self.call_sent(req, &mut || {})
+    }
+
+    /// [`ControlClient::call`], calling `sent` once the request is written (or its rest queued
+    /// to go first with the next call's), before waiting for the answer.
+    pub fn call_sent(
+        &self,
+        req: &ControlRequest,
+        sent: &mut dyn FnMut(),
+    ) -> Result<ControlResponse, RpcError> {
         let after = *self.deadline.lock().expect("deadline lock");
         let deadline = Instant::now() + after;
         let timeout = || RpcError::Timeout {
@@ -387,11 +397,12 @@ impl ControlClient {
         let body = req.encode(id);
         let mut frame = wire::encode_header(FrameKind::ControlRequest, body.len()).to_vec();
         frame.extend_from_slice(&body);
-        let sent = {
+        let written = {
             let mut out = self.outbox.lock().expect("control outbox lock");
             out.send(&frame, deadline)
         };
-        if let Err(e) = sent {
+        sent();
+        if let Err(e) = written {
             let mut calls = self.calls.lock().expect("calls lock");
             calls.waiting.remove(&id);
             if timed_out(&e) {

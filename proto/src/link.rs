@@ -35,6 +35,19 @@ pub trait ControlLink: Send + Sync {
     /// Sends one request and waits for its answer (at most the deadline).
     fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError>;
 
+    /// [`ControlLink::call`], calling `sent` once the request is on its way, before its answer
+    /// comes: a caller that orders requests on the connection lets the next one go then (the
+    /// node takes a connection's requests in the order they were sent). Here, once answered.
+    fn call_sent(
+        &self,
+        req: &ControlRequest,
+        sent: &mut dyn FnMut(),
+    ) -> Result<ControlResponse, RpcError> {
+        let r = self.call(req);
+        sent();
+        r
+    }
+
     /// How long each call may take from now on.
     fn set_deadline(&self, d: Duration);
 
@@ -148,6 +161,13 @@ fn unexpected(peer: &str, got: ControlResponse) -> RpcError {
 impl ControlLink for ControlClient {
     fn call(&self, req: &ControlRequest) -> Result<ControlResponse, RpcError> {
         ControlClient::call(self, req)
+    }
+    fn call_sent(
+        &self,
+        req: &ControlRequest,
+        sent: &mut dyn FnMut(),
+    ) -> Result<ControlResponse, RpcError> {
+        ControlClient::call_sent(self, req, sent)
     }
     fn set_deadline(&self, d: Duration) {
         ControlClient::set_deadline(self, d)
