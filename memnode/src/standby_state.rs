@@ -565,7 +565,10 @@ mod tests {
             self.most_open.fetch_max(open, Ordering::SeqCst);
             sent();
             let n = self.calls.fetch_add(1, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_micros(50 + (n * 7919) % 400));
+            // A varying delay (the node's code sleeps on no OS clock, tests included).
+            for _ in 0..50 + (n * 7919) % 400 {
+                std::thread::yield_now();
+            }
             // The standby answers a connection's shipments in the order they came.
             while self.answered.load(Ordering::SeqCst) < last - entries.len() as u64 {
                 std::thread::yield_now();
