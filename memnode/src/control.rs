@@ -219,11 +219,23 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             .declare(session, from, epoch)
             .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
         ControlRequest::Renew { of } => match node.leases.get() {
-            Some(l) => l
-                .renew(of)
-                .map_or_else(ControlResponse::from, |d| ControlResponse::Lease {
+            Some(l) => match l.renew(of) {
+                Ok(d) => ControlResponse::Lease {
                     ms: d.as_millis() as u64,
-                }),
+                },
+                // A primary that is not serving (paused past its own lease, deposed perhaps)
+                // cannot tell the mount's lapse from its own: the mount is told to ask the
+                // primary serving now, never that it was fenced.
+                Err(_) if !node.serving() => refused(
+                    ErrorCode::NotPrimary,
+                    format!(
+                        "primary {} lost its lease with the coordinator ({}); renew with the primary serving now",
+                        node.cfg.name,
+                        node.coord.describe()
+                    ),
+                ),
+                Err(r) => r.into(),
+            },
             None => refused(ErrorCode::NotPrimary, "leases are kept by the primary"),
         },
         ControlRequest::Adopt { from } => match (node.meta.get(), node.leases.get()) {

@@ -444,6 +444,38 @@ fn files_growing_while_the_primary_dies_read_back_whole() {
     }
 }
 
+/// A primary paused past the mounts' lock lease (4 s) but within their calls' deadline (5 s)
+/// answers, as it resumes, the lease renewal its pause held up. Its standby took over
+/// meanwhile, so it must not tell the mount it was fenced: the mount goes on with the new
+/// primary, and the write that waited on the paused one succeeds there.
+#[test]
+fn a_primary_paused_past_the_lock_lease_fails_no_operation() {
+    let _alone = alone();
+    let up = Up::start(2, false);
+    let (primary, _) = up.healed(2);
+    fs::write(up.dir.join("before"), b"before").unwrap();
+    let pid = up.pid(&primary);
+    // SAFETY: kill(2) of a memory node this test's `rackfs up` started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let dir = up.dir.clone();
+    let during = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        fs::write(dir.join("during"), b"during")
+    });
+    std::thread::sleep(Duration::from_millis(4500));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let written = during.join().unwrap();
+    assert!(
+        written.is_ok(),
+        "a write waiting on the paused primary: {written:?}"
+    );
+    assert_eq!(fs::read(up.dir.join("during")).unwrap(), b"during");
+    fs::write(up.dir.join("after"), b"after").unwrap();
+    assert_eq!(fs::read(up.dir.join("before")).unwrap(), b"before");
+    up.healed(2);
+}
+
 /// Record `seq` of appender `t`: a header, then filler of a length that varies.
 fn record(t: usize, seq: usize) -> Vec<u8> {
     let len = 20 + (seq * 977 + t * 131) % 3000;
