@@ -84,8 +84,8 @@ struct Learnt {
 const TOUCHED_KEPT: usize = 4096;
 
 impl Learnt {
-    /// One more event, touching `ino` (`None`: any inode); its generation.
-    fn touch(&mut self, ino: Option<u64>) -> u64 {
+    /// One more event, touching `ino` (`None`: any inode).
+    fn touch(&mut self, ino: Option<u64>) {
         self.generation += 1;
         match ino {
             Some(ino) if self.touched.len() < TOUCHED_KEPT => {
@@ -98,7 +98,6 @@ impl Learnt {
                 self.all = self.generation;
             }
         }
-        self.generation
     }
 
     /// Whether nothing touched `ino` after generation `sent`.
