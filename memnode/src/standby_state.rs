@@ -208,7 +208,7 @@ impl Standby {
     /// up to `ticket` (or no standby follows any more), so that what a change's answer shows
     /// is in the mirror. Group commit: a caller whose change is not in a shipment yet ships
     /// everything queued so far in one journal RPC, and the others whose changes it took wait
-    /// for it, so many changes share a round trip; up to [`SHIPMENTS`] go at once, one after
+    /// for it, so many changes share a round trip; up to `SHIPMENTS` (8) go at once, one after
     /// another on the connection, and each counts only once those before it did. A
     /// standby that does not take them is dropped (the `standby` key first, from `coord`,
     /// under the primary's `guard`: see `crate::term`), with `meta` locked, and the failure
