@@ -323,8 +323,12 @@ struct Requests<R> {
 #[derive(Default)]
 struct Crew {
     workers: usize,
-    /// Threads waiting for their turn to read.
+    /// Threads waiting for their turn to read, asleep.
     parked: usize,
+    /// Threads waiting for their turn to read, polling for it before they park.
+    polling: usize,
+    /// Requests that may wait being carried out (each passed the turn on).
+    handling: usize,
     /// Nobody holds the reading turn: the next thread free takes it.
     reading_free: bool,
     /// How the connection ended (closed, broken, malformed), once it did.
@@ -443,7 +447,10 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
     fn pass_turn<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
         let mut c = self.crew.lock().expect("crew lock");
         c.reading_free = true;
-        if c.parked > 0 {
+        c.handling += 1;
+        if c.polling > 0 {
+            // One of them takes it: no wake-up.
+        } else if c.parked > 0 {
             self.turn.notify_one();
         } else if c.workers < SESSION_WORKERS {
             let started = std::thread::Builder::new()
@@ -457,9 +464,28 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
         // Else every thread is busy: the first one done takes the turn.
     }
 
-    /// Waits (parked) for the reading turn; false once the connection ended.
+    /// Done with a request that may wait: waits for the reading turn, parked; false once the
+    /// connection ended. While other such requests are still being carried out (a client
+    /// with several in flight, whose next one comes soon), it polls for the turn for up to
+    /// the node's poll time first: the holder passes it on as soon as it reads one, and a
+    /// parked thread would cost a wake-up. A client with one request at a time never has it
+    /// poll (two threads spinning on two CPUs cost that client more than the wake-up).
     fn take_turn(&self) -> bool {
         let mut c = self.crew.lock().expect("crew lock");
+        c.handling -= 1;
+        let clock = &self.node.clock;
+        let until = if c.handling > 0 {
+            clock.now() + self.node.cfg.poll
+        } else {
+            Duration::ZERO
+        };
+        c.polling += 1;
+        while c.end.is_none() && !c.reading_free && clock.now() < until {
+            drop(c);
+            std::thread::yield_now();
+            c = self.crew.lock().expect("crew lock");
+        }
+        c.polling -= 1;
         loop {
             if c.end.is_some() {
                 return false;
