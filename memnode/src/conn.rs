@@ -473,19 +473,17 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
     fn take_turn(&self) -> bool {
         let mut c = self.crew.lock().expect("crew lock");
         c.handling -= 1;
-        let clock = &self.node.clock;
-        let until = if c.handling > 0 {
-            clock.now() + self.node.cfg.poll
-        } else {
-            Duration::ZERO
-        };
-        c.polling += 1;
-        while c.end.is_none() && !c.reading_free && clock.now() < until {
-            drop(c);
-            std::thread::yield_now();
-            c = self.crew.lock().expect("crew lock");
+        if c.handling > 0 {
+            let clock = &self.node.clock;
+            let until = clock.now() + self.node.cfg.poll;
+            c.polling += 1;
+            while c.end.is_none() && !c.reading_free && clock.now() < until {
+                drop(c);
+                std::thread::yield_now();
+                c = self.crew.lock().expect("crew lock");
+            }
+            c.polling -= 1;
         }
-        c.polling -= 1;
         loop {
             if c.end.is_some() {
                 return false;

@@ -166,17 +166,9 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             to,
             len,
             expect,
-        } => {
-            // A pull from this node itself (a trim's copy) needs no connection to itself.
-            let own = node.members.addr_of(node.cfg.node_id).and_then(|a| a.tcp);
-            let copied = if own.as_deref() == Some(source.as_str()) {
-                node.store.copy_within(from, to, len, expect)
-            } else {
-                node.store
-                    .pull(&source, &node.cfg.secret, (from, to, len), expect)
-            };
-            copied.map_or_else(ControlResponse::from, |()| ControlResponse::Ok)
-        }
+        } => node
+            .pull(&source, (from, to, len), expect)
+            .map_or_else(ControlResponse::from, |()| ControlResponse::Ok),
         ControlRequest::BaselineRangeLock { space, l, r } => match &node.baseline {
             Some(b) => b
                 .lock(session, space, l, r)

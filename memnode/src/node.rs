@@ -183,6 +183,23 @@ impl Node {
         Some(out)
     }
 
+    /// Copies `len` bytes at `from` of the node at `source` (its tcp address) to `to` of this
+    /// node's region ([`crate::store::Store::pull`]); from this node itself (a trim's copy),
+    /// within the region, with no connection to itself.
+    pub fn pull(
+        &self,
+        source: &str,
+        (from, to, len): (u64, u64, u64),
+        expect: u64,
+    ) -> Result<(), Refusal> {
+        let own = self.members.addr_of(self.cfg.node_id).and_then(|a| a.tcp);
+        if own.as_deref() == Some(source) {
+            return self.store.copy_within(from, to, len, expect);
+        }
+        self.store
+            .pull(source, &self.cfg.secret, (from, to, len), expect)
+    }
+
     pub fn data_region(&self) -> &Region {
         self.store.region()
     }
@@ -578,6 +595,7 @@ impl Storage for Node {
         len: u64,
     ) -> Result<(), Refusal> {
         if src == dst && dst == self.cfg.node_id {
+            // This node's own replica: no address needed.
             return self.store.copy_within(from, to, len, expect);
         }
         let source = self
@@ -591,9 +609,7 @@ impl Storage for Node {
                 )
             })?;
         if dst == self.cfg.node_id {
-            return self
-                .store
-                .pull(&source, &self.cfg.secret, (from, to, len), expect);
+            return self.pull(&source, (from, to, len), expect);
         }
         let pull = ControlRequest::Pull {
             source,

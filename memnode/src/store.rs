@@ -341,18 +341,23 @@ impl Store {
             .resolve(asked, live)
     }
 
+    /// The base of the allocated extent holding `len` bytes at `offset`, or why there is none.
+    fn extent_holding(a: &ExtentAllocator, offset: u64, len: u64) -> Result<u64, Refusal> {
+        a.containing(offset, len).ok_or_else(|| {
+            Refusal::new(
+                ErrorCode::Invalid,
+                format!("{len} bytes at {offset:#x} are not inside one allocated extent"),
+            )
+        })
+    }
+
     /// Copies `len` bytes at `from` of this node's region, data of a stripe extent tagged
     /// `expect`, to `to`, which must lie in one allocated extent: [`Store::pull`] from the
     /// node itself (a trim's copy), without a connection to itself.
     pub fn copy_within(&self, from: u64, to: u64, len: u64, expect: u64) -> Result<(), Refusal> {
         {
             let a = self.allocator.lock().expect("allocator lock");
-            if a.containing(to, len).is_none() {
-                return Err(Refusal::new(
-                    ErrorCode::Invalid,
-                    format!("{len} bytes at {to:#x} are not inside one allocated extent"),
-                ));
-            }
+            Self::extent_holding(&a, to, len)?;
             // The source must be live under `expect` and hold `len` bytes.
             let held = self.owned(&a, from.saturating_sub(TAG_SPACE), expect)?;
             if held < TAG_SPACE + len {
@@ -387,18 +392,7 @@ impl Store {
                 format!("reading from {source}: {e}"),
             )
         };
-        if self
-            .allocator
-            .lock()
-            .expect("allocator lock")
-            .containing(to, len)
-            .is_none()
-        {
-            return Err(Refusal::new(
-                ErrorCode::Invalid,
-                format!("{len} bytes at {to:#x} are not inside one allocated extent"),
-            ));
-        }
+        Self::extent_holding(&self.allocator.lock().expect("allocator lock"), to, len)?;
         let qp = rackfs_verbs::tcp::connect(source, secret, "rebuild").map_err(unavailable)?;
         let rkey = qp.regions().first().map(|r| r.rkey).ok_or_else(|| {
             Refusal::new(ErrorCode::Unavailable, format!("{source} has no region"))
@@ -440,12 +434,7 @@ impl Store {
     pub fn zero(&self, offset: u64, len: u64, tag: Option<u64>) -> Result<(), Refusal> {
         {
             let a = self.allocator.lock().expect("allocator lock");
-            let Some(base) = a.containing(offset, len) else {
-                return Err(Refusal::new(
-                    ErrorCode::Invalid,
-                    format!("{len} bytes at {offset:#x} are not inside one allocated extent"),
-                ));
-            };
+            let base = Self::extent_holding(&a, offset, len)?;
             if let Some(t) = tag {
                 self.owned(&a, base, t)?;
             }
