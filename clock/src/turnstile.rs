@@ -109,7 +109,6 @@ struct Shared {
     state: Mutex<State>,
     turn: Condvar,
     wall_origin: u64,
-    gate_ids: AtomicU64,
     watchdog: Mutex<Duration>,
 }
 
@@ -148,7 +147,6 @@ impl Turnstile {
                 }),
                 turn: Condvar::new(),
                 wall_origin: 1_704_067_200_000_000_000,
-                gate_ids: AtomicU64::new(1),
                 watchdog: Mutex::new(Duration::from_secs(20)),
             }),
         }
@@ -203,6 +201,15 @@ impl Turnstile {
             let mut s = self.shared.lock();
             s.threads[tid].run = Run::Done;
             s.panicked = Some(format!("{name}: no OS thread: {e}"));
+        }
+    }
+
+    /// Starts threads in group `group` (a process of the world) for logic that takes a
+    /// [`crate::Spawn`].
+    pub fn threads(&self, group: u32) -> GroupThreads {
+        GroupThreads {
+            world: self.clone(),
+            group,
         }
     }
 
@@ -342,6 +349,20 @@ impl Turnstile {
     }
 }
 
+/// The threads of one group of a world, as a [`crate::Spawn`].
+#[derive(Clone)]
+pub struct GroupThreads {
+    world: Turnstile,
+    group: u32,
+}
+
+impl crate::Spawn for GroupThreads {
+    fn spawn(&self, name: &str, work: crate::Work) -> std::io::Result<()> {
+        self.world.spawn(self.group, name, work);
+        Ok(())
+    }
+}
+
 /// Blocks until `tid` holds the turn; a killed thread unwinds instead.
 fn wait_turn(shared: &Shared, tid: usize) {
     let mut s = shared.lock();
@@ -396,9 +417,41 @@ impl Clock for Turnstile {
     }
 }
 
-/// A gate simulated threads wait at until it opens ([`SimMutex`], [`SimCondvar`]).
-fn new_gate(t: &Turnstile) -> u64 {
-    t.shared.gate_ids.fetch_add(1, Ordering::Relaxed)
+/// A gate simulated threads wait at until it opens ([`SimMutex`], [`SimCondvar`],
+/// [`crate::Bell`]). Ids are unique in the process, so a gate needs no world to be made.
+pub(crate) fn new_gate() -> u64 {
+    static GATE_IDS: AtomicU64 = AtomicU64::new(1);
+    GATE_IDS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The calling thread's world, if it is a simulated thread.
+pub(crate) struct Here(Arc<Shared>, usize);
+
+impl Here {
+    pub(crate) fn now() -> Option<Here> {
+        current().map(|(s, me)| Here(s, me))
+    }
+
+    /// Virtual time now.
+    pub(crate) fn time(&self) -> Duration {
+        self.0.lock().now
+    }
+
+    /// Gives the turn back until `gate` opens or virtual time reaches `until`.
+    pub(crate) fn wait_at(&self, gate: u64, until: Option<Duration>) {
+        park(&self.0, self.1, until, Some(gate), false);
+    }
+
+    /// Gives the turn back for `d` of virtual time.
+    pub(crate) fn sleep(&self, d: Duration) {
+        let until = self.time() + d;
+        park(&self.0, self.1, Some(until), None, false);
+    }
+
+    /// Lets every thread waiting at `gate` run again.
+    pub(crate) fn open(&self, gate: u64) {
+        open_gate(&self.0, gate);
+    }
 }
 
 fn open_gate(shared: &Shared, gate: u64) {
@@ -428,7 +481,7 @@ impl<T> SimMutex<T> {
     pub fn new(world: &Turnstile, value: T) -> SimMutex<T> {
         SimMutex {
             inner: Mutex::new(value),
-            gate: new_gate(world),
+            gate: new_gate(),
             world: world.clone(),
         }
     }
@@ -494,7 +547,7 @@ pub struct SimCondvar {
 impl SimCondvar {
     pub fn new(world: &Turnstile) -> SimCondvar {
         SimCondvar {
-            gate: Mutex::new(new_gate(world)),
+            gate: Mutex::new(new_gate()),
             world: world.clone(),
         }
     }
@@ -523,7 +576,7 @@ impl SimCondvar {
     /// Wakes every thread waiting.
     pub fn notify_all(&self) {
         let mut gate = self.gate.lock().expect("gate");
-        let old = std::mem::replace(&mut *gate, new_gate(&self.world));
+        let old = std::mem::replace(&mut *gate, new_gate());
         drop(gate);
         open_gate(&self.world.shared, old);
     }

@@ -19,28 +19,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-/// A piece of work for a thread of its own.
-pub type Work = Box<dyn FnOnce() + Send + 'static>;
-
-/// Starts the core's threads.
-pub trait Spawn: Send + Sync {
-    /// Runs `work` on a thread of its own called `name`; an error if none can be made (the
-    /// caller logs what is lost).
-    fn spawn(&self, name: &str, work: Work) -> std::io::Result<()>;
-}
-
-/// OS threads.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Threads;
-
-impl Spawn for Threads {
-    fn spawn(&self, name: &str, work: Work) -> std::io::Result<()> {
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(work)
-            .map(|_| ())
-    }
-}
+pub use rackfs_clock::spawn::{Spawn, Threads, Work};
 
 /// Work kept until its caller runs it ([`Queue::run_next`]): a test or a simulation sees
 /// which threads the core started and runs them at a point of its choosing, on its own thread.

@@ -32,7 +32,6 @@ use rackfs_fs::cluster::Cluster;
 use rackfs_fs::env::Env;
 use rackfs_fs::link::{ControlLink, Dial, Loopback};
 use rackfs_fs::options::{MountOptions, TransportChoice};
-use rackfs_fs::spawn::{Spawn, Work};
 use rackfs_meta::journal::{self, Answered};
 use rackfs_meta::namespace::Namespace;
 use rackfs_meta::{MemStorage, MetaService, Storage};
@@ -112,19 +111,6 @@ impl Dial for InFlightDial {
         Turnstile::yield_now();
         let link = self.0.connect(addr, secret, client_name)?;
         Ok(Arc::new(InFlight(link, self.1.clone())))
-    }
-}
-
-/// The core's threads, as threads of the mount's simulated process.
-struct SimThreads {
-    world: Turnstile,
-    group: u32,
-}
-
-impl Spawn for SimThreads {
-    fn spawn(&self, name: &str, work: Work) -> std::io::Result<()> {
-        self.world.spawn(self.group, name, work);
-        Ok(())
     }
 }
 
@@ -285,10 +271,7 @@ fn run(seed: u64, lose_every: u64, fail_over: bool) -> Result<Run, String> {
         let env = Env {
             clock: Arc::new(world.clone()),
             dial: Arc::new(InFlightDial(lo.clone(), losses.clone())),
-            spawn: Arc::new(SimThreads {
-                world: world.clone(),
-                group: m,
-            }),
+            spawn: Arc::new(world.threads(m)),
         };
         let (tally, listings, done, clock, losses, worked) = (
             tally.clone(),

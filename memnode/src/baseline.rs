@@ -3,7 +3,9 @@
 //! `--baseline-lock-server`; a production node refuses its RPCs.
 
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
+
+use rackfs_clock::Bell;
 
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::Refusal;
@@ -15,7 +17,7 @@ type RangeTable = HashMap<u64, Vec<(u64, u64, u64)>>;
 #[derive(Default)]
 pub struct BaselineLocks {
     held: Mutex<RangeTable>,
-    freed: Condvar,
+    freed: Bell,
 }
 
 impl BaselineLocks {
@@ -32,7 +34,7 @@ impl BaselineLocks {
             .get(&space)
             .is_some_and(|v| v.iter().any(|&(a, b, _)| a < r && l < b))
         {
-            t = self.freed.wait(t).expect("range locks");
+            t = self.freed.wait(&self.held, t);
         }
         t.entry(space).or_default().push((l, r, session));
         Ok(())

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use rackfs_clock::{SharedClock, SystemClock};
+use rackfs_clock::{SharedClock, Spawn, SystemClock, Threads};
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
 use rackfs_proto::link::{Dial, NetDial};
@@ -172,6 +172,9 @@ pub struct NodeEnv {
     pub clock: SharedClock,
     /// How it opens control connections to other nodes.
     pub dial: Arc<dyn Dial>,
+    /// How it starts the threads of its logic (its duties, roles and waits; the threads
+    /// serving its sockets are always the host's).
+    pub spawn: Arc<dyn Spawn>,
     /// Told the node once it is built, where its listeners start accepting and before it
     /// joins a cluster: an in-process cluster makes it reachable here (serves it on its
     /// loopback). A process needs none: its listeners are its sockets.
@@ -189,6 +192,7 @@ impl NodeEnv {
         NodeEnv {
             clock,
             dial: Arc::new(NetDial::default()),
+            spawn: Arc::new(Threads),
             serving: None,
         }
     }
@@ -206,8 +210,15 @@ fn random_rkey() -> u32 {
     u32::from_le_bytes([n[0], n[1], n[2], n[3]]) | 1
 }
 
-/// Runs `body` on a named thread with its own handle on the node.
+/// Runs `body` on a named thread of the node's logic ([`Node::spawn`]) with its own handle
+/// on the node.
 fn thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 'static) {
+    node.start_thread(name, body);
+}
+
+/// Runs `body` on a named OS thread that serves a socket (it blocks where no simulation
+/// sees it), with its own handle on the node.
+fn socket_thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 'static) {
     let n = node.clone();
     std::thread::Builder::new()
         .name(name.into())
@@ -259,6 +270,7 @@ impl MemNode {
         let NodeEnv {
             clock,
             dial,
+            spawn,
             serving,
         } = env;
         if cfg.listen.is_none() && cfg.shm_socket.is_none() {
@@ -413,6 +425,7 @@ impl MemNode {
             started: clock.now(),
             clock,
             dial,
+            spawn,
             stopping: AtomicBool::new(false),
             cfg,
         });
@@ -449,7 +462,7 @@ impl MemNode {
                 addr: addr.clone(),
                 err,
             })?;
-            thread(&node, "metrics", move |n| {
+            socket_thread(&node, "metrics", move |n| {
                 crate::metrics::serve(l, || {
                     let qos = n.qos.as_ref().map(|q| q.status(n.cfg.node_id));
                     crate::metrics::render(&n.stats(), qos.as_ref())
@@ -457,10 +470,10 @@ impl MemNode {
             });
         }
         if let Some(l) = tcp {
-            thread(&node, "accept-tcp", move |n| crate::conn::accept_tcp(l, n));
+            socket_thread(&node, "accept-tcp", move |n| crate::conn::accept_tcp(l, n));
         }
         if let Some(l) = unix {
-            thread(&node, "accept-unix", move |n| {
+            socket_thread(&node, "accept-unix", move |n| {
                 crate::conn::accept_unix(l, n)
             });
         }

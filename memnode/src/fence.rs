@@ -19,10 +19,10 @@
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rackfs_clock::SharedClock;
+use rackfs_clock::{Bell, SharedClock};
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 
@@ -134,7 +134,7 @@ struct State {
 /// The fenced tokens and the live fenceable connections of this node (see the module docs).
 pub struct Fences {
     state: Mutex<State>,
-    ended: Condvar,
+    ended: Bell,
     /// The node's clock: how long a fence waits.
     clock: SharedClock,
 }
@@ -172,7 +172,7 @@ impl Fences {
     pub fn new(clock: SharedClock) -> Fences {
         Fences {
             state: Mutex::default(),
-            ended: Condvar::new(),
+            ended: Bell::new(),
             clock,
         }
     }
@@ -293,7 +293,7 @@ impl Fences {
                     st.conns.values().filter(|c| c.token == token).count()
                 ));
             }
-            st = self.ended.wait_timeout(st, left).expect("fences lock").0;
+            st = self.ended.wait_timeout(&self.state, st, left).0;
         }
         info!(token, connections = done.connections, killed = ?done.killed, took = ?self.clock.now().saturating_sub(started), "mount fenced on this node");
         Ok(done)

@@ -7,8 +7,10 @@
 //! first.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
+
+use rackfs_clock::Bell;
 
 /// An extent to free: (node, offset, owner tag).
 pub type Free = (u32, u64, u64);
@@ -17,7 +19,7 @@ pub type Free = (u32, u64, u64);
 #[derive(Default)]
 pub struct Frees {
     queue: Mutex<VecDeque<Free>>,
-    queued: Condvar,
+    queued: Bell,
     /// Held while frees taken from the queue are being sent, so that one who sends the rest
     /// returns only once those are done too.
     sending: Mutex<()>,
@@ -40,11 +42,9 @@ impl Frees {
     /// Blocks until a free is queued or `max` passed.
     pub fn wait(&self, max: Duration) {
         let q = self.queue.lock().expect("frees lock");
-        drop(
-            self.queued
-                .wait_timeout_while(q, max, |q| q.is_empty())
-                .expect("frees lock"),
-        );
+        if q.is_empty() {
+            drop(self.queued.wait_timeout(&self.queue, q, max));
+        }
     }
 }
 

@@ -137,15 +137,12 @@ impl Renewer {
                     return;
                 }
                 warn!("the primary's key is gone and this node is its metadata standby: campaigning to take over");
-                let (n, flag, run) = (node.clone(), self.taking_over.clone(), self.take_over.run);
-                std::thread::Builder::new()
-                    .name("take-over".into())
-                    .spawn(move || {
-                        if !run(&n) {
-                            flag.store(false, Ordering::SeqCst);
-                        }
-                    })
-                    .expect("spawn the take-over thread");
+                let (flag, run) = (self.taking_over.clone(), self.take_over.run);
+                node.start_thread("take-over", move |n| {
+                    if !run(&n) {
+                        flag.store(false, Ordering::SeqCst);
+                    }
+                });
             }
             _ => {}
         }

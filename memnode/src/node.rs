@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use rackfs_clock::{Clock, SharedClock};
+use rackfs_clock::{Clock, SharedClock, Spawn};
 use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, Resolved,
@@ -111,6 +111,9 @@ pub struct Node {
     /// How the node opens control connections to other nodes: the network in production, an
     /// in-process loopback when several nodes run in one process.
     pub dial: Arc<dyn Dial>,
+    /// How the node starts the threads of its logic: the host's in production, a simulated
+    /// process's under simulation (see [`Node::start_thread`]).
+    pub spawn: Arc<dyn Spawn>,
     /// The host's `CLOCK_MONOTONIC` (ns) at 0 on [`Node::clock`] (see [`Node::lease_ns`]).
     pub host_origin: u64,
     /// When the node started, on its clock.
@@ -202,6 +205,19 @@ impl Node {
 
     pub fn data_region(&self) -> &Region {
         self.store.region()
+    }
+
+    /// Runs `body` on a thread of the node's logic called `name` ([`Node::spawn`]), with
+    /// its own handle on the node.
+    pub fn start_thread(
+        self: &Arc<Self>,
+        name: &str,
+        body: impl FnOnce(Arc<Node>) + Send + 'static,
+    ) {
+        let n = self.clone();
+        self.spawn
+            .spawn(name, Box::new(move || body(n)))
+            .expect("spawn a node thread");
     }
 
     /// Whether the node is shutting down (its threads end their loops).

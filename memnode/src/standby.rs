@@ -255,13 +255,7 @@ pub fn take_over(node: &Arc<Node>, start_primary: fn(&Arc<Node>, MetaService)) -
         .store(first, std::sync::atomic::Ordering::SeqCst);
     node.serve.extend_to(node.lease_ns(primacy.until()));
     start_primary(node, meta);
-    {
-        let n = node.clone();
-        std::thread::Builder::new()
-            .name("primary-lease".into())
-            .spawn(move || primacy.run(&n))
-            .expect("spawn the primary's lease thread");
-    }
+    node.start_thread("primary-lease", move |n| primacy.run(&n));
     end_orphans(node, old_sessions);
     info!(old_primary = old, seq = mirror.seq, took = ?node.clock.now().saturating_sub(started), "took over as primary: serving the namespace mirrored from the old primary");
     true
@@ -293,10 +287,7 @@ fn give_up(node: &Node, primacy: Primacy, why: &str) -> bool {
 /// died with the primary): their opens are released.
 fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
     let wait = 2 * node.cfg.lock_lease + 2 * node.cfg.node_lease;
-    let n = node.clone();
-    let _ = std::thread::Builder::new()
-        .name("orphans".into())
-        .spawn(move || {
+    node.start_thread("orphans", move |n| {
             n.clock.sleep(wait);
             if !n.serving() {
                 return; // deposed meanwhile: the sessions are the next primary's concern
@@ -319,5 +310,5 @@ fn end_orphans(node: &Arc<Node>, sessions: Vec<u64>) {
                 // mount that is merely late would still report).
                 m.sizes_settled(&*n);
             });
-        });
+    });
 }

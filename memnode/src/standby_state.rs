@@ -6,10 +6,10 @@
 //! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use rackfs_clock::Clock;
+use rackfs_clock::{Bell, Clock};
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
@@ -81,7 +81,7 @@ pub struct Standby {
     /// Primary: changes made and not yet on the standby (see [`Standby::commit`]).
     outgoing: Mutex<Outgoing>,
     /// Signalled when a shipment ends.
-    shipped: Condvar,
+    shipped: Bell,
     /// Primary: held from taking a shipment's entries until they are on the connection, so
     /// shipments go out in the order they took them (the standby refuses a gap).
     wire: Mutex<()>,
@@ -252,7 +252,7 @@ impl Standby {
         if !broken {
             let mut out = self.outgoing.lock().expect("outgoing lock");
             while out.acked < from && !out.broken {
-                out = self.shipped.wait(out).expect("outgoing lock");
+                out = self.shipped.wait(&self.outgoing, out);
             }
             let cut_short_before = out.acked < from;
             drop(out);
@@ -287,7 +287,7 @@ impl Standby {
         loop {
             let mut out = self.outgoing.lock().expect("outgoing lock");
             while out.acked < ticket && waits(&out) {
-                out = self.shipped.wait(out).expect("outgoing lock");
+                out = self.shipped.wait(&self.outgoing, out);
             }
             if out.acked >= ticket {
                 return None;

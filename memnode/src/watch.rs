@@ -27,10 +27,10 @@
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use rackfs_clock::SharedClock;
+use rackfs_clock::{Bell, SharedClock};
 
 use rackfs_proto::namespace::Change;
 
@@ -40,7 +40,7 @@ const MAX_QUEUED: usize = 65_536;
 /// The watchers of all mounts, by the mount's main session.
 pub struct Watchers {
     state: Mutex<HashMap<u64, Watcher>>,
-    changed: Condvar,
+    changed: Bell,
     clock: SharedClock,
 }
 
@@ -65,7 +65,7 @@ impl Watchers {
     pub fn new(clock: SharedClock) -> Watchers {
         Watchers {
             state: Mutex::default(),
-            changed: Condvar::new(),
+            changed: Bell::new(),
             clock,
         }
     }
@@ -120,8 +120,7 @@ impl Watchers {
             }
             state = self
                 .changed
-                .wait_timeout(state, deadline.saturating_sub(now))
-                .expect("watchers lock")
+                .wait_timeout(&self.state, state, deadline.saturating_sub(now))
                 .0;
         }
     }
@@ -226,8 +225,7 @@ impl Watchers {
             let Some(until) = next else { break };
             state = self
                 .changed
-                .wait_timeout(state, until.saturating_sub(now))
-                .expect("watchers lock")
+                .wait_timeout(&self.state, state, until.saturating_sub(now))
                 .0;
         }
         if let (true, Some(w)) = (counted, state.get_mut(&from)) {

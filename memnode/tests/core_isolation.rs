@@ -1,10 +1,11 @@
 //! A lint as a test: the memory node's logic takes time from its node's
-//! [`rackfs_clock::Clock`] (`Node::clock`) and opens control connections to other nodes through
-//! its node's `rackfs_proto::link::Dial` (`Node::dial`), both handed in through
-//! `MemNode::start_in`; it never reads the operating system's clock or sleeps on it, and never
-//! dials a socket itself, so that a simulation can run whole clusters in one process on
-//! virtual time. Each rule names the only files allowed to, and why. Threads may still be the
-//! host's (`daemon`'s loops sleep on the node's clock).
+//! [`rackfs_clock::Clock`] (`Node::clock`), starts its threads through its node's
+//! `rackfs_clock::Spawn` (`Node::start_thread`), waits for other threads with
+//! `rackfs_clock::Bell`s, and opens control connections to other nodes through its node's
+//! `rackfs_proto::link::Dial` (`Node::dial`), all handed in through `MemNode::start_in`; it
+//! never reads the operating system's clock or sleeps on it, never blocks on a `Condvar`, and
+//! never dials a socket itself, so that a simulation can run whole clusters in one process on
+//! virtual time. Each rule names the only files allowed to, and why.
 
 use std::path::{Path, PathBuf};
 
@@ -16,7 +17,7 @@ struct Rule {
     instead: &'static str,
 }
 
-const RULES: [Rule; 4] = [
+const RULES: [Rule; 6] = [
     Rule {
         calls: &["Instant::now", "SystemTime::now", "thread::sleep"],
         allowed: &[
@@ -54,6 +55,32 @@ const RULES: [Rule; 4] = [
              the network's Dial (NodeEnv::host)",
         )],
         instead: "take the Dial the node was started with (Node::dial)",
+    },
+    Rule {
+        // A simulation runs the node's threads as its own processes' threads.
+        calls: &["thread::Builder"],
+        allowed: &[
+            ("conn.rs", "a connection's session threads serve its socket"),
+            (
+                "daemon.rs",
+                "socket_thread: the threads that accept on the node's sockets and serve metrics",
+            ),
+            (
+                "coordinator.rs",
+                "CoordService, a coordinator of its own process serving a socket",
+            ),
+            ("main.rs", "the profile command loads the host itself"),
+        ],
+        instead: "start threads of the node's logic with Node::start_thread (its Spawn)",
+    },
+    Rule {
+        // A Condvar wait blocks where a simulation cannot see it; a Bell is one it sees.
+        calls: &["Condvar"],
+        allowed: &[(
+            "conn.rs",
+            "a socket session's threads take turns reading it (sockets are never simulated)",
+        )],
+        instead: "wait with rackfs_clock::Bell",
     },
 ];
 

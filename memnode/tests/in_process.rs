@@ -78,6 +78,7 @@ fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
     NodeEnv {
         clock: clock.clone(),
         dial: lo.clone(),
+        spawn: Arc::new(rackfs_clock::Threads),
         serving: Some(Box::new(move |node: &Arc<Node>| {
             let at = format!(
                 "unix:{}",
