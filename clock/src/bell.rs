@@ -1,18 +1,18 @@
-//! [`Bell`]: a condition variable for a `std::sync::Mutex` that a simulation can see, so
+//! [`Bell`]: a condition variable for a [`crate::Mutex`] that a simulation can see, so
 //! code that waits for another thread's news (a queue filling, a shipment answered, a fence
 //! ending) runs unchanged on OS threads and under the [`crate::Turnstile`].
 //!
 //! On an OS thread it is a `Condvar`. On a simulated thread a wait gives the turn back until
-//! a ring or the timeout (virtual), then takes the mutex again, giving the turn back while
-//! another simulated thread holds it (a plain `lock` would block the whole world).
+//! a ring or the timeout (virtual), then takes the mutex again as a simulated thread does.
 //!
 //! Invariant: no ring is lost between a simulated waiter's unlock and its wait, because no
 //! other simulated thread runs in between (the waiter holds the turn). A ring from a thread
 //! outside the simulation (the test driving it) wakes only OS waiters.
 
-use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
+use std::sync::Condvar;
 use std::time::Duration;
 
+use crate::mutex::MutexGuard;
 use crate::turnstile::{new_gate, Here};
 
 /// A condition variable that a simulation sees (see the module docs).
@@ -42,15 +42,20 @@ impl Bell {
         }
     }
 
-    /// Unlocks `guard` (of `mutex`), waits for a ring, and locks again. May wake spuriously,
-    /// as any condition variable: callers check their condition in a loop.
-    pub fn wait<'a, T>(&self, mutex: &'a Mutex<T>, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    /// Unlocks `guard`, waits for a ring, and locks again. May wake spuriously, as any
+    /// condition variable: callers check their condition in a loop.
+    pub fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
         match Here::now() {
-            None => self.cv.wait(guard).unwrap_or_else(|p| p.into_inner()),
+            None => {
+                let (mutex, g) = guard.into_std();
+                let g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                MutexGuard::from_std(mutex, g)
+            }
             Some(here) => {
+                let mutex = guard.mutex();
                 drop(guard);
                 here.wait_at(self.gate, None);
-                lock(&here, mutex)
+                mutex.lock().unwrap_or_else(|p| p.into_inner())
             }
         }
     }
@@ -59,24 +64,25 @@ impl Bell {
     /// `true` if it timed out.
     pub fn wait_timeout<'a, T>(
         &self,
-        mutex: &'a Mutex<T>,
         guard: MutexGuard<'a, T>,
         timeout: Duration,
     ) -> (MutexGuard<'a, T>, bool) {
         match Here::now() {
             None => {
+                let (mutex, g) = guard.into_std();
                 let (g, t) = self
                     .cv
-                    .wait_timeout(guard, timeout)
+                    .wait_timeout(g, timeout)
                     .unwrap_or_else(|p| p.into_inner());
-                (g, t.timed_out())
+                (MutexGuard::from_std(mutex, g), t.timed_out())
             }
             Some(here) => {
                 let until = here.time() + timeout;
+                let mutex = guard.mutex();
                 drop(guard);
                 here.wait_at(self.gate, Some(until));
                 let timed_out = here.time() >= until;
-                (lock(&here, mutex), timed_out)
+                (mutex.lock().unwrap_or_else(|p| p.into_inner()), timed_out)
             }
         }
     }
@@ -98,23 +104,12 @@ impl Bell {
     }
 }
 
-/// Takes `mutex` on a simulated thread: while another holds it, waits a microsecond of
-/// virtual time and tries again, so the holder (perhaps asleep on a timer) can run.
-fn lock<'a, T>(here: &Here, mutex: &'a Mutex<T>) -> MutexGuard<'a, T> {
-    loop {
-        match mutex.try_lock() {
-            Ok(g) => return g,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
-            Err(TryLockError::WouldBlock) => here.sleep(Duration::from_micros(1)),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{Clock, Turnstile};
     use std::sync::atomic::{AtomicBool, Ordering};
+    use crate::Mutex;
     use std::sync::Arc;
 
     #[test]
@@ -127,7 +122,7 @@ mod tests {
         });
         let mut g = m.0.lock().unwrap();
         while !*g {
-            g = m.1.wait_timeout(&m.0, g, Duration::from_secs(5)).0;
+            g = m.1.wait_timeout(g, Duration::from_secs(5)).0;
         }
         t.join().unwrap();
     }
@@ -142,7 +137,7 @@ mod tests {
         world.spawn(0, "waiter", move || {
             let mut g = s.0.lock().unwrap();
             while *g == 0 {
-                g = s.1.wait(&s.0, g);
+                g = s.1.wait(g);
             }
             *w.lock().unwrap() = Some(c.now());
         });
@@ -155,7 +150,7 @@ mod tests {
         let (s, t) = (Arc::new((Mutex::new(()), Bell::new())), timed_out.clone());
         world.spawn(1, "alone", move || {
             let g = s.0.lock().unwrap();
-            let (_g, out) = s.1.wait_timeout(&s.0, g, Duration::from_secs(3600));
+            let (_g, out) = s.1.wait_timeout(g, Duration::from_secs(3600));
             t.store(out, Ordering::SeqCst);
         });
         let outcome = world.run(Duration::from_secs(7200));
@@ -173,7 +168,7 @@ mod tests {
         world.spawn(0, "waiter", move || {
             let mut g = s.0.lock().unwrap();
             while *g == 0 {
-                g = s.1.wait(&s.0, g);
+                g = s.1.wait(g);
             }
             *g += 10;
         });

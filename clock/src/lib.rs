@@ -1,5 +1,5 @@
-//! Where RackFS's logic takes time, waits and threads from: a [`Clock`], a [`Spawn`] and
-//! [`Bell`]s, handed in (or working the same) whatever runs the logic, never the operating
+//! Where RackFS's logic takes time, waits, locks and threads from: a [`Clock`], a [`Spawn`],
+//! [`Mutex`]es and [`Bell`]s, handed in (or working the same) whatever runs the logic, never the operating
 //! system's clock read directly, so the client core (`rackfs_fs`), the memory
 //! node's logic (`rackfs_memnode`) and the embedded coordinator (`rackfs_coord::Local`) run
 //! on virtual time under simulation and in tests.
@@ -24,11 +24,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod bell;
+mod mutex;
 pub mod spawn;
 mod system;
 pub mod turnstile;
 
 pub use bell::Bell;
+pub use mutex::{Mutex, MutexGuard};
 pub use spawn::{Spawn, Threads, Work};
 pub use system::SystemClock;
 pub use turnstile::Turnstile;

@@ -159,17 +159,32 @@ impl Turnstile {
     }
 
     /// Starts `f` on a thread of group `group`, named `name`; it first runs when the driver
-    /// gives it the turn.
+    /// gives it the turn (not while the group is paused; never if it was killed).
     pub fn spawn(&self, group: u32, name: &str, f: impl FnOnce() + Send + 'static) {
         let tid = {
             let mut s = self.shared.lock();
+            // A new thread of a stopped process waits for it to resume; one of a killed
+            // process unwinds when it would first run.
+            let paused_until = s
+                .threads
+                .iter()
+                .filter(|t| t.group == group && t.run != Run::Done)
+                .map(|t| t.paused_until)
+                .max()
+                .unwrap_or_default();
+            let killed = s
+                .threads
+                .iter()
+                .rev()
+                .find(|t| t.group == group)
+                .is_some_and(|t| t.killed);
             s.threads.push(Thread {
                 name: name.to_string(),
                 group,
                 run: Run::Runnable,
                 epoch: 0,
-                killed: false,
-                paused_until: Duration::ZERO,
+                killed,
+                paused_until,
             });
             s.threads.len() - 1
         };
@@ -242,6 +257,27 @@ impl Turnstile {
         drop(s);
         // A thread pausing its own group stops here.
         Turnstile::yield_now();
+    }
+
+    /// Until when group `group` is paused (virtual time; at most now if it is not).
+    pub fn paused_until(&self, group: u32) -> Duration {
+        let s = self.shared.lock();
+        s.threads
+            .iter()
+            .filter(|t| t.group == group && t.run != Run::Done)
+            .map(|t| t.paused_until)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Whether group `group` was killed (and has not started a thread since).
+    pub fn killed(&self, group: u32) -> bool {
+        let s = self.shared.lock();
+        s.threads
+            .iter()
+            .rev()
+            .find(|t| t.group == group)
+            .is_some_and(|t| t.killed)
     }
 
     /// Runs the world until every thread is done, or virtual time reaches `until`, or
@@ -358,7 +394,8 @@ pub struct GroupThreads {
 
 impl crate::Spawn for GroupThreads {
     fn spawn(&self, name: &str, work: crate::Work) -> std::io::Result<()> {
-        self.world.spawn(self.group, name, work);
+        self.world
+            .spawn(self.group, &format!("{}/{name}", self.group), work);
         Ok(())
     }
 }
@@ -369,7 +406,8 @@ fn wait_turn(shared: &Shared, tid: usize) {
     while s.running != Some(tid) {
         s = shared.turn.wait(s).unwrap_or_else(|p| p.into_inner());
     }
-    if s.threads[tid].killed {
+    // A killed thread already unwinding (its destructors wait too) goes on unwinding.
+    if s.threads[tid].killed && !std::thread::panicking() {
         drop(s);
         resume_unwind(Box::new(Killed));
     }
@@ -442,10 +480,9 @@ impl Here {
         park(&self.0, self.1, until, Some(gate), false);
     }
 
-    /// Gives the turn back for `d` of virtual time.
-    pub(crate) fn sleep(&self, d: Duration) {
-        let until = self.time() + d;
-        park(&self.0, self.1, Some(until), None, false);
+    /// Whether this thread's process was killed (it is unwinding, or will at its next wait).
+    pub(crate) fn killed(&self) -> bool {
+        self.0.lock().threads[self.1].killed
     }
 
     /// Lets every thread waiting at `gate` run again.

@@ -3,7 +3,7 @@
 //! `--baseline-lock-server`; a production node refuses its RPCs.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 
 use rackfs_clock::Bell;
 
@@ -34,7 +34,7 @@ impl BaselineLocks {
             .get(&space)
             .is_some_and(|v| v.iter().any(|&(a, b, _)| a < r && l < b))
         {
-            t = self.freed.wait(&self.held, t);
+            t = self.freed.wait(t);
         }
         t.entry(space).or_default().push((l, r, session));
         Ok(())

@@ -18,7 +18,8 @@
 use std::io::{BufReader, BufWriter, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{SharedClock, SystemClock};

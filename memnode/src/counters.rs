@@ -2,7 +2,7 @@
 //! open connections by kind, authentication and protocol failures.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 
 use rackfs_proto::control::{NodeStats, RPC_KINDS};
 use rackfs_verbs::wire::ConnKind;

@@ -17,7 +17,8 @@
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{SharedClock, Spawn, SystemClock, Threads};
@@ -37,7 +38,7 @@ use crate::fence::Fences;
 use crate::lease::Leases;
 use crate::liveness::{Renewer, TakeOver};
 use crate::membership::Membership;
-use crate::node::{first_session, host_origin, Node};
+use crate::node::{first_session, host_origin, Exit, Node};
 use crate::qos::NodeQos;
 use crate::qos_controller::QosController;
 use crate::store::Store;
@@ -175,6 +176,10 @@ pub struct NodeEnv {
     /// How it starts the threads of its logic (its duties, roles and waits; the threads
     /// serving its sockets are always the host's).
     pub spawn: Arc<dyn Spawn>,
+    /// Ends the node's process with an exit status: a node that learns another is primary
+    /// now (see `election`) ends so its supervisor starts it afresh. The host's exits; a
+    /// simulation kills the node's process.
+    pub exit: Arc<Exit>,
     /// Told the node once it is built, where its listeners start accepting and before it
     /// joins a cluster: an in-process cluster makes it reachable here (serves it on its
     /// loopback). A process needs none: its listeners are its sockets.
@@ -193,6 +198,7 @@ impl NodeEnv {
             clock,
             dial: Arc::new(NetDial::default()),
             spawn: Arc::new(Threads),
+            exit: Arc::new(|code| std::process::exit(code)),
             serving: None,
         }
     }
@@ -271,6 +277,7 @@ impl MemNode {
             clock,
             dial,
             spawn,
+            exit,
             serving,
         } = env;
         if cfg.listen.is_none() && cfg.shm_socket.is_none() {
@@ -426,6 +433,7 @@ impl MemNode {
             clock,
             dial,
             spawn,
+            exit,
             stopping: AtomicBool::new(false),
             cfg,
         });

@@ -200,7 +200,8 @@ impl Primacy {
                 }
                 Ok(Err(holder)) => {
                     error!(holder = %String::from_utf8_lossy(&holder), "another node is primary now: this one exits");
-                    std::process::exit(3);
+                    (node.exit)(3);
+                    unreachable!("the node's process ended");
                 }
                 Err(_) => node.clock.sleep(Duration::from_millis(200)),
             }

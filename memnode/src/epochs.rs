@@ -3,7 +3,7 @@
 //! primary gives a node data only while it is live.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 
 use rackfs_coord::LeaseId;
 

@@ -19,7 +19,8 @@
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{Bell, SharedClock};
@@ -293,7 +294,7 @@ impl Fences {
                     st.conns.values().filter(|c| c.token == token).count()
                 ));
             }
-            st = self.ended.wait_timeout(&self.state, st, left).0;
+            st = self.ended.wait_timeout(st, left).0;
         }
         info!(token, connections = done.connections, killed = ?done.killed, took = ?self.clock.now().saturating_sub(started), "mount fenced on this node");
         Ok(done)

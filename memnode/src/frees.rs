@@ -7,7 +7,7 @@
 //! first.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::Bell;
@@ -43,7 +43,7 @@ impl Frees {
     pub fn wait(&self, max: Duration) {
         let q = self.queue.lock().expect("frees lock");
         if q.is_empty() {
-            drop(self.queued.wait_timeout(&self.queue, q, max));
+            drop(self.queued.wait_timeout(q, max));
         }
     }
 }

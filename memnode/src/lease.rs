@@ -20,7 +20,8 @@
 //! cannot hear from must lose them even if it could still reach etcd.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::SharedClock;

@@ -4,7 +4,8 @@
 //! the NIC serves them without the node's CPU). Who renews the lease writes it here.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
+use rackfs_clock::Mutex;
 
 use rackfs_verbs::lease::ServeLease;
 use rackfs_verbs::shm::set_lease;

@@ -19,7 +19,8 @@
 //! one process.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{Clock, SharedClock, Spawn};
@@ -114,12 +115,17 @@ pub struct Node {
     /// How the node starts the threads of its logic: the host's in production, a simulated
     /// process's under simulation (see [`Node::start_thread`]).
     pub spawn: Arc<dyn Spawn>,
+    /// Ends the node's process (see [`crate::NodeEnv::exit`]).
+    pub exit: Arc<Exit>,
     /// The host's `CLOCK_MONOTONIC` (ns) at 0 on [`Node::clock`] (see [`Node::lease_ns`]).
     pub host_origin: u64,
     /// When the node started, on its clock.
     pub started: Duration,
     pub stopping: AtomicBool,
 }
+
+/// Ends a node's process with an exit status (it does not return).
+pub type Exit = dyn Fn(i32) + Send + Sync;
 
 /// When the extents a namespace change released on other data nodes are freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 //! `rackfs_meta::placement`; the controller loop that runs it is the `qos_controller` module's
 //! (above this one: it drives every node's monitor).
 
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::SharedClock;

@@ -2,7 +2,7 @@
 //! the placement ([`rackfs_meta::placement::ClusterQos`]) and pushes each node its new shares;
 //! it also admits mounts' QoS requests.
 
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 
 use rackfs_meta::placement::{ClusterQos, MountQos, Placement};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, QosNodeStatus, QosStatus};

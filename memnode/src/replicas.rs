@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Mutex, MutexGuard};
+use rackfs_clock::{Mutex, MutexGuard};
 
 /// The primary's record of nodes declared dead: per node, the extents of its replicas that
 /// were dropped (stale now), freed on the node before it serves again. Its lock also

@@ -6,7 +6,8 @@
 //! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError};
+use rackfs_clock::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use rackfs_clock::{Bell, Clock};
@@ -252,7 +253,7 @@ impl Standby {
         if !broken {
             let mut out = self.outgoing.lock().expect("outgoing lock");
             while out.acked < from && !out.broken {
-                out = self.shipped.wait(&self.outgoing, out);
+                out = self.shipped.wait(out);
             }
             let cut_short_before = out.acked < from;
             drop(out);
@@ -287,7 +288,7 @@ impl Standby {
         loop {
             let mut out = self.outgoing.lock().expect("outgoing lock");
             while out.acked < ticket && waits(&out) {
-                out = self.shipped.wait(&self.outgoing, out);
+                out = self.shipped.wait(out);
             }
             if out.acked >= ticket {
                 return None;

@@ -11,7 +11,8 @@
 //! quarantine (at most its hold time) instead of failing with ENOSPC.
 
 use std::sync::atomic::{fence, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::SharedClock;

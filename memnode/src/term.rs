@@ -21,7 +21,8 @@
 //! [`ControlRequest::Primary`]: rackfs_proto::control::ControlRequest::Primary
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use rackfs_clock::Mutex;
 
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};

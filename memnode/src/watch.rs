@@ -27,7 +27,7 @@
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{Bell, SharedClock};
@@ -120,7 +120,7 @@ impl Watchers {
             }
             state = self
                 .changed
-                .wait_timeout(&self.state, state, deadline.saturating_sub(now))
+                .wait_timeout(state, deadline.saturating_sub(now))
                 .0;
         }
     }
@@ -225,7 +225,7 @@ impl Watchers {
             let Some(until) = next else { break };
             state = self
                 .changed
-                .wait_timeout(&self.state, state, until.saturating_sub(now))
+                .wait_timeout(state, until.saturating_sub(now))
                 .0;
         }
         if let (true, Some(w)) = (counted, state.get_mut(&from)) {

@@ -17,7 +17,7 @@ struct Rule {
     instead: &'static str,
 }
 
-const RULES: [Rule; 6] = [
+const RULES: [Rule; 7] = [
     Rule {
         calls: &["Instant::now", "SystemTime::now", "thread::sleep"],
         allowed: &[
@@ -81,6 +81,12 @@ const RULES: [Rule; 6] = [
             "a socket session's threads take turns reading it (sockets are never simulated)",
         )],
         instead: "wait with rackfs_clock::Bell",
+    },
+    Rule {
+        // A simulation kills the node's process instead: the whole world is one process.
+        calls: &["process::exit"],
+        allowed: &[("daemon.rs", "NodeEnv::host's exit, the production one")],
+        instead: "end the node's process with Node::exit",
     },
 ];
 

@@ -79,6 +79,7 @@ fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
         clock: clock.clone(),
         dial: lo.clone(),
         spawn: Arc::new(rackfs_clock::Threads),
+        exit: Arc::new(|code| panic!("node exited with {code}")),
         serving: Some(Box::new(move |node: &Arc<Node>| {
             let at = format!(
                 "unix:{}",
