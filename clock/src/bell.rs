@@ -107,9 +107,9 @@ impl Bell {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Mutex;
     use crate::{Clock, Turnstile};
     use std::sync::atomic::{AtomicBool, Ordering};
-    use crate::Mutex;
     use std::sync::Arc;
 
     #[test]

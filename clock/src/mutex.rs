@@ -154,7 +154,10 @@ impl<T: ?Sized> Drop for MutexGuard<'_, T> {
             // it shared is another process's to go on with (or nobody's).
             self.mutex.inner.clear_poison();
         }
-        if self.mutex.contended.swap(false, Ordering::SeqCst) {
+        // Read first: an unlock nobody simulated waits for writes nothing shared.
+        if self.mutex.contended.load(Ordering::Relaxed)
+            && self.mutex.contended.swap(false, Ordering::SeqCst)
+        {
             if let Some(here) = Here::now() {
                 here.open(self.mutex.gate);
             }

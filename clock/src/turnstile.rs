@@ -5,7 +5,7 @@
 //! Every thread of a simulated world is an OS thread started by [`Turnstile::spawn`], but only
 //! one of them runs at a time: the one holding the *turn*. A thread gives the turn back only
 //! where the simulation can see it wait: a [`Clock::sleep`] on the turnstile's clock, a
-//! [`Turnstile::yield_now`], a [`SimMutex`] another thread holds, a [`SimCondvar`] wait. The
+//! [`Turnstile::yield_now`], a [`crate::Mutex`] another thread holds, a [`crate::Bell`] wait. The
 //! driver ([`Turnstile::run`]) then hands the turn to a thread chosen by a seeded random
 //! source among those that can run; when none can, virtual time jumps to the earliest timer.
 //! So a seed replays the same interleaving and the same virtual times, whatever the host's
@@ -25,10 +25,9 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::ops::{Deref, DerefMut};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::Clock;
@@ -455,8 +454,7 @@ impl Clock for Turnstile {
     }
 }
 
-/// A gate simulated threads wait at until it opens ([`SimMutex`], [`SimCondvar`],
-/// [`crate::Bell`]). Ids are unique in the process, so a gate needs no world to be made.
+/// A gate simulated threads wait at until it opens ([`crate::Mutex`], [`crate::Bell`]). Ids are unique in the process, so a gate needs no world to be made.
 pub(crate) fn new_gate() -> u64 {
     static GATE_IDS: AtomicU64 = AtomicU64::new(1);
     GATE_IDS.fetch_add(1, Ordering::Relaxed)
@@ -497,124 +495,5 @@ fn open_gate(shared: &Shared, gate: u64) {
         for (tid, epoch) in waiters {
             s.wake(tid, epoch);
         }
-    }
-}
-
-/// A mutex whose contention the turnstile sees: a simulated thread that finds it held gives
-/// the turn back until it is unlocked (a `std::sync::Mutex` would block the whole world).
-pub struct SimMutex<T> {
-    inner: Mutex<T>,
-    gate: u64,
-    world: Turnstile,
-}
-
-/// [`SimMutex`]'s guard: unlocking lets the threads waiting for it run again.
-pub struct SimMutexGuard<'a, T> {
-    guard: Option<MutexGuard<'a, T>>,
-    mutex: &'a SimMutex<T>,
-}
-
-impl<T> SimMutex<T> {
-    pub fn new(world: &Turnstile, value: T) -> SimMutex<T> {
-        SimMutex {
-            inner: Mutex::new(value),
-            gate: new_gate(),
-            world: world.clone(),
-        }
-    }
-
-    /// Locks it, giving the turn back while another thread holds it.
-    pub fn lock(&self) -> SimMutexGuard<'_, T> {
-        loop {
-            match self.inner.try_lock() {
-                Ok(g) => {
-                    return SimMutexGuard {
-                        guard: Some(g),
-                        mutex: self,
-                    }
-                }
-                Err(TryLockError::Poisoned(p)) => {
-                    return SimMutexGuard {
-                        guard: Some(p.into_inner()),
-                        mutex: self,
-                    }
-                }
-                Err(TryLockError::WouldBlock) => match current() {
-                    Some((shared, me)) => park(&shared, me, None, Some(self.gate), false),
-                    // Not a simulated thread (the driver, between runs): nobody else runs.
-                    None => {
-                        return SimMutexGuard {
-                            guard: Some(self.inner.lock().unwrap_or_else(|p| p.into_inner())),
-                            mutex: self,
-                        }
-                    }
-                },
-            }
-        }
-    }
-}
-
-impl<T> Deref for SimMutexGuard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        self.guard.as_ref().expect("held")
-    }
-}
-
-impl<T> DerefMut for SimMutexGuard<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        self.guard.as_mut().expect("held")
-    }
-}
-
-impl<T> Drop for SimMutexGuard<'_, T> {
-    fn drop(&mut self) {
-        drop(self.guard.take());
-        open_gate(&self.mutex.world.shared, self.mutex.gate);
-    }
-}
-
-/// A condition variable for [`SimMutex`]: waits give the turn back until a notification or a
-/// timeout on virtual time.
-pub struct SimCondvar {
-    gate: Mutex<u64>,
-    world: Turnstile,
-}
-
-impl SimCondvar {
-    pub fn new(world: &Turnstile) -> SimCondvar {
-        SimCondvar {
-            gate: Mutex::new(new_gate()),
-            world: world.clone(),
-        }
-    }
-
-    /// Unlocks `guard`, waits for a notification or `timeout` (virtual), and locks again;
-    /// `true` if it timed out. Like any condition variable, it may wake spuriously.
-    pub fn wait_timeout<'a, T>(
-        &self,
-        guard: SimMutexGuard<'a, T>,
-        timeout: Option<Duration>,
-    ) -> (SimMutexGuard<'a, T>, bool) {
-        let mutex = guard.mutex;
-        let Some((shared, me)) = current() else {
-            return (guard, true);
-        };
-        let gate = *self.gate.lock().expect("gate");
-        let until = timeout.map(|d| shared.lock().now + d);
-        // No other simulated thread runs between the unlock and the wait (this one holds the
-        // turn), so no notification falls between them.
-        drop(guard);
-        park(&shared, me, until, Some(gate), false);
-        let timed_out = until.is_some_and(|u| shared.lock().now >= u);
-        (mutex.lock(), timed_out)
-    }
-
-    /// Wakes every thread waiting.
-    pub fn notify_all(&self) {
-        let mut gate = self.gate.lock().expect("gate");
-        let old = std::mem::replace(&mut *gate, new_gate());
-        drop(gate);
-        open_gate(&self.world.shared, old);
     }
 }

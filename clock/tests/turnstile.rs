@@ -2,28 +2,29 @@
 //! and what goes wrong (a stall, a panic, a thread stuck outside the simulation) is reported
 //! instead of hanging.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfs_clock::turnstile::{Outcome, SimCondvar, SimMutex};
+use rackfs_clock::turnstile::Outcome;
+use rackfs_clock::{Bell, Mutex};
 use rackfs_clock::{Clock, Turnstile};
 
 /// Three threads append their name to a shared log five times each, yielding in between;
 /// returns the log and the schedule's fingerprint.
 fn interleaving(seed: u64) -> (Vec<&'static str>, (u64, u64)) {
     let world = Turnstile::new(seed);
-    let log = Arc::new(SimMutex::new(&world, Vec::new()));
+    let log = Arc::new(Mutex::new(Vec::new()));
     for name in ["a", "b", "c"] {
         let log = log.clone();
         world.spawn(0, name, move || {
             for _ in 0..5 {
-                log.lock().push(name);
+                log.lock().unwrap().push(name);
                 Turnstile::yield_now();
             }
         });
     }
     assert_eq!(world.run(Duration::from_secs(1)), Outcome::Finished);
-    let out = log.lock().clone();
+    let out = log.lock().unwrap().clone();
     (out, world.schedule())
 }
 
@@ -85,11 +86,11 @@ fn a_time_limit_stops_the_world_and_a_second_run_goes_on() {
 #[test]
 fn a_thread_waits_for_a_mutex_held_across_a_sleep() {
     let world = Turnstile::new(3);
-    let m = Arc::new(SimMutex::new(&world, 0u32));
+    let m = Arc::new(Mutex::new(0u32));
     let got_at = Arc::new(Mutex::new(None));
     let (m1, clock) = (m.clone(), world.clone());
     world.spawn(0, "holder", move || {
-        let mut g = m1.lock();
+        let mut g = m1.lock().unwrap();
         clock.sleep(Duration::from_secs(2));
         *g += 1;
     });
@@ -97,7 +98,7 @@ fn a_thread_waits_for_a_mutex_held_across_a_sleep() {
     world.spawn(0, "waiter", move || {
         // Let the holder take it first.
         clock.sleep(Duration::from_millis(1));
-        let g = m2.lock();
+        let g = m2.lock().unwrap();
         *got.lock().unwrap() = Some((*g, clock.now()));
     });
     assert_eq!(world.run(Duration::from_secs(10)), Outcome::Finished);
@@ -107,25 +108,25 @@ fn a_thread_waits_for_a_mutex_held_across_a_sleep() {
 #[test]
 fn a_condvar_wait_ends_by_notification_or_by_virtual_timeout() {
     let world = Turnstile::new(4);
-    let m = Arc::new(SimMutex::new(&world, false));
-    let cv = Arc::new(SimCondvar::new(&world));
+    let m = Arc::new(Mutex::new(false));
+    let cv = Arc::new(Bell::new());
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (m1, cv1, clock, seen1) = (m.clone(), cv.clone(), world.clone(), seen.clone());
     world.spawn(0, "waiter", move || {
-        let g = m1.lock();
-        let (g, timed_out) = cv1.wait_timeout(g, Some(Duration::from_secs(1)));
+        let g = m1.lock().unwrap();
+        let (g, timed_out) = cv1.wait_timeout(g, Duration::from_secs(1));
         seen1.lock().unwrap().push((*g, timed_out, clock.now()));
         drop(g);
-        let mut g = m1.lock();
+        let mut g = m1.lock().unwrap();
         while !*g {
-            g = cv1.wait_timeout(g, None).0;
+            g = cv1.wait(g);
         }
         seen1.lock().unwrap().push((*g, false, clock.now()));
     });
     let (m2, cv2, clock) = (m.clone(), cv.clone(), world.clone());
     world.spawn(0, "notifier", move || {
         clock.sleep(Duration::from_secs(5));
-        *m2.lock() = true;
+        *m2.lock().unwrap() = true;
         cv2.notify_all();
     });
     assert_eq!(world.run(Duration::from_secs(60)), Outcome::Finished);
@@ -141,7 +142,7 @@ fn a_condvar_wait_ends_by_notification_or_by_virtual_timeout() {
 #[test]
 fn a_killed_group_unwinds_at_its_next_wait_and_the_rest_goes_on() {
     let world = Turnstile::new(5);
-    let m = Arc::new(SimMutex::new(&world, 0u32));
+    let m = Arc::new(Mutex::new(0u32));
     let dropped = Arc::new(Mutex::new(false));
     struct Flag(Arc<Mutex<bool>>);
     impl Drop for Flag {
@@ -153,7 +154,7 @@ fn a_killed_group_unwinds_at_its_next_wait_and_the_rest_goes_on() {
     world.spawn(1, "node", move || {
         let _flag = Flag(d);
         // Holds the mutex while it waits: killing it must unlock it.
-        let _g = m1.lock();
+        let _g = m1.lock().unwrap();
         loop {
             clock.sleep(Duration::from_secs(1));
         }
@@ -162,25 +163,25 @@ fn a_killed_group_unwinds_at_its_next_wait_and_the_rest_goes_on() {
     world.spawn(2, "survivor", move || {
         clock.sleep(Duration::from_millis(2500));
         w.kill(1);
-        *m2.lock() += 1;
+        *m2.lock().unwrap() += 1;
     });
     assert_eq!(world.run(Duration::from_secs(60)), Outcome::Finished);
     assert!(
         *dropped.lock().unwrap(),
         "the killed thread's destructors ran"
     );
-    assert_eq!(*m.lock(), 1);
+    assert_eq!(*m.lock().unwrap(), 1);
     assert_eq!(world.now(), Duration::from_millis(2500));
 }
 
 #[test]
 fn a_wait_nothing_can_end_is_a_stall_and_a_panic_is_reported() {
     let world = Turnstile::new(6);
-    let m = Arc::new(SimMutex::new(&world, ()));
-    let cv = Arc::new(SimCondvar::new(&world));
+    let m = Arc::new(Mutex::new(()));
+    let cv = Arc::new(Bell::new());
     world.spawn(0, "forgotten", move || {
-        let g = m.lock();
-        let _ = cv.wait_timeout(g, None);
+        let g = m.lock().unwrap();
+        let _ = cv.wait(g);
     });
     assert_eq!(
         world.run(Duration::from_secs(60)),
@@ -199,7 +200,7 @@ fn a_wait_nothing_can_end_is_a_stall_and_a_panic_is_reported() {
 fn a_thread_blocked_outside_the_simulation_is_reported_not_waited_for() {
     let world = Turnstile::new(8);
     world.set_watchdog(Duration::from_millis(300));
-    let std_lock = Arc::new(Mutex::new(()));
+    let std_lock = Arc::new(std::sync::Mutex::new(()));
     let held = std_lock.lock().unwrap();
     let l = std_lock.clone();
     world.spawn(0, "blocked", move || {

@@ -2,8 +2,8 @@
 //! an RPC answered by the node's CPU. Served only by nodes started with
 //! `--baseline-lock-server`; a production node refuses its RPCs.
 
-use std::collections::HashMap;
 use rackfs_clock::Mutex;
+use std::collections::HashMap;
 
 use rackfs_clock::Bell;
 

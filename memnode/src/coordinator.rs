@@ -15,11 +15,11 @@
 //! lease, granted and kept alive by the primary on the mount's renewals; see
 //! [`crate::lease`]).
 
+use rackfs_clock::Mutex;
 use std::io::{BufReader, BufWriter, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{SharedClock, SystemClock};

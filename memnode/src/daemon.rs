@@ -14,11 +14,11 @@
 //! everything else in the data region is written by clients through verbs, into extents the
 //! allocator handed out.
 
+use rackfs_clock::Mutex;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{SharedClock, Spawn, SystemClock, Threads};

@@ -2,8 +2,8 @@
 //! coordinator shows it registered under the lease (its epoch) it was admitted under; the
 //! primary gives a node data only while it is live.
 
-use std::collections::HashMap;
 use rackfs_clock::Mutex;
+use std::collections::HashMap;
 
 use rackfs_coord::LeaseId;
 

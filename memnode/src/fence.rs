@@ -16,11 +16,11 @@
 //! `fence` returns once every connection of the token has ended: from then on nothing the mount
 //! sent before, or sends later, lands in this node's memory.
 
+use rackfs_clock::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{Bell, SharedClock};

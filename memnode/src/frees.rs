@@ -6,8 +6,8 @@
 //! say) frees nothing it should not. Reading free space (`statfs`) sends every waiting free
 //! first.
 
-use std::collections::VecDeque;
 use rackfs_clock::Mutex;
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use rackfs_clock::Bell;

@@ -18,9 +18,9 @@
 //! production, an in-process one (`rackfs_proto::link::Loopback`) when several nodes run in
 //! one process.
 
+use rackfs_clock::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::{Clock, SharedClock, Spawn};

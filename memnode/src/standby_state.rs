@@ -6,8 +6,8 @@
 //! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use std::sync::{Arc, PoisonError};
 use rackfs_clock::{Mutex, MutexGuard};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use rackfs_clock::{Bell, Clock};

@@ -10,9 +10,9 @@
 //! An allocation that fails only because freed memory is still in quarantine waits for the
 //! quarantine (at most its hold time) instead of failing with ENOSPC.
 
+use rackfs_clock::Mutex;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
 use rackfs_clock::SharedClock;

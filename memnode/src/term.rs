@@ -20,9 +20,9 @@
 //!
 //! [`ControlRequest::Primary`]: rackfs_proto::control::ControlRequest::Primary
 
+use rackfs_clock::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use rackfs_clock::Mutex;
 
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};

@@ -26,8 +26,8 @@
 //!
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
-use std::collections::{HashMap, HashSet};
 use rackfs_clock::Mutex;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use rackfs_clock::{Bell, SharedClock};
