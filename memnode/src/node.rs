@@ -115,7 +115,7 @@ pub struct Node {
     /// How the node starts the threads of its logic: the host's in production, a simulated
     /// process's under simulation (see [`Node::start_thread`]).
     pub spawn: Arc<dyn Spawn>,
-    /// Ends the node's process (see [`crate::NodeEnv::exit`]).
+    /// Ends the node's process: the host's exits, a simulation kills the node's process.
     pub exit: Arc<Exit>,
     /// The host's `CLOCK_MONOTONIC` (ns) at 0 on [`Node::clock`] (see [`Node::lease_ns`]).
     pub host_origin: u64,
