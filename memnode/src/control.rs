@@ -5,11 +5,13 @@
 //! module) is one session and calls it per request.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rackfs_proto::control::{
     ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
 };
+use rackfs_proto::link::Loopback;
 use rackfs_proto::namespace::{MetaRequest, NewKind};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;
@@ -23,6 +25,30 @@ use crate::qos_controller::QosRequest;
 
 fn refused(code: ErrorCode, message: impl Into<String>) -> ControlResponse {
     Refusal::new(code, message).into()
+}
+
+/// Serves `node` at `at` on `lo`, for nodes of one process (tests, simulations): each
+/// request goes to [`answer`], each closed connection ends its session. The loopback keeps
+/// only a weak handle on the node (the node keeps the loopback, as its dial).
+pub fn serve_on(lo: &Loopback, at: &str, node: &Arc<Node>) {
+    let (serving, closing) = (Arc::downgrade(node), Arc::downgrade(node));
+    lo.serve(
+        at,
+        node.cfg.node_id,
+        &node.cfg.name,
+        move |session, req| match serving.upgrade() {
+            Some(n) => answer(&n, session, req),
+            None => ControlResponse::Error {
+                code: ErrorCode::Unavailable,
+                message: "the node stopped".into(),
+            },
+        },
+        Some(Arc::new(move |session| {
+            if let Some(n) = closing.upgrade() {
+                n.end_session(session);
+            }
+        })),
+    );
 }
 
 /// Answers one control request of client session `session`.

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use rackfs_clock::{SharedClock, SystemClock};
 use rackfs_memnode::config::Coordination;
-use rackfs_memnode::control::answer;
+use rackfs_memnode::control::serve_on;
 use rackfs_memnode::coordinator::{node_key, node_value};
 use rackfs_memnode::node::Node;
 use rackfs_memnode::qos::QosConfig;
@@ -85,24 +85,7 @@ fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
                 "unix:{}",
                 node.cfg.shm_socket.as_ref().expect("a socket").display()
             );
-            let (serving, closing) = (Arc::downgrade(node), Arc::downgrade(node));
-            served.serve(
-                &at,
-                node.cfg.node_id,
-                &node.cfg.name,
-                move |session, req| match serving.upgrade() {
-                    Some(n) => answer(&n, session, req),
-                    None => ControlResponse::Error {
-                        code: ErrorCode::Unavailable,
-                        message: "the node stopped".into(),
-                    },
-                },
-                Some(Arc::new(move |session| {
-                    if let Some(n) = closing.upgrade() {
-                        n.end_session(session);
-                    }
-                })),
-            );
+            serve_on(&served, &at, node);
         })),
     }
 }

@@ -25,7 +25,7 @@ use rackfs_clock::turnstile::Outcome;
 use rackfs_clock::{Bell, Clock, SharedClock, Turnstile};
 use rackfs_coord::{Coordinator, Local};
 use rackfs_memnode::config::Coordination;
-use rackfs_memnode::control::answer;
+use rackfs_memnode::control::serve_on;
 use rackfs_memnode::coordinator::parse_primary;
 use rackfs_memnode::node::Node;
 use rackfs_memnode::qos::QosConfig;
@@ -290,24 +290,7 @@ fn env(net: &Arc<Net>, id: u32) -> NodeEnv {
             let socket = me.shm.map(|p| format!("unix:{p}"));
             for at in me.tcp.into_iter().chain(socket) {
                 served.at.lock().unwrap().insert(at.clone(), id);
-                let (serving, closing) = (Arc::downgrade(node), Arc::downgrade(node));
-                served.lo.serve(
-                    &at,
-                    node.cfg.node_id,
-                    &node.cfg.name,
-                    move |session, req| match serving.upgrade() {
-                        Some(n) => answer(&n, session, req),
-                        None => ControlResponse::Error {
-                            code: ErrorCode::Unavailable,
-                            message: "the node stopped".into(),
-                        },
-                    },
-                    Some(Arc::new(move |session| {
-                        if let Some(n) = closing.upgrade() {
-                            n.end_session(session);
-                        }
-                    })),
-                );
+                serve_on(&served.lo, &at, node);
             }
         })),
     }
