@@ -1,8 +1,9 @@
-//! Where RackFS's logic takes time, waits, locks and threads from: a [`Clock`], a [`Spawn`],
-//! [`Mutex`]es and [`Bell`]s, handed in (or working the same) whatever runs the logic, never the operating
-//! system's clock read directly, so the client core (`rackfs_fs`), the memory
-//! node's logic (`rackfs_memnode`) and the embedded coordinator (`rackfs_coord::Local`) run
-//! on virtual time under simulation and in tests.
+//! Where RackFS's logic takes time, waits, locks and threads from: a [`Clock`] and a
+//! [`Spawn`] handed in by whoever builds it, [`Mutex`]es and [`Bell`]s that work the same on
+//! the host and in a simulated world, never the operating system's clock read directly, so
+//! the client core (`rackfs_fs`), the memory node's logic (`rackfs_memnode`) and the
+//! embedded coordinator (`rackfs_coord::Local`) run on virtual time under simulation and in
+//! tests.
 //!
 //! Two readings: a monotonic one for ages, leases, back-offs and latencies ([`Clock::now`],
 //! [`Clock::mono_ns`]), and the wall clock for the times stored in inodes ([`Clock::wall_ns`]).

@@ -98,20 +98,6 @@ impl<T: ?Sized> Mutex<T> {
             }
         }
     }
-
-    pub fn try_lock(&self) -> Result<MutexGuard<'_, T>, TryLockError<MutexGuard<'_, T>>> {
-        match self.inner.try_lock() {
-            Ok(g) => Ok(self.guard(g)),
-            Err(TryLockError::Poisoned(p)) => Err(TryLockError::Poisoned(PoisonError::new(
-                self.guard(p.into_inner()),
-            ))),
-            Err(TryLockError::WouldBlock) => Err(TryLockError::WouldBlock),
-        }
-    }
-
-    pub fn get_mut(&mut self) -> LockResult<&mut T> {
-        self.inner.get_mut()
-    }
 }
 
 impl<'a, T: ?Sized> MutexGuard<'a, T> {

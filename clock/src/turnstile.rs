@@ -5,8 +5,8 @@
 //! Every thread of a simulated world is an OS thread started by [`Turnstile::spawn`], but only
 //! one of them runs at a time: the one holding the *turn*. A thread gives the turn back only
 //! where the simulation can see it wait: a [`Clock::sleep`] on the turnstile's clock, a
-//! [`Turnstile::yield_now`], a [`crate::Mutex`] another thread holds, a [`crate::Bell`] wait. The
-//! driver ([`Turnstile::run`]) then hands the turn to a thread chosen by a seeded random
+//! [`Turnstile::yield_now`], a [`crate::Mutex`] another thread holds, a [`crate::Bell`] wait.
+//! The driver ([`Turnstile::run`]) then hands the turn to a thread chosen by a seeded random
 //! source among those that can run; when none can, virtual time jumps to the earliest timer.
 //! So a seed replays the same interleaving and the same virtual times, whatever the host's
 //! scheduler does, and hours of leases and timeouts pass in milliseconds.
@@ -96,6 +96,25 @@ impl State {
         z ^ (z >> 31)
     }
 
+    /// Until when group `group` is paused (the latest end of its live threads' pauses).
+    fn paused_until(&self, group: u32) -> Duration {
+        self.threads
+            .iter()
+            .filter(|t| t.group == group && t.run != Run::Done)
+            .map(|t| t.paused_until)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Whether group `group` was killed (its newest thread was: a kill marks every one).
+    fn killed(&self, group: u32) -> bool {
+        self.threads
+            .iter()
+            .rev()
+            .find(|t| t.group == group)
+            .is_some_and(|t| t.killed)
+    }
+
     fn wake(&mut self, tid: usize, epoch: u64) {
         let t = &mut self.threads[tid];
         if t.run == Run::Parked && t.epoch == epoch {
@@ -164,19 +183,7 @@ impl Turnstile {
             let mut s = self.shared.lock();
             // A new thread of a stopped process waits for it to resume; one of a killed
             // process unwinds when it would first run.
-            let paused_until = s
-                .threads
-                .iter()
-                .filter(|t| t.group == group && t.run != Run::Done)
-                .map(|t| t.paused_until)
-                .max()
-                .unwrap_or_default();
-            let killed = s
-                .threads
-                .iter()
-                .rev()
-                .find(|t| t.group == group)
-                .is_some_and(|t| t.killed);
+            let (paused_until, killed) = (s.paused_until(group), s.killed(group));
             s.threads.push(Thread {
                 name: name.to_string(),
                 group,
@@ -260,23 +267,12 @@ impl Turnstile {
 
     /// Until when group `group` is paused (virtual time; at most now if it is not).
     pub fn paused_until(&self, group: u32) -> Duration {
-        let s = self.shared.lock();
-        s.threads
-            .iter()
-            .filter(|t| t.group == group && t.run != Run::Done)
-            .map(|t| t.paused_until)
-            .max()
-            .unwrap_or_default()
+        self.shared.lock().paused_until(group)
     }
 
-    /// Whether group `group` was killed (and has not started a thread since).
+    /// Whether group `group` was killed.
     pub fn killed(&self, group: u32) -> bool {
-        let s = self.shared.lock();
-        s.threads
-            .iter()
-            .rev()
-            .find(|t| t.group == group)
-            .is_some_and(|t| t.killed)
+        self.shared.lock().killed(group)
     }
 
     /// Runs the world until every thread is done, or virtual time reaches `until`, or
@@ -384,6 +380,20 @@ impl Turnstile {
     }
 }
 
+/// The seeds a simulation test runs: `{var}_SEED=S` only `S` (to replay one), else
+/// `{var}_SEEDS=N` (default `default`) seeds from 0.
+pub fn seeds(var: &str, default: u64) -> Vec<u64> {
+    let read = |suffix: &str| {
+        std::env::var(format!("{var}{suffix}"))
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+    };
+    match read("_SEED") {
+        Some(s) => vec![s],
+        None => (0..read("_SEEDS").unwrap_or(default)).collect(),
+    }
+}
+
 /// The threads of one group of a world, as a [`crate::Spawn`].
 #[derive(Clone)]
 pub struct GroupThreads {
@@ -454,7 +464,8 @@ impl Clock for Turnstile {
     }
 }
 
-/// A gate simulated threads wait at until it opens ([`crate::Mutex`], [`crate::Bell`]). Ids are unique in the process, so a gate needs no world to be made.
+/// A gate simulated threads wait at until it opens ([`crate::Mutex`], [`crate::Bell`]). Ids
+/// are unique in the process, so a gate needs no world to be made.
 pub(crate) fn new_gate() -> u64 {
     static GATE_IDS: AtomicU64 = AtomicU64::new(1);
     GATE_IDS.fetch_add(1, Ordering::Relaxed)

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rackfs_clock::turnstile::Outcome;
+use rackfs_clock::turnstile::{seeds, Outcome};
 use rackfs_clock::{Clock, Turnstile};
 use rackfs_fs::client::{Caller, Client};
 use rackfs_fs::cluster::Cluster;
@@ -430,24 +430,10 @@ fn check(seed: u64, lose_every: u64, fail_over: bool) -> Passed {
     Ok((r.schedule, r.died_mid_work))
 }
 
-fn seeds() -> Vec<u64> {
-    if let Some(s) = std::env::var("RACKFS_TURNSTILE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        return vec![s];
-    }
-    let n = std::env::var("RACKFS_TURNSTILE_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(500);
-    (0..n).collect()
-}
-
 /// Every seed's run passes the oracle, the network losing one in `lose_every` answers; the
 /// number of runs in which the primary died mid-work.
 fn every_seed_passes(lose_every: u64, fail_over: bool) -> usize {
-    let runs: Vec<Passed> = seeds()
+    let runs: Vec<Passed> = seeds("RACKFS_TURNSTILE", 500)
         .into_iter()
         .map(|s| check(s, lose_every, fail_over))
         .collect();
@@ -495,7 +481,7 @@ fn changes_whose_answers_are_lost_still_take_effect_once() {
 #[test]
 fn changes_in_flight_when_the_primary_dies_take_effect_once() {
     let mid_work = every_seed_passes(8, true);
-    let seeds = seeds().len();
+    let seeds = seeds("RACKFS_TURNSTILE", 500).len();
     eprintln!("the primary died while the mounts worked in {mid_work} of {seeds} runs");
     assert!(
         mid_work * 2 >= seeds,

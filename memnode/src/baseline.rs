@@ -2,10 +2,9 @@
 //! an RPC answered by the node's CPU. Served only by nodes started with
 //! `--baseline-lock-server`; a production node refuses its RPCs.
 
-use rackfs_clock::Mutex;
 use std::collections::HashMap;
 
-use rackfs_clock::Bell;
+use rackfs_clock::{Bell, Mutex};
 
 use rackfs_proto::control::ErrorCode;
 use rackfs_proto::Refusal;

@@ -15,14 +15,13 @@
 //! lease, granted and kept alive by the primary on the mount's renewals; see
 //! [`crate::lease`]).
 
-use rackfs_clock::Mutex;
 use std::io::{BufReader, BufWriter, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rackfs_clock::{SharedClock, SystemClock};
+use rackfs_clock::{Mutex, SharedClock, SystemClock};
 use rackfs_coord::{CoordError, Coordinator, Etcd, Guard, LeaseId, Local, Write};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,

@@ -1,9 +1,9 @@
 //! What a node counts about its clients: verbs served per connection, control RPCs by kind,
 //! open connections by kind, authentication and protocol failures.
 
-use rackfs_clock::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rackfs_clock::Mutex;
 use rackfs_proto::control::{NodeStats, RPC_KINDS};
 use rackfs_verbs::wire::ConnKind;
 use rackfs_verbs::{VerbCounters, VerbTotals};

@@ -14,14 +14,13 @@
 //! everything else in the data region is written by clients through verbs, into extents the
 //! allocator handed out.
 
-use rackfs_clock::Mutex;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use rackfs_clock::{SharedClock, Spawn, SystemClock, Threads};
+use rackfs_clock::{Mutex, SharedClock, Spawn, SystemClock, Threads};
 use rackfs_meta::MetaService;
 use rackfs_proto::control::{NodeAddr, NodeStats};
 use rackfs_proto::link::{Dial, NetDial};
@@ -100,7 +99,7 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
     });
     let lease = node.leases.get().expect("primary").lease();
     let check = (lease / 20).max(Duration::from_millis(10));
-    thread(node, "leases", move |n| {
+    node.start_thread("leases", move |n| {
         let leases = n.leases.get().expect("primary");
         let mut last = n.clock.now();
         while !n.is_stopping() {
@@ -117,13 +116,13 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
                 continue; // deposed, or not yet renewed: no mount is fenced meanwhile
             }
             for session in leases.expire(now) {
-                thread(&n, "fence", move |n| n.fence_mount(session));
+                n.start_thread("fence", move |n| n.fence_mount(session));
             }
         }
     });
     // Mounts whose lease the coordinator let lapse (on a thread of its own: a slow etcd does
     // not hold up the checks above).
-    thread(node, "mount-leases", move |n| {
+    node.start_thread("mount-leases", move |n| {
         let leases = n.leases.get().expect("primary");
         while !n.is_stopping() {
             n.clock.sleep(lease / 8);
@@ -136,7 +135,7 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
                     coordinator = n.coord.describe(),
                     "a mount's lease with the coordinator lapsed: fencing it"
                 );
-                thread(&n, "fence", move |n| n.fence_mount(session));
+                n.start_thread("fence", move |n| n.fence_mount(session));
             }
         }
     });
@@ -216,12 +215,6 @@ fn random_rkey() -> u32 {
     u32::from_le_bytes([n[0], n[1], n[2], n[3]]) | 1
 }
 
-/// Runs `body` on a named thread of the node's logic ([`Node::spawn`]) with its own handle
-/// on the node.
-fn thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 'static) {
-    node.start_thread(name, body);
-}
-
 /// Runs `body` on a named OS thread that serves a socket (it blocks where no simulation
 /// sees it), with its own handle on the node.
 fn socket_thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Send + 'static) {
@@ -234,7 +227,7 @@ fn socket_thread(node: &Arc<Node>, name: &str, body: impl FnOnce(Arc<Node>) + Se
 
 /// Runs `tick` every `every` (on the node's clock) on a named thread until the node stops.
 fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + Send + 'static) {
-    thread(node, name, move |n| {
+    node.start_thread(name, move |n| {
         while !n.is_stopping() {
             n.clock.sleep(every);
             tick(&n);
@@ -443,7 +436,7 @@ impl MemNode {
         if let Some((lease, epoch)) = term {
             node.term.begin(lease, epoch);
         }
-        thread(&node, "frees", |n| {
+        node.start_thread("frees", |n| {
             while !n.is_stopping() {
                 n.frees.wait(Duration::from_millis(500));
                 n.send_frees();
@@ -463,7 +456,7 @@ impl MemNode {
             start_primary(&node, m);
         }
         if let Some(p) = primacy {
-            thread(&node, "primary-lease", move |n| p.run(&n));
+            node.start_thread("primary-lease", move |n| p.run(&n));
         }
         if let Some(addr) = &node.cfg.metrics {
             let l = TcpListener::bind(addr).map_err(|err| StartError::Listen {
@@ -506,7 +499,7 @@ impl MemNode {
             // The first lease before anyone is served: data connections are refused without.
             let mut lease = Renewer::new(node.coord.clone(), &primary, TAKE_OVER);
             lease.renew(&node);
-            thread(&node, "node-lease", move |n| lease.run(&n));
+            node.start_thread("node-lease", move |n| lease.run(&n));
         }
         info!(
             node = node.cfg.node_id,

@@ -2,9 +2,9 @@
 //! coordinator shows it registered under the lease (its epoch) it was admitted under; the
 //! primary gives a node data only while it is live.
 
-use rackfs_clock::Mutex;
 use std::collections::HashMap;
 
+use rackfs_clock::Mutex;
 use rackfs_coord::LeaseId;
 
 /// The primary's view of the data nodes' membership: the epoch each was admitted under, and the

@@ -16,14 +16,13 @@
 //! `fence` returns once every connection of the token has ended: from then on nothing the mount
 //! sent before, or sends later, lands in this node's memory.
 
-use rackfs_clock::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rackfs_clock::{Bell, SharedClock};
+use rackfs_clock::{Bell, Mutex, SharedClock};
 use rackfs_verbs::Region;
 use tracing::{info, warn};
 

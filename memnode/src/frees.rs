@@ -6,11 +6,10 @@
 //! say) frees nothing it should not. Reading free space (`statfs`) sends every waiting free
 //! first.
 
-use rackfs_clock::Mutex;
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use rackfs_clock::Bell;
+use rackfs_clock::{Bell, Mutex};
 
 /// An extent to free: (node, offset, owner tag).
 pub type Free = (u32, u64, u64);

@@ -19,12 +19,11 @@
 //! on purpose: the locks a lease protects are in the primary's memory, so a mount the primary
 //! cannot hear from must lose them even if it could still reach etcd.
 
-use rackfs_clock::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rackfs_clock::SharedClock;
+use rackfs_clock::{Mutex, SharedClock};
 use rackfs_coord::{CoordError, Coordinator, Guard, LeaseId, Write};
 use tracing::warn;
 

@@ -3,10 +3,10 @@
 //! and the sockets of its rdma clients, shut down when the lease lapses (their queue pairs go;
 //! the NIC serves them without the node's CPU). Who renews the lease writes it here.
 
-use rackfs_clock::Mutex;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Weak};
 
+use rackfs_clock::Mutex;
 use rackfs_verbs::lease::ServeLease;
 use rackfs_verbs::shm::set_lease;
 use rackfs_verbs::Region;

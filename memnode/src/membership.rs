@@ -2,12 +2,12 @@
 //! primary) every other data node with a control connection to it. Connections are opened
 //! through the [`Dial`] the caller hands in (the node's), never a socket of this module's own.
 
-use rackfs_clock::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rackfs_clock::Mutex;
 use rackfs_proto::control::{ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr};
 use rackfs_proto::link::{ControlLink, Dial};
 use rackfs_proto::{Refusal, RpcError};

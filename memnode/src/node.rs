@@ -18,12 +18,11 @@
 //! production, an in-process one (`rackfs_proto::link::Loopback`) when several nodes run in
 //! one process.
 
-use rackfs_clock::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use rackfs_clock::{Clock, SharedClock, Spawn};
+use rackfs_clock::{Clock, Mutex, SharedClock, Spawn};
 use rackfs_meta::{MetaService, Storage};
 use rackfs_proto::control::{
     ControlRequest, ControlResponse, ErrorCode, FsStat, NodeStats, Resolved,

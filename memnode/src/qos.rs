@@ -4,10 +4,9 @@
 //! `rackfs_meta::placement`; the controller loop that runs it is the `qos_controller` module's
 //! (above this one: it drives every node's monitor).
 
-use rackfs_clock::Mutex;
 use std::time::Duration;
 
-use rackfs_clock::SharedClock;
+use rackfs_clock::{Mutex, SharedClock};
 use rackfs_meta::placement::per_period;
 use rackfs_proto::control::{QosNodeStatus, QosPeriod};
 use rackfs_qos::monitor::PeriodRecord;

@@ -2,9 +2,10 @@
 //! the stripes, to free on their node before it serves again ([`Discards`]), and how far
 //! re-replication has copied the stripes left short back ([`Rebuilds`]).
 
-use rackfs_clock::{Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
+
+use rackfs_clock::{Mutex, MutexGuard};
 
 /// The primary's record of nodes declared dead: per node, the extents of its replicas that
 /// were dropped (stale now), freed on the node before it serves again. Its lock also

@@ -6,11 +6,10 @@
 //! the snapshot coming in and the mirror the journal is replayed on,
 //! writing the same bytes at the same offsets of its metadata area as the primary did.
 
-use rackfs_clock::{Mutex, MutexGuard};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use rackfs_clock::{Bell, Clock};
+use rackfs_clock::{Bell, Clock, Mutex, MutexGuard};
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_meta::{journal, Entry, MetaService, Namespace};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};

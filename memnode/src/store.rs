@@ -10,12 +10,11 @@
 //! An allocation that fails only because freed memory is still in quarantine waits for the
 //! quarantine (at most its hold time) instead of failing with ENOSPC.
 
-use rackfs_clock::Mutex;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rackfs_clock::SharedClock;
+use rackfs_clock::{Mutex, SharedClock};
 use rackfs_proto::control::{ErrorCode, NodeStats};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::Refusal;

@@ -20,10 +20,10 @@
 //!
 //! [`ControlRequest::Primary`]: rackfs_proto::control::ControlRequest::Primary
 
-use rackfs_clock::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use rackfs_clock::Mutex;
 use rackfs_coord::{CoordError, Coordinator, Guard, Write};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::link::{ControlLink, Dial};

@@ -26,11 +26,10 @@
 //!
 //! The waiting happens outside the metadata lock. Deadlines are on the node's clock.
 
-use rackfs_clock::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use rackfs_clock::{Bell, SharedClock};
+use rackfs_clock::{Bell, Mutex, SharedClock};
 
 use rackfs_proto::namespace::Change;
 

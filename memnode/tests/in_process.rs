@@ -11,64 +11,23 @@
 //! sleep on the node's clock, and a `ManualClock`'s sleep returns at once having moved time,
 //! so on one they would spin; virtual time for whole nodes needs the simulation's scheduler.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{addr, config, secret, Scratch};
 use rackfs_clock::{SharedClock, SystemClock};
-use rackfs_memnode::config::Coordination;
 use rackfs_memnode::control::serve_on;
 use rackfs_memnode::coordinator::{node_key, node_value};
 use rackfs_memnode::node::Node;
-use rackfs_memnode::qos::QosConfig;
-use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
+use rackfs_memnode::{MemNode, NodeEnv, Role};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode, RPC_KINDS};
 use rackfs_proto::link::{ControlLink, Dial, Loopback};
 use rackfs_proto::namespace::{MetaRequest, NewKind, StripeExtent, ROOT_INO};
 use rackfs_proto::record::TAG_SPACE;
 use rackfs_proto::RpcError;
-use rackfs_verbs::Secret;
-
-fn secret() -> Secret {
-    Secret::new(b"in-process-memnode-test-secret").expect("a secret")
-}
-
-/// A node of the test's cluster, its Unix socket in `dir`.
-fn config(dir: &Path, id: u32, role: Role) -> NodeConfig {
-    NodeConfig {
-        node_id: id,
-        name: format!("mn{id}"),
-        domain: None,
-        listen: None,
-        shm_socket: Some(socket(dir, id)),
-        region_len: 32 << 20,
-        secret: secret(),
-        poll: Duration::ZERO,
-        role,
-        quarantine: Duration::from_secs(1),
-        lock_lease: Duration::from_secs(5),
-        node_lease: Duration::from_secs(3),
-        coordinator: Coordination::InPrimary,
-        cluster: "in-process".into(),
-        standby: false,
-        replicas: 2,
-        rebuild_rate: 1 << 20,
-        qos: QosConfig::default(),
-        metrics: None,
-        rdma_device: None,
-        baseline_lock_server: false,
-    }
-}
-
-fn socket(dir: &Path, id: u32) -> PathBuf {
-    dir.join(format!("mn{id}.sock"))
-}
-
-/// Where node `id` is reached: the address its peers dial (a joining node's, as the primary
-/// connects back to it: `unix:` and its socket).
-fn addr(dir: &Path, id: u32) -> String {
-    format!("unix:{}", socket(dir, id).display())
-}
 
 /// Runs on `clock`, dials `lo`, and is served on `lo` at its address once it serves: each
 /// request goes to the node's control dispatch, each closed connection ends its session
@@ -87,24 +46,6 @@ fn env(lo: &Arc<Loopback>, clock: &SharedClock) -> NodeEnv {
             );
             serve_on(&served, &at, node);
         })),
-    }
-}
-
-/// A scratch directory of test `name`'s own, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let d =
-            std::env::temp_dir().join(format!("rackfs-in-process-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&d).expect("a scratch directory");
-        Scratch(d)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

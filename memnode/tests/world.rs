@@ -16,19 +16,21 @@
 //! `RACKFS_WORLD_SEEDS=N` runs N seeds (default 2: each is 45 s of the world's time and
 //! about 20 s of real time here); `RACKFS_WORLD_SEED=S` one.
 
+mod common;
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rackfs_clock::turnstile::Outcome;
+use common::{addr, secret, Scratch};
+use rackfs_clock::turnstile::{seeds, Outcome};
 use rackfs_clock::{Bell, Clock, SharedClock, Turnstile};
 use rackfs_coord::{Coordinator, Local};
 use rackfs_memnode::config::Coordination;
 use rackfs_memnode::control::serve_on;
 use rackfs_memnode::coordinator::parse_primary;
 use rackfs_memnode::node::Node;
-use rackfs_memnode::qos::QosConfig;
 use rackfs_memnode::term::PRIMARY_KEY;
 use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
@@ -46,18 +48,12 @@ const NODE_LEASE: Duration = Duration::from_secs(2);
 /// How long a control call waits for a paused node before it times out.
 const CALL_DEADLINE: Duration = Duration::from_secs(2);
 
-fn secret() -> Secret {
-    Secret::new(b"whole-cluster-world-test-secret").expect("a secret")
-}
-
 /// The control network of one world (see the module docs).
 struct Net {
     lo: Loopback,
     world: Turnstile,
     /// Address -> the group serving it.
     at: Mutex<HashMap<String, u32>>,
-    /// Nodes whose process ended itself, and with which status.
-    exits: Mutex<Vec<(u32, i32)>>,
 }
 
 impl Net {
@@ -72,36 +68,6 @@ impl Net {
         }
         self.world.kill(group);
     }
-
-    /// Waits (virtual time) while the process at `addr` is paused, at most `deadline`; an
-    /// error once it was killed or the deadline passed.
-    fn reach(&self, addr: &str, deadline: Duration) -> Result<(), RpcError> {
-        let Some(group) = self.at.lock().unwrap().get(addr).copied() else {
-            return Ok(()); // not served yet: the loopback refuses it
-        };
-        let give_up = self.world.now() + deadline;
-        loop {
-            if self.world.killed(group) {
-                return Err(RpcError::Connection(VerbsError::ConnectionLost {
-                    peer: addr.into(),
-                    reason: "the process was killed".into(),
-                }));
-            }
-            let now = self.world.now();
-            let resumes = self.world.paused_until(group);
-            if resumes <= now {
-                return Ok(());
-            }
-            if now >= give_up {
-                return Err(RpcError::Timeout {
-                    node: format!("group {group}"),
-                    peer: addr.into(),
-                    after: deadline,
-                });
-            }
-            self.world.sleep(resumes.min(give_up) - now);
-        }
-    }
 }
 
 struct WorldDial(Arc<Net>);
@@ -113,8 +79,8 @@ impl Dial for WorldDial {
         secret: &Secret,
         client_name: &str,
     ) -> Result<Arc<dyn ControlLink>, RpcError> {
+        // A stopped process's kernel still accepts connections: only its calls wait.
         Turnstile::yield_now();
-        self.0.reach(addr, CALL_DEADLINE)?;
         let inner = self.0.lo.connect(addr, secret, client_name)?;
         let group = self.0.at.lock().unwrap().get(addr).copied();
         Ok(Arc::new(WorldLink {
@@ -144,34 +110,12 @@ type Answer = Arc<(
 )>;
 
 /// A closed connection ends its session on the node, on a thread of the node's process (a
-/// stopped node notices when it resumes).
+/// stopped node notices when it resumes): that thread drops the last handle on it.
 impl Drop for WorldLink {
     fn drop(&mut self) {
-        let inner = std::mem::replace(&mut self.inner, Arc::new(Closed));
-        self.net
-            .world
-            .spawn(self.group, &format!("{}/closed", self.group), move || {
-                drop(inner)
-            });
-    }
-}
-
-/// What a dropped [`WorldLink`] holds instead of its connection.
-struct Closed;
-
-impl ControlLink for Closed {
-    fn call(&self, _req: &ControlRequest) -> Result<ControlResponse, RpcError> {
-        unreachable!("a closed connection is never called")
-    }
-    fn set_deadline(&self, _d: Duration) {}
-    fn peer(&self) -> &str {
-        "closed"
-    }
-    fn node_id(&self) -> u32 {
-        u32::MAX
-    }
-    fn node_name(&self) -> &str {
-        "closed"
+        let inner = self.inner.clone();
+        let name = format!("{}/closed", self.group);
+        self.net.world.spawn(self.group, &name, move || drop(inner));
     }
 }
 
@@ -236,35 +180,18 @@ impl ControlLink for WorldLink {
     }
 }
 
-/// Node `id`'s address (its Unix socket in `dir`, which it binds but nobody connects to).
-fn addr(dir: &Path, id: u32) -> String {
-    format!("unix:{}", dir.join(format!("mn{id}.sock")).display())
-}
-
+/// Node `id` of the world: a tcp listener (bound, never connected to: the primary's key
+/// names a tcp address), the coordinator served apart, a standby.
 fn config(dir: &Path, id: u32, role: Role) -> NodeConfig {
     NodeConfig {
-        node_id: id,
-        name: format!("mn{id}"),
-        domain: None,
-        // Bound, never connected to: the primary's key names a tcp address.
         listen: Some("127.0.0.1:0".into()),
-        shm_socket: Some(dir.join(format!("mn{id}.sock"))),
         region_len: 16 << 20,
-        secret: secret(),
-        poll: Duration::ZERO,
-        role,
-        quarantine: Duration::from_secs(1),
         lock_lease: 2 * NODE_LEASE,
         node_lease: NODE_LEASE,
         coordinator: Coordination::Served("unix:coordinator".into()),
         cluster: "world".into(),
         standby: true,
-        replicas: 2,
-        rebuild_rate: 1 << 20,
-        qos: QosConfig::default(),
-        metrics: None,
-        rdma_device: None,
-        baseline_lock_server: false,
+        ..common::config(dir, id, role)
     }
 }
 
@@ -277,11 +204,8 @@ fn env(net: &Arc<Net>, id: u32) -> NodeEnv {
         dial: Arc::new(WorldDial(net.clone())),
         spawn: Arc::new(net.world.threads(id)),
         exit: {
-            let (world, net) = (net.world.clone(), net.clone());
-            Arc::new(move |code| {
-                net.exits.lock().unwrap().push((id, code));
-                world.kill(id);
-            })
+            let net = net.clone();
+            Arc::new(move |_code| net.kill(id))
         },
         serving: Some(Box::new(move |node: &Arc<Node>| {
             // Where its peers reach it: the primary's key names its tcp address, a joining
@@ -375,23 +299,6 @@ fn lookup(link: &dyn ControlLink, name: &str) -> Result<u64, RpcError> {
     }
 }
 
-/// A scratch directory of its own, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(seed: u64) -> Scratch {
-        let d = std::env::temp_dir().join(format!("rackfs-world-{}-{seed}", std::process::id()));
-        std::fs::create_dir_all(&d).expect("a scratch directory");
-        Scratch(d)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// What one seed's run saw.
 #[derive(Debug, Default)]
 struct Seen {
@@ -419,14 +326,13 @@ fn run(seed: u64) -> (Outcome, Seen) {
         .with_thread_names(true)
         .with_test_writer()
         .try_init();
-    let dir = Scratch::new(seed);
+    let dir = Scratch::new(&format!("world-{seed}"));
     let world = Turnstile::new(seed);
     world.set_watchdog(Duration::from_secs(30));
     let net = Arc::new(Net {
         lo: Loopback::new(),
         world: world.clone(),
         at: Mutex::new(HashMap::new()),
-        exits: Mutex::default(),
     });
     let clock: SharedClock = Arc::new(world.clone());
     let coord = Arc::new(Local::with_clock(NODE_LEASE / 4, clock));
@@ -560,23 +466,9 @@ fn run(seed: u64) -> (Outcome, Seen) {
     (outcome, seen)
 }
 
-fn seeds() -> Vec<u64> {
-    if let Some(s) = std::env::var("RACKFS_WORLD_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        return vec![s];
-    }
-    let n = std::env::var("RACKFS_WORLD_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2u64);
-    (1..=n).collect()
-}
-
 #[test]
 fn a_primary_stopped_past_its_lease_stays_silent_and_a_third_node_takes_over_whole() {
-    for seed in seeds() {
+    for seed in seeds("RACKFS_WORLD", 2) {
         let (outcome, seen) = run(seed);
         let replay =
             format!("replay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world");
