@@ -67,6 +67,8 @@ struct Thread {
     killed: bool,
     /// Not given the turn before this virtual time (a stopped process).
     paused_until: Duration,
+    /// Where this thread's OS thread waits for the turn (told alone when it gets it).
+    wake: Arc<Condvar>,
 }
 
 #[derive(Default)]
@@ -75,6 +77,8 @@ struct State {
     rng: u64,
     running: Option<usize>,
     threads: Vec<Thread>,
+    /// The threads not done, in the order they started: the ones each turn looks at.
+    live: Vec<usize>,
     /// (deadline, sequence, thread, epoch)
     timers: BinaryHeap<Reverse<(Duration, u64, usize, u64)>>,
     seq: u64,
@@ -98,9 +102,8 @@ impl State {
 
     /// Until when group `group` is paused (the latest end of its live threads' pauses).
     fn paused_until(&self, group: u32) -> Duration {
-        self.threads
-            .iter()
-            .filter(|t| t.group == group && t.run != Run::Done)
+        self.live_threads()
+            .filter(|t| t.group == group)
             .map(|t| t.paused_until)
             .max()
             .unwrap_or_default()
@@ -115,6 +118,10 @@ impl State {
             .is_some_and(|t| t.killed)
     }
 
+    fn live_threads(&self) -> impl Iterator<Item = &Thread> {
+        self.live.iter().map(|&i| &self.threads[i])
+    }
+
     fn wake(&mut self, tid: usize, epoch: u64) {
         let t = &mut self.threads[tid];
         if t.run == Run::Parked && t.epoch == epoch {
@@ -125,7 +132,8 @@ impl State {
 
 struct Shared {
     state: Mutex<State>,
-    turn: Condvar,
+    /// Where the driver waits for the running thread to give the turn back.
+    driver: Condvar,
     wall_origin: u64,
     watchdog: Mutex<Duration>,
 }
@@ -163,7 +171,7 @@ impl Turnstile {
                     rng: seed,
                     ..State::default()
                 }),
-                turn: Condvar::new(),
+                driver: Condvar::new(),
                 wall_origin: 1_704_067_200_000_000_000,
                 watchdog: Mutex::new(Duration::from_secs(20)),
             }),
@@ -191,8 +199,11 @@ impl Turnstile {
                 epoch: 0,
                 killed,
                 paused_until,
+                wake: Arc::new(Condvar::new()),
             });
-            s.threads.len() - 1
+            let tid = s.threads.len() - 1;
+            s.live.push(tid);
+            tid
         };
         let shared = self.shared.clone();
         let spawned = std::thread::Builder::new()
@@ -205,6 +216,7 @@ impl Turnstile {
                 }));
                 let mut s = shared.lock();
                 s.threads[tid].run = Run::Done;
+                s.live.retain(|&i| i != tid);
                 if let Err(p) = outcome {
                     if !p.is::<Killed>() && s.panicked.is_none() {
                         let msg = p
@@ -216,11 +228,12 @@ impl Turnstile {
                     }
                 }
                 s.running = None;
-                shared.turn.notify_all();
+                shared.driver.notify_one();
             });
         if let Err(e) = spawned {
             let mut s = self.shared.lock();
             s.threads[tid].run = Run::Done;
+            s.live.retain(|&i| i != tid);
             s.panicked = Some(format!("{name}: no OS thread: {e}"));
         }
     }
@@ -285,15 +298,14 @@ impl Turnstile {
                 return Outcome::Panicked(p);
             }
             let now = s.now;
-            let runnable: Vec<usize> = (0..s.threads.len())
+            let runnable: Vec<usize> = (s.live.iter().copied())
                 .filter(|&i| s.threads[i].run == Run::Runnable && s.threads[i].paused_until <= now)
                 .collect();
             if runnable.is_empty() {
                 // The earliest end of a pause of a thread that could run, if it comes before
                 // every timer: time moves there.
                 let resume = s
-                    .threads
-                    .iter()
+                    .live_threads()
                     .filter(|t| t.run == Run::Runnable)
                     .map(|t| t.paused_until)
                     .min();
@@ -308,8 +320,7 @@ impl Turnstile {
                 }
                 let Some(Reverse((at, _, tid, epoch))) = s.timers.pop() else {
                     let waiting: Vec<String> = s
-                        .threads
-                        .iter()
+                        .live_threads()
                         .filter(|t| t.run == Run::Parked)
                         .map(|t| t.name.clone())
                         .collect();
@@ -340,11 +351,11 @@ impl Turnstile {
                 .rotate_left(7)
                 .wrapping_add(pick as u64 ^ s.now.as_nanos() as u64);
             s.running = Some(pick);
-            self.shared.turn.notify_all();
+            s.threads[pick].wake.notify_one();
             while s.running.is_some() {
                 let (next, timeout) = self
                     .shared
-                    .turn
+                    .driver
                     .wait_timeout(s, watchdog)
                     .unwrap_or_else(|p| p.into_inner());
                 s = next;
@@ -412,8 +423,9 @@ impl crate::Spawn for GroupThreads {
 /// Blocks until `tid` holds the turn; a killed thread unwinds instead.
 fn wait_turn(shared: &Shared, tid: usize) {
     let mut s = shared.lock();
+    let wake = s.threads[tid].wake.clone();
     while s.running != Some(tid) {
-        s = shared.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+        s = wake.wait(s).unwrap_or_else(|p| p.into_inner());
     }
     // A killed thread already unwinding (its destructors wait too) goes on unwinding.
     if s.threads[tid].killed && !std::thread::panicking() {
@@ -440,7 +452,7 @@ fn park(shared: &Shared, me: usize, until: Option<Duration>, gate: Option<u64>, 
             s.gates.entry(g).or_default().push((me, epoch));
         }
         s.running = None;
-        shared.turn.notify_all();
+        shared.driver.notify_one();
     }
     wait_turn(shared, me);
 }
