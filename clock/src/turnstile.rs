@@ -382,6 +382,12 @@ impl Turnstile {
         (s.turns, s.fingerprint)
     }
 
+    /// Whether the calling thread's process was killed: its thread is unwinding (destructors
+    /// run, and may try to act), or will at its next wait. False off the simulation.
+    pub fn killed_here() -> bool {
+        Here::now().is_some_and(|h| h.killed())
+    }
+
     /// Gives the turn back while staying runnable: another thread may run first. A point
     /// where the simulation may interleave (a message sent, a shared word read).
     pub fn yield_now() {

@@ -96,7 +96,10 @@ impl Renewer {
             self.trouble(&why);
         }
         self.check(node);
-        if let (true, Some((held, true))) = (node.cfg.coordinator.elects(), self.lease) {
+        // Admitted or not: a node whose lease lapsed while the primary changed asks the old
+        // one to admit it under its new epoch, which it never will; it must follow the new
+        // one first (found by the whole-cluster simulation, `memnode/tests/world.rs`).
+        if let (true, Some((held, _))) = (node.cfg.coordinator.elects(), self.lease) {
             self.follow(node, held.lease);
         }
     }
