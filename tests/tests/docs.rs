@@ -13,14 +13,16 @@ fn semantics_doc_names_existing_tests() {
             continue;
         }
         // Integration tests live in tests/tests; tests of one crate in that crate's tests/
-        // (unit tests: the metadata service's file layouts in meta/src, the store's in
-        // memnode/src, the record-lock rules in locks/src).
+        // (the whole-cluster simulation in memnode/tests; unit tests: the metadata service's
+        // file layouts in meta/src, the store's in memnode/src, the record-lock rules in
+        // locks/src).
         let src = [
             "tests/tests",
             "fs/tests",
             "meta/tests",
             "meta/src",
             "memnode/src",
+            "memnode/tests",
             "locks/tests",
             "locks/src",
             "qos/tests",
