@@ -715,11 +715,14 @@ fn lapsed_while_the_primary_changes(seed: u64) -> (Outcome, Seen) {
     c.finish(Duration::from_secs(36))
 }
 
+/// The command that replays `seed` of `test`.
+fn replay(seed: u64, test: &str) -> String {
+    format!("replay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world {test}")
+}
+
 /// What every run must show, whatever its faults.
 fn check_common(seed: u64, test: &str, outcome: &Outcome, seen: &Seen) {
-    let replay = format!(
-        "replay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world {test}"
-    );
+    let replay = replay(seed, test);
     assert_eq!(
         *outcome,
         Outcome::TimeLimit,
@@ -740,9 +743,7 @@ fn a_primary_stopped_past_its_lease_stays_silent_and_a_third_node_takes_over_who
     for seed in seeds("RACKFS_WORLD", 2) {
         let (outcome, seen) = split_brain(seed);
         let test = "a_primary_stopped";
-        let replay = format!(
-            "replay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world {test}"
-        );
+        let replay = replay(seed, test);
         assert!(seen.created.is_some(), "seed {seed}: {seen:#?}\n{replay}");
         assert!(
             seen.first_successor.is_some(),
@@ -768,7 +769,8 @@ fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
         let test = "random_pauses";
         assert!(
             seen.unhealed.is_none() && seen.faults >= 3,
-            "seed {seed}: the cluster heals between faults: {seen:#?}\nreplay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world {test}"
+            "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
+            replay(seed, test)
         );
         check_common(seed, test, &outcome, &seen);
     }
@@ -781,7 +783,8 @@ fn a_data_node_stopped_past_its_lease_while_the_primary_changes_follows_the_new_
         let test = "a_data_node_stopped";
         assert!(
             seen.unhealed.is_none() && seen.log.len() >= 2,
-            "seed {seed}: the cluster heals: {seen:#?}\nreplay: RACKFS_WORLD_SEED={seed} cargo test -p rackfs-memnode --test world {test}"
+            "seed {seed}: the cluster heals: {seen:#?}\n{}",
+            replay(seed, test)
         );
         check_common(seed, test, &outcome, &seen);
     }
