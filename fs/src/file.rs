@@ -49,11 +49,13 @@ const MAX_ATTEMPTS: usize = 16;
 const STALE_PATIENCE: Duration = Duration::from_secs(4);
 
 /// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
-/// 50 ms while less than [`STALE_PATIENCE`] has passed since it started.
+/// 50 ms while less than [`STALE_PATIENCE`] has passed since the first one failed (the first
+/// may itself have waited out a node's deadline).
 struct Attempts<'a> {
     cl: &'a Cluster,
     made: usize,
-    started: u64,
+    /// When the first attempt failed ([`crate::clock::Clock::mono_ns`]).
+    failed: u64,
 }
 
 impl<'a> Attempts<'a> {
@@ -61,19 +63,22 @@ impl<'a> Attempts<'a> {
         Attempts {
             cl,
             made: 0,
-            started: cl.clock().mono_ns(),
+            failed: 0,
         }
     }
 
     /// Whether there is time left for more attempts.
     fn patient(&self) -> bool {
-        let spent = self.cl.clock().mono_ns().saturating_sub(self.started);
-        spent < STALE_PATIENCE.as_nanos() as u64
+        let now = self.cl.clock().mono_ns();
+        self.failed == 0 || now.saturating_sub(self.failed) < STALE_PATIENCE.as_nanos() as u64
     }
 
     /// Whether to make another attempt (after a pause, past the first few).
     fn next(&mut self) -> bool {
         self.made += 1;
+        if self.made == 2 {
+            self.failed = self.cl.clock().mono_ns();
+        }
         if self.made <= MAX_ATTEMPTS {
             return true;
         }
@@ -83,6 +88,16 @@ impl<'a> Attempts<'a> {
         let pause = 1u64 << (self.made - MAX_ATTEMPTS).min(6);
         self.cl.clock().sleep(Duration::from_millis(pause.min(50)));
         true
+    }
+
+    /// The operation gives up: EIO, logged with what it kept meeting.
+    fn exhausted(&self, ino: u64, what: &str) -> i32 {
+        tracing::warn!(
+            ino,
+            attempts = self.made - 1,
+            "{what} kept meeting stale layouts or failed replicas: EIO"
+        );
+        libc::EIO
     }
 }
 
@@ -365,7 +380,7 @@ impl FileData {
             }
             return Ok(size);
         }
-        Err(libc::EIO)
+        Err(attempts.exhausted(self.ino, "reading the file record"))
     }
 
     /// Learns stripe `k`'s replicas from the service, which answers once a move or copy of it
@@ -522,7 +537,14 @@ impl FileData {
     ) -> Result<Vec<u64>, i32> {
         let primary = cl.primary_id();
         if node == primary {
-            return Err(libc::EIO); // the file record is there: nothing to fail over to
+            // The file record is there: nothing to fail over to (the mount runs the operation
+            // again once the primary, or the one that took over, answers).
+            tracing::warn!(
+                ino = self.ino,
+                node,
+                "the primary failed a data operation: EIO"
+            );
+            return Err(libc::EIO);
         }
         if cl.node_failed(node)? {
             dead.push(node);
@@ -826,7 +848,7 @@ impl FileData {
             }
             return Ok(consume(&out[..valid]));
         }
-        Err(libc::EIO)
+        Err(attempts.exhausted(self.ino, "a read"))
     }
 
     /// Writes `data` at `offset` under the range lock of the 4 KiB units it touches, so
@@ -1122,7 +1144,7 @@ impl FileData {
             self.written_mtime.fetch_max(mtime, Ordering::Relaxed);
             return Ok(());
         }
-        Err(libc::EIO)
+        Err(attempts.exhausted(self.ino, "a write"))
     }
 
     /// CAS-max of the size to at least `end`, starting from a last seen value.

@@ -31,7 +31,12 @@ pub struct RackFs {
     client: Client,
 }
 
+/// The errno to reply with; an EIO (the application sees an I/O error) is logged, so the
+/// mount's log shows every one next to the warnings that explain it.
 fn errno(e: Errno) -> fuser::Errno {
+    if e.code() == libc::EIO {
+        tracing::warn!("an operation failed with EIO");
+    }
     fuser::Errno::from_i32(e.code())
 }
 

@@ -36,7 +36,11 @@ impl Mount {
             .args(["mount", "--foreground", source])
             .arg(&dir)
             .args(["-o", &all])
-            .env("RUST_LOG", "info")
+            // A test run's RUST_LOG (say `info,rackfs_fs=debug`) reaches the mount too.
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
