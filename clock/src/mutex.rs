@@ -10,12 +10,16 @@
 //! A simulated process killed while a thread of its held the lock (it unwinds) leaves it
 //! unpoisoned.
 //!
+//! In debug builds (the tests) a thread that locks a mutex it already holds panics instead of
+//! waiting for itself for good: a primary's membership thread once did so, and every later
+//! declaration of a dead node waited behind it.
+//!
 //! Invariant: a simulated thread waits only after flagging `contended`, and an unlock that
 //! finds the flag opens the gate, so no unlock is missed (between the waiter's failed
 //! `try_lock` and its wait no other simulated thread runs).
 
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{LockResult, PoisonError, TryLockError};
 
 use crate::turnstile::{new_gate, Here};
@@ -26,7 +30,18 @@ pub struct Mutex<T: ?Sized> {
     gate: u64,
     /// A simulated thread waits for it: the unlock opens the gate.
     contended: AtomicBool,
+    /// The thread holding it ([`this_thread`]; 0: none), checked in debug builds only.
+    owner: AtomicU64,
     inner: std::sync::Mutex<T>,
+}
+
+/// A number of the calling thread's own, never 0.
+fn this_thread() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    ID.with(|id| *id)
 }
 
 /// [`Mutex`]'s guard.
@@ -41,6 +56,7 @@ impl<T> Mutex<T> {
         Mutex {
             gate: new_gate(),
             contended: AtomicBool::new(false),
+            owner: AtomicU64::new(0),
             inner: std::sync::Mutex::new(value),
         }
     }
@@ -64,6 +80,9 @@ impl<T: ?Sized + std::fmt::Debug> std::fmt::Debug for Mutex<T> {
 
 impl<T: ?Sized> Mutex<T> {
     fn guard<'a>(&'a self, g: std::sync::MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        if cfg!(debug_assertions) {
+            self.owner.store(this_thread(), Ordering::Relaxed);
+        }
         MutexGuard {
             mutex: self,
             guard: Some(g),
@@ -82,6 +101,9 @@ impl<T: ?Sized> Mutex<T> {
 
     /// Locks it (see the module docs for how a simulated thread waits).
     pub fn lock(&self) -> LockResult<MutexGuard<'_, T>> {
+        if cfg!(debug_assertions) && self.owner.load(Ordering::Relaxed) == this_thread() {
+            panic!("a thread locks a mutex it already holds: it would wait for itself for good");
+        }
         loop {
             match self.inner.try_lock() {
                 Ok(g) => return Ok(self.guard(g)),
@@ -103,6 +125,7 @@ impl<T: ?Sized> Mutex<T> {
 impl<'a, T: ?Sized> MutexGuard<'a, T> {
     /// The std guard, for a `Condvar` wait; the caller gives it back with [`MutexGuard::from_std`].
     pub(crate) fn into_std(mut self) -> (&'a Mutex<T>, std::sync::MutexGuard<'a, T>) {
+        self.mutex.owner.store(0, Ordering::Relaxed);
         let g = self.guard.take().expect("held");
         (self.mutex, g)
     }
@@ -132,9 +155,11 @@ impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
 
 impl<T: ?Sized> Drop for MutexGuard<'_, T> {
     fn drop(&mut self) {
-        if self.guard.take().is_none() {
+        let Some(g) = self.guard.take() else {
             return; // handed to a Condvar: still locked
-        }
+        };
+        self.mutex.owner.store(0, Ordering::Relaxed);
+        drop(g);
         if std::thread::panicking() && Here::now().is_some_and(|h| h.killed()) {
             // A killed process's thread unwinding is no bug in the critical section: what
             // it shared is another process's to go on with (or nobody's).
@@ -174,6 +199,30 @@ mod tests {
             .collect();
         ts.into_iter().for_each(|t| t.join().unwrap());
         assert_eq!(*m.lock().unwrap(), 4000);
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "a thread locks a mutex it already holds")]
+    fn a_thread_locking_a_mutex_it_holds_panics_instead_of_waiting_for_itself() {
+        let m = Mutex::new(0u64);
+        let _held = m.lock().unwrap();
+        let _again = m.lock();
+    }
+
+    #[test]
+    fn a_mutex_unlocked_or_held_by_another_thread_is_no_reentry() {
+        let m = Arc::new(Mutex::new(0u64));
+        drop(m.lock().unwrap());
+        let held = m.lock().unwrap();
+        let other = {
+            let m = m.clone();
+            std::thread::spawn(move || *m.lock().unwrap() += 1)
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        drop(held);
+        other.join().unwrap();
+        assert_eq!(*m.lock().unwrap(), 1);
     }
 
     #[test]

@@ -248,10 +248,6 @@ const CREATE_RESERVE: u64 = 4096;
 /// How many failovers of the primary one data operation is carried across.
 const FAILOVER_RETRIES: u32 = 3;
 
-/// How long a data operation is run again while its data connection to the primary fails but
-/// the primary answers (see `Client::across_failover`).
-const PRIMARY_PATIENCE: Duration = Duration::from_secs(4);
-
 /// The attributes an answer carries.
 fn attr_in(r: ControlResponse) -> Result<Attr, Errno> {
     match r {
@@ -394,35 +390,23 @@ impl Client {
 
     /// Runs a data operation, and again if it failed with EIO because the primary died and
     /// another took over meanwhile (at most [`FAILOVER_RETRIES`] times: each retry needs a
-    /// failover of its own), or because its data connection to the primary was lost or
-    /// refused while the primary still answers (paused past its lease for a moment, it refuses
-    /// data until it renewed it): then again every 20 ms for up to [`PRIMARY_PATIENCE`].
+    /// failover of its own).
     fn across_failover<T>(&self, mut op: impl FnMut() -> Result<T, i32>) -> Result<T, Errno> {
-        let cl = &self.cluster;
-        let started = cl.clock().now();
-        let mut before = (cl.failovers(), cl.primary_troubles());
+        let mut before = self.cluster.failovers();
         let mut r = op();
-        let (mut failovers, mut again) = (0, 0);
-        while matches!(r, Err(libc::EIO)) {
-            if failovers < FAILOVER_RETRIES && cl.primary_replaced(before.0) {
-                failovers += 1;
-            } else if cl.primary_troubles() != before.1
-                && cl.clock().now().saturating_sub(started) < PRIMARY_PATIENCE
-                && cl.primary_answers()
-            {
-                again += 1;
-                cl.clock().sleep(Duration::from_millis(20));
-            } else {
-                break;
-            }
-            before = (cl.failovers(), cl.primary_troubles());
+        let mut retries = 0;
+        while matches!(r, Err(libc::EIO))
+            && retries < FAILOVER_RETRIES
+            && self.cluster.primary_replaced(before)
+        {
+            before = self.cluster.failovers();
+            retries += 1;
             r = op();
         }
-        if failovers + again > 0 && r.is_err() {
+        if retries > 0 && r.is_err() {
             tracing::warn!(
-                failovers,
-                again,
-                "a data operation failed again after the primary's failover or reconnection"
+                retries,
+                "a data operation failed again after the primary's failover"
             );
         }
         r.map_err(Errno::new)

@@ -82,9 +82,6 @@ pub struct Cluster {
     on_failover: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// How many times this mount moved to a primary that took over.
     failovers: std::sync::atomic::AtomicU64,
-    /// How many times the data connection to the primary was lost or refused (not by a
-    /// fence): an operation that failed on it may run again while the primary answers.
-    primary_troubles: std::sync::atomic::AtomicU64,
     /// Namespace requests numbered so far (see [`MetaRequest::Numbered`]).
     requests: std::sync::atomic::AtomicU64,
     /// Held while a new session is set up.
@@ -253,7 +250,6 @@ impl Cluster {
                 on_failover: Mutex::new(None),
                 requests: Default::default(),
                 failovers: 0.into(),
-                primary_troubles: 0.into(),
                 recovering: Mutex::new(()),
                 loads: NodeLoads::new(ReadPolicy::Adaptive, env.clock.clone()),
                 env,
@@ -409,27 +405,21 @@ impl Cluster {
         }
     }
 
-    /// How many times this mount lost its data connection to the primary, or could not make
-    /// one, other than by a fence (a primary paused past its lease for a moment refuses data
-    /// until it renewed it).
-    pub fn primary_troubles(&self) -> u64 {
-        self.primary_troubles
-            .load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    fn primary_trouble(&self, id: u32, why: &VerbsError) {
-        if id == self.primary_id() && !matches!(why, VerbsError::Fenced { .. }) {
-            self.primary_troubles
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// Whether the primary answers a ping.
-    pub fn primary_answers(&self) -> bool {
-        matches!(
-            self.primary().call(&ControlRequest::Ping),
-            Ok(ControlResponse::Pong)
-        )
+    /// Whether the primary this mount knows still serves it in session `session`: it answers
+    /// a namespace request there (not deposed, the session not fenced). A data operation the
+    /// primary failed may then be tried again on a new connection: a primary paused for about
+    /// its lease may keep it, yet refuse data until it renewed its own. Never starts a new
+    /// session.
+    pub fn primary_serves(&self, session: u64) -> bool {
+        let (primary, now) = self.primary.read().expect("primary lock").clone();
+        now == session
+            && !self.is_fenced()
+            && matches!(
+                primary.meta(MetaRequest::GetAttr {
+                    ino: rackfs_proto::namespace::ROOT_INO,
+                }),
+                Ok(ControlResponse::Attr(_))
+            )
     }
 
     /// Whether another node is elected primary when this one dies (etcd).
@@ -636,13 +626,8 @@ impl Cluster {
             Ok(qp) => qp,
             // A node started again listens elsewhere: ask the primary where it is now.
             Err(e) => match self.ask_addr(id) {
-                Some(now) if now != addr => self
-                    .connect_to(&now, session)
-                    .inspect_err(|e| self.primary_trouble(id, e))?,
-                _ => {
-                    self.primary_trouble(id, &e);
-                    return Err(e);
-                }
+                Some(now) if now != addr => self.connect_to(&now, session)?,
+                _ => return Err(e),
             },
         };
         let rkey = qp
@@ -983,11 +968,9 @@ impl Cluster {
             // only need their decay and reports kept roughly current.
             clock.sleep(EngineConfig::default().delta * 4);
             let Some(cl) = weak.upgrade() else { return };
-            for (node, e) in cl.qos_engines() {
+            for (_, e) in cl.qos_engines() {
                 if let Err(err) = rackfs_verbs::block_on(e.tick()) {
-                    tracing::debug!(node, error = %err, "QoS refresh failed");
-                    // A lost connection is made anew on the next use, not ticked every δ.
-                    cl.verbs_errno(node, &err);
+                    tracing::debug!(error = %err, "QoS refresh failed");
                 }
             }
         };
@@ -1068,7 +1051,6 @@ impl Cluster {
             .get(&id)
             .is_some_and(|n| n.qp.transport() == "tcp" && !n.qp.is_broken());
         if !newer && nodes.remove(&id).is_some() {
-            self.primary_trouble(id, why);
             if let VerbsError::Fenced { .. } = why {
                 tracing::error!(node = id, error = %why, "this mount was fenced: operations on the node's data return EIO");
             } else {

@@ -49,13 +49,11 @@ const MAX_ATTEMPTS: usize = 16;
 const STALE_PATIENCE: Duration = Duration::from_secs(4);
 
 /// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
-/// 50 ms while less than [`STALE_PATIENCE`] has passed since the first one failed (the first
-/// may itself have waited out a node's deadline).
+/// 50 ms while less than [`STALE_PATIENCE`] has passed since it started.
 struct Attempts<'a> {
     cl: &'a Cluster,
     made: usize,
-    /// When the first attempt failed ([`crate::clock::Clock::mono_ns`]).
-    failed: u64,
+    started: u64,
 }
 
 impl<'a> Attempts<'a> {
@@ -63,22 +61,19 @@ impl<'a> Attempts<'a> {
         Attempts {
             cl,
             made: 0,
-            failed: 0,
+            started: cl.clock().mono_ns(),
         }
     }
 
     /// Whether there is time left for more attempts.
     fn patient(&self) -> bool {
-        let now = self.cl.clock().mono_ns();
-        self.failed == 0 || now.saturating_sub(self.failed) < STALE_PATIENCE.as_nanos() as u64
+        let spent = self.cl.clock().mono_ns().saturating_sub(self.started);
+        spent < STALE_PATIENCE.as_nanos() as u64
     }
 
     /// Whether to make another attempt (after a pause, past the first few).
     fn next(&mut self) -> bool {
         self.made += 1;
-        if self.made == 2 {
-            self.failed = self.cl.clock().mono_ns();
-        }
         if self.made <= MAX_ATTEMPTS {
             return true;
         }
@@ -99,6 +94,15 @@ impl<'a> Attempts<'a> {
         );
         libc::EIO
     }
+}
+
+/// What one write learnt of nodes that failed it.
+struct Failed {
+    /// The mount's session when the write started: a primary that failed it is tried again
+    /// only while it serves that session.
+    session: u64,
+    /// Data nodes declared dead after failing it.
+    nodes: Vec<u32>,
 }
 
 /// Most stripes one `fallocate` request to the service covers (each may take a round trip to
@@ -292,6 +296,30 @@ impl FileData {
         *self.layout.write().expect("layout lock") = Layout::default();
     }
 
+    /// The primary failed a data operation of this file with `e` (its connection is dropped):
+    /// whether to try again (see [`FileData::primary_serves`]).
+    fn primary_back(&self, cl: &Cluster, session: u64, e: VerbsError) -> bool {
+        let fenced = matches!(e, VerbsError::Fenced { .. });
+        self.verbs_err(cl, cl.primary_id(), e);
+        !fenced && self.primary_serves(cl, session)
+    }
+
+    /// After the primary failed a data operation of this file: whether it still serves this
+    /// mount's session `session` (see [`Cluster::primary_serves`]), so the operation is tried
+    /// again. Otherwise the operation fails with EIO, and the mount runs it again on a primary
+    /// that took over (`Client::across_failover`).
+    fn primary_serves(&self, cl: &Cluster, session: u64) -> bool {
+        let serves = cl.primary_serves(session);
+        if !serves {
+            tracing::warn!(
+                ino = self.ino,
+                node = cl.primary_id(),
+                "the primary failed a data operation and does not serve this session: EIO"
+            );
+        }
+        serves
+    }
+
     fn verbs_err(&self, cl: &Cluster, node: u32, e: VerbsError) -> i32 {
         tracing::debug!(ino = self.ino, node, error = %e, "I/O failed: EIO");
         cl.verbs_errno(node, &e)
@@ -301,11 +329,14 @@ impl FileData {
     /// the cache. Returns the current size.
     pub fn refresh(&self, cl: &Cluster, wanted: &[u64]) -> Result<u64, i32> {
         let primary = cl.primary_id();
-        let p = cl
-            .node(primary)
-            .map_err(|e| self.verbs_err(cl, primary, e))?;
+        let session = cl.session();
         let mut attempts = Attempts::new(cl);
         while attempts.next() {
+            let p = match cl.node(primary) {
+                Ok(p) => p,
+                Err(e) if self.primary_back(cl, session, e.clone()) => continue,
+                Err(_) => return Err(libc::EIO),
+            };
             let (table, cap, replicas) = {
                 let l = self.layout.read().expect("layout lock");
                 (l.table, l.cap, l.replicas)
@@ -322,9 +353,11 @@ impl FileData {
                 })
                 .collect();
             let sent = cl.clock().mono_ns();
-            let done =
-                p.qp.execute(b)
-                    .map_err(|e| self.verbs_err(cl, primary, e))?;
+            let done = match p.qp.execute(b) {
+                Ok(done) => done,
+                Err(e) if self.primary_back(cl, session, e.clone()) => continue,
+                Err(_) => return Err(libc::EIO),
+            };
             let r = done.data(rec).map_err(|e| self.verbs_err(cl, primary, e))?;
             let at = |w: u64| word(r, (w / 8) as usize);
             let size = at(REC_SIZE);
@@ -458,12 +491,7 @@ impl FileData {
     /// seen live within their node's lease, and returns the stripes that turned out stale (or
     /// lost a replica to a failed node). Writing to a replica seen live long ago could land
     /// in memory the node has freed and reused.
-    fn recheck(
-        &self,
-        cl: &Cluster,
-        tags: &[TagCheck],
-        dead: &mut Vec<u32>,
-    ) -> Result<Vec<u64>, i32> {
+    fn recheck(&self, cl: &Cluster, tags: &[TagCheck], dead: &mut Failed) -> Result<Vec<u64>, i32> {
         let now = cl.clock().mono_ns();
         let expired: Vec<TagCheck> = {
             let l = self.layout.read().expect("layout lock");
@@ -529,25 +557,18 @@ impl FileData {
     /// Data node `node` failed a write: once the primary has dropped it from the replicas
     /// (noted in `dead`) or found it alive, forgets the cached stripes with a replica there and
     /// returns them (the write is redone on a fresh layout).
-    fn replica_failed(
-        &self,
-        cl: &Cluster,
-        node: u32,
-        dead: &mut Vec<u32>,
-    ) -> Result<Vec<u64>, i32> {
+    fn replica_failed(&self, cl: &Cluster, node: u32, dead: &mut Failed) -> Result<Vec<u64>, i32> {
         let primary = cl.primary_id();
         if node == primary {
-            // The file record is there: nothing to fail over to (the mount runs the operation
-            // again once the primary, or the one that took over, answers).
-            tracing::warn!(
-                ino = self.ino,
-                node,
-                "the primary failed a data operation: EIO"
-            );
-            return Err(libc::EIO);
+            // The file record is there: nothing to fail over to. Tried again while the primary
+            // serves the session the operation started in.
+            return match self.primary_serves(cl, dead.session) {
+                true => Ok(Vec::new()),
+                false => Err(libc::EIO),
+            };
         }
         if cl.node_failed(node)? {
-            dead.push(node);
+            dead.nodes.push(node);
         }
         Ok(self.forget_node(node))
     }
@@ -582,7 +603,7 @@ impl FileData {
         &self,
         cl: &Cluster,
         failed: Vec<(u32, VerbsError)>,
-        dead: &mut Vec<u32>,
+        dead: &mut Failed,
     ) -> Result<Vec<u64>, i32> {
         let mut redo = Vec::new();
         for (node, e) in failed {
@@ -733,6 +754,7 @@ impl FileData {
         let ps = pieces(offset, len as u64, self.unit);
         // Nodes that failed this read.
         let mut avoid: Vec<u32> = Vec::new();
+        let session = cl.session();
         let mut attempts = Attempts::new(cl);
         'attempt: while attempts.next() {
             let missing = self.uncached(&ps);
@@ -786,9 +808,11 @@ impl FileData {
             }
             let tags = touched.check(&mut batches);
             let size_id = if size.is_none() {
-                let pr = cl
-                    .node(primary)
-                    .map_err(|e| self.verbs_err(cl, primary, e))?;
+                let pr = match cl.node(primary) {
+                    Ok(p) => p,
+                    Err(e) if self.primary_back(cl, session, e.clone()) => continue 'attempt,
+                    Err(_) => return Err(libc::EIO),
+                };
                 Some(
                     batches
                         .entry(primary)
@@ -813,7 +837,15 @@ impl FileData {
             let out = self.run(cl, batches, None)?;
             if !out.failed.is_empty() {
                 if out.failed.iter().any(|(n, _)| *n == primary) && size_id.is_some() {
-                    return Err(libc::EIO);
+                    if out
+                        .failed
+                        .iter()
+                        .any(|(_, e)| matches!(e, VerbsError::Fenced { .. }))
+                        || !self.primary_serves(cl, session)
+                    {
+                        return Err(libc::EIO);
+                    }
+                    continue;
                 }
                 for (n, _) in &out.failed {
                     self.avoid(*n, &mut avoid);
@@ -1006,13 +1038,17 @@ impl FileData {
             return Ok(());
         }
         let ps = pieces(offset, data.len() as u64, self.unit);
-        let pr = self
-            .node(cl, primary, session)
-            .map_err(|e| self.verbs_err(cl, primary, e))?;
-        // Nodes declared dead after failing this write.
-        let mut dead: Vec<u32> = Vec::new();
+        let mut dead = Failed {
+            session: session.unwrap_or_else(|| cl.session()),
+            nodes: Vec::new(),
+        };
         let mut attempts = Attempts::new(cl);
         while attempts.next() {
+            let pr = match self.node(cl, primary, session) {
+                Ok(p) => p,
+                Err(e) if self.primary_back(cl, dead.session, e.clone()) => continue,
+                Err(_) => return Err(libc::EIO),
+            };
             let short = self.short(&ps);
             if !short.is_empty() {
                 let stripes: Vec<u64> = short.iter().map(|s| s.0).collect();
@@ -1059,7 +1095,7 @@ impl FileData {
                     complete = false;
                     break;
                 }
-                if let Some(e) = replicas.iter().find(|e| dead.contains(&e.node)) {
+                if let Some(e) = replicas.iter().find(|e| dead.nodes.contains(&e.node)) {
                     // Its only replica is on a node declared dead: nothing to write to.
                     tracing::warn!(
                         ino = self.ino,

@@ -39,7 +39,7 @@ use rackfs_proto::{Refusal, RpcError};
 use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
-use crate::node::Node;
+use crate::node::{FreesGo, Node};
 use crate::term::PRIMARY_KEY;
 
 /// How a data node takes over as primary once the coordinator's `primary` key is gone. The
@@ -278,7 +278,10 @@ fn drop_replicas(
     discards: &mut HashMap<u32, Vec<u64>>,
     empty: bool,
 ) {
-    let Some(d) = node.with_meta(|m| m.drop_node(id, node)) else {
+    // The frees other changes queued go by the frees thread, not this one: sending them notes
+    // those of a down node in `discards`, which the caller holds (it waited on itself for
+    // good, and every later declaration, admission and NodeFailed behind it).
+    let Some(d) = node.with_meta_freeing(FreesGo::Soon, |m| m.drop_node(id, node)) else {
         return;
     };
     if !d.extents.is_empty() {
