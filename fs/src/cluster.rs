@@ -408,18 +408,30 @@ impl Cluster {
     /// Whether the primary this mount knows still serves it in session `session`: it answers
     /// a namespace request there (not deposed, the session not fenced). A data operation the
     /// primary failed may then be tried again on a new connection: a primary paused for about
-    /// its lease may keep it, yet refuse data until it renewed its own. Never starts a new
+    /// its lease may keep it, or win it back, yet refuse data until it renewed its own. One
+    /// that says it is not serving is asked again for up to [`PRIMARY_RETURN`] (it may be
+    /// renewing its lease right now); one that does not answer is not. Never starts a new
     /// session.
     pub fn primary_serves(&self, session: u64) -> bool {
-        let (primary, now) = self.primary.read().expect("primary lock").clone();
-        now == session
-            && !self.is_fenced()
-            && matches!(
-                primary.meta(MetaRequest::GetAttr {
-                    ino: rackfs_proto::namespace::ROOT_INO,
-                }),
-                Ok(ControlResponse::Attr(_))
-            )
+        let started = self.clock().now();
+        loop {
+            let (primary, now) = self.primary.read().expect("primary lock").clone();
+            if now != session || self.is_fenced() {
+                return false;
+            }
+            match primary.meta(MetaRequest::GetAttr {
+                ino: rackfs_proto::namespace::ROOT_INO,
+            }) {
+                Ok(ControlResponse::Attr(_)) => return true,
+                Err(RpcError::Refused {
+                    code: rackfs_proto::ErrorCode::NotPrimary,
+                    ..
+                }) if self.clock().now().saturating_sub(started) < PRIMARY_RETURN => {
+                    self.clock().sleep(Duration::from_millis(50));
+                }
+                _ => return false,
+            }
+        }
     }
 
     /// Whether another node is elected primary when this one dies (etcd).
@@ -1062,6 +1074,11 @@ impl Cluster {
 
 /// Failovers a namespace request is carried across.
 const META_FAILOVERS: usize = 3;
+
+/// How long a primary that says it is not serving is asked again whether it serves a data
+/// operation's session (see [`Cluster::primary_serves`]): about a node lease, within which a
+/// primary that kept its coordinator lease renews its own.
+const PRIMARY_RETURN: Duration = Duration::from_secs(2);
 
 /// How long a mount waits for a standby to take over from a primary that stopped answering.
 pub const FAILOVER_WAIT: Duration = Duration::from_secs(20);
