@@ -386,6 +386,10 @@ impl Cluster {
         if !self.elects_primary() {
             return false;
         }
+        // A failover another thread is making swaps the primary's link before it counts:
+        // waited out first, or the probe below would find the new primary answering and the
+        // count not moved yet.
+        drop(self.recovering.lock().expect("recovery lock"));
         if self.failovers() != before {
             return true; // another thread moved on meanwhile
         }
