@@ -413,9 +413,8 @@ impl Cluster {
     /// a namespace request there (not deposed, the session not fenced). A data operation the
     /// primary failed may then be tried again on a new connection: a primary paused for about
     /// its lease may keep it, or win it back, yet refuse data until it renewed its own. One
-    /// that says it is not serving is asked again for up to 2 s (it may be
-    /// renewing its lease right now); one that does not answer is not. Never starts a new
-    /// session.
+    /// that says it is not serving is asked again for up to 2 s (it may be renewing its lease
+    /// right now); one that does not answer is not. Never starts a new session.
     pub fn primary_serves(&self, session: u64) -> bool {
         let started = self.clock().now();
         loop {

@@ -562,10 +562,10 @@ impl FileData {
         if node == primary {
             // The file record is there: nothing to fail over to. Tried again while the primary
             // serves the session the operation started in.
-            return match self.primary_serves(cl, dead.session) {
-                true => Ok(Vec::new()),
-                false => Err(libc::EIO),
-            };
+            if self.primary_serves(cl, dead.session) {
+                return Ok(Vec::new());
+            }
+            return Err(libc::EIO);
         }
         if cl.node_failed(node)? {
             dead.nodes.push(node);
@@ -836,13 +836,9 @@ impl FileData {
             let sent = cl.clock().mono_ns();
             let out = self.run(cl, batches, None)?;
             if !out.failed.is_empty() {
-                if out.failed.iter().any(|(n, _)| *n == primary) && size_id.is_some() {
-                    if out
-                        .failed
-                        .iter()
-                        .any(|(_, e)| matches!(e, VerbsError::Fenced { .. }))
-                        || !self.primary_serves(cl, session)
-                    {
+                let on_primary = out.failed.iter().find(|(n, _)| *n == primary);
+                if let (Some((_, e)), Some(_)) = (on_primary, size_id) {
+                    if !self.primary_back(cl, session, e.clone()) {
                         return Err(libc::EIO);
                     }
                     continue;
