@@ -79,6 +79,13 @@ impl<T: ?Sized + std::fmt::Debug> std::fmt::Debug for Mutex<T> {
 }
 
 impl<T: ?Sized> Mutex<T> {
+    /// No thread holds it any more (the debug builds' re-entry check).
+    fn disown(&self) {
+        if cfg!(debug_assertions) {
+            self.owner.store(0, Ordering::Relaxed);
+        }
+    }
+
     fn guard<'a>(&'a self, g: std::sync::MutexGuard<'a, T>) -> MutexGuard<'a, T> {
         if cfg!(debug_assertions) {
             self.owner.store(this_thread(), Ordering::Relaxed);
@@ -125,7 +132,7 @@ impl<T: ?Sized> Mutex<T> {
 impl<'a, T: ?Sized> MutexGuard<'a, T> {
     /// The std guard, for a `Condvar` wait; the caller gives it back with [`MutexGuard::from_std`].
     pub(crate) fn into_std(mut self) -> (&'a Mutex<T>, std::sync::MutexGuard<'a, T>) {
-        self.mutex.owner.store(0, Ordering::Relaxed);
+        self.mutex.disown();
         let g = self.guard.take().expect("held");
         (self.mutex, g)
     }
@@ -158,7 +165,7 @@ impl<T: ?Sized> Drop for MutexGuard<'_, T> {
         let Some(g) = self.guard.take() else {
             return; // handed to a Condvar: still locked
         };
-        self.mutex.owner.store(0, Ordering::Relaxed);
+        self.mutex.disown();
         drop(g);
         if std::thread::panicking() && Here::now().is_some_and(|h| h.killed()) {
             // A killed process's thread unwinding is no bug in the critical section: what
