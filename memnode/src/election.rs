@@ -134,7 +134,7 @@ impl Primacy {
     /// renewal. Once the lease lapsed (the coordinator was out of reach for a whole lease) the
     /// node serves nothing and campaigns again: it resumes if the key is still free and exits
     /// if another node took it.
-    pub fn run(mut self, node: &Node) {
+    pub fn run(mut self, node: &Arc<Node>) {
         let mut complained = false;
         while !node.is_stopping() {
             node.clock.sleep(renew_every(self.ttl));
@@ -172,7 +172,7 @@ impl Primacy {
     }
 
     /// Campaigns again after the lease lapsed.
-    fn again(&mut self, node: &Node) {
+    fn again(&mut self, node: &Arc<Node>) {
         while !node.is_stopping() {
             match claim(
                 &*self.coord,

@@ -466,17 +466,33 @@ impl Node {
 
     /// Re-elected at a new epoch: declares it on every connection to a data node (the peers'
     /// and the standby's journal), whose nodes would otherwise refuse this primary's requests
-    /// as an earlier primary's.
-    pub fn declare_term(&self) {
+    /// as an earlier primary's. Each declaration runs on a thread of its own: a stopped node
+    /// answers only at the call's deadline, and the caller (the primary's lease) must not wait
+    /// for it, or the lease lapses again meanwhile. A declaration whose epoch is no longer
+    /// this node's by the time it runs is skipped.
+    pub fn declare_term(self: &Arc<Self>) {
         let epoch = self.term.epoch();
-        let me = self.cfg.node_id;
-        let req = ControlRequest::Primary { node: me, epoch };
+        let req = ControlRequest::Primary {
+            node: self.cfg.node_id,
+            epoch,
+        };
         for (id, peer) in self.members.peers() {
-            if let Err(e) = peer.call(&req) {
-                warn!(node = id, epoch, error = %e, "cannot declare this primary's new epoch to a data node; its requests there are refused until it joins again");
-            }
+            let req = req.clone();
+            self.start_thread(&format!("declare-{id}"), move |n| {
+                if n.term.epoch() != epoch {
+                    return;
+                }
+                if let Err(e) = peer.call(&req) {
+                    warn!(node = id, epoch, error = %e, "cannot declare this primary's new epoch to a data node; its requests there are refused until it joins again");
+                }
+            });
         }
-        self.standby.declare(&req);
+        self.start_thread("declare-standby", move |n| {
+            if let (Some(meta), true) = (n.meta.get(), n.term.epoch() == epoch) {
+                let guard = n.term.guard();
+                (n.standby).declare(&req, meta, &*n.coord, &*n.clock, guard);
+            }
+        });
     }
 
     /// Has peer `node` carry out `req` (answered `Ok` or refused).

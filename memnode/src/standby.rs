@@ -66,32 +66,34 @@ pub fn keep(node: &Node) {
     let Some(meta) = node.meta.get() else { return };
     let Some(id) = rackfs_meta::Storage::data_nodes(node)
         .into_iter()
-        .find(|&id| id != me)
+        .find(|&id| id != me && !node.members.is_down(id))
     else {
         return;
     };
-    let mut m = meta.lock().expect("metadata lock");
-    match sync(node, &mut m, id) {
-        Ok((seq, conn)) => {
-            node.standby.set_follower(id, conn);
-            info!(
-                standby = id,
-                seq, "metadata standby in sync: every change reaches it before it is answered"
-            );
-        }
-        Err(why) => {
+    // Reached before the metadata lock is taken: a stopped node answers only at the deadline,
+    // and every change would wait for it meanwhile.
+    let synced = connect(node, id).and_then(|peer| {
+        let mut m = meta.lock().expect("metadata lock");
+        let seq = sync(node, &mut m, id, &*peer).inspect_err(|_| {
             m.set_journaling(false);
+        })?;
+        node.standby.set_follower(id, peer);
+        Ok(seq)
+    });
+    match synced {
+        Ok(seq) => info!(
+            standby = id,
+            seq, "metadata standby in sync: every change reaches it before it is answered"
+        ),
+        Err(why) => {
             node.standby.sync_failed(node.clock.now());
             warn!(standby = id, error = %why, "cannot make this node the metadata standby; retrying later");
         }
     }
 }
 
-/// Sends node `id` a snapshot of `m` with journaling on, then names it in the `standby` key;
-/// returns the journal position the snapshot stands at and the connection for the journal.
-fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, Arc<dyn ControlLink>), String> {
-    let seq = m.set_journaling(true);
-    let bytes = crate::standby_state::snapshot(m, node.data_region())?;
+/// The journal connection to node `id`, this primary's epoch declared on it.
+fn connect(node: &Node, id: u32) -> Result<Arc<dyn ControlLink>, String> {
     let addr = node
         .members
         .addr_of(id)
@@ -107,6 +109,14 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, Arc<dyn Contr
     )
     .map_err(|e| e.to_string())?;
     peer.set_deadline((node.cfg.node_lease / 2).max(Duration::from_millis(200)));
+    Ok(peer)
+}
+
+/// Sends node `id` a snapshot of `m` over `peer` with journaling on, then names it in the
+/// `standby` key; returns the journal position the snapshot stands at.
+fn sync(node: &Node, m: &mut MetaService, id: u32, peer: &dyn ControlLink) -> Result<u64, String> {
+    let seq = m.set_journaling(true);
+    let bytes = crate::standby_state::snapshot(m, node.data_region())?;
     let pieces: Vec<&[u8]> = bytes.chunks(PIECE).collect();
     for (i, piece) in pieces.iter().enumerate() {
         let req = ControlRequest::Mirror {
@@ -133,7 +143,7 @@ fn sync(node: &Node, m: &mut MetaService, id: u32) -> Result<(u64, Arc<dyn Contr
     node.coord
         .write_if(&guard, name)
         .map_err(|e| format!("cannot name the standby in the coordinator: {e}"))?;
-    Ok((seq, peer))
+    Ok(seq)
 }
 
 /// Data node: one piece of a snapshot from the primary (see [`Standby::take_piece`](crate::standby_state::Standby::take_piece)).

@@ -356,14 +356,26 @@ impl Standby {
         }
     }
 
-    /// Primary: declares a new epoch on the standby's journal connection (re-elected); a
-    /// standby that refuses it is synced again later.
-    pub fn declare(&self, req: &ControlRequest) {
+    /// Primary: declares a new epoch on the standby's journal connection (re-elected). A
+    /// standby that does not take it is dropped as one that did not take the journal is
+    /// (`standby` key first, journaling off, `meta` locked; synced again later): left named
+    /// while nothing ships to it, it could take over with a mirror missing every change made
+    /// since, and the extents those changes released already freed.
+    pub fn declare(
+        &self,
+        req: &ControlRequest,
+        meta: &Mutex<MetaService>,
+        coord: &dyn Coordinator,
+        clock: &dyn Clock,
+        guard: Option<Guard>,
+    ) {
         let follower = self.follower.lock().expect("follower lock").clone();
-        if let Some((id, peer)) = follower {
-            if let Err(e) = peer.call(req) {
-                warn!(standby = id, error = %e, "the standby refused this primary's new epoch: it is synced again");
-                *self.follower.lock().expect("follower lock") = None;
+        let Some((id, peer)) = follower else { return };
+        if let Err(e) = peer.call(req) {
+            let why = format!("it did not take this primary's new epoch: {e}");
+            let mut m = meta.lock().expect("metadata lock");
+            if self.follower() == Some(id) {
+                self.drop_follower(&mut m, coord, guard, id, &why, clock.now());
             }
         }
     }
@@ -658,5 +670,78 @@ mod tests {
             "{calls} shipments for {} changes: group commit shares them",
             threads * changes
         );
+    }
+
+    /// A standby stopped: every call ends at its deadline.
+    struct Stopped;
+
+    impl ControlLink for Stopped {
+        fn call(&self, _: &ControlRequest) -> Result<ControlResponse, RpcError> {
+            Err(RpcError::Timeout {
+                node: "mn1".into(),
+                peer: "stopped".into(),
+                after: Duration::from_secs(1),
+            })
+        }
+        fn call_sent(
+            &self,
+            req: &ControlRequest,
+            _: &mut dyn FnMut(),
+        ) -> Result<ControlResponse, RpcError> {
+            self.call(req)
+        }
+        fn set_deadline(&self, _: Duration) {}
+        fn peer(&self) -> &str {
+            "stopped"
+        }
+        fn node_id(&self) -> u32 {
+            1
+        }
+        fn node_name(&self) -> &str {
+            "mn1"
+        }
+    }
+
+    /// A re-elected primary whose standby does not take its new epoch drops it as it drops
+    /// one that does not take the journal: the `standby` key goes (else the standby could
+    /// take over later, its mirror missing what was answered meanwhile), journaling stops, and
+    /// frees are no longer held back for it.
+    #[test]
+    fn a_standby_that_misses_the_new_epoch_is_dropped_and_unnamed() {
+        let st = MemStorage::new(1, 64 << 20);
+        let mut m = MetaService::new(Duration::from_secs(1), 1);
+        m.set_journaling(true);
+        let meta = Mutex::new(m);
+        let coord = rackfs_coord::Local::new(Duration::from_secs(5));
+        let (lease, _) = coord.grant(Duration::from_secs(5)).unwrap();
+        coord.put("primary", b"0", Some(lease)).unwrap();
+        coord.put("standby", b"1", None).unwrap();
+        let term = Guard {
+            key: "primary".into(),
+            lease,
+        };
+        let clock = rackfs_clock::ManualClock::default();
+        let standby = Standby::default();
+        standby.set_follower(1, Arc::new(Stopped));
+        let req = ControlRequest::Primary { node: 0, epoch: 7 };
+        standby.declare(&req, &meta, &coord, &clock, Some(term));
+        assert_eq!(standby.follower(), None);
+        assert_eq!(
+            coord.get("standby").unwrap(),
+            None,
+            "the standby is unnamed"
+        );
+        assert!(!standby.defer_free(2, 0, None), "frees wait for no standby");
+        let mut m = meta.lock().unwrap();
+        let req = MetaRequest::Create {
+            parent: 1,
+            name: b"after".to_vec(),
+            kind: NewKind::Dir,
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+        };
+        m.handle(1, req, &st);
+        assert!(m.take_journal().is_empty(), "journaling stopped");
     }
 }

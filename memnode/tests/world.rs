@@ -7,14 +7,19 @@
 //! until it resumes (its callers time out at their deadline, as over a socket, and what
 //! they sent is still served when it resumes), and a killed one fails its callers.
 //!
-//! Two scenarios, with a mount creating a file every 50 ms at whichever primary the
+//! Four scenarios, with a mount creating a file every 50 ms at whichever primary the
 //! coordinator names:
 //! * issue 24's split brain: the primary is stopped past its lease, its standby takes over
 //!   and makes the third node its standby, the old primary resumes, then the new primary is
 //!   killed: the third node must take over with the namespace whole;
 //! * random faults: once the cluster is healthy (a primary and a running standby), a random
 //!   node is stopped past its lease or killed and started again, empty, as `rackfs up`
-//!   restarts it (also when it exits, deposed, or cannot rejoin yet).
+//!   restarts it (also when it exits, deposed, or cannot rejoin yet);
+//! * a data node stopped past its lease while the primary changes follows the new one;
+//! * a primary stopped past its lease, and re-elected, while its standby is stopped longer:
+//!   it must keep serving (the stopped node delays neither its lease nor its changes), drop
+//!   and unname the stale standby, and the node that takes over when it is killed must have
+//!   every creation it answered.
 //!
 //! Oracle: a checker samples every node throughout, never two acting primaries (a metadata
 //! service and a valid serve lease) at once; at the end every creation a primary
@@ -309,6 +314,8 @@ struct Seen {
     /// Random faults: how many, and why the cluster did not heal between two if it did not.
     faults: usize,
     unhealed: Option<String>,
+    /// Creations answered while a node was stopped (where a scenario counts them).
+    served_meanwhile: Option<usize>,
     log: Vec<String>,
 }
 
@@ -459,9 +466,9 @@ impl Cluster {
     }
 
     /// A mount creating a file every 50 ms until `until`, at the primary the coordinator
-    /// names (found again after a failure); a creation whose answer does not come is not
-    /// counted.
-    fn spawn_mount(self: &Arc<Self>, until: Duration) {
+    /// names (found again after a failure), idle during `quiet`; a creation whose answer does
+    /// not come is not counted.
+    fn spawn_mount(self: &Arc<Self>, until: Duration, quiet: std::ops::Range<Duration>) {
         let c = self.clone();
         self.world.spawn(DRIVER, "mount", move || {
             let dial = WorldDial(c.net.clone());
@@ -471,6 +478,9 @@ impl Cluster {
                     break;
                 }
                 c.world.sleep(Duration::from_millis(50));
+                if quiet.contains(&c.world.now()) {
+                    continue;
+                }
                 let Some(l) = link.clone().or_else(|| c.connect_primary(&dial, "mount")) else {
                     continue;
                 };
@@ -529,7 +539,7 @@ fn addr_of(dir: &Path, group: u32) -> String {
 /// Issue 24's split brain (see the module docs) on `seed`.
 fn split_brain(seed: u64) -> (Outcome, Seen) {
     let c = Cluster::new(seed, "split");
-    c.spawn_mount(Duration::from_secs(38));
+    c.spawn_mount(Duration::from_secs(38), Duration::ZERO..Duration::ZERO);
     let c2 = c.clone();
     c.world.spawn(DRIVER, "faults", move || {
         let (w, dial) = (&c2.world, WorldDial(c2.net.clone()));
@@ -603,7 +613,7 @@ fn healthy(c: &Cluster) -> bool {
 /// creation is on the node acting as primary.
 fn random_faults(seed: u64) -> (Outcome, Seen) {
     let c = Cluster::new(seed, "random");
-    c.spawn_mount(Duration::from_secs(50));
+    c.spawn_mount(Duration::from_secs(50), Duration::ZERO..Duration::ZERO);
     // Faults start until 40 s; by 52 s the last one healed and the mount's last creation
     // was answered or timed out.
     let c2 = c.clone();
@@ -666,7 +676,7 @@ fn random_faults(seed: u64) -> (Outcome, Seen) {
 /// new primary (and be admitted by it) rather than ask the old one to admit it.
 fn lapsed_while_the_primary_changes(seed: u64) -> (Outcome, Seen) {
     let c = Cluster::new(seed, "lapsed");
-    c.spawn_mount(Duration::from_secs(30));
+    c.spawn_mount(Duration::from_secs(30), Duration::ZERO..Duration::ZERO);
     let c2 = c.clone();
     c.world.spawn(DRIVER, "faults", move || {
         let w = &c2.world;
@@ -707,6 +717,64 @@ fn lapsed_while_the_primary_changes(seed: u64) -> (Outcome, Seen) {
             "healthy again, mn{third} taking data, acting {:?}",
             c2.acting()
         ));
+        w.sleep(Duration::from_secs(34).saturating_sub(w.now()));
+        if let [p] = c2.acting()[..] {
+            c2.check_acked(p);
+        }
+    });
+    c.finish(Duration::from_secs(36))
+}
+
+/// A primary re-elected while its standby is stopped, on `seed`: the standby is stopped for
+/// 10 s and the primary, at the same moment, for 3 s (past its lease, with nobody able to take
+/// over meanwhile); the primary wins its key back and cannot declare its new epoch to the
+/// stopped standby. It must drop it (the `standby` key too) and make the third node its
+/// standby, so that when it is killed at 14 s, just before the stale standby resumes, the
+/// node that takes over has every creation the primary acknowledged.
+fn reelected_with_its_standby_stopped(seed: u64) -> (Outcome, Seen) {
+    let c = Cluster::new(seed, "reelected");
+    // Quiet while both are stopped, so that no change is in flight to fail and drop the
+    // standby before the re-elected primary declares its epoch to it.
+    c.spawn_mount(
+        Duration::from_secs(32),
+        Duration::from_millis(4500)..Duration::from_secs(10),
+    );
+    let c2 = c.clone();
+    c.world.spawn(DRIVER, "faults", move || {
+        let w = &c2.world;
+        w.sleep(Duration::from_secs(5));
+        let standby = {
+            let nodes = c2.nodes.lock().unwrap();
+            nodes.get(&1).and_then(|(_, n)| n.standby.follower())
+        };
+        let Some(standby) = standby else {
+            c2.note("mn1 has no standby at 5 s".into());
+            return;
+        };
+        c2.note(format!("pausing mn{standby} for 10 s and mn1 for 3 s"));
+        w.pause(standby, Duration::from_secs(10));
+        w.pause(1, Duration::from_secs(3));
+        w.sleep(Duration::from_secs(5));
+        let before = c2.seen.lock().unwrap().acked.len();
+        w.sleep(Duration::from_secs(4));
+        let served = c2.seen.lock().unwrap().acked.len() - before;
+        c2.seen.lock().unwrap().served_meanwhile = Some(served);
+        let acting = c2.acting();
+        c2.note(format!(
+            "{served} creations answered from 10 s to 14 s; acting at 14 s: {acting:?}; killing mn1"
+        ));
+        c2.net.kill(c2.group_of(1));
+        let heal_by = w.now() + Duration::from_secs(12);
+        while !matches!(c2.acting()[..], [p] if p != 1) {
+            if w.now() >= heal_by {
+                c2.seen.lock().unwrap().unhealed = Some(format!(
+                    "nobody took over from mn1 within 12 s: acting {:?}",
+                    c2.acting()
+                ));
+                return;
+            }
+            w.sleep(Duration::from_millis(100));
+        }
         w.sleep(Duration::from_secs(34).saturating_sub(w.now()));
         if let [p] = c2.acting()[..] {
             c2.check_acked(p);
@@ -784,6 +852,26 @@ fn a_data_node_stopped_past_its_lease_while_the_primary_changes_follows_the_new_
         assert!(
             seen.unhealed.is_none() && seen.log.len() >= 2,
             "seed {seed}: the cluster heals: {seen:#?}\n{}",
+            replay(seed, test)
+        );
+        check_common(seed, test, &outcome, &seen);
+    }
+}
+
+#[test]
+fn a_primary_reelected_while_its_standby_is_stopped_drops_it_and_loses_nothing() {
+    for seed in seeds("RACKFS_WORLD", 2) {
+        let (outcome, seen) = reelected_with_its_standby_stopped(seed);
+        let test = "a_primary_reelected";
+        assert!(
+            seen.unhealed.is_none() && seen.log.len() >= 2,
+            "seed {seed}: another node takes over: {seen:#?}\n{}",
+            replay(seed, test)
+        );
+        // One every 50 ms is 80: the metadata service does not wait for the stopped standby.
+        assert!(
+            seen.served_meanwhile >= Some(60),
+            "seed {seed}: the primary serves while its old standby is stopped: {seen:#?}\n{}",
             replay(seed, test)
         );
         check_common(seed, test, &outcome, &seen);
