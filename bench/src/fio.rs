@@ -67,6 +67,8 @@ pub struct Config {
     pub runs: usize,
     pub runtime_s: u32,
     pub size_per_job: &'static str,
+    /// Only the workloads whose name contains this (all if `None`).
+    pub only: Option<String>,
 }
 
 /// One result of one fio run.
@@ -394,9 +396,17 @@ pub struct Row {
 
 pub fn run(cfg: &Config) -> Vec<Row> {
     let mut rows = Vec::new();
+    let chosen = |w: &&Workload| {
+        cfg.only
+            .as_ref()
+            .is_none_or(|o| w.name.contains(o.as_str()))
+    };
     for (cpus, jobs) in [("0", 1), ("0-1", 4)] {
+        if !WORKLOADS.iter().filter(chosen).any(|w| w.jobs == jobs) {
+            continue;
+        }
         let rig = setup(cpus);
-        for w in WORKLOADS.iter().filter(|w| w.jobs == jobs) {
+        for w in WORKLOADS.iter().filter(chosen).filter(|w| w.jobs == jobs) {
             let n = rig.systems.len();
             let mut results: Vec<Vec<FioResult>> = vec![Vec::new(); n];
             for run in 0..cfg.runs {

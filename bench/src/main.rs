@@ -87,6 +87,9 @@ enum Cmd {
         /// Seconds per fio run, after 1 s of ramp (quick: 1).
         #[arg(long, default_value_t = 4)]
         runtime: u32,
+        /// Only the workloads whose name contains this, e.g. "1M seq write".
+        #[arg(long)]
+        only: Option<String>,
     },
     /// Replicated reads under skew (a hot node; r=1, r=2 static, r=2 adaptive) and the cost
     /// of a second replica on writes (needs root, fio and the cgroup v1 cpu controller).
@@ -309,11 +312,12 @@ fn main() {
                 run.out,
             );
         }
-        Cmd::Fio { run, runtime } => {
+        Cmd::Fio { run, runtime, only } => {
             let cfg = fio::Config {
                 runs: run.runs(),
                 runtime_s: if run.quick { 1 } else { runtime.max(1) },
                 size_per_job: if run.quick { "32M" } else { "128M" },
+                only,
             };
             eprintln!("{}", fio::table_header());
             let rows = fio::run(&cfg);
