@@ -4,7 +4,7 @@
 //! span. The best cover is a small tree knapsack: only nodes on the two boundary paths are
 //! partially covered, so the recursion visits O(h) nodes with an O(k^2) merge at each.
 
-use crate::geometry::{Geometry, Node};
+use crate::geometry::{Geometry, Node, LEAF_UNITS};
 
 /// One node of a cover; for a leaf, `mask` holds the requested unit bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +86,22 @@ pub fn split(g: &Geometry, l: u64, r: u64, k: usize) -> Vec<Piece> {
         "split of [{l}, {r}) in a tree of {}",
         g.units()
     );
+    // Inside one leaf (every small I/O): that leaf with exactly the requested bits wastes
+    // nothing with one piece, so nothing beats it.
+    let first = l / LEAF_UNITS;
+    if (r - 1) / LEAF_UNITS == first {
+        let node = Node {
+            level: g.height,
+            index: first,
+        };
+        let (lo, hi) = (l % LEAF_UNITS, (r - 1) % LEAF_UNITS + 1);
+        let mask = if hi - lo == LEAF_UNITS {
+            u64::MAX
+        } else {
+            ((1u64 << (hi - lo)) - 1) << lo
+        };
+        return vec![Piece { node, mask }];
+    }
     let mut pieces = solve(g, Geometry::root(), l, r, k)[k]
         .take()
         .expect("the root always covers")
