@@ -18,7 +18,7 @@
 //! production, an in-process one (`rackfs_proto::link::Loopback`) when several nodes run in
 //! one process.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -466,33 +466,46 @@ impl Node {
 
     /// Re-elected at a new epoch: declares it on every connection to a data node (the peers'
     /// and the standby's journal), whose nodes would otherwise refuse this primary's requests
-    /// as an earlier primary's. Each declaration runs on a thread of its own: a stopped node
-    /// answers only at the call's deadline, and the caller (the primary's lease) must not wait
-    /// for it, or the lease lapses again meanwhile. A declaration whose epoch is no longer
-    /// this node's by the time it runs is skipped.
+    /// as an earlier primary's. The declarations run at once, each on a thread of its own,
+    /// and are waited for up to a quarter of the node lease: a stopped node answers only at
+    /// its call's deadline, and the caller (the primary's lease) must not wait that long, or
+    /// the lease lapses again meanwhile. A declaration whose epoch is no longer this node's by
+    /// the time it runs is skipped.
     pub fn declare_term(self: &Arc<Self>) {
         let epoch = self.term.epoch();
         let req = ControlRequest::Primary {
             node: self.cfg.node_id,
             epoch,
         };
-        for (id, peer) in self.members.peers() {
-            let req = req.clone();
+        let peers = self.members.peers();
+        let pending = Arc::new(AtomicUsize::new(peers.len() + 1));
+        for (id, peer) in peers {
+            let (req, pending) = (req.clone(), pending.clone());
             self.start_thread(&format!("declare-{id}"), move |n| {
-                if n.term.epoch() != epoch {
-                    return;
+                if n.term.epoch() == epoch {
+                    if let Err(e) = peer.call(&req) {
+                        warn!(node = id, epoch, error = %e, "cannot declare this primary's new epoch to a data node; its requests there are refused until it joins again");
+                    }
                 }
-                if let Err(e) = peer.call(&req) {
-                    warn!(node = id, epoch, error = %e, "cannot declare this primary's new epoch to a data node; its requests there are refused until it joins again");
-                }
+                pending.fetch_sub(1, Ordering::SeqCst);
             });
         }
+        let done = pending.clone();
         self.start_thread("declare-standby", move |n| {
             if let (Some(meta), true) = (n.meta.get(), n.term.epoch() == epoch) {
-                let guard = n.term.guard();
-                (n.standby).declare(&req, meta, &*n.coord, &*n.clock, guard);
+                let guard = || n.term.guard();
+                if !(n.standby).declare(&req, meta, &*n.coord, &*n.clock, guard) {
+                    // Deposed meanwhile: as after a refused journal, nothing more is answered.
+                    n.serve.end();
+                    n.lease_words.lapsed();
+                }
             }
+            done.fetch_sub(1, Ordering::SeqCst);
         });
+        let until = self.clock.now() + self.cfg.node_lease / 4;
+        while pending.load(Ordering::SeqCst) > 0 && self.clock.now() < until {
+            self.clock.sleep(Duration::from_millis(1));
+        }
     }
 
     /// Has peer `node` carry out `req` (answered `Ok` or refused).

@@ -358,26 +358,44 @@ impl Standby {
 
     /// Primary: declares a new epoch on the standby's journal connection (re-elected). A
     /// standby that does not take it is dropped as one that did not take the journal is
-    /// (`standby` key first, journaling off, `meta` locked; synced again later): left named
-    /// while nothing ships to it, it could take over with a mirror missing every change made
-    /// since, and the extents those changes released already freed.
+    /// (`standby` key first, journaling off, `meta` locked; synced again later), if it is still
+    /// the one followed over that connection: left named while nothing ships to it, it could
+    /// take over with a mirror missing every change made since, and the extents those changes
+    /// released already freed. With no standby followed, the key, which may still name one
+    /// dropped while this node did not hold its term, goes. The guard is this node's term
+    /// when the metadata lock is held (`guard`). Returns false if this node turned out to be
+    /// deposed.
     pub fn declare(
         &self,
         req: &ControlRequest,
         meta: &Mutex<MetaService>,
         coord: &dyn Coordinator,
         clock: &dyn Clock,
-        guard: Option<Guard>,
-    ) {
+        guard: impl FnOnce() -> Option<Guard>,
+    ) -> bool {
         let follower = self.follower.lock().expect("follower lock").clone();
-        let Some((id, peer)) = follower else { return };
-        if let Err(e) = peer.call(req) {
-            let why = format!("it did not take this primary's new epoch: {e}");
-            let mut m = meta.lock().expect("metadata lock");
-            if self.follower() == Some(id) {
-                self.drop_follower(&mut m, coord, guard, id, &why, clock.now());
+        let Some((id, peer)) = follower else {
+            let _m = meta.lock().expect("metadata lock");
+            if self.follower().is_some() {
+                return true;
             }
-        }
+            let clear = Write::Delete {
+                key: "standby".into(),
+            };
+            return match crate::term::write_guarded(coord, guard().as_ref(), clear) {
+                Err(CoordError::NotHeld { .. }) => false,
+                Err(e) => {
+                    warn!(error = %e, "cannot clear the standby key of a standby no longer followed");
+                    true
+                }
+                Ok(()) => true,
+            };
+        };
+        let Err(e) = peer.call(req) else { return true };
+        let why = format!("it did not take this primary's new epoch: {e}");
+        let mut m = meta.lock().expect("metadata lock");
+        let same = matches!(&*self.follower.lock().expect("follower lock"), Some((_, p)) if Arc::ptr_eq(p, &peer));
+        !(same && self.drop_follower(&mut m, coord, guard(), id, &why, clock.now()))
     }
 
     /// Primary: the standby fell out of sync at `now`; the `standby` key goes before anything
@@ -392,12 +410,14 @@ impl Standby {
         now: Duration,
     ) -> bool {
         m.set_journaling(false);
-        *self.follower.lock().expect("follower lock") = None;
         *self.failed_at.lock().expect("failed lock") = Some(now);
         let clear = Write::Delete {
             key: "standby".into(),
         };
+        // The key goes before the follower: a shipment that finds no follower is answered
+        // at once, so none may find it gone while the key still names the standby.
         let withdrawn = crate::term::write_guarded(coord, guard.as_ref(), clear);
+        *self.follower.lock().expect("follower lock") = None;
         match withdrawn {
             Ok(()) => {
                 warn!(standby = id, error = %why, "metadata standby dropped: the primary goes on alone until another is in sync");
@@ -724,7 +744,7 @@ mod tests {
         let standby = Standby::default();
         standby.set_follower(1, Arc::new(Stopped));
         let req = ControlRequest::Primary { node: 0, epoch: 7 };
-        standby.declare(&req, &meta, &coord, &clock, Some(term));
+        assert!(standby.declare(&req, &meta, &coord, &clock, || Some(term)));
         assert_eq!(standby.follower(), None);
         assert_eq!(
             coord.get("standby").unwrap(),

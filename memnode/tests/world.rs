@@ -42,7 +42,7 @@ use rackfs_clock::{Bell, Clock, SharedClock, Turnstile};
 use rackfs_coord::{Coordinator, Local};
 use rackfs_memnode::config::Coordination;
 use rackfs_memnode::control::serve_on;
-use rackfs_memnode::coordinator::parse_primary;
+use rackfs_memnode::coordinator::{parse_primary, parse_standby};
 use rackfs_memnode::node::{Exit, Node};
 use rackfs_memnode::term::PRIMARY_KEY;
 use rackfs_memnode::{MemNode, NodeConfig, NodeEnv, Role};
@@ -752,13 +752,20 @@ fn reelected_with_its_standby_stopped(seed: u64) -> (Outcome, Seen) {
             return;
         };
         c2.note(format!("pausing mn{standby} for 10 s and mn1 for 3 s"));
-        w.pause(standby, Duration::from_secs(10));
-        w.pause(1, Duration::from_secs(3));
+        w.pause(c2.group_of(standby), Duration::from_secs(10));
+        w.pause(c2.group_of(1), Duration::from_secs(3));
         w.sleep(Duration::from_secs(5));
         let before = c2.seen.lock().unwrap().acked.len();
         w.sleep(Duration::from_secs(4));
         let served = c2.seen.lock().unwrap().acked.len() - before;
         c2.seen.lock().unwrap().served_meanwhile = Some(served);
+        let named = c2.coord.get("standby").ok().flatten();
+        let named = named.as_deref().and_then(parse_standby);
+        if named == Some(standby) {
+            c2.seen.lock().unwrap().unhealed = Some(format!(
+                "at 14 s the standby key still names mn{standby}, stopped since 5 s"
+            ));
+        }
         let acting = c2.acting();
         c2.note(format!(
             "{served} creations answered from 10 s to 14 s; acting at 14 s: {acting:?}; killing mn1"
