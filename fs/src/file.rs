@@ -1060,10 +1060,13 @@ impl FileData {
                         Ok(ControlResponse::Stripe(s)) if !s.is_empty() => s,
                         Ok(_) => return Err(libc::EIO),
                         // No node of the stripe's could take it: a primary that just took
-                        // over reaches a data node only once the node follows it. Asked again
-                        // while the operation's patience lasts.
+                        // over reaches a data node only once the node follows it, and until
+                        // it has followed the node's extents it may ask the node for a
+                        // replica its predecessor moved (refused as not found). Asked again
+                        // while the operation's patience lasts (a write never answers
+                        // ENOENT).
                         Err(RpcError::Refused {
-                            code: ErrorCode::Unavailable,
+                            code: ErrorCode::Unavailable | ErrorCode::NotFound,
                             message,
                         }) => {
                             tracing::debug!(ino = self.ino, stripe = k, %message, "stripe not placed yet");

@@ -486,6 +486,13 @@ impl File {
         Ok(())
     }
 
+    /// The nodes holding a live replica of stripe `stripe`.
+    pub fn stripe_nodes(&self, stripe: u64) -> Vec<u32> {
+        self.stripes
+            .get(&stripe)
+            .map_or(Vec::new(), |r| r.live().iter().map(|e| e.node).collect())
+    }
+
     /// Moves stripe `stripe` into extents of `cap` bytes on the same nodes: the entry is
     /// cleared first (clients that miss it ask the service, which answers after the move),
     /// each data node moves its replica, then the new entry is published. A replica whose move

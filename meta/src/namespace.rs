@@ -120,6 +120,10 @@ pub struct Namespace {
     /// Extents placed ahead on the other data nodes for new files' first stripes.
     #[serde(default)]
     pool: Pool,
+    /// This primary took over from another: a node it has not followed yet ([`Self::resolved`])
+    /// may hold a replica its predecessor moved or retagged in a change the mirror lacks.
+    #[serde(default)]
+    took_over: bool,
 }
 
 impl Namespace {
@@ -153,6 +157,7 @@ impl Namespace {
             sessions: BTreeMap::new(),
             deleted: Vec::new(),
             trims_held: false,
+            took_over: false,
             resolved: BTreeSet::new(),
             pool: Pool::default(),
         }
@@ -1235,6 +1240,19 @@ impl Namespace {
         // Every allocation gets a serial of its own (one wasted on a refusal costs nothing).
         let serial = self.next_tag;
         self.next_tag += 1;
+        // A replica on a node not followed since the take-over may sit elsewhere, or under
+        // another tag, than the tables say: growing it now would fail there (or drop a good
+        // replica), so the mount asks again once the node follows.
+        if self.took_over {
+            let nodes =
+                (self.get(ino)?.file.as_ref()).map_or(Vec::new(), |f| f.stripe_nodes(stripe));
+            if let Some(n) = nodes.into_iter().find(|n| !self.resolved.contains(n)) {
+                return err(
+                    ErrorCode::Unavailable,
+                    format!("node {n} holds a replica of this stripe and has not followed this primary yet"),
+                );
+            }
+        }
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return err(ErrorCode::Invalid, "not a regular file");
@@ -1340,6 +1358,7 @@ impl Namespace {
     /// data node yet.
     pub fn take_over(&mut self) {
         self.trims_held = true;
+        self.took_over = true;
         self.resolved.clear();
         self.next_tag += TAKE_OVER_SERIALS;
     }

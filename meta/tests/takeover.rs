@@ -303,6 +303,45 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     assert_eq!(roll_forward(&mut new, &st), (0, 0, 0));
 }
 
+/// The old primary grew a stripe (its replicas moved, retagged) and died before its standby
+/// had the change; a mount's write grows it again on the new primary before the replicas'
+/// nodes followed it. The new primary must not touch the replicas its tables list there
+/// (stale: the node refused the move as "not found", the write failed with ENOENT, and a
+/// stripe with one replica followed dropped the other, good one): it answers Unavailable,
+/// which the mount asks again, and grows the stripe once the nodes followed.
+#[test]
+fn a_stripe_grown_before_its_nodes_follow_the_new_primary_waits_for_them() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let g = grown_after_the_mirror(&st, grace);
+    st.hold_frees(false);
+    let mut new = MetaService::over(g.mirror, grace, 0);
+    new.take_over(&st);
+    let grow = MetaRequest::AllocStripe {
+        ino: g.ino,
+        stripe: 0,
+        end: 400_000,
+    };
+    match new.handle(9, grow.clone(), &st) {
+        ControlResponse::Error {
+            code: ErrorCode::Unavailable,
+            ..
+        } => {}
+        other => panic!("grown before its nodes followed: {other:?}"),
+    }
+    roll_forward(&mut new, &st);
+    let grown = match new.handle(9, grow, &st) {
+        ControlResponse::Stripe(s) => s,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(grown.len(), 2, "both replicas kept: {grown:?}");
+    assert!(grown.iter().all(|e| e.cap() >= 400_000), "{grown:?}");
+    assert!(held(&st, &grown));
+    for e in &grown {
+        assert_eq!(bytes_at(&st, e, 0, 5), b"first");
+    }
+}
+
 /// The old primary moved one replica of a growing stripe but not the other (its node did not
 /// answer) before it died: the new primary follows the moved one and drops the other, so a
 /// stripe never lists replicas of two sizes (a write beyond the smaller found it too small

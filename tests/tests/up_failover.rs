@@ -6,6 +6,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::fs;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -780,7 +781,12 @@ fn chaos(cluster: &mut dyn Faulted) {
                 let len = 1 + rng.below(64 << 10) as usize;
                 let data = rng.bytes(len);
                 let (t, u) = (names.join(format!("t{i}")), names.join(format!("u{i}")));
-                fs::write(&t, &data).map_err(|e| format!("create {}: {e}", t.display()))?;
+                let mut f =
+                    fs::File::create(&t).map_err(|e| format!("create {}: {e}", t.display()))?;
+                f.write_all(&data).map_err(|e| {
+                    format!("write {} bytes to new {}: {e}", data.len(), t.display())
+                })?;
+                drop(f);
                 fs::rename(&t, &u).map_err(|e| format!("rename to {}: {e}", u.display()))?;
                 let back = fs::read(&u).map_err(|e| format!("read {}: {e}", u.display()))?;
                 if back != data {
