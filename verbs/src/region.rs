@@ -228,7 +228,7 @@ impl Region {
     }
 
     /// Copies `data` into the region at `offset` (local access). A large copy bypasses the
-    /// cache ([`stream`]): what lands in a region is read by another party, later, if ever.
+    /// cache (non-temporal stores): what lands in a region is read by another party, later, if ever.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), VerbsError> {
         self.check_bounds(Opcode::Write, offset, data.len() as u64)?;
         // SAFETY: as in `read`, with the copy going the other way.
