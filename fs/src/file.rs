@@ -46,7 +46,7 @@ const MAX_ATTEMPTS: usize = 16;
 /// before it gives up with EIO: a primary that took over lists a stripe its predecessor moved
 /// in its last change at the stripe's new place only once the stripe's node follows it,
 /// within a node lease or so.
-pub(crate) const STALE_PATIENCE: Duration = Duration::from_secs(4);
+const STALE_PATIENCE: Duration = Duration::from_secs(4);
 
 /// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
 /// 50 ms while less than [`STALE_PATIENCE`] has passed since it started.

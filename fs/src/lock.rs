@@ -21,7 +21,6 @@ use rackfs_proto::record::REC_LOCKS;
 use rackfs_verbs::{block_on, RemoteAddr, VerbsError};
 
 use crate::cluster::Cluster;
-use crate::file::STALE_PATIENCE;
 
 /// Bytes per lock unit.
 pub const LOCK_UNIT: u64 = 4096;
@@ -187,17 +186,7 @@ impl FileLocks {
                 }
                 Err(LockError::Verbs(e)) => {
                     self.forget(&t);
-                    let fenced = matches!(e, VerbsError::Fenced { .. });
-                    let errno = errno(cl, t.node, &e);
-                    // A primary paused for about its lease refuses its memory until it renewed
-                    // its own lease: once it serves this session again, the next attempt
-                    // takes the lock afresh (the dropped connection's holds are recovered
-                    // with the tree). Patience counts from the request's start.
-                    let patient = clock.now().saturating_sub(started) < STALE_PATIENCE;
-                    let again = patient && !fenced && t.node == cl.primary_id();
-                    if !(again && cl.primary_serves(t.session)) {
-                        return Err(errno);
-                    }
+                    return Err(errno(cl, t.node, &e));
                 }
                 Err(LockError::Empty(..)) => return Err(libc::EINVAL),
             }

@@ -486,6 +486,18 @@ impl File {
         Ok(())
     }
 
+    /// Adds the nodes holding a live replica of any stripe to `nodes`.
+    pub fn replica_nodes(&self, nodes: &mut std::collections::BTreeSet<u32>) {
+        for r in self.stripes.values() {
+            nodes.extend(r.live().iter().map(|e| e.node));
+        }
+    }
+
+    /// The stripes in `range` that have replicas.
+    pub fn replicated_stripes(&self, range: std::ops::Range<u64>) -> Vec<u64> {
+        self.stripes.range(range).map(|(&k, _)| k).collect()
+    }
+
     /// The nodes holding a live replica of stripe `stripe`.
     pub fn stripe_nodes(&self, stripe: u64) -> Vec<u32> {
         self.stripes

@@ -120,10 +120,12 @@ pub struct Namespace {
     /// Extents placed ahead on the other data nodes for new files' first stripes.
     #[serde(default)]
     pool: Pool,
-    /// This primary took over from another: a node it has not followed yet ([`Self::resolved`])
-    /// may hold a replica its predecessor moved or retagged in a change the mirror lacks.
+    /// A primary that took over: the nodes its tables listed replicas on then and that it has
+    /// not followed since ([`Namespace::roll_forward`] answered) nor dropped. Such a replica
+    /// may sit elsewhere, or under another tag, than the tables say (moved or retagged by the
+    /// predecessor in a change the mirror lacks), so no stripe listing it grows meanwhile.
     #[serde(default)]
-    took_over: bool,
+    unfollowed: BTreeSet<u32>,
 }
 
 impl Namespace {
@@ -157,7 +159,7 @@ impl Namespace {
             sessions: BTreeMap::new(),
             deleted: Vec::new(),
             trims_held: false,
-            took_over: false,
+            unfollowed: BTreeSet::new(),
             resolved: BTreeSet::new(),
             pool: Pool::default(),
         }
@@ -1201,6 +1203,9 @@ impl Namespace {
                 )
             }
         };
+        if let Some(unit) = self.get(ino)?.file.as_ref().map(|f| f.stripe_unit) {
+            self.followed(ino, offset / unit..end.div_ceil(unit))?;
+        }
         let (_, region) = st.local();
         let t = st.wall_ns();
         let mut serial = self.next_tag;
@@ -1230,6 +1235,32 @@ impl Namespace {
         done
     }
 
+    /// Refuses (Unavailable, which mounts ask again) while a replica of one of `stripes` of
+    /// file `ino` sits on a node not followed since the take-over (see `unfollowed`): moving or
+    /// zeroing it now would fail there, or drop a good replica.
+    fn followed(&self, ino: u64, stripes: std::ops::Range<u64>) -> MetaResult<()> {
+        if self.unfollowed.is_empty() {
+            return Ok(());
+        }
+        let Some(f) = self.get(ino)?.file.as_ref() else {
+            return Ok(());
+        };
+        let stale = f
+            .replicated_stripes(stripes)
+            .into_iter()
+            .flat_map(|k| f.stripe_nodes(k))
+            .find(|n| self.unfollowed.contains(n));
+        match stale {
+            Some(n) => err(
+                ErrorCode::Unavailable,
+                format!(
+                    "node {n} holds a replica of this file and has not followed this primary yet"
+                ),
+            ),
+            None => Ok(()),
+        }
+    }
+
     fn alloc_stripe(
         &mut self,
         ino: u64,
@@ -1240,19 +1271,7 @@ impl Namespace {
         // Every allocation gets a serial of its own (one wasted on a refusal costs nothing).
         let serial = self.next_tag;
         self.next_tag += 1;
-        // A replica on a node not followed since the take-over may sit elsewhere, or under
-        // another tag, than the tables say: growing it now would fail there (or drop a good
-        // replica), so the mount asks again once the node follows.
-        if self.took_over {
-            let nodes =
-                (self.get(ino)?.file.as_ref()).map_or(Vec::new(), |f| f.stripe_nodes(stripe));
-            if let Some(n) = nodes.into_iter().find(|n| !self.resolved.contains(n)) {
-                return err(
-                    ErrorCode::Unavailable,
-                    format!("node {n} holds a replica of this stripe and has not followed this primary yet"),
-                );
-            }
-        }
+        self.followed(ino, stripe..stripe + 1)?;
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return err(ErrorCode::Invalid, "not a regular file");
@@ -1325,6 +1344,7 @@ impl Namespace {
     /// has another (see [`File::drop_node`]), and its extents placed ahead.
     pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
         self.pool.drop_node(node);
+        self.unfollowed.remove(&node);
         let (_, region) = st.local();
         let mut d = Dropped::default();
         for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {
@@ -1358,8 +1378,11 @@ impl Namespace {
     /// data node yet.
     pub fn take_over(&mut self) {
         self.trims_held = true;
-        self.took_over = true;
         self.resolved.clear();
+        self.unfollowed.clear();
+        for f in self.inodes.values().filter_map(|i| i.file.as_ref()) {
+            f.replica_nodes(&mut self.unfollowed);
+        }
         self.next_tag += TAKE_OVER_SERIALS;
     }
 
@@ -1440,6 +1463,7 @@ impl Namespace {
                 }
             }
         }
+        self.unfollowed.remove(&node);
         out
     }
 

@@ -342,6 +342,41 @@ fn a_stripe_grown_before_its_nodes_follow_the_new_primary_waits_for_them() {
     }
 }
 
+/// A node listed at the take-over that never follows the new primary (it died) blocks the
+/// stripes it held only until it is dropped: then they grow on the replica that followed.
+#[test]
+fn a_node_dropped_before_it_followed_blocks_no_growth() {
+    let grace = Duration::from_secs(2);
+    let st = MemStorage::new(3, 1 << 22);
+    let g = grown_after_the_mirror(&st, grace);
+    st.hold_frees(false);
+    let mut new = MetaService::over(g.mirror, grace, 0);
+    new.take_over(&st);
+    let (followed, dead) = (g.small[0].node, g.small[1].node);
+    assert!(!new.roll_forward(followed, &st).unanswered);
+    let grow = MetaRequest::AllocStripe {
+        ino: g.ino,
+        stripe: 0,
+        end: 400_000,
+    };
+    assert!(matches!(
+        new.handle(9, grow.clone(), &st),
+        ControlResponse::Error {
+            code: ErrorCode::Unavailable,
+            ..
+        }
+    ));
+    new.drop_node(dead, &st);
+    let grown = match new.handle(9, grow, &st) {
+        ControlResponse::Stripe(s) => s,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(grown.len(), 1, "{grown:?}");
+    assert_eq!(grown[0].node, followed);
+    assert!(grown[0].cap() >= 400_000 && held(&st, &grown));
+    assert_eq!(bytes_at(&st, &grown[0], 0, 5), b"first");
+}
+
 /// The old primary moved one replica of a growing stripe but not the other (its node did not
 /// answer) before it died: the new primary follows the moved one and drops the other, so a
 /// stripe never lists replicas of two sizes (a write beyond the smaller found it too small
