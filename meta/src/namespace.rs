@@ -1271,7 +1271,7 @@ impl Namespace {
         // Every allocation gets a serial of its own (one wasted on a refusal costs nothing).
         let serial = self.next_tag;
         self.next_tag += 1;
-        self.followed(ino, stripe..stripe + 1)?;
+        self.followed(ino, stripe..stripe.saturating_add(1))?;
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return err(ErrorCode::Invalid, "not a regular file");
