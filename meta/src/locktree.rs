@@ -252,7 +252,11 @@ impl LockTrees {
         // Replace recovered trees once quiet; free retired trees once quiet and past grace.
         let mut keep = Vec::new();
         for r in std::mem::take(&mut self.retired) {
-            if !quiet(r.word, &r.watch) {
+            // A retired tree not to be recovered waits out its grace whether quiet or not:
+            // only then is it looked at (every unlink retires one, and this runs every
+            // millisecond under the metadata lock).
+            let due = now >= r.at + self.grace;
+            if !(r.recover || due) || !quiet(r.word, &r.watch) {
                 keep.push(r);
                 continue;
             }
@@ -276,7 +280,7 @@ impl LockTrees {
                     }
                 }
             }
-            if now >= r.at + self.grace {
+            if due {
                 Self::free_tree(st, r.word);
             } else {
                 keep.push(Retired {
@@ -286,5 +290,44 @@ impl LockTrees {
             }
         }
         self.retired = keep;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::MemStorage;
+
+    /// A deleted file's tree is freed only once its grace passed and the clients active in it
+    /// when it was retired left it, whichever comes last.
+    #[test]
+    fn a_retired_tree_is_freed_after_its_grace_once_quiet() {
+        let st = MemStorage::new(1, 16 << 20);
+        let grace = Duration::from_secs(2);
+        let mut trees = LockTrees::new(grace, grace);
+        let c = trees.attach(7).unwrap();
+        let (node, region) = st.local();
+        let record = st.alloc(node, 64, None).unwrap();
+        let w = trees.publish(&st, 5, record, TreeWord::NONE, 64).unwrap();
+        let (_, base) = geometry(w);
+        region.store(base + slot_offset(c), 1).unwrap();
+        trees.forget(&st, 5);
+        let used = st.used(node);
+        st.advance(grace / 2);
+        region.store(base + slot_offset(c), 0).unwrap();
+        trees.tick(&st);
+        assert_eq!(st.used(node), used, "quiet, but within its grace");
+        region.store(base + slot_offset(c), 1).unwrap();
+        st.advance(grace);
+        trees.tick(&st);
+        assert_eq!(
+            st.used(node),
+            used,
+            "past its grace, but a client is still in it"
+        );
+        region.store(base + slot_offset(c), 0).unwrap();
+        trees.tick(&st);
+        assert!(st.used(node) < used, "past its grace and quiet: freed");
+        assert!(trees.retired.is_empty());
     }
 }
