@@ -494,8 +494,10 @@ impl Node {
         self.start_thread("declare-standby", move |n| {
             if let (Some(meta), true) = (n.meta.get(), n.term.epoch() == epoch) {
                 let guard = || n.term.guard();
-                if !(n.standby).declare(&req, meta, &*n.coord, &*n.clock, guard) {
-                    // Deposed meanwhile: as after a refused journal, nothing more is answered.
+                // Deposed meanwhile (not merely re-elected again, whose own declaration
+                // follows): as after a refused journal, nothing more is answered.
+                let deposed = !(n.standby).declare(&req, meta, &*n.coord, &*n.clock, guard);
+                if deposed && n.term.epoch() == epoch {
                     n.serve.end();
                     n.lease_words.lapsed();
                 }
