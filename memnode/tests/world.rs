@@ -443,6 +443,25 @@ impl Cluster {
         self.seen.lock().unwrap().log.push(line);
     }
 
+    /// Waits (on virtual time, looking every 100 ms) up to `within` for `healed`; if it does
+    /// not come, notes `why()` as the run's `unhealed` and returns false.
+    fn heals(
+        &self,
+        within: Duration,
+        healed: impl Fn() -> bool,
+        why: impl FnOnce() -> String,
+    ) -> bool {
+        let by = self.world.now() + within;
+        while !healed() {
+            if self.world.now() >= by {
+                self.seen.lock().unwrap().unhealed = Some(why());
+                return false;
+            }
+            self.world.sleep(Duration::from_millis(100));
+        }
+        true
+    }
+
     /// The nodes acting as primary now: a metadata service and a valid serve lease.
     fn acting(&self) -> Vec<u32> {
         let mut v: Vec<u32> = (self.nodes.lock().unwrap().iter())
@@ -622,24 +641,21 @@ fn random_faults(seed: u64) -> (Outcome, Seen) {
         let mut x = seed ^ 0x5eed;
         w.sleep(Duration::from_secs(5));
         while w.now() < Duration::from_secs(40) {
-            let heal_by = w.now() + Duration::from_secs(20);
-            while !healthy(&c2) {
-                if w.now() >= heal_by {
-                    let key = |k: &str| {
-                        let v = c2.coord.get(k).ok().flatten().unwrap_or_default();
-                        String::from_utf8_lossy(&v).into_owned()
-                    };
-                    let why = format!(
-                        "no primary with a live standby for 20 s: acting {:?}, coordinator's \
-                         primary key {:?}, standby key {:?}",
-                        c2.acting(),
-                        key(PRIMARY_KEY),
-                        key("standby")
-                    );
-                    c2.seen.lock().unwrap().unhealed = Some(why);
-                    return;
-                }
-                w.sleep(Duration::from_millis(100));
+            let why = || {
+                let key = |k: &str| {
+                    let v = c2.coord.get(k).ok().flatten().unwrap_or_default();
+                    String::from_utf8_lossy(&v).into_owned()
+                };
+                format!(
+                    "no primary with a live standby for 20 s: acting {:?}, coordinator's \
+                     primary key {:?}, standby key {:?}",
+                    c2.acting(),
+                    key(PRIMARY_KEY),
+                    key("standby")
+                )
+            };
+            if !c2.heals(Duration::from_secs(20), || healthy(&c2), why) {
+                return;
             }
             w.sleep(between(&mut x, 1000, 4000));
             let alive: Vec<u32> = (1..=3).filter(|&id| !w.killed(c2.group_of(id))).collect();
@@ -701,17 +717,15 @@ fn lapsed_while_the_primary_changes(seed: u64) -> (Outcome, Seen) {
             let takes = primary.is_some_and(|n| Storage::data_nodes(&*n).contains(&third));
             takes && healthy(&c2)
         };
-        let heal_by = w.now() + Duration::from_secs(20);
-        while !rejoined() {
-            if w.now() >= heal_by {
-                c2.seen.lock().unwrap().unhealed = Some(format!(
-                    "20 s after the pauses mn{third} takes no data from a primary with a \
-                     running standby: acting {:?}",
-                    c2.acting()
-                ));
-                return;
-            }
-            w.sleep(Duration::from_millis(100));
+        let why = || {
+            format!(
+                "20 s after the pauses mn{third} takes no data from a primary with a running \
+                 standby: acting {:?}",
+                c2.acting()
+            )
+        };
+        if !c2.heals(Duration::from_secs(20), rejoined, why) {
+            return;
         }
         c2.note(format!(
             "healthy again, mn{third} taking data, acting {:?}",
@@ -771,16 +785,15 @@ fn reelected_with_its_standby_stopped(seed: u64) -> (Outcome, Seen) {
             "{served} creations answered from 10 s to 14 s; acting at 14 s: {acting:?}; killing mn1"
         ));
         c2.net.kill(c2.group_of(1));
-        let heal_by = w.now() + Duration::from_secs(12);
-        while !matches!(c2.acting()[..], [p] if p != 1) {
-            if w.now() >= heal_by {
-                c2.seen.lock().unwrap().unhealed = Some(format!(
-                    "nobody took over from mn1 within 12 s: acting {:?}",
-                    c2.acting()
-                ));
-                return;
-            }
-            w.sleep(Duration::from_millis(100));
+        let taken = || matches!(c2.acting()[..], [p] if p != 1);
+        let why = || {
+            format!(
+                "nobody took over from mn1 within 12 s: acting {:?}",
+                c2.acting()
+            )
+        };
+        if !c2.heals(Duration::from_secs(12), taken, why) {
+            return;
         }
         w.sleep(Duration::from_secs(34).saturating_sub(w.now()));
         if let [p] = c2.acting()[..] {

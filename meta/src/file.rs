@@ -486,23 +486,14 @@ impl File {
         Ok(())
     }
 
-    /// Adds the nodes holding a live replica of any stripe to `nodes`.
-    pub fn replica_nodes(&self, nodes: &mut std::collections::BTreeSet<u32>) {
-        for r in self.stripes.values() {
-            nodes.extend(r.live().iter().map(|e| e.node));
-        }
-    }
-
-    /// The stripes in `range` that have replicas.
-    pub fn replicated_stripes(&self, range: std::ops::Range<u64>) -> Vec<u64> {
-        self.stripes.range(range).map(|(&k, _)| k).collect()
-    }
-
-    /// The nodes holding a live replica of stripe `stripe`.
-    pub fn stripe_nodes(&self, stripe: u64) -> Vec<u32> {
+    /// The nodes holding a live replica of the stripes in `stripes` (once per replica).
+    pub fn replica_nodes(
+        &self,
+        stripes: impl std::ops::RangeBounds<u64>,
+    ) -> impl Iterator<Item = u32> + '_ {
         self.stripes
-            .get(&stripe)
-            .map_or(Vec::new(), |r| r.live().iter().map(|e| e.node).collect())
+            .range(stripes)
+            .flat_map(|(_, r)| r.0.iter().flatten().map(|e| e.node))
     }
 
     /// Moves stripe `stripe` into extents of `cap` bytes on the same nodes: the entry is

@@ -1246,9 +1246,7 @@ impl Namespace {
             return Ok(());
         };
         let stale = f
-            .replicated_stripes(stripes)
-            .into_iter()
-            .flat_map(|k| f.stripe_nodes(k))
+            .replica_nodes(stripes)
             .find(|n| self.unfollowed.contains(n));
         match stale {
             Some(n) => err(
@@ -1381,7 +1379,7 @@ impl Namespace {
         self.resolved.clear();
         self.unfollowed.clear();
         for f in self.inodes.values().filter_map(|i| i.file.as_ref()) {
-            f.replica_nodes(&mut self.unfollowed);
+            self.unfollowed.extend(f.replica_nodes(..));
         }
         self.next_tag += TAKE_OVER_SERIALS;
     }

@@ -303,6 +303,36 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
     assert_eq!(roll_forward(&mut new, &st), (0, 0, 0));
 }
 
+/// [`Grown`]'s file (its inode and its stripe as the mirror lists it) and the primary that
+/// took over from the mirror, the old primary's frees let go, before any node followed it.
+fn taken_over_after_growth(st: &MemStorage) -> (MetaService, u64, Vec<StripeExtent>) {
+    let grace = Duration::from_secs(2);
+    let g = grown_after_the_mirror(st, grace);
+    st.hold_frees(false);
+    let mut new = MetaService::over(g.mirror, grace, 0);
+    new.take_over(st);
+    (new, g.ino, g.small)
+}
+
+/// A mount's write growing file `ino`'s first stripe again, to 400,000 bytes.
+fn grow_again(ino: u64) -> MetaRequest {
+    MetaRequest::AllocStripe {
+        ino,
+        stripe: 0,
+        end: 400_000,
+    }
+}
+
+fn unavailable(r: &ControlResponse) -> bool {
+    matches!(
+        r,
+        ControlResponse::Error {
+            code: ErrorCode::Unavailable,
+            ..
+        }
+    )
+}
+
 /// The old primary grew a stripe (its replicas moved, retagged) and died before its standby
 /// had the change; a mount's write grows it again on the new primary before the replicas'
 /// nodes followed it. The new primary must not touch the replicas its tables list there
@@ -311,29 +341,12 @@ fn a_stripe_moved_in_a_change_the_standby_lacks_is_followed_to_its_new_extents()
 /// which the mount asks again, and grows the stripe once the nodes followed.
 #[test]
 fn a_stripe_grown_before_its_nodes_follow_the_new_primary_waits_for_them() {
-    let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
-    let g = grown_after_the_mirror(&st, grace);
-    st.hold_frees(false);
-    let mut new = MetaService::over(g.mirror, grace, 0);
-    new.take_over(&st);
-    let grow = MetaRequest::AllocStripe {
-        ino: g.ino,
-        stripe: 0,
-        end: 400_000,
-    };
-    match new.handle(9, grow.clone(), &st) {
-        ControlResponse::Error {
-            code: ErrorCode::Unavailable,
-            ..
-        } => {}
-        other => panic!("grown before its nodes followed: {other:?}"),
-    }
+    let (mut new, ino, _) = taken_over_after_growth(&st);
+    let r = new.handle(9, grow_again(ino), &st);
+    assert!(unavailable(&r), "grown before its nodes followed: {r:?}");
     roll_forward(&mut new, &st);
-    let grown = match new.handle(9, grow, &st) {
-        ControlResponse::Stripe(s) => s,
-        other => panic!("{other:?}"),
-    };
+    let grown = stripe0(&mut new, &st, ino, Some(400_000));
     assert_eq!(grown.len(), 2, "both replicas kept: {grown:?}");
     assert!(grown.iter().all(|e| e.cap() >= 400_000), "{grown:?}");
     assert!(held(&st, &grown));
@@ -346,31 +359,13 @@ fn a_stripe_grown_before_its_nodes_follow_the_new_primary_waits_for_them() {
 /// stripes it held only until it is dropped: then they grow on the replica that followed.
 #[test]
 fn a_node_dropped_before_it_followed_blocks_no_growth() {
-    let grace = Duration::from_secs(2);
     let st = MemStorage::new(3, 1 << 22);
-    let g = grown_after_the_mirror(&st, grace);
-    st.hold_frees(false);
-    let mut new = MetaService::over(g.mirror, grace, 0);
-    new.take_over(&st);
-    let (followed, dead) = (g.small[0].node, g.small[1].node);
+    let (mut new, ino, small) = taken_over_after_growth(&st);
+    let (followed, dead) = (small[0].node, small[1].node);
     assert!(!new.roll_forward(followed, &st).unanswered);
-    let grow = MetaRequest::AllocStripe {
-        ino: g.ino,
-        stripe: 0,
-        end: 400_000,
-    };
-    assert!(matches!(
-        new.handle(9, grow.clone(), &st),
-        ControlResponse::Error {
-            code: ErrorCode::Unavailable,
-            ..
-        }
-    ));
+    assert!(unavailable(&new.handle(9, grow_again(ino), &st)));
     new.drop_node(dead, &st);
-    let grown = match new.handle(9, grow, &st) {
-        ControlResponse::Stripe(s) => s,
-        other => panic!("{other:?}"),
-    };
+    let grown = stripe0(&mut new, &st, ino, Some(400_000));
     assert_eq!(grown.len(), 1, "{grown:?}");
     assert_eq!(grown[0].node, followed);
     assert!(grown[0].cap() >= 400_000 && held(&st, &grown));
