@@ -44,9 +44,11 @@
 //! retired tree fail with [`LockError::Retired`] so the caller retries on the new one.
 
 pub mod geometry;
+pub mod keep;
 pub mod record;
 pub mod split;
 pub mod tree;
 
 pub use geometry::{Geometry, Node};
+pub use keep::{KeepPolicy, Tick};
 pub use tree::{LockConfig, LockError, LockTree, RangeGuard};

@@ -2,8 +2,8 @@
 //!
 //! Remote memory of a tree, from its base address ([`HEADER_WORDS`] words, then the nodes):
 //! `state`, `spill_next`, `spill_serving` (the spillover mutex, a ticket lock for `[N, inf)`),
-//! the `maximizer`, one activity counter per client slot ([`CLIENT_SLOTS`]), then the node words
-//! in level order. Who writes which bits:
+//! the `maximizer`, one activity counter per client slot ([`CLIENT_SLOTS`]), `waiting`, then
+//! the node words in level order. Who writes which bits:
 //! * leaf bits: set by the acquirer of exactly those units (masked-CAS 0->1), cleared by it;
 //! * `TMax`: incremented by whoever takes a ticket for that node; `TCnt`: by the ticket's owner
 //!   when it is done with the node (release or give-up);
@@ -17,6 +17,11 @@
 //! * `slot[c]`: only client `c` changes it: +1 in the first batch of an acquisition, -1 in the
 //!   batch that releases the range or abandons the acquisition. It counts that client's
 //!   acquisitions in progress and ranges held in this tree.
+//! * `waiting`: +1 by an acquisition in the first batch after it first paused for others
+//!   (any wait but `Twait`'s), -1 in the batch that releases its range or abandons it. A
+//!   client keeping a whole tree ([`crate::keep`]) reads it to learn that someone wants a
+//!   range. An acquisition that ends with a verbs error or given up leaves its +1, as it leaves
+//!   its slot's: the tree is then replaced when that client's session is recovered.
 //!
 //! ## Replacing a tree: scale-up, scale-down and recovery
 //!
@@ -139,6 +144,33 @@ pub struct RangeGuard {
     pub range: (u64, u64),
     held: Vec<Held>,
     spill: bool,
+    /// Whether the acquisition added 1 to `waiting` (its release takes it back).
+    pub(crate) signalled: bool,
+    /// Lent from the whole tree this client keeps ([`crate::keep`]): nothing remote to release.
+    pub(crate) lent: bool,
+}
+
+impl RangeGuard {
+    /// A range lent from a kept tree.
+    pub(crate) fn lent(l: u64, r: u64) -> RangeGuard {
+        RangeGuard {
+            range: (l, r),
+            held: Vec::new(),
+            spill: false,
+            signalled: false,
+            lent: true,
+        }
+    }
+
+    /// Whether the range was lent from the tree this client keeps.
+    pub fn from_kept(&self) -> bool {
+        self.lent
+    }
+
+    /// Whether the acquisition waited for others (so the range was contended).
+    pub fn waited(&self) -> bool {
+        self.signalled
+    }
 }
 
 enum Outcome {
@@ -163,12 +195,16 @@ pub struct LockTree {
     rng: Mutex<u64>,
     /// Whether the client has moved on from this tree (see [`LockTree::give_up_when`]).
     moved_on: Option<Box<dyn Fn() -> bool + Send + Sync>>,
+    /// The whole tree kept between this client's requests, if it keeps ([`LockTree::keeping`]).
+    pub(crate) keep: Option<crate::keep::Keep>,
 }
 
 /// Client slots per tree: at most this many clients (mounts) use one tree at once.
 pub const CLIENT_SLOTS: u64 = 64;
 /// Words before the node array.
-pub const HEADER_WORDS: u64 = 4 + CLIENT_SLOTS;
+pub const HEADER_WORDS: u64 = 5 + CLIENT_SLOTS;
+/// Byte offset of the `waiting` word in a tree.
+pub const WAITING_OFFSET: u64 = (4 + CLIENT_SLOTS) * 8;
 /// Byte offset of the `state` word in a tree.
 pub const STATE_OFFSET: u64 = 0;
 /// `state` value of a retired tree.
@@ -179,10 +215,13 @@ pub fn slot_offset(c: u16) -> u64 {
     (4 + c as u64) * 8
 }
 
-/// Per-acquisition bookkeeping: whether this acquisition's slot increment has been posted.
+/// Per-acquisition bookkeeping: whether its slot increment has been posted, whether it paused
+/// for others, and whether its `waiting` increment has been posted.
 #[derive(Default)]
 struct Acq {
     registered: bool,
+    paused: bool,
+    signalled: bool,
 }
 
 impl LockTree {
@@ -217,6 +256,7 @@ impl LockTree {
             aborts: AtomicU64::new(0),
             rng: Mutex::new(base.offset ^ 0x9E37_79B9_7F4A_7C15),
             moved_on: None,
+            keep: None,
         }
     }
 
@@ -267,20 +307,37 @@ impl LockTree {
     fn slot(&self) -> RemoteAddr {
         self.base.add(slot_offset(self.client))
     }
+    pub(crate) fn waiting(&self) -> RemoteAddr {
+        self.base.add(WAITING_OFFSET)
+    }
+    pub(crate) fn state_word(&self) -> RemoteAddr {
+        self.state()
+    }
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+    pub(crate) fn config(&self) -> &LockConfig {
+        &self.cfg
+    }
 
-    async fn exec(&self, b: Batch<'_>) -> Result<Completions, VerbsError> {
+    pub(crate) async fn exec(&self, b: Batch<'_>) -> Result<Completions, VerbsError> {
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         let done = self.qp.post(b).await?;
         done.check()?;
         Ok(done)
     }
 
-    /// A batch of acquisition `a`: its first one starts with the slot increment.
+    /// A batch of acquisition `a`: its first one starts with the slot increment, the first
+    /// after it paused for others with the `waiting` increment.
     fn batch(&self, a: &mut Acq) -> Batch<'static> {
         let mut b = Batch::new();
         if !a.registered {
             b.faa(self.slot(), 1);
             a.registered = true;
+        }
+        if a.paused && !a.signalled {
+            b.faa(self.waiting(), 1);
+            a.signalled = true;
         }
         b
     }
@@ -319,9 +376,20 @@ impl LockTree {
         Ok(word_of(&self.exec_live(b).await?, id))
     }
 
-    /// Pauses an acquisition, unless (before or after) its client moved on from the tree.
-    async fn sleep(&self, d: Duration) -> Result<(), LockError> {
-        let moved_on = || self.moved_on.as_ref().is_some_and(|f| f());
+    /// Pauses acquisition `a` for others (holders, or a retry's backoff): its next batch
+    /// tells a client keeping the tree that someone waits.
+    async fn wait(&self, a: &mut Acq, d: Duration) -> Result<(), LockError> {
+        a.paused = true;
+        self.sleep(d).await
+    }
+
+    pub(crate) fn moved_on(&self) -> bool {
+        self.moved_on.as_ref().is_some_and(|f| f())
+    }
+
+    /// Pauses, unless (before or after) the client moved on from the tree.
+    pub(crate) async fn sleep(&self, d: Duration) -> Result<(), LockError> {
+        let moved_on = || self.moved_on();
         if moved_on() {
             return Err(LockError::GivenUp);
         }
@@ -348,15 +416,30 @@ impl LockTree {
         if l >= r {
             return Err(LockError::Empty(l, r));
         }
+        if self.keep.is_some() {
+            return self.acquire_keeping(l, r).await;
+        }
+        self.acquire_exact(l, r).await
+    }
+
+    /// [`LockTree::acquire`] of exactly `[l, r)`, never from a kept tree.
+    pub(crate) async fn acquire_exact(&self, l: u64, r: u64) -> Result<RangeGuard, LockError> {
         let mut a = Acq::default();
         let res = self.acquire_in(&mut a, l, r).await;
         if matches!(res, Err(LockError::Retired)) && a.registered {
-            // Abandon: the lock words of a retired tree no longer matter, the slot does.
+            // Abandon: the lock words of a retired tree no longer matter, the slot does (and
+            // `waiting`, which keepers of the new tree do not read, is kept balanced anyway).
             let mut b = Batch::new();
             b.faa(self.slot(), u64::MAX);
+            if a.signalled {
+                b.faa(self.waiting(), u64::MAX);
+            }
             self.exec(b).await?;
         }
-        res
+        res.map(|mut g| {
+            g.signalled = a.signalled;
+            g
+        })
     }
 
     async fn acquire_in(&self, a: &mut Acq, l: u64, r: u64) -> Result<RangeGuard, LockError> {
@@ -383,6 +466,8 @@ impl LockTree {
                             range: (l, r),
                             held,
                             spill,
+                            signalled: false,
+                            lent: false,
                         });
                     }
                     self.release_held(&held).await?;
@@ -414,7 +499,7 @@ impl LockTree {
                         attempt += 1;
                         let max = self.cfg.rtt_budget * attempt.min(16);
                         let d = self.jitter(max);
-                        self.sleep(d).await?;
+                        self.wait(a, d).await?;
                         continue 'attempt;
                     }
                 }
@@ -423,13 +508,15 @@ impl LockTree {
                 self.release_held(&held).await?;
                 attempt += 1;
                 let d = self.jitter(self.cfg.rtt_budget * attempt.min(16));
-                self.sleep(d).await?;
+                self.wait(a, d).await?;
                 continue 'attempt;
             }
             return Ok(RangeGuard {
                 range: (l, r),
                 held,
                 spill,
+                signalled: false,
+                lent: false,
             });
         }
     }
@@ -443,7 +530,7 @@ impl LockTree {
                 self.exec_live(b).await?.value(id)?
             };
             while self.read_word(a, self.spill_serving()).await? != ticket {
-                self.sleep(self.cfg.poll).await?;
+                self.wait(a, self.cfg.poll).await?;
             }
             return Ok(true);
         }
@@ -518,7 +605,7 @@ impl LockTree {
                     return Ok(Outcome::Busy);
                 }
                 while word::occ(self.read_word(a, self.node(anc)).await?) {
-                    self.sleep(self.cfg.poll).await?;
+                    self.wait(a, self.cfg.poll).await?;
                 }
                 continue;
             }
@@ -532,7 +619,7 @@ impl LockTree {
                     return Ok(Outcome::Escalate);
                 }
                 let d = self.jitter(self.cfg.poll * failures.min(16));
-                self.sleep(d).await?;
+                self.wait(a, d).await?;
                 continue;
             }
             // (d) Notify the ancestors; a notification later than Twait after the ancestor
@@ -553,7 +640,7 @@ impl LockTree {
                     return Ok(Outcome::Busy);
                 }
                 let d = self.jitter(self.cfg.rtt_budget);
-                self.sleep(d).await?;
+                self.wait(a, d).await?;
                 continue;
             }
             if !leaf {
@@ -657,7 +744,7 @@ impl LockTree {
             let ticket = word::tmax(old);
             let mut w = old;
             while word::tcnt(w) != ticket {
-                self.sleep(self.cfg.poll).await?;
+                self.wait(a, self.cfg.poll).await?;
                 w = self.read_word(a, me).await?;
             }
             return Ok(true);
@@ -733,7 +820,7 @@ impl LockTree {
             if drained {
                 return Ok(());
             }
-            self.sleep(self.cfg.poll).await?;
+            self.wait(a, self.cfg.poll).await?;
         }
     }
 
@@ -749,9 +836,21 @@ impl LockTree {
         self.exec(b).await.map(|_| ())
     }
 
-    /// Releases a range: one batch, the spillover mutex's pass and the slot included.
+    /// Releases a range: one batch, the spillover mutex's pass and the slot included (a range
+    /// lent from a kept tree goes back to it, with no remote operation).
     pub async fn release(&self, g: RangeGuard) -> Result<(), LockError> {
+        if g.lent {
+            self.give_back(g);
+            return Ok(());
+        }
+        self.release_exact(g).await
+    }
+
+    pub(crate) async fn release_exact(&self, g: RangeGuard) -> Result<(), LockError> {
         let mut b = Batch::new();
+        if g.signalled {
+            b.faa(self.waiting(), u64::MAX);
+        }
         for h in &g.held {
             self.undo(&mut b, h, true);
         }
