@@ -2,8 +2,9 @@
 //!
 //! *Disjoint writers*: 4 KiB random writes, each writer in its own 16 MiB region of one file,
 //! 1, 2 and 4 writers spread over two mounts (one fio process per mount), with range locks
-//! (`locks=on`) and without (`locks=off`, the baseline measured in the same run). Aggregate
-//! IOPS per point; runs alternate on/off.
+//! (`locks=on`: a mount writing uncontended keeps the file's lock tree), with a lock per write
+//! (`locks=on,keep_locks=off`) and without (`locks=off`, the baseline measured in the same
+//! run). Aggregate IOPS per point; the order of the three rotates from run to run.
 //!
 //! *Overlapping writers*: two fio processes on two mounts write 16 KiB blocks at 4 KiB-aligned
 //! random offsets of the same 4 MiB, each with its own byte pattern; afterwards every 4 KiB
@@ -31,6 +32,8 @@ pub struct Config {
 pub struct Row {
     pub writers: u32,
     pub on: Vec<f64>,
+    /// A lock per write (`keep_locks=off`).
+    pub each: Vec<f64>,
     pub off: Vec<f64>,
 }
 
@@ -105,6 +108,7 @@ fn overlap(pair: &Mounts, runtime: u32) -> (usize, usize) {
 pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
     let cluster = TestCluster::start(2, "1G");
     let on = mount_all(&cluster, &["locks=on"; 2]);
+    let each = mount_all(&cluster, &["locks=on,keep_locks=off"; 2]);
     let off = mount_all(&cluster, &["locks=off"; 2]);
     let max = *cfg.writers.iter().max().unwrap_or(&1) as u64;
     // Lay the file out once (both pairs share the cluster, so one file serves both).
@@ -118,15 +122,16 @@ pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
         let mut row = Row {
             writers: w,
             on: Vec::new(),
+            each: Vec::new(),
             off: Vec::new(),
         };
         for r in 0..cfg.runs {
-            // Alternate which configuration goes first.
-            for first in [r % 2 == 0, r % 2 == 1] {
-                if first {
-                    row.on.push(disjoint(&on, w, cfg.runtime_s));
-                } else {
-                    row.off.push(disjoint(&off, w, cfg.runtime_s));
+            // Rotate which configuration goes first.
+            for k in 0..3 {
+                match (r + k) % 3 {
+                    0 => row.on.push(disjoint(&on, w, cfg.runtime_s)),
+                    1 => row.each.push(disjoint(&each, w, cfg.runtime_s)),
+                    _ => row.off.push(disjoint(&off, w, cfg.runtime_s)),
                 }
             }
         }
@@ -138,10 +143,11 @@ pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
         .iter()
         .map(|r| {
             format!(
-                "{} writer(s): with locks {} IOPS = {:.0}% of without; {:.2}x one writer with locks",
+                "{} writer(s): with locks {} IOPS = {:.0}% of without (a lock per write: {:.0}%); {:.2}x one writer with locks",
                 r.writers,
                 rate(median(&r.on)),
                 100.0 * median(&r.on) / median(&r.off),
+                100.0 * median(&r.each) / median(&r.off),
                 median(&r.on) / base
             )
         })
@@ -157,7 +163,7 @@ pub fn run(cfg: &Config) -> (Vec<Row>, Vec<String>) {
 }
 
 pub fn table_header() -> String {
-    "| writers (2 mounts) | locks=on IOPS (median, min–max) | locks=off IOPS | on / off |\n|---:|---:|---:|---:|".into()
+    "| writers (2 mounts) | locks=on IOPS (median, min–max) | keep_locks=off IOPS | locks=off IOPS | on / off | keep_locks=off / off |\n|---:|---:|---:|---:|---:|---:|".into()
 }
 
 pub fn format_row(r: &Row) -> String {
@@ -167,10 +173,12 @@ pub fn format_row(r: &Row) -> String {
         format!("{} ({}–{})", rate(median(v)), rate(lo), rate(hi))
     };
     format!(
-        "| {} | {} | {} | {:.0}% |",
+        "| {} | {} | {} | {} | {:.0}% | {:.0}% |",
         r.writers,
         span(&r.on),
+        span(&r.each),
         span(&r.off),
-        100.0 * median(&r.on) / median(&r.off)
+        100.0 * median(&r.on) / median(&r.off),
+        100.0 * median(&r.each) / median(&r.off)
     )
 }

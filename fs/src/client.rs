@@ -517,6 +517,7 @@ impl Client {
                     layout,
                     self.opts.attr_timeout,
                     self.opts.locks,
+                    self.opts.keep_locks,
                 ))
             })
             .clone())

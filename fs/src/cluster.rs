@@ -275,6 +275,11 @@ impl Cluster {
     }
 
     /// The clock this mount's core takes time from.
+    /// Starts a thread of the core through the mount's [`crate::spawn::Spawn`].
+    pub fn spawn(&self, name: &str, work: crate::spawn::Work) -> std::io::Result<()> {
+        self.env.spawn.spawn(name, work)
+    }
+
     pub fn clock(&self) -> &SharedClock {
         &self.env.clock
     }

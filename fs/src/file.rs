@@ -224,8 +224,15 @@ struct Outcome {
 
 impl FileData {
     /// `size_ttl`: how long reads may trust the last size seen (see [`FileData::read`]);
-    /// `locking`: whether writes and truncates take range locks.
-    pub fn new(ino: u64, layout: FileLayout, size_ttl: Duration, locking: bool) -> FileData {
+    /// `locking`: whether writes and truncates take range locks; `keep_locks`: whether the
+    /// mount keeps the file's lock tree while it writes uncontended.
+    pub fn new(
+        ino: u64,
+        layout: FileLayout,
+        size_ttl: Duration,
+        locking: bool,
+        keep_locks: bool,
+    ) -> FileData {
         FileData {
             ino,
             record: layout.record,
@@ -234,7 +241,7 @@ impl FileData {
             size_hint: AtomicU64::new(0),
             size_read_at: AtomicU64::new(0),
             size_ttl,
-            locks: locking.then(|| FileLocks::new(ino, layout.record)),
+            locks: locking.then(|| FileLocks::new(ino, layout.record, keep_locks)),
             written: AtomicU64::new(0),
             written_mtime: AtomicU64::new(0),
             no_capability: AtomicBool::new(false),

@@ -8,12 +8,18 @@
 //! the published tree and re-reads the file record when an acquisition finds the tree retired
 //! or when it has not seen the tree live for `LAYOUT_LEASE` (a quarter of the service's grace, so it
 //! never touches a freed tree).
+//!
+//! With `keep_locks=on` (the default) a mount that writes a file uncontended keeps its whole
+//! tree between writes ([`rackfs_locks::keep`]), so its writes take no lock round trip; a
+//! `rackfs-keep` thread per kept tree checks every [`KEEP_TICK`] whether another mount waits
+//! for a range, and gives the tree back if so (or once the mount wrote nothing under it for
+//! the policy's idle time).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use rackfs_locks::{LockError, LockTree, RangeGuard};
+use rackfs_locks::{KeepPolicy, LockError, LockTree, RangeGuard, Tick};
 use rackfs_proto::control::ControlResponse;
 use rackfs_proto::locktree::{TreeWord, MAX_HEIGHT};
 use rackfs_proto::namespace::MetaRequest;
@@ -24,6 +30,10 @@ use crate::cluster::Cluster;
 
 /// Bytes per lock unit.
 pub const LOCK_UNIT: u64 = 4096;
+
+/// How often a kept tree is checked for waiters: a mount that wants a range of a tree another
+/// mount keeps waits about this much longer than behind an ordinary holder.
+pub const KEEP_TICK: Duration = Duration::from_millis(1);
 
 /// How long a cached tree handle is trusted without seeing the tree live.
 const LAYOUT_LEASE: Duration = rackfs_proto::locktree::CLIENT_LEASE;
@@ -47,6 +57,8 @@ struct Tree {
     session: u64,
     /// When an acquisition last saw the tree live (the mount's `mono_ns`).
     seen_live: AtomicU64,
+    /// Whether a `rackfs-keep` thread checks the kept tree.
+    ticked: AtomicBool,
 }
 
 /// A held range of a file; give it back with [`FileLocks::unlock`].
@@ -67,6 +79,8 @@ impl Held {
 pub struct FileLocks {
     ino: u64,
     record: u64,
+    /// Whether this mount keeps the file's tree while it writes uncontended.
+    keep: bool,
     tree: RwLock<Option<Arc<Tree>>>,
 }
 
@@ -76,10 +90,11 @@ fn errno(cl: &Cluster, node: u32, e: &VerbsError) -> i32 {
 }
 
 impl FileLocks {
-    pub fn new(ino: u64, record: u64) -> FileLocks {
+    pub fn new(ino: u64, record: u64, keep: bool) -> FileLocks {
         FileLocks {
             ino,
             record,
+            keep,
             tree: RwLock::new(None),
         }
     }
@@ -123,18 +138,23 @@ impl FileLocks {
             word = self.publish(cl, TreeWord::NONE, units)?;
         }
         let (geo, offset) = geometry(word).ok_or(libc::EIO)?;
+        let mut tree = LockTree::new(
+            p.qp.clone(),
+            RemoteAddr::new(p.rkey, offset),
+            geo,
+            cfg,
+            slot,
+        )
+        .give_up_when(session_over);
+        if self.keep {
+            tree = tree.keeping(KeepPolicy::default());
+        }
         let t = Arc::new(Tree {
             word,
             node: primary,
-            tree: LockTree::new(
-                p.qp.clone(),
-                RemoteAddr::new(p.rkey, offset),
-                geo,
-                cfg,
-                slot,
-            )
-            .give_up_when(session_over),
+            tree,
             seen_live: AtomicU64::new(cl.clock().mono_ns()),
+            ticked: AtomicBool::new(false),
             session,
         });
         *self.tree.write().expect("tree lock") = Some(t.clone());
@@ -165,6 +185,9 @@ impl FileLocks {
             match block_on(t.tree.acquire(l, r)) {
                 Ok(guard) => {
                     t.seen_live.store(cl.clock().mono_ns(), Ordering::Relaxed);
+                    if guard.from_kept() {
+                        tick_kept(cl, &t);
+                    }
                     let waited = clock.now().saturating_sub(started);
                     cl.metrics().lock_wait.observe(waited);
                     return Ok(Held { tree: t, guard });
@@ -243,12 +266,53 @@ impl FileLocks {
     /// Releases a range (one batch). A failure is logged: the lock's slot then keeps the tree
     /// from being reused until the mount's session ends and recovery replaces the tree.
     pub fn unlock(&self, cl: &Cluster, held: Held) {
+        let lent = held.guard.from_kept();
         if let Err(e) = block_on(held.tree.tree.release(held.guard)) {
             tracing::warn!(ino = self.ino, error = %e, "range lock release failed");
             if let LockError::Verbs(e) = e {
                 errno(cl, held.tree.node, &e);
             }
         }
+        let t = &held.tree;
+        if lent && !t.ticked.load(Ordering::Acquire) && t.tree.keeps() {
+            // No thread checks the kept tree (none could be started): nobody would learn
+            // that another mount waits, so it goes back now.
+            if let Err(e) = block_on(t.tree.give_back_kept()) {
+                tracing::warn!(node = t.node, error = %e, "giving a kept lock tree back failed");
+            }
+        }
+    }
+}
+
+/// Makes sure a `rackfs-keep` thread checks kept tree `t` every [`KEEP_TICK`] until the
+/// mount gives it back.
+fn tick_kept(cl: &Cluster, t: &Arc<Tree>) {
+    if t.ticked.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (kept, clock) = (t.clone(), cl.clock().clone());
+    let ticker = move || loop {
+        let t = &kept;
+        clock.sleep(KEEP_TICK);
+        match block_on(t.tree.keep_tick()) {
+            Ok(Tick::Kept) => continue,
+            Ok(Tick::Idle | Tick::Yielded) => {}
+            Err(e) => {
+                // The next tick tries again; a tree the mount moved on from yields then.
+                tracing::debug!(node = t.node, error = %e, "checking a kept lock tree failed");
+                continue;
+            }
+        }
+        t.ticked.store(false, Ordering::Release);
+        // Kept again meanwhile by a write that found this thread still running: go on.
+        if !t.tree.keeps() || t.ticked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+    };
+    if let Err(e) = cl.spawn("rackfs-keep", Box::new(ticker)) {
+        // The write's unlock gives the tree back (see `FileLocks::unlock`).
+        tracing::warn!(error = %e, "no thread to check a kept lock tree: giving it back");
+        t.ticked.store(false, Ordering::Release);
     }
 }
 

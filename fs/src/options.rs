@@ -62,6 +62,9 @@ pub struct MountOptions {
     /// Writes and truncates take Citron range locks (`locks=off`: only for a single writer
     /// per file, or to measure what locking costs).
     pub locks: bool,
+    /// With locks, a mount writing a file uncontended keeps the file's whole lock tree between
+    /// writes, giving it back when another mount waits (`keep_locks=off`: a lock per write).
+    pub keep_locks: bool,
     /// Haechi QoS: every data operation spends tokens (`qos=off`: unaccounted, for
     /// measuring QoS's own cost).
     pub qos: bool,
@@ -100,6 +103,7 @@ impl Default for MountOptions {
             attr_timeout: Duration::from_secs(1),
             timeout: rackfs_proto::client::RPC_DEADLINE,
             locks: true,
+            keep_locks: true,
             qos: true,
             reservation: 0,
             limit: 0,
@@ -175,6 +179,14 @@ fn seconds(key: &str, v: &str, min: f64, expected: &'static str) -> Result<Durat
         .filter(|s: &f64| s.is_finite() && (min..=3600.0).contains(s))
         .map(Duration::from_secs_f64)
         .ok_or_else(|| bad(key, v, expected))
+}
+
+fn on_off(key: &str, v: &str) -> Result<bool, OptionsError> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        v => Err(bad(key, v, "on or off")),
+    }
 }
 
 fn bad(key: &str, value: impl ToString, expected: &'static str) -> OptionsError {
@@ -276,23 +288,12 @@ impl MountOptions {
                 "timeout" => {
                     o.timeout = seconds(key, need(key, value)?, 0.1, "seconds from 0.1 to 3600")?
                 }
-                "locks" => {
-                    o.locks = match need(key, value)? {
-                        "on" => true,
-                        "off" => false,
-                        v => return Err(bad(key, v, "on or off")),
-                    }
-                }
+                "locks" => o.locks = on_off(key, need(key, value)?)?,
+                "keep_locks" => o.keep_locks = on_off(key, need(key, value)?)?,
                 "allow_other" if value.is_none() => o.allow_other = true,
                 "ro" if value.is_none() => o.read_only = true,
                 k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
-                "qos" => {
-                    o.qos = match need(key, value)? {
-                        "on" => true,
-                        "off" => false,
-                        v => return Err(bad(key, v, "on or off")),
-                    }
-                }
+                "qos" => o.qos = on_off(key, need(key, value)?)?,
                 "reservation" | "limit" => {
                     let v = need(key, value)?;
                     let n = parse_iops(v).ok_or_else(|| {
@@ -374,6 +375,7 @@ mod tests {
             ("secret_file=", "needs a value"),
             ("attr_timeout=-1", "seconds"),
             ("locks=maybe", "expected on or off"),
+            ("keep_locks=1", "expected on or off"),
             ("reservation=lots", "expected IOPS"),
             ("limit=-5", "expected IOPS"),
             ("weight=0", "from 1 to 10000"),

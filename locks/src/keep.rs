@@ -121,7 +121,7 @@ impl LockTree {
     /// of it (see [`crate::keep`]); someone must call [`LockTree::keep_tick`] every so often
     /// (a fraction of a millisecond to a millisecond: it bounds how long others wait).
     pub fn keeping(mut self, policy: KeepPolicy) -> Self {
-        self.keep = Some(Keep::new(policy));
+        self.keep = Some(Box::new(Keep::new(policy)));
         self
     }
 
@@ -214,6 +214,15 @@ impl LockTree {
     /// the tree was retired, or nothing was lent for the policy's idle time. One round trip
     /// (a read of `waiting` and `state`) while it keeps the tree, none otherwise.
     pub async fn keep_tick(&self) -> Result<Tick, LockError> {
+        self.check_kept(false).await
+    }
+
+    /// Gives the kept tree back now, whoever waits (once its lent ranges come back).
+    pub async fn give_back_kept(&self) -> Result<Tick, LockError> {
+        self.check_kept(true).await
+    }
+
+    async fn check_kept(&self, force: bool) -> Result<Tick, LockError> {
         let Some(keep) = self.keep.as_ref() else {
             return Ok(Tick::Idle);
         };
@@ -241,7 +250,7 @@ impl LockTree {
             let idle = s.kept.as_ref().is_some_and(|k| {
                 k.lent.is_empty() && now.saturating_sub(k.last_lent) >= keep.policy.idle
             });
-            if !(wanted || retired || idle) {
+            if !(force || wanted || retired || idle) {
                 return Ok(Tick::Kept);
             }
             s.yielding = true;

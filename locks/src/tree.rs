@@ -196,7 +196,7 @@ pub struct LockTree {
     /// Whether the client has moved on from this tree (see [`LockTree::give_up_when`]).
     moved_on: Option<Box<dyn Fn() -> bool + Send + Sync>>,
     /// The whole tree kept between this client's requests, if it keeps ([`LockTree::keeping`]).
-    pub(crate) keep: Option<crate::keep::Keep>,
+    pub(crate) keep: Option<Box<crate::keep::Keep>>,
 }
 
 /// Client slots per tree: at most this many clients (mounts) use one tree at once.

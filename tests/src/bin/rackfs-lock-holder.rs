@@ -55,7 +55,8 @@ fn main() {
         other => panic!("lookup: {other:?}"),
     };
     let layout = attr.layout.expect("a regular file");
-    let locks = FileLocks::new(attr.ino, layout.record);
+    // One lock held until told: nothing to keep.
+    let locks = FileLocks::new(attr.ino, layout.record, false);
     let held = locks.lock(&cl, l, r).expect("lock");
     println!("held");
     std::io::stdout().flush().expect("stdout");
