@@ -236,10 +236,14 @@ impl FileLocks {
             }
         };
         let res = self.publish(cl, t.word, units);
+        if res.is_ok() {
+            t.tree.stop_lending();
+        }
         self.forget(t);
         if let Err(e) = block_on(t.tree.release(guard)) {
             tracing::debug!(error = %e, "release after growth");
         }
+        give_back_replaced(t);
         let new = res?;
         tracing::debug!(
             ino = self.ino,
@@ -259,6 +263,8 @@ impl FileLocks {
             return Ok(());
         }
         self.publish(cl, held.tree.word, units)?;
+        // Its unlock gives a kept tree back (see `FileLocks::unlock`).
+        held.tree.tree.stop_lending();
         self.forget(&held.tree);
         Ok(())
     }
@@ -280,6 +286,20 @@ impl FileLocks {
             if let Err(e) = block_on(t.tree.give_back_kept()) {
                 tracing::warn!(node = t.node, error = %e, "giving a kept lock tree back failed");
             }
+        }
+        if lent {
+            give_back_replaced(t);
+        }
+    }
+}
+
+/// Gives back the kept tree this mount replaced (grew or shrank), now that the whole range it
+/// was lent for the replacement came back: no ticker would, the tree being retired and never
+/// lent from again, and its slot would keep its memory from being freed.
+fn give_back_replaced(t: &Tree) {
+    if t.tree.replaced() && t.tree.keeps() {
+        if let Err(e) = block_on(t.tree.give_back_kept()) {
+            tracing::warn!(node = t.node, error = %e, "giving a replaced lock tree back failed");
         }
     }
 }

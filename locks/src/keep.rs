@@ -20,12 +20,15 @@
 //!
 //! **Safety is Citron's.** A kept tree is an ordinary granted range `[0, inf)` that is held
 //! for long; a lent range lies inside it and only the keeper lends. A keeper lends nothing
-//! once its client moved on from the tree ([`LockTree::give_up_when`]: its session fenced or
-//! over), so a keeper stopped past its lease lends nothing when it resumes: its slot is
-//! ignored by the recovery that replaced the tree, and the data nodes refuse its late writes
-//! as they refuse any fenced session's. Replacements need the whole tree (growth, shrinking)
-//! or retire it first (recovery): the first waits, so the keeper yields; the second the keeper
-//! sees in `state` and yields too, which the recovery waits for as for any live holder.
+//! once its client knows it moved on from the tree ([`LockTree::give_up_when`]: its session
+//! fenced or over). A keeper stopped past its lease may resume before it knows: then, as for
+//! an ordinary holder stopped that long, the data nodes refuse its writes, having fenced its
+//! session before the recovery that ignored its slot replaced the tree. Replacements need
+//! the whole tree (growth, shrinking) or retire it first (recovery). Another client's
+//! replacement waits, so the keeper yields; the keeper's own lends it the whole range and
+//! then stops all lending from the replaced tree ([`LockTree::stop_lending`]); a recovery
+//! the keeper sees in `state` and yields, which the recovery waits for as for any live
+//! holder.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -70,6 +73,9 @@ struct KeepState {
     taking: bool,
     /// The kept tree is being given back: nothing more is lent.
     yielding: bool,
+    /// This client replaced the tree (see [`LockTree::stop_lending`]): every acquisition on
+    /// this handle fails with [`LockError::Retired`].
+    replaced: bool,
     /// Acquisitions granted in a row without waiting.
     streak: u32,
     /// No keeping before this time (after a revocation).
@@ -103,6 +109,7 @@ impl Keep {
                 kept: None,
                 taking: false,
                 yielding: false,
+                replaced: false,
                 streak: 0,
                 not_before: Duration::ZERO,
                 backoff: policy.backoff,
@@ -157,6 +164,9 @@ impl LockTree {
             let next = {
                 let mut guard = self.keep_state();
                 let s = &mut *guard;
+                if s.replaced {
+                    return Err(LockError::Retired);
+                }
                 match s.kept.as_mut() {
                     // Being taken or given back: wait for the outcome.
                     _ if s.yielding || s.taking => Next::Wait,
@@ -198,6 +208,22 @@ impl LockTree {
                 }
             }
         }
+    }
+
+    /// This client published a replacement of the tree while holding all of it (growth,
+    /// shrinking): it lends nothing more from it, so its other requests, waiting for the
+    /// whole range to come back, retry on the published tree instead of being lent ranges of
+    /// a retired one that another client may be granted in the new tree. The kept tree goes
+    /// back with [`LockTree::give_back_kept`] once the whole range came back.
+    pub fn stop_lending(&self) {
+        if self.keep.is_some() {
+            self.keep_state().replaced = true;
+        }
+    }
+
+    /// Whether this client replaced the tree ([`LockTree::stop_lending`]).
+    pub fn replaced(&self) -> bool {
+        self.keep.is_some() && self.keep_state().replaced
     }
 
     /// A lent range comes back (to nothing if the client moved on from the tree meanwhile).
@@ -250,31 +276,35 @@ impl LockTree {
             let idle = s.kept.as_ref().is_some_and(|k| {
                 k.lent.is_empty() && now.saturating_sub(k.last_lent) >= keep.policy.idle
             });
+            if s.yielding {
+                // Another caller is giving it back.
+                return Ok(Tick::Yielded);
+            }
             if !(force || wanted || retired || idle) {
                 return Ok(Tick::Kept);
             }
             s.yielding = true;
-            if wanted {
+            if wanted || force {
                 s.streak = 0;
+            }
+            if wanted {
                 s.not_before = now + s.backoff;
                 s.backoff = (s.backoff * 2).min(keep.policy.max_backoff);
             } else {
                 s.backoff = keep.policy.backoff;
             }
         }
-        // Lent ranges come back once their requests are done.
-        while self
-            .keep_state()
-            .kept
-            .as_ref()
-            .is_some_and(|k| !k.lent.is_empty())
-        {
+        // Lent ranges come back once their requests are done; the tree is taken in the same
+        // hold of the state that sees none lent (nothing is lent while `yielding`).
+        let kept = loop {
+            {
+                let mut s = self.keep_state();
+                if s.kept.as_ref().is_none_or(|k| k.lent.is_empty()) {
+                    s.yielding = false;
+                    break s.kept.take();
+                }
+            }
             self.clock().sleep(self.config().poll).await;
-        }
-        let kept = {
-            let mut s = self.keep_state();
-            s.yielding = false;
-            s.kept.take()
         };
         if let Some(k) = kept {
             self.release_exact(k.guard).await?;

@@ -855,3 +855,155 @@ fn plain_citron_under_the_keepers_load() {
         },
     );
 }
+
+/// A keeper that replaces the tree itself (growth, a truncate's shrink) is lent the whole
+/// range for it; its other requests waiting meanwhile must not be lent ranges of the retired
+/// tree once the whole comes back (another client may be granted them in the published one):
+/// after [`LockTree::stop_lending`] they fail as `Retired` and retry on the published tree.
+#[test]
+fn a_keeper_that_replaces_its_tree_lends_nothing_more_from_it() {
+    use rackfs_locks::KeepPolicy;
+    let mut sim = Sim::new(SimConfig {
+        seed: 1,
+        region_len: 4 << 20,
+        ..SimConfig::default()
+    });
+    let geo = Geometry { height: 2 };
+    let cfg = LockConfig {
+        k: 2,
+        m: 1,
+        rtt_budget: Duration::from_micros(10),
+        poll: Duration::from_micros(2),
+        leaf_retries: 8,
+    };
+    let policy = KeepPolicy {
+        streak: 2,
+        idle: Duration::from_millis(10),
+        ..KeepPolicy::default()
+    };
+    let oracle = Rc::new(RefCell::new(Oracle::default()));
+    // 1: the keeper holds the whole range for its replacement; 2: the new tree is published.
+    let phase = Rc::new(Cell::new(0u32));
+    let retried = Rc::new(Cell::new(false));
+    let next = Rc::new(Cell::new(64));
+    let first = alloc_tree(&next, geo);
+    sim.handle()
+        .region()
+        .store(RECORD, pack(geo, first))
+        .expect("record");
+    let a = sim.add_client();
+    let qa = sim.handle().connect(a);
+    let keeper = Rc::new(
+        LockTree::new(
+            qa.clone(),
+            RemoteAddr::new(SIM_RKEY, first),
+            geo,
+            cfg.clone(),
+            0,
+        )
+        .keeping(policy),
+    );
+    // An acquisition of [10, 20) by `client` with handle `tree`, retried on the published tree
+    // while retired; held 30 us under the oracle.
+    let handle = sim.handle();
+    let lock_10_20 = |client: usize, mut tree: Rc<LockTree>, qp: QueuePair| {
+        let (h, o, retried, cfg) = (handle.clone(), oracle.clone(), retried.clone(), cfg.clone());
+        async move {
+            loop {
+                match tree.acquire(10, 20).await {
+                    Ok(g) => {
+                        o.borrow_mut().grant(client, 10, 20, h.now());
+                        h.clock_sleep(Duration::from_micros(30)).await;
+                        o.borrow_mut().drop_held(client, 10, 20);
+                        tree.release(g).await.expect("release");
+                        return;
+                    }
+                    Err(LockError::Retired) => {
+                        retried.set(true);
+                        let (geo, base) = unpack(read_u64(&qp, RECORD).await);
+                        tree = Rc::new(LockTree::new(
+                            qp.clone(),
+                            RemoteAddr::new(SIM_RKEY, base),
+                            geo,
+                            cfg.clone(),
+                            client as u16,
+                        ));
+                        h.clock_sleep(Duration::from_micros(2)).await;
+                    }
+                    Err(e) => panic!("acquire: {e}"),
+                }
+            }
+        }
+    };
+    {
+        let (t, h, next, qa, phase) = (
+            keeper.clone(),
+            sim.handle(),
+            next.clone(),
+            qa.clone(),
+            phase.clone(),
+        );
+        sim.spawn(a, async move {
+            for i in 0..3 {
+                let g = t.acquire(i, i + 1).await.expect("acquire");
+                t.release(g).await.expect("release");
+            }
+            let whole = t.acquire(0, u64::MAX).await.expect("whole");
+            assert!(whole.from_kept(), "the keeper lends itself the whole range");
+            phase.set(1);
+            h.clock_sleep(Duration::from_micros(5)).await;
+            // The service's growth: the old tree retired, a larger one published.
+            let mut b = Batch::new();
+            b.write_u64(RemoteAddr::new(SIM_RKEY, first + STATE_OFFSET), RETIRED);
+            qa.post(b).await.expect("retire");
+            let grown = Geometry { height: 3 };
+            let mut b = Batch::new();
+            b.write_u64(
+                RemoteAddr::new(SIM_RKEY, RECORD),
+                pack(grown, alloc_tree(&next, grown)),
+            );
+            qa.post(b).await.expect("publish");
+            t.stop_lending();
+            phase.set(2);
+            t.release(whole).await.expect("give back");
+            t.give_back_kept().await.expect("kept tree given back");
+        });
+    }
+    {
+        let (h, phase, t) = (sim.handle(), phase.clone(), keeper.clone());
+        let other_thread = lock_10_20(0, t, qa.clone());
+        sim.spawn(a, async move {
+            while phase.get() < 1 {
+                h.clock_sleep(Duration::from_micros(1)).await;
+            }
+            other_thread.await;
+        });
+    }
+    {
+        let b = sim.add_client();
+        let qb = sim.handle().connect(b);
+        let (h, phase) = (sim.handle(), phase.clone());
+        let stale = Rc::new(LockTree::new(
+            qb.clone(),
+            RemoteAddr::new(SIM_RKEY, first),
+            geo,
+            cfg.clone(),
+            1,
+        ));
+        let other_mount = lock_10_20(1, stale, qb);
+        sim.spawn(b, async move {
+            while phase.get() < 2 {
+                h.clock_sleep(Duration::from_micros(1)).await;
+            }
+            other_mount.await;
+        });
+    }
+    assert_eq!(sim.run(Duration::from_secs(1)), RunOutcome::Finished);
+    let o = oracle.borrow();
+    assert!(o.violations.is_empty(), "{:?}", o.violations);
+    assert!(
+        retried.get(),
+        "the keeper's other request retried on the new tree"
+    );
+    assert!(!keeper.keeps(), "the replaced tree was given back");
+}
