@@ -248,6 +248,23 @@ const CREATE_RESERVE: u64 = 4096;
 /// How many failovers of the primary one data operation is carried across.
 const FAILOVER_RETRIES: u32 = 3;
 
+/// How long a size change or `fallocate` is asked again while the primary refuses it as
+/// `Unavailable` (a primary that took over, before the data nodes holding the file's stripes
+/// followed it; no node able to take a stripe), before it fails with `EIO`.
+const UNAVAILABLE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Whether the service may refuse `req` as `Unavailable` for a while (see
+/// [`UNAVAILABLE_PATIENCE`]): it changes a file's stripes.
+fn changes_stripes(req: &MetaRequest) -> bool {
+    matches!(
+        req,
+        MetaRequest::SetAttr {
+            set: SetAttr { size: Some(_), .. },
+            ..
+        } | MetaRequest::Fallocate { .. }
+    )
+}
+
 /// The attributes an answer carries.
 fn attr_in(r: ControlResponse) -> Result<Attr, Errno> {
     match r {
@@ -420,8 +437,32 @@ impl Client {
         let leased = &self.caches.leased;
         let flight = leased.changing(&req);
         let sent = leased.news();
-        let r = self.cluster.meta(req).map_err(rpc);
-        (r, leased.answered(flight, sent))
+        let r = match changes_stripes(&req) {
+            true => self.patiently(req),
+            false => self.cluster.meta(req),
+        };
+        (r.map_err(rpc), leased.answered(flight, sent))
+    }
+
+    /// Sends `req`, again while it is refused as `Unavailable`, for up to
+    /// [`UNAVAILABLE_PATIENCE`] (a refused request was not carried out).
+    fn patiently(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
+        let clock = self.cluster.clock();
+        let started = clock.now();
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match self.cluster.meta(req.clone()) {
+                Err(RpcError::Refused {
+                    code: ErrorCode::Unavailable,
+                    message,
+                }) if clock.now().saturating_sub(started) < UNAVAILABLE_PATIENCE => {
+                    tracing::debug!(%message, "a stripe change refused for now: asking again");
+                    clock.sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(100));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// The attributes `req` is answered with, kept in the leased cache (with the name they

@@ -1131,6 +1131,15 @@ impl Namespace {
         }
         let (_, region) = st.local();
         let t = st.wall_ns();
+        if let Some(f) = self.get(ino)?.file.as_ref() {
+            // The stripes the cut may zero (the one holding a lower end) or free (beyond it).
+            let (unit, old) = (f.stripe_unit, st.load(f.record + REC_SIZE));
+            let first = match size < old {
+                true => size / unit,
+                false => size.div_ceil(unit),
+            };
+            self.followed(ino, first..u64::MAX)?;
+        }
         let i = self.get_mut(ino)?;
         let Some(f) = i.file.as_mut() else {
             return not_a_file(i.kind, "not a regular file");
