@@ -113,6 +113,26 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
             Ok(len) => ControlResponse::Freed { len },
             Err(e) => e.into(),
         },
+        ControlRequest::FreeMany { extents } => {
+            if extents.len() > MAX_FREE_MANY {
+                return Refusal::new(
+                    ErrorCode::Invalid,
+                    format!(
+                        "{} extents to free in one request, at most {MAX_FREE_MANY}",
+                        extents.len()
+                    ),
+                )
+                .into();
+            }
+            let refused = extents
+                .into_iter()
+                .filter_map(|(offset, tag)| {
+                    let r = node.store.free(offset, Some(tag));
+                    r.err().map(|e| (offset, e.message))
+                })
+                .collect();
+            ControlResponse::FreedMany { refused }
+        }
         ControlRequest::Resize {
             offset,
             len,
@@ -358,6 +378,10 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
 /// fewer; this bounds what a request can make a node do).
 const MAX_ALLOC_MANY: usize = 1024;
 
+/// The most extents one [`ControlRequest::FreeMany`] may name (the primary sends at most
+/// this many at a time).
+pub const MAX_FREE_MANY: usize = 1024;
+
 /// The primary's side of a join. A new node is empty (a new process), so replicas it held
 /// before are dropped first; it takes data once admitted under its epoch. A node that
 /// follows this primary after a take-over (`epoch`) keeps its memory and is admitted
@@ -370,6 +394,7 @@ fn primary_action_allowed(node: &Node, session: u64, req: &ControlRequest) -> Re
         ControlRequest::Alloc { .. }
             | ControlRequest::AllocMany { .. }
             | ControlRequest::Free { .. }
+            | ControlRequest::FreeMany { .. }
             | ControlRequest::Resize { .. }
             | ControlRequest::Zero { .. }
             | ControlRequest::Retag { .. }

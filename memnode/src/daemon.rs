@@ -48,6 +48,9 @@ use crate::watch::Watchers;
 pub const INFO_MAGIC: &[u8; 8] = b"RACKFSv1";
 const INFO_REGION_LEN: u64 = 4096;
 
+/// How long the frees thread lets frees gather after the first before it sends them.
+const FREES_GATHER: Duration = Duration::from_millis(2);
+
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -439,6 +442,9 @@ impl MemNode {
         node.start_thread("frees", |n| {
             while !n.is_stopping() {
                 n.frees.wait(Duration::from_millis(500));
+                // A moment for more to gather (removals come in bursts): one request per node
+                // carries them all.
+                n.clock.sleep(FREES_GATHER);
                 n.send_frees();
             }
         });

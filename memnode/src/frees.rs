@@ -30,12 +30,15 @@ impl Frees {
         self.queued.notify_one();
     }
 
-    /// Sends every waiting free with `send`; returns once every free queued before the call
-    /// was sent (by this caller or by another one sending meanwhile).
-    pub fn send(&self, send: impl Fn(Free)) {
+    /// Sends every waiting free with `send`, all at once (so one request per node can carry
+    /// them); returns once every free queued before the call was sent (by this caller or by
+    /// another one sending meanwhile).
+    pub fn send(&self, send: impl FnOnce(Vec<Free>)) {
         let _sending = self.sending.lock().expect("frees sending lock");
         let taken: Vec<Free> = self.queue.lock().expect("frees lock").drain(..).collect();
-        taken.into_iter().for_each(send);
+        if !taken.is_empty() {
+            send(taken);
+        }
     }
 
     /// Blocks until a free is queued or `max` passed.
@@ -58,8 +61,8 @@ mod tests {
         f.push((2, 128, 8));
         f.wait(Duration::from_secs(5));
         let sent = Mutex::new(Vec::new());
-        f.send(|x| sent.lock().unwrap().push(x));
-        f.send(|x| sent.lock().unwrap().push(x));
+        f.send(|x| sent.lock().unwrap().extend(x));
+        f.send(|x| sent.lock().unwrap().extend(x));
         assert_eq!(*sent.lock().unwrap(), vec![(1, 64, 7), (2, 128, 8)]);
     }
 }

@@ -407,17 +407,53 @@ impl Node {
     /// in [`Node::discards`] only once the sending is over: declaring a node dead holds that
     /// lock while its change sends frees, so taking it while sending would deadlock.
     pub fn send_frees(&self) {
-        let deferred = std::cell::RefCell::new(Vec::new());
-        self.frees.send(
-            |(node, offset, tag)| match self.free_at(node, offset, Some(tag)) {
-                Ok(true) => {}
-                Ok(false) => deferred.borrow_mut().push((node, offset)),
-                Err(e) => warn!(node, offset, error = %e, "a released extent stays allocated"),
-            },
-        );
-        for (node, offset) in deferred.into_inner() {
+        let mut deferred = Vec::new();
+        self.frees.send(|taken| {
+            let mut by_node: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
+            for (node, offset, tag) in taken {
+                by_node.entry(node).or_default().push((offset, tag));
+            }
+            for (node, extents) in by_node {
+                for chunk in extents.chunks(crate::control::MAX_FREE_MANY) {
+                    match self.free_many_at(node, chunk) {
+                        Ok(true) => {}
+                        Ok(false) => deferred.extend(chunk.iter().map(|&(o, _)| (node, o))),
+                        Err(e) => warn!(
+                            node,
+                            extents = chunk.len(),
+                            error = %e,
+                            "released extents stay allocated"
+                        ),
+                    }
+                }
+            }
+        });
+        for (node, offset) in deferred {
             self.discards.add(node, offset);
         }
+    }
+
+    /// Frees stripe extents (base offset, tag) on `node`, in one request to another node;
+    /// `Ok(false)`: the node is down (see [`Node::free_at`]). Extents the node refuses to
+    /// free (no longer carrying the tag) are logged and stay as they are.
+    fn free_many_at(&self, node: u32, extents: &[(u64, u64)]) -> Result<bool, Refusal> {
+        let refused = if node == self.cfg.node_id {
+            let free = |&(offset, tag): &(u64, u64)| self.store.free(offset, Some(tag)).err();
+            extents
+                .iter()
+                .filter_map(|e| free(e).map(|r| (e.0, r.message)))
+                .collect()
+        } else {
+            match self.with_peer(node, |c| c.free_many(extents.to_vec())) {
+                Ok(refused) => refused,
+                Err(r) if r.code == ErrorCode::Unavailable => return Ok(false),
+                Err(r) => return Err(r),
+            }
+        };
+        for (offset, why) in refused {
+            warn!(node, offset, why, "a released extent stays allocated");
+        }
+        Ok(true)
     }
 
     fn free_now(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {

@@ -23,7 +23,7 @@ use crate::space::{NodeSpace, Usable};
 pub const PROTOCOL_VERSION: u32 = 16;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
-pub const RPC_KINDS: [&str; 30] = [
+pub const RPC_KINDS: [&str; 31] = [
     "hello",
     "ping",
     "stats",
@@ -54,6 +54,7 @@ pub const RPC_KINDS: [&str; 30] = [
     "primary",
     "resolve",
     "alloc_many",
+    "free_many",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,6 +252,12 @@ pub enum ControlRequest {
         len: u64,
         tags: Vec<u64>,
     },
+    /// Free stripe extents (base offset, owner tag), each as [`ControlRequest::Free`] with
+    /// its tag: a primary's frees for one node in one round trip. Answered with
+    /// [`ControlResponse::FreedMany`].
+    FreeMany {
+        extents: Vec<ExtentAt>,
+    },
 }
 
 /// A stripe extent as a node holds it: (base offset, owner tag).
@@ -302,6 +309,7 @@ impl ControlRequest {
             ControlRequest::Primary { .. } => 27,
             ControlRequest::Resolve { .. } => 28,
             ControlRequest::AllocMany { .. } => 29,
+            ControlRequest::FreeMany { .. } => 30,
         }
     }
 }
@@ -632,6 +640,11 @@ pub enum ControlResponse {
     /// The base offsets of the extents a [`ControlRequest::AllocMany`] allocated.
     AllocatedMany {
         offsets: Vec<u64>,
+    },
+    /// The extents of a [`ControlRequest::FreeMany`] the node did not free (base offset, why);
+    /// the others it freed.
+    FreedMany {
+        refused: Vec<(u64, String)>,
     },
     /// See [`crate::namespace::MetaRequest::SizeAtTakeOver`].
     SizeAtTakeOver(Option<u64>),

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use rackfs_verbs::{Access, RegionInfo, Secret, VerbsError};
 
-use crate::control::{ClusterInfo, ControlRequest, ControlResponse, NodeStats, Resolved};
+use crate::control::{ClusterInfo, ControlRequest, ControlResponse, ExtentAt, NodeStats, Resolved};
 use crate::namespace::MetaRequest;
 use crate::{ControlClient, RpcError};
 
@@ -136,6 +136,14 @@ pub trait ControlLink: Send + Sync {
     fn alloc_many(&self, len: u64, tags: Vec<u64>) -> Result<Vec<u64>, RpcError> {
         match self.call(&ControlRequest::AllocMany { len, tags })? {
             ControlResponse::AllocatedMany { offsets } => Ok(offsets),
+            other => Err(unexpected(self.peer(), other)),
+        }
+    }
+
+    /// [`ControlRequest::FreeMany`]: the extents (base offset, why) the node did not free.
+    fn free_many(&self, extents: Vec<ExtentAt>) -> Result<Vec<(u64, String)>, RpcError> {
+        match self.call(&ControlRequest::FreeMany { extents })? {
+            ControlResponse::FreedMany { refused } => Ok(refused),
             other => Err(unexpected(self.peer(), other)),
         }
     }

@@ -805,3 +805,36 @@ fn once_a_token_is_fenced_none_of_its_batches_lands() {
             .unwrap();
     }
 }
+
+/// A primary's frees for one node in one request: each extent freed only under its owner tag,
+/// the ones the node does not hold so named back (and the rest freed); too many at once is
+/// refused whole, saying how many it may name.
+#[test]
+fn frees_in_one_request_free_each_tagged_extent_and_name_the_rest() {
+    use rackfs_proto::link::ControlLink;
+    let node = MemNodeProcess::start("4M");
+    let ctl = node.control();
+    let tags = [0x101, 0x102, 0x103];
+    let at: Vec<u64> = tags
+        .iter()
+        .map(|&t| ctl.alloc_tagged(64 << 10, 4096, Some(t)).unwrap().1)
+        .collect();
+    let refused = ctl
+        .free_many(vec![(at[0], tags[0]), (at[1], tags[0]), (at[2], tags[2])])
+        .unwrap();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].0, at[1], "the extent named under another's tag");
+    let again = ctl
+        .free_many(vec![(at[0], tags[0]), (at[2], tags[2])])
+        .unwrap();
+    assert_eq!(again.len(), 2, "both were freed the first time: {again:?}");
+    ctl.free(at[1], Some(tags[1]))
+        .expect("the extent named under another's tag was kept");
+    match ctl.free_many(vec![(at[0], tags[0]); 1025]) {
+        Err(RpcError::Refused {
+            code: ErrorCode::Invalid,
+            message,
+        }) => assert!(message.contains("at most 1024"), "{message}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
