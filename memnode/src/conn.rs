@@ -353,6 +353,8 @@ fn may_wait(node: &Node, req: &ControlRequest) -> bool {
         | ControlRequest::Stats
         | ControlRequest::Alloc { .. }
         | ControlRequest::Free { .. }
+        | ControlRequest::FreeMany { .. }
+        | ControlRequest::AllocMany { .. }
         | ControlRequest::Resize { .. }
         | ControlRequest::Zero { .. }
         | ControlRequest::Cluster

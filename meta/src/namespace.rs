@@ -1145,10 +1145,19 @@ impl Namespace {
             return not_a_file(i.kind, "not a regular file");
         };
         let old = st.load(f.record + REC_SIZE);
+        let was = (st.load(f.record + REC_MTIME), i.mtime);
         write_word(region, f.record + REC_SIZE, size);
         write_word(region, f.record + REC_MTIME, t);
         i.mtime = t;
-        f.cut(size, old, st)
+        let cut = f.cut(size, old, st);
+        if cut.is_err() {
+            // Refused before it freed anything (the zeroing of the new last stripe failed on
+            // every replica): the file stays as it was, so the truncate asked again zeroes.
+            write_word(region, f.record + REC_SIZE, old);
+            write_word(region, f.record + REC_MTIME, was.0);
+            i.mtime = was.1;
+        }
+        cut
     }
 
     /// The offset of a file's record-lock table, made (zeroed) on first use.

@@ -726,3 +726,40 @@ fn a_truncate_before_the_nodes_follow_the_new_primary_waits_for_them() {
         assert_eq!(bytes_at(&st, e, 0, 5), b"fi\0\0\0");
     }
 }
+
+/// A truncate whose new last stripe cannot be zeroed on any replica (its nodes down) is
+/// refused and changes nothing, so asking again once they are back zeroes the cut-off bytes.
+/// (It left the size cut: the truncate asked again skipped the zeroing, and the bytes came
+/// back when the file grew.)
+#[test]
+fn a_truncate_refused_for_down_nodes_changes_nothing_and_zeroes_when_asked_again() {
+    let st = MemStorage::new(3, 1 << 22);
+    let mut p = MetaService::new(Duration::from_secs(2), st.wall_ns());
+    let (ino, replicas) = written_stripe(&mut p, &st, "cut", 100, b"abcdefghij");
+    let truncate = |size| MetaRequest::SetAttr {
+        ino,
+        set: SetAttr {
+            size: Some(size),
+            ..SetAttr::default()
+        },
+    };
+    let size_of = |r: ControlResponse| match r {
+        ControlResponse::Attr(a) => a.size,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(size_of(p.handle(9, truncate(10), &st)), 10);
+    for e in &replicas {
+        st.set_down(e.node);
+    }
+    let r = p.handle(9, truncate(3), &st);
+    assert!(unavailable(&r), "{r:?}");
+    assert_eq!(size_of(p.handle(9, MetaRequest::GetAttr { ino }, &st)), 10);
+    for e in &replicas {
+        st.set_up(e.node);
+    }
+    assert_eq!(size_of(p.handle(9, truncate(3), &st)), 3);
+    assert_eq!(size_of(p.handle(9, truncate(10), &st)), 10);
+    for e in &replicas {
+        assert_eq!(bytes_at(&st, e, 0, 10), b"abc\0\0\0\0\0\0\0");
+    }
+}

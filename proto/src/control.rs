@@ -20,7 +20,7 @@ use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 16;
+pub const PROTOCOL_VERSION: u32 = 17;
 
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
 pub const RPC_KINDS: [&str; 31] = [
