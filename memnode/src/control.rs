@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rackfs_proto::control::{
-    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, PROTOCOL_VERSION,
+    ClusterInfo, ControlRequest, ControlResponse, ErrorCode, NodeAddr, MAX_FREE_MANY,
+    PROTOCOL_VERSION,
 };
 use rackfs_proto::link::Loopback;
 use rackfs_proto::namespace::{MetaRequest, NewKind};
@@ -377,10 +378,6 @@ pub fn answer(node: &Node, session: u64, req: ControlRequest) -> ControlResponse
 /// The most extents one [`ControlRequest::AllocMany`] allocates (a primary asks for far
 /// fewer; this bounds what a request can make a node do).
 const MAX_ALLOC_MANY: usize = 1024;
-
-/// The most extents one [`ControlRequest::FreeMany`] may name (the primary sends at most
-/// this many at a time).
-pub const MAX_FREE_MANY: usize = 1024;
 
 /// The primary's side of a join. A new node is empty (a new process), so replicas it held
 /// before are dropped first; it takes data once admitted under its epoch. A node that

@@ -414,7 +414,7 @@ impl Node {
                 by_node.entry(node).or_default().push((offset, tag));
             }
             for (node, extents) in by_node {
-                for chunk in extents.chunks(crate::control::MAX_FREE_MANY) {
+                for chunk in extents.chunks(rackfs_proto::control::MAX_FREE_MANY) {
                     match self.free_many_at(node, chunk) {
                         Ok(true) => {}
                         Ok(false) => deferred.extend(chunk.iter().map(|&(o, _)| (node, o))),

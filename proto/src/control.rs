@@ -22,6 +22,9 @@ use crate::space::{NodeSpace, Usable};
 /// on any change a peer of the previous version would misread.
 pub const PROTOCOL_VERSION: u32 = 17;
 
+/// The most extents one [`ControlRequest::FreeMany`] may name; a node refuses more.
+pub const MAX_FREE_MANY: usize = 1024;
+
 /// Names of the control RPC kinds, in [`ControlRequest::kind_index`] order, for counters.
 pub const RPC_KINDS: [&str; 31] = [
     "hello",
