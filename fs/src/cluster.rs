@@ -69,6 +69,8 @@ pub struct Cluster {
     lock_client: Mutex<Option<(u16, LockConfig, u64)>>,
     /// Held while the lock client is set up (slot, calibration, lease).
     lock_setup: Mutex<()>,
+    /// How many more files' lock trees this mount may keep ([`crate::lock::KEPT_TREES`]).
+    keep_budget: Arc<rackfs_locks::KeepBudget>,
     /// QoS: this mount's slot and its engine per node (`None`: `qos=off`).
     qos: RwLock<Option<Qos>>,
     /// How long a verb batch over tcp waits for its node, in ms (the mount's `timeout=`).
@@ -242,6 +244,7 @@ impl Cluster {
                 name: name.into(),
                 lock_client: Mutex::new(None),
                 lock_setup: Mutex::new(()),
+                keep_budget: rackfs_locks::KeepBudget::new(crate::lock::KEPT_TREES),
                 qos: RwLock::new(None),
                 deadline_ms: (rackfs_verbs::tcp::DEFAULT_DEADLINE.as_millis() as u64).into(),
                 lease: RwLock::default(),
@@ -275,6 +278,11 @@ impl Cluster {
     }
 
     /// The clock this mount's core takes time from.
+    /// The budget of lock trees this mount keeps at once, shared by its files.
+    pub fn keep_budget(&self) -> Arc<rackfs_locks::KeepBudget> {
+        self.keep_budget.clone()
+    }
+
     /// Starts a thread of the core through the mount's [`crate::spawn::Spawn`].
     pub fn spawn(&self, name: &str, work: crate::spawn::Work) -> std::io::Result<()> {
         self.env.spawn.spawn(name, work)

@@ -13,7 +13,7 @@
 //! tree between writes ([`rackfs_locks::keep`]), so its writes take no lock round trip; a
 //! `rackfs-keep` thread per kept tree checks every [`KEEP_TICK`] whether another mount waits
 //! for a range, and gives the tree back if so (or once the mount wrote nothing under it for
-//! the policy's idle time).
+//! the policy's idle time, 20 ms). A mount keeps at most [`KEPT_TREES`] trees at once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -34,6 +34,11 @@ pub const LOCK_UNIT: u64 = 4096;
 /// How often a kept tree is checked for waiters: a mount that wants a range of a tree another
 /// mount keeps waits about this much longer than behind an ordinary holder.
 pub const KEEP_TICK: Duration = Duration::from_millis(1);
+
+/// Most files whose lock trees one mount keeps at once: each costs a thread and a check per
+/// [`KEEP_TICK`], so a mount writing many files (a file server) keeps only the busiest few and
+/// locks the others per write.
+pub const KEPT_TREES: usize = 8;
 
 /// How long a cached tree handle is trusted without seeing the tree live.
 const LAYOUT_LEASE: Duration = rackfs_proto::locktree::CLIENT_LEASE;
@@ -147,7 +152,10 @@ impl FileLocks {
         )
         .give_up_when(session_over);
         if self.keep {
-            tree = tree.keeping(KeepPolicy::default());
+            tree = tree.keeping(KeepPolicy {
+                budget: Some(cl.keep_budget()),
+                ..KeepPolicy::default()
+            });
         }
         let t = Arc::new(Tree {
             word,

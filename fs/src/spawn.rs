@@ -11,7 +11,7 @@
 //! | `rackfs-watch` | `watch::spawn`, by the mount once its FUSE session exists (`attr_timeout` > 0) | the process ends |
 //! | `rackfs-release` | `releases::spawn`, by the mount once its FUSE session exists | the cluster is dropped (at the next queued release) |
 //! | `rackfs-lockwait` | `Client::setlk`, one per `F_SETLKW`/`flock` that must wait | the lock is granted or the wait interrupted |
-//! | `rackfs-keep` | `FileLocks::lock`, when a write is lent its range from a lock tree the mount keeps | the mount gives the tree back (another mount waits, the tree is replaced, or 200 ms without a write) |
+//! | `rackfs-keep` | `FileLocks::lock`, when a write is lent its range from a lock tree the mount keeps | the mount gives the tree back (another mount waits, the tree is replaced, or 20 ms without a write) |
 //! | `rackfs-reclaim` | the failover hook `Client::new` registers, once per failover | the mount's record locks are reclaimed from the new primary |
 //!
 //! Outside the core, the mount starts fuser's workers and a thread waiting for SIGTERM

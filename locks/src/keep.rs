@@ -30,7 +30,8 @@
 //! the keeper sees in `state` and yields, which the recovery waits for as for any live
 //! holder.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_verbs::Batch;
@@ -40,7 +41,8 @@ use crate::tree::{LockError, LockTree, RangeGuard, RETIRED};
 /// When a client keeps a tree, and for how long.
 #[derive(Clone, Debug)]
 pub struct KeepPolicy {
-    /// Acquisitions in a row granted without waiting before the client keeps the tree.
+    /// Acquisitions in a row granted without waiting, each within `idle` of the one before,
+    /// before the client keeps the tree.
     pub streak: u32,
     /// A kept tree with nothing lent for this long is released.
     pub idle: Duration,
@@ -48,16 +50,49 @@ pub struct KeepPolicy {
     /// further one, up to `max_backoff`.
     pub backoff: Duration,
     pub max_backoff: Duration,
+    /// Trees kept at once, shared by the trees of one client (`None`: no bound). Each kept
+    /// tree costs a check per tick, so a client writing many files keeps only a few.
+    pub budget: Option<Arc<KeepBudget>>,
 }
 
 impl Default for KeepPolicy {
     fn default() -> Self {
         KeepPolicy {
-            streak: 4,
-            idle: Duration::from_millis(200),
+            streak: 8,
+            idle: Duration::from_millis(20),
             backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(5),
+            budget: None,
         }
+    }
+}
+
+/// How many more trees a client may keep ([`KeepPolicy::budget`]).
+#[derive(Debug)]
+pub struct KeepBudget {
+    left: AtomicUsize,
+}
+
+impl KeepBudget {
+    pub fn new(trees: usize) -> Arc<KeepBudget> {
+        Arc::new(KeepBudget {
+            left: AtomicUsize::new(trees),
+        })
+    }
+
+    /// Places left.
+    pub fn left(&self) -> usize {
+        self.left.load(Ordering::Acquire)
+    }
+
+    fn take(&self) -> bool {
+        self.left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    fn give(&self) {
+        self.left.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -76,8 +111,10 @@ struct KeepState {
     /// This client replaced the tree (see [`LockTree::stop_lending`]): every acquisition on
     /// this handle fails with [`LockError::Retired`].
     replaced: bool,
-    /// Acquisitions granted in a row without waiting.
+    /// Acquisitions granted in a row without waiting, each within the idle time of the last.
     streak: u32,
+    /// When the last one was granted.
+    last_granted: Duration,
     /// No keeping before this time (after a revocation).
     not_before: Duration,
     backoff: Duration,
@@ -103,6 +140,18 @@ pub enum Tick {
 }
 
 impl Keep {
+    /// Takes a place in the client's budget for a tree to keep.
+    fn budget_take(&self) -> bool {
+        self.policy.budget.as_ref().is_none_or(|b| b.take())
+    }
+
+    /// A kept tree given back (or a place taken for one that was not kept after all).
+    fn budget_give(&self) {
+        if let Some(b) = &self.policy.budget {
+            b.give();
+        }
+    }
+
     pub(crate) fn new(policy: KeepPolicy) -> Keep {
         Keep {
             state: Mutex::new(KeepState {
@@ -111,10 +160,21 @@ impl Keep {
                 yielding: false,
                 replaced: false,
                 streak: 0,
+                last_granted: Duration::ZERO,
                 not_before: Duration::ZERO,
                 backoff: policy.backoff,
             }),
             policy,
+        }
+    }
+}
+
+impl Drop for Keep {
+    /// A handle dropped while it keeps (its client moved on) gives its place back.
+    fn drop(&mut self) {
+        let kept = self.state.get_mut().map(|s| s.kept.is_some());
+        if kept.unwrap_or(false) {
+            self.budget_give();
         }
     }
 }
@@ -148,7 +208,8 @@ impl LockTree {
     /// keep, or taken exactly.
     pub(crate) async fn acquire_keeping(&self, l: u64, r: u64) -> Result<RangeGuard, LockError> {
         let poll = self.config().poll;
-        let policy = &self.keep.as_ref().expect("a keeping tree").policy;
+        let keep = self.keep.as_ref().expect("a keeping tree");
+        let policy = &keep.policy;
         enum Next {
             Lent,
             Wait,
@@ -177,7 +238,10 @@ impl LockTree {
                         k.last_lent = now;
                         Next::Lent
                     }
-                    None if s.streak >= policy.streak && now >= s.not_before => {
+                    None if s.streak >= policy.streak
+                        && now >= s.not_before
+                        && keep.budget_take() =>
+                    {
                         s.taking = true;
                         Next::TakeWhole
                     }
@@ -191,6 +255,9 @@ impl LockTree {
                     let whole = self.acquire_exact(0, u64::MAX).await;
                     let mut s = self.keep_state();
                     s.taking = false;
+                    if whole.is_err() {
+                        keep.budget_give();
+                    }
                     s.kept = Some(Kept {
                         guard: whole?,
                         lent: Vec::new(),
@@ -199,11 +266,15 @@ impl LockTree {
                 }
                 Next::Exact => {
                     let g = self.acquire_exact(l, r).await?;
+                    let now = self.clock().now();
                     let mut s = self.keep_state();
-                    s.streak = match g.waited() {
-                        true => 0,
-                        false => s.streak.saturating_add(1),
+                    let burst = now.saturating_sub(s.last_granted) <= policy.idle;
+                    s.streak = match (g.waited(), burst) {
+                        (true, _) => 0,
+                        (false, true) => s.streak.saturating_add(1),
+                        (false, false) => 1,
                     };
+                    s.last_granted = now;
                     return Ok(g);
                 }
             }
@@ -259,8 +330,9 @@ impl LockTree {
         if self.moved_on() {
             // The client left the tree for good (a new session): nothing is released there,
             // as for any range it held.
-            let mut s = self.keep_state();
-            s.kept = None;
+            if self.keep_state().kept.take().is_some() {
+                keep.budget_give();
+            }
             return Ok(Tick::Yielded);
         }
         let mut b = Batch::new();
@@ -307,6 +379,7 @@ impl LockTree {
             self.clock().sleep(self.config().poll).await;
         };
         if let Some(k) = kept {
+            keep.budget_give();
             self.release_exact(k.guard).await?;
         }
         Ok(Tick::Yielded)

@@ -50,5 +50,5 @@ pub mod split;
 pub mod tree;
 
 pub use geometry::{Geometry, Node};
-pub use keep::{KeepPolicy, Tick};
+pub use keep::{KeepBudget, KeepPolicy, Tick};
 pub use tree::{LockConfig, LockError, LockTree, RangeGuard};

@@ -558,7 +558,7 @@ struct KeepCounts {
 }
 
 fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
-    use rackfs_locks::{KeepPolicy, Tick};
+    use rackfs_locks::{KeepBudget, KeepPolicy, Tick};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let mut sim = Sim::new(SimConfig {
@@ -580,7 +580,11 @@ fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
         idle: Duration::from_micros(100),
         backoff: Duration::from_micros(50),
         max_backoff: Duration::from_micros(400),
+        budget: None,
     };
+    // Each keeper keeps one tree at a time (its handles on successive trees share the place);
+    // every place comes back once it is done.
+    let budgets: Vec<_> = (0..s.keepers).map(|_| KeepBudget::new(1)).collect();
     let tick = Duration::from_micros(20);
     let oracle = Rc::new(RefCell::new(Oracle::default()));
     let counts = Rc::new(RefCell::new(KeepCounts::default()));
@@ -605,7 +609,11 @@ fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
         } else {
             s.other_ops
         };
-        let (o, k, cfg, policy) = (oracle.clone(), counts.clone(), cfg.clone(), policy.clone());
+        let (o, k, cfg) = (oracle.clone(), counts.clone(), cfg.clone());
+        let policy = KeepPolicy {
+            budget: budgets.get(c).cloned(),
+            ..policy.clone()
+        };
         let gone = gone.clone();
         // The trees this client made handles on; its ticker ticks every one that keeps.
         let trees: Rc<RefCell<Vec<Rc<LockTree>>>> = Rc::default();
@@ -815,6 +823,11 @@ fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
         return Err(format!(
             "seed {seed}: a request waited {:?} (bound {:?})",
             o.longest_wait, s.wait_bound
+        ));
+    }
+    if let Some(c) = (0..s.keepers).find(|&c| live[c] && s.keep && budgets[c].left() != 1) {
+        return Err(format!(
+            "seed {seed}: keeper {c} never got its keeping place back"
         ));
     }
     let c = std::mem::take(&mut *counts.borrow_mut());
