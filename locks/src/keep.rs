@@ -3,8 +3,8 @@
 //! for its range locks.
 //!
 //! A client that keeps ([`LockTree::keeping`]) and has had [`KeepPolicy::streak`] acquisitions
-//! in a row granted without waiting for anyone takes the whole tree, `[0, inf)`, with an
-//! ordinary acquisition and keeps it. Its later requests are *lent* ranges of the kept tree,
+//! in a row granted without waiting for anyone, in a burst, takes the whole tree, `[0, inf)`,
+//! with an ordinary acquisition and keeps it, if its [`KeepBudget`] has a place left. Its later requests are *lent* ranges of the kept tree,
 //! checked only against the ranges it has lent (its own threads' overlapping requests wait for
 //! each other, locally); giving one back is local too.
 //!
