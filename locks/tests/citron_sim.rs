@@ -436,7 +436,24 @@ fn uncontended_acquire_costs_two_round_trips_and_release_one() {
 }
 
 #[test]
-#[ignore = "long run: cargo test --release -p rackfs-tests --test locks -- --ignored"]
+#[ignore = "long run: cargo test --release -p rackfs-locks --test citron_sim -- --ignored"]
+fn many_seeds_long_run_of_keepers() {
+    check_keeping(10_000, &keep_scenario());
+    check_keeping(
+        10_000,
+        &KeepScenario {
+            keeper_workers: 2,
+            replacements: true,
+            kills: 1,
+            zombies: 1,
+            wait_bound: Duration::from_millis(20),
+            ..keep_scenario()
+        },
+    );
+}
+
+#[test]
+#[ignore = "long run: cargo test --release -p rackfs-locks --test citron_sim -- --ignored"]
 fn many_seeds_long_run() {
     check_many(20_000, &Scenario::new(8, 20, 4, 2));
     check_many(
