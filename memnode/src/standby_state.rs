@@ -646,7 +646,12 @@ mod tests {
         let standby = Standby::default();
         let follower = Arc::new(Follower::default());
         standby.set_follower(1, follower.clone());
-        let (threads, changes) = (8, 50);
+        // More committing threads than shipments may be in flight: some always find the
+        // shipments taken and queue, so a later shipment carries several changes. (With 8
+        // threads for 8 shipments each change could get its own: 400 for 400 in a full-suite
+        // run.)
+        let threads = 2 * SHIPMENTS as u64;
+        let changes = 400 / threads;
         std::thread::scope(|s| {
             for t in 0..threads {
                 let (standby, meta, members, coord, clock, st, follower) =
