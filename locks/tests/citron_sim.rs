@@ -40,6 +40,34 @@ impl Oracle {
         self.held
             .retain(|&(who, a, b)| !(who == c && a == l && b == r));
     }
+
+    /// A run's verdict: no overlap seen, every live client's `expected` requests completed,
+    /// none waited past `bound`.
+    fn verdict(
+        &self,
+        seed: u64,
+        outcome: RunOutcome,
+        expected: usize,
+        now: Duration,
+        bound: Duration,
+    ) -> Result<(), String> {
+        if let Some(v) = self.violations.first() {
+            return Err(format!("seed {seed}: mutual exclusion violated: {v}"));
+        }
+        if outcome != RunOutcome::Finished || self.completed < expected {
+            return Err(format!(
+                "seed {seed}: liveness: {outcome:?} after {} requests ({expected} expected from live clients) at {now:?}",
+                self.completed,
+            ));
+        }
+        if self.longest_wait > bound {
+            return Err(format!(
+                "seed {seed}: a request waited {:?} (bound {bound:?})",
+                self.longest_wait
+            ));
+        }
+        Ok(())
+    }
 }
 
 struct Scenario {
@@ -313,25 +341,9 @@ fn run(seed: u64, s: &Scenario) -> Result<u64, String> {
     }
     let outcome = sim.run(Duration::from_secs(5));
     let o = oracle.borrow();
-    if let Some(v) = o.violations.first() {
-        return Err(format!("seed {seed}: mutual exclusion violated: {v}"));
-    }
-    let live = live.borrow();
-    let expected = s.ops * live.iter().filter(|&&a| a).count();
-    if outcome != RunOutcome::Finished || o.completed < expected {
-        return Err(format!(
-            "seed {seed}: liveness: {outcome:?} after {} requests ({} expected from live clients) at {:?}",
-            o.completed,
-            expected,
-            sim.handle().now()
-        ));
-    }
-    if o.longest_wait > Duration::from_millis(500) {
-        return Err(format!(
-            "seed {seed}: a request waited {:?}",
-            o.longest_wait
-        ));
-    }
+    let expected = s.ops * live.borrow().iter().filter(|&&a| a).count();
+    let bound = Duration::from_millis(500);
+    o.verdict(seed, outcome, expected, sim.handle().now(), bound)?;
     Ok(o.escalations)
 }
 
@@ -811,9 +823,6 @@ fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
     }
     let outcome = sim.run(Duration::from_secs(5));
     let o = oracle.borrow();
-    if let Some(v) = o.violations.first() {
-        return Err(format!("seed {seed}: mutual exclusion violated: {v}"));
-    }
     let live = live.borrow();
     let expected: usize = (0..clients)
         .filter(|&c| live[c])
@@ -825,23 +834,10 @@ fn run_keeping(seed: u64, s: &KeepScenario) -> Result<KeepCounts, String> {
             }
         })
         .sum();
-    if outcome != RunOutcome::Finished || o.completed < expected {
-        return Err(format!(
-            "seed {seed}: liveness: {outcome:?} after {} requests ({} expected from live clients) at {:?}",
-            o.completed,
-            expected,
-            sim.handle().now()
-        ));
-    }
     if std::env::var("RACKFS_KEEP_WAITS").is_ok() {
         eprintln!("seed {seed}: longest wait {:?}", o.longest_wait);
     }
-    if o.longest_wait > s.wait_bound {
-        return Err(format!(
-            "seed {seed}: a request waited {:?} (bound {:?})",
-            o.longest_wait, s.wait_bound
-        ));
-    }
+    o.verdict(seed, outcome, expected, sim.handle().now(), s.wait_bound)?;
     if let Some(c) = (0..s.keepers).find(|&c| live[c] && s.keep && budgets[c].left() != 1) {
         return Err(format!(
             "seed {seed}: keeper {c} never got its keeping place back"

@@ -433,22 +433,15 @@ impl Node {
         }
     }
 
-    /// Frees stripe extents (base offset, tag) on `node`, in one request to another node;
-    /// `Ok(false)`: the node is down (see [`Node::free_at`]). Extents the node refuses to
-    /// free (no longer carrying the tag) are logged and stay as they are.
+    /// Frees stripe extents (base offset, tag) on another node `node` (only those are queued:
+    /// see [`Node::free_soon`]), in one request; `Ok(false)`: the node is down (see
+    /// [`Node::free_at`]). Extents the node refuses to free (no longer carrying the tag) are
+    /// logged and stay as they are.
     fn free_many_at(&self, node: u32, extents: &[(u64, u64)]) -> Result<bool, Refusal> {
-        let refused = if node == self.cfg.node_id {
-            let free = |&(offset, tag): &(u64, u64)| self.store.free(offset, Some(tag)).err();
-            extents
-                .iter()
-                .filter_map(|e| free(e).map(|r| (e.0, r.message)))
-                .collect()
-        } else {
-            match self.with_peer(node, |c| c.free_many(extents.to_vec())) {
-                Ok(refused) => refused,
-                Err(r) if r.code == ErrorCode::Unavailable => return Ok(false),
-                Err(r) => return Err(r),
-            }
+        let refused = match self.with_peer(node, |c| c.free_many(extents.to_vec())) {
+            Ok(refused) => refused,
+            Err(r) if r.code == ErrorCode::Unavailable => return Ok(false),
+            Err(r) => return Err(r),
         };
         for (offset, why) in refused {
             warn!(node, offset, why, "a released extent stays allocated");
