@@ -26,7 +26,7 @@
 //! that budget once, then sleeps in the kernel. Zero disables it.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, BufWriter, IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -91,6 +91,40 @@ impl Default for TcpOptions {
             fence: 0,
         }
     }
+}
+
+/// WRITE payloads of at least this many bytes go to the socket from the caller's buffer (one
+/// vectored write with the encoded rest) instead of being copied into the frame first.
+const SEND_APART: usize = 2048;
+
+/// Writes `encoded` with each payload of `apart` spliced in at its position (see
+/// [`wire::encode_verbs_request_apart`]), in as few `writev` calls as the socket takes.
+fn send_spliced(
+    stream: &mut TcpStream,
+    encoded: &[u8],
+    apart: &[(usize, &[u8])],
+) -> std::io::Result<()> {
+    if apart.is_empty() {
+        return stream.write_all(encoded);
+    }
+    let mut slices = Vec::with_capacity(2 * apart.len() + 1);
+    let mut at = 0;
+    for (pos, data) in apart {
+        slices.push(IoSlice::new(&encoded[at..*pos]));
+        slices.push(IoSlice::new(data));
+        at = *pos;
+    }
+    slices.push(IoSlice::new(&encoded[at..]));
+    let mut left = &mut slices[..];
+    while !left.is_empty() {
+        match stream.write_vectored(left) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut left, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Threads of this process polling right now.
@@ -333,8 +367,11 @@ impl TcpConn {
             sent_ns: wall_ns(),
             deadline_ms: self.options.deadline.as_millis().min(u32::MAX as u128) as u32,
         };
-        wire::encode_verbs_request(&mut w.buf, &head, batch.requests());
-        let header = wire::encode_header(FrameKind::VerbsRequest, w.buf.len() - wire::HEADER_LEN);
+        let apart =
+            wire::encode_verbs_request_apart(&mut w.buf, &head, batch.requests(), SEND_APART);
+        let body_len =
+            w.buf.len() - wire::HEADER_LEN + apart.iter().map(|a| a.1.len()).sum::<usize>();
+        let header = wire::encode_header(FrameKind::VerbsRequest, body_len);
         w.buf[..wire::HEADER_LEN].copy_from_slice(&header);
         self.in_flight
             .lock()
@@ -344,7 +381,7 @@ impl TcpConn {
                 shapes,
                 slot: slot.clone(),
             });
-        let sent = w.stream.write_all(&w.buf);
+        let sent = send_spliced(&mut w.stream, &w.buf, &apart);
         if w.buf.capacity() > 1 << 20 {
             w.buf = Vec::with_capacity(64 << 10);
         }

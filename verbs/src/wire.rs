@@ -126,7 +126,24 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<(FrameKind, u32), WireError
 }
 
 /// Reads one frame into `body` (replacing its contents). EOF before a header is [`WireError::Closed`].
+///
+/// The body is read straight into `body`'s spare room, never zeroed first: for a 1 MiB write
+/// that memset would cost as much as the copy itself.
 pub fn read_frame<R: Read + ?Sized>(r: &mut R, body: &mut Vec<u8>) -> Result<FrameKind, WireError> {
+    let (kind, len) = read_header(r)?;
+    body.clear();
+    body.reserve_exact(len);
+    r.take(len as u64).read_to_end(body)?;
+    if body.len() < len {
+        return Err(WireError::malformed(
+            "frame body",
+            "truncated by end of stream",
+        ));
+    }
+    Ok(kind)
+}
+
+fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<(FrameKind, usize), WireError> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -144,15 +161,7 @@ pub fn read_frame<R: Read + ?Sized>(r: &mut R, body: &mut Vec<u8>) -> Result<Fra
         }
     }
     let (kind, len) = decode_header(&h)?;
-    body.clear();
-    body.resize(len as usize, 0);
-    r.read_exact(body).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => {
-            WireError::malformed("frame body", "truncated by end of stream")
-        }
-        _ => WireError::Io(e),
-    })?;
-    Ok(kind)
+    Ok((kind, len as usize))
 }
 
 /// Reads one frame and insists on its kind; a `Refused` frame becomes its reason.
@@ -282,6 +291,20 @@ pub struct BatchHead {
 }
 
 pub fn encode_verbs_request(out: &mut Vec<u8>, head: &BatchHead, requests: &[WorkRequest<'_>]) {
+    let apart = encode_verbs_request_apart(out, head, requests, usize::MAX);
+    debug_assert!(apart.is_empty());
+}
+
+/// [`encode_verbs_request`], leaving out of `out` every WRITE payload of at least `apart_from`
+/// bytes: each is returned with the position in `out` where its bytes belong, so a sender can
+/// hand them to one vectored write instead of copying them first.
+pub fn encode_verbs_request_apart<'r>(
+    out: &mut Vec<u8>,
+    head: &BatchHead,
+    requests: &'r [WorkRequest<'_>],
+    apart_from: usize,
+) -> Vec<(usize, &'r [u8])> {
+    let mut apart = Vec::new();
     out.extend_from_slice(&head.seq.to_le_bytes());
     out.extend_from_slice(&head.sent_ns.to_le_bytes());
     out.extend_from_slice(&head.deadline_ms.to_le_bytes());
@@ -298,7 +321,11 @@ pub fn encode_verbs_request(out: &mut Vec<u8>, head: &BatchHead, requests: &[Wor
             }
             WorkRequest::Write { data, .. } => {
                 out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-                out.extend_from_slice(data);
+                if data.len() >= apart_from {
+                    apart.push((out.len(), data.as_ref()));
+                } else {
+                    out.extend_from_slice(data);
+                }
                 &[]
             }
             WorkRequest::Cas { compare, swap, .. } => &[*compare, *swap],
@@ -316,6 +343,7 @@ pub fn encode_verbs_request(out: &mut Vec<u8>, head: &BatchHead, requests: &[Wor
             out.extend_from_slice(&w.to_le_bytes());
         }
     }
+    apart
 }
 
 /// Decodes a verbs request body; WRITE payloads borrow from `body`.
@@ -642,6 +670,26 @@ mod tests {
             prop_assert_eq!(decoded, wrs);
         }
 
+        /// The payloads left apart, put back where they belong, give the whole encoding.
+        #[test]
+        fn payloads_apart_splice_into_the_whole_request(seq: u64, wrs in proptest::collection::vec(arb_wr(), 0..20), apart_from in 0usize..80) {
+            let head = BatchHead { seq, ..BatchHead::default() };
+            let mut whole = Vec::new();
+            encode_verbs_request(&mut whole, &head, &wrs);
+            let mut out = Vec::new();
+            let apart = encode_verbs_request_apart(&mut out, &head, &wrs, apart_from);
+            let mut spliced = Vec::new();
+            let mut at = 0;
+            for (pos, data) in &apart {
+                prop_assert!(data.len() >= apart_from);
+                spliced.extend_from_slice(&out[at..*pos]);
+                spliced.extend_from_slice(data);
+                at = *pos;
+            }
+            spliced.extend_from_slice(&out[at..]);
+            prop_assert_eq!(spliced, whole);
+        }
+
         #[test]
         fn truncated_requests_are_errors(seq: u64, wrs in proptest::collection::vec(arb_wr(), 1..8), cut in 0usize..1000) {
             let mut body = Vec::new();
@@ -667,6 +715,35 @@ mod tests {
             let w = Welcome { proof, node_name: name, node_id: id, regions: vec![RegionInfo { rkey: id, len: 4096, access: Access::ALL }] };
             prop_assert_eq!(Welcome::decode(&w.encode()).unwrap(), w);
         }
+    }
+
+    /// A frame replaces what `body` held (longer or shorter), and one cut short anywhere is an
+    /// error naming the truncation, not a short body.
+    #[test]
+    fn frames_replace_the_body_and_truncated_ones_fail() {
+        let frame = |len: usize| {
+            let mut f = encode_header(FrameKind::VerbsResponse, len).to_vec();
+            f.extend((0..len).map(|i| i as u8));
+            f
+        };
+        let mut body = vec![0xee; 5000];
+        for len in [0, 3, 4096, 70_000, 10] {
+            let f = frame(len);
+            assert_eq!(
+                read_frame(&mut &f[..], &mut body).unwrap(),
+                FrameKind::VerbsResponse
+            );
+            assert_eq!(body, f[HEADER_LEN..], "a {len}-byte frame");
+        }
+        let f = frame(4096);
+        for cut in [1, HEADER_LEN, HEADER_LEN + 1, f.len() - 1] {
+            let e = read_frame(&mut &f[..cut], &mut body).unwrap_err();
+            assert!(e.to_string().contains("truncated"), "cut at {cut}: {e}");
+        }
+        assert!(matches!(
+            read_frame(&mut &f[..0], &mut body),
+            Err(WireError::Closed)
+        ));
     }
 
     #[test]
