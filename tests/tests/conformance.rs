@@ -45,6 +45,65 @@ fn round_trips<E: Env>(env: &mut E) {
     });
 }
 
+/// Large READs at a batch's end (which tcp sends straight from the region) come back whole and
+/// in the batch's order: each sees the requests before it, a failure among them flushes the
+/// rest, and a READ that is not at the end (an atomic follows) is answered as any other.
+fn large_reads_at_a_batchs_end<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let (a, b) = (RemoteAddr::new(r.rkey, 0), RemoteAddr::new(r.rkey, 3 << 20));
+        let (big, odd) = (pattern(1, 1 << 20), pattern(2, (200 << 10) + 13));
+        let mut w = Batch::new();
+        w.write(a, &big);
+        w.write(b, &odd);
+        qp.post(w).await.unwrap().check().unwrap();
+
+        let word = RemoteAddr::new(r.rkey, 2 << 20);
+        let mut t = Batch::new();
+        t.write_u64(word, 7);
+        let first = t.read(a, 1 << 20);
+        let small = t.read(word, 8);
+        let second = t.read(b, odd.len() as u32);
+        let done = qp.post(t).await.unwrap();
+        assert_eq!(done.data(first).unwrap(), &big[..]);
+        assert_eq!(done.data(small).unwrap(), 7u64.to_le_bytes());
+        assert_eq!(done.data(second).unwrap(), &odd[..]);
+
+        // A write after a large read: the read sees the region before it.
+        let mut t = Batch::new();
+        let before = t.read(a, 1 << 20);
+        t.write(a, &odd[..1000]);
+        let after = t.read(a, 1000);
+        let done = qp.post(t).await.unwrap();
+        assert_eq!(done.data(before).unwrap(), &big[..]);
+        assert_eq!(done.data(after).unwrap(), &odd[..1000]);
+
+        // A failure among the large reads flushes the rest; the ones before it are whole.
+        let mut t = Batch::new();
+        let ok = t.read(b, odd.len() as u32);
+        let bad = t.read(RemoteAddr::new(r.rkey, r.len - 100), 100 << 10);
+        let flushed = t.read(a, 1 << 20);
+        let done = qp.post(t).await.unwrap();
+        assert_eq!(done.data(ok).unwrap(), &odd[..]);
+        assert!(matches!(
+            done.status(bad),
+            Err(VerbsError::OutOfBounds { .. })
+        ));
+        assert_eq!(done.status(flushed), Err(VerbsError::Flushed));
+        let mut t = Batch::new();
+        let bad_key = t.read(RemoteAddr::new(r.rkey ^ 0x5555, 0), 100 << 10);
+        let done = qp.post(t).await.unwrap();
+        assert!(matches!(
+            done.status(bad_key),
+            Err(VerbsError::BadKey { .. })
+        ));
+        qp.post(Batch::new())
+            .await
+            .expect("the queue pair still works");
+    });
+}
+
 fn atomics_in_a_batch<E: Env>(env: &mut E) {
     let qp = env.qp();
     let r = env.data_region();
@@ -361,6 +420,10 @@ macro_rules! conformance {
             #[test]
             fn round_trips_of_many_sizes_and_offsets() {
                 round_trips(&mut $make);
+            }
+            #[test]
+            fn large_reads_at_the_end_of_a_batch() {
+                large_reads_at_a_batchs_end(&mut $make);
             }
             #[test]
             fn atomics_in_one_batch() {

@@ -12,7 +12,7 @@
 //! whatever the request says.
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -223,6 +223,39 @@ impl Region {
                 len,
             );
             out.set_len(out.len() + len);
+        }
+        Ok(())
+    }
+
+    /// Writes `len` bytes at `offset` to the socket `fd` straight from the mapping, with no
+    /// copy of our own: the kernel reads them during the call, as a NIC's DMA would for an
+    /// RDMA READ (a writer elsewhere may tear them, as it may an RDMA READ). Blocks until all
+    /// are taken; a failure of the socket is returned as it is.
+    pub(crate) fn send(&self, fd: RawFd, offset: u64, len: usize) -> std::io::Result<()> {
+        self.check_bounds(Opcode::Read, offset, len as u64)
+            .map_err(std::io::Error::other)?;
+        let mut sent = 0;
+        while sent < len {
+            // SAFETY: `offset..offset+len` lies inside the live mapping (checked above, and the
+            // region outlives this call); the kernel only reads that range, and no Rust
+            // reference to it is made.
+            let n = unsafe {
+                libc::write(
+                    fd,
+                    self.ptr.as_ptr().add(offset as usize + sent) as *const libc::c_void,
+                    len - sent,
+                )
+            };
+            match n {
+                n if n > 0 => sent += n as usize,
+                0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
         }
         Ok(())
     }

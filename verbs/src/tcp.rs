@@ -39,7 +39,7 @@ use crate::counters::VerbCounters;
 use crate::qp::{Posted, QueuePair, Slot, Transport};
 use crate::region::{RegionInfo, RegionTable};
 use crate::wire::{self, ConnKind, Cursor, FrameKind, WireError, OUTCOME_LEN, RESPONSE_PREFIX};
-use crate::wr::{Batch, Completions, Opcode, Outcome, RemoteAddr};
+use crate::wr::{Batch, Completions, Opcode, Outcome, RemoteAddr, WorkRequest};
 use crate::VerbsError;
 
 /// What the client remembers of each posted request, to check and interpret its completion.
@@ -625,25 +625,56 @@ pub fn serve_verbs(
             ));
         }
         let seq = head.seq;
-        let read_bytes: usize = requests
+        // From its first large READ on, a batch of nothing but READs is answered straight from
+        // the regions (`Region::send`): each is checked now and read by the kernel as it is
+        // sent, after every request before it, so the batch's order holds, one copy fewer.
+        let (now, later) = requests.split_at(streamed_tail(&requests));
+        let read_bytes: usize = now
             .iter()
             .filter(|r| r.opcode() == Opcode::Read)
             .map(|r| r.len() as usize)
             .sum();
         let mut done = Completions::with_capacity(requests.len(), read_bytes);
         let mut totals = crate::counters::VerbTotals::default();
-        table.execute_batch(&requests, &mut done, |wr, ok| {
-            if ok {
-                totals.ops[wr.opcode().index()] += 1;
-                totals.bytes[wr.opcode().index()] += wr.len();
-            } else {
-                totals.errors += 1;
+        table.execute_batch(now, &mut done, |wr, ok| tally(&mut totals, wr, ok));
+        let mut failed = done
+            .outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::Failed(_)));
+        let mut sends = Vec::new();
+        let mut data_at = done.data.len();
+        for wr in later {
+            if failed {
+                done.push(Outcome::Failed(VerbsError::Flushed));
+                continue;
             }
-        });
+            let (addr, len) = (wr.addr(), wr.len() as usize);
+            let region = table
+                .get(addr.rkey)
+                .ok_or(VerbsError::BadKey { rkey: addr.rkey })
+                .and_then(|r| r.check(Opcode::Read, addr.offset, len as u64).map(|()| r));
+            tally(&mut totals, wr, region.is_ok());
+            match region {
+                Ok(r) => {
+                    sends.push((r, addr.offset, len));
+                    done.push(Outcome::Data {
+                        start: data_at,
+                        len,
+                    });
+                    data_at += len;
+                }
+                Err(e) => {
+                    done.push(Outcome::Failed(e));
+                    failed = true;
+                }
+            }
+        }
         totals.batches = 1;
         counters.add_totals(&totals);
 
-        let body_len = RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len() + done.data.len();
+        let streamed: usize = sends.iter().map(|s| s.2).sum();
+        let body_len =
+            RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len() + done.data.len() + streamed;
         let mut head = Vec::with_capacity(
             wire::HEADER_LEN + RESPONSE_PREFIX + OUTCOME_LEN * done.outcomes.len(),
         );
@@ -662,9 +693,41 @@ pub fn serve_verbs(
         }
         writer.write_all(&head)?;
         writer.write_all(&done.data)?;
-        if reader.buffer().is_empty() {
+        if !sends.is_empty() {
+            writer.flush()?;
+            for (region, offset, len) in sends {
+                std::sync::atomic::fence(Ordering::SeqCst);
+                region.send(fd, offset, len)?;
+            }
+        } else if reader.buffer().is_empty() {
             writer.flush()?;
         }
+    }
+}
+
+/// READs of at least this many bytes at a batch's end are sent straight from the region.
+const SEND_FROM_REGION: usize = 64 << 10;
+
+/// Where the streamed end of a batch starts: its first READ of [`SEND_FROM_REGION`] bytes or
+/// more followed by nothing but READs (the batch's length if there is none).
+fn streamed_tail(requests: &[WorkRequest<'_>]) -> usize {
+    let reads_from = requests
+        .iter()
+        .rposition(|r| r.opcode() != Opcode::Read)
+        .map_or(0, |i| i + 1);
+    requests[reads_from..]
+        .iter()
+        .position(|r| r.len() as usize >= SEND_FROM_REGION)
+        .map_or(requests.len(), |i| reads_from + i)
+}
+
+/// Counts one executed (or refused) request of a served batch.
+fn tally(totals: &mut crate::counters::VerbTotals, wr: &WorkRequest<'_>, ok: bool) {
+    if ok {
+        totals.ops[wr.opcode().index()] += 1;
+        totals.bytes[wr.opcode().index()] += wr.len();
+    } else {
+        totals.errors += 1;
     }
 }
 
