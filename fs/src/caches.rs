@@ -13,6 +13,8 @@
 //! kernel's own cache would be.
 
 use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ use crate::file::FileData;
 use crate::leased::Leased;
 
 /// This mount's open files by inode (the watcher forgets their sizes on change).
-pub type Files = Arc<Mutex<HashMap<u64, Arc<FileData>>>>;
+pub type Files = Arc<Mutex<FxHashMap<u64, Arc<FileData>>>>;
 
 /// The mount's caches, shared by the filesystem and its watcher.
 #[derive(Clone, Default)]

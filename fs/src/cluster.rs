@@ -5,7 +5,7 @@
 //! from the [`Env`] the cluster was connected with; queue pairs go through the verbs
 //! transports.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -59,7 +59,7 @@ pub struct Cluster {
     /// The primary's node id (it changes when a standby takes over).
     primary_id: std::sync::atomic::AtomicU32,
     info: RwLock<ClusterInfo>,
-    nodes: RwLock<HashMap<u32, Arc<Node>>>,
+    nodes: RwLock<FxHashMap<u32, Arc<Node>>>,
     secret: Secret,
     transport: TransportChoice,
     rdma_device: Option<String>,
@@ -116,7 +116,7 @@ impl Lease {
 
 struct Qos {
     slot: u16,
-    engines: HashMap<u32, Arc<QosEngine>>,
+    engines: FxHashMap<u32, Arc<QosEngine>>,
 }
 
 fn local_socket(addr: &NodeAddr, transport: TransportChoice) -> Option<&str> {
@@ -237,7 +237,7 @@ impl Cluster {
                 primary_id: primary.node_id().into(),
                 primary: RwLock::new((primary, session)),
                 info: RwLock::new(info),
-                nodes: RwLock::new(HashMap::new()),
+                nodes: RwLock::default(),
                 secret,
                 transport,
                 rdma_device,
@@ -868,7 +868,7 @@ impl Cluster {
             Ok(ControlResponse::QosGranted { slot, .. }) => {
                 *self.qos.write().expect("qos lock") = Some(Qos {
                     slot,
-                    engines: HashMap::new(),
+                    engines: FxHashMap::default(),
                 });
                 Ok(slot)
             }

@@ -19,7 +19,9 @@
 //! grows by CAS-max, so concurrent extending writes from different mounts never lose size.
 //! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::Duration;
@@ -116,7 +118,7 @@ struct Layout {
     /// The file's replication factor (slots per table entry; 0 before the record was read).
     replicas: u32,
     /// Per stripe, its live replicas.
-    stripes: HashMap<u64, Vec<Cached>>,
+    stripes: FxHashMap<u64, Vec<Cached>>,
 }
 
 /// A stripe replica this mount knows, and when it last saw it live.

@@ -9,7 +9,7 @@
 //! passed over while another replica is left: for 2 s, doubled with each failure in a row up to
 //! 32 s, until an operation on it succeeds.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -90,7 +90,7 @@ impl Drop for InFlight {
 /// The mount's observations of every node, and the read policy that uses them.
 pub struct NodeLoads {
     policy: RwLock<ReadPolicy>,
-    nodes: RwLock<HashMap<u32, Arc<Load>>>,
+    nodes: RwLock<FxHashMap<u32, Arc<Load>>>,
     /// Times latencies and how long a failed node is passed over.
     clock: SharedClock,
 }
@@ -155,37 +155,40 @@ impl NodeLoads {
         if let [only] = replicas {
             return (!avoid.contains(&only.node)).then_some(*only);
         }
+        // Filters over `replicas` in place (a read's hot path allocates nothing here): open
+        // (not avoided), healthy (not failed recently) if any is, then not held if any is not.
         let now = self.clock.mono_ns();
-        let open: Vec<(StripeExtent, Arc<Load>)> = replicas
-            .iter()
-            .filter(|e| !avoid.contains(&e.node))
-            .map(|e| (*e, self.load(e.node)))
-            .collect();
-        let healthy: Vec<(StripeExtent, Arc<Load>)> = open
-            .iter()
-            .filter(|(_, l)| !l.failed_recently(now))
-            .cloned()
-            .collect();
-        let mut pool = if healthy.is_empty() { open } else { healthy };
-        if pool.iter().any(|(e, _)| !held.contains(&e.node)) {
-            pool.retain(|(e, _)| !held.contains(&e.node));
+        let nodes = self.nodes.read().expect("loads lock");
+        let unseen = Load::default();
+        let load = |e: &StripeExtent| nodes.get(&e.node).map_or(&unseen, |l| &**l);
+        let open = |e: &StripeExtent| !avoid.contains(&e.node);
+        let healthy = |e: &StripeExtent| open(e) && !load(e).failed_recently(now);
+        let any_healthy = replicas.iter().any(healthy);
+        let first = |e: &StripeExtent| if any_healthy { healthy(e) } else { open(e) };
+        let any_free = replicas.iter().any(|e| first(e) && !held.contains(&e.node));
+        let pooled = |e: &&StripeExtent| first(e) && !(any_free && held.contains(&e.node));
+        let n = replicas.iter().filter(pooled).count();
+        if n <= 1 {
+            return replicas.iter().find(pooled).copied();
         }
-        if pool.len() <= 1 {
-            return pool.first().map(|p| p.0);
-        }
-        let fixed = &pool[static_index(ino, stripe, pool.len())];
+        let fixed = *replicas
+            .iter()
+            .filter(pooled)
+            .nth(static_index(ino, stripe, n))
+            .expect("an index below the pool's size");
         match *self.policy.read().expect("policy lock") {
-            ReadPolicy::Static => Some(fixed.0),
+            ReadPolicy::Static => Some(fixed),
             ReadPolicy::Adaptive => {
-                let best = pool
+                let best = replicas
                     .iter()
-                    .min_by_key(|(_, l)| l.cost())
+                    .filter(pooled)
+                    .min_by_key(|e| load(e).cost())
                     .expect("two or more");
                 // Ties go to the static choice, so an idle cluster still spreads reads.
-                Some(if best.1.cost() < fixed.1.cost() {
-                    best.0
+                Some(if load(best).cost() < load(&fixed).cost() {
+                    *best
                 } else {
-                    fixed.0
+                    fixed
                 })
             }
         }
