@@ -182,7 +182,7 @@ fn pingpong_server() -> String {
                 let mut resp = Vec::new();
                 let fd = s.as_raw_fd();
                 loop {
-                    poll_readable(fd, DEFAULT_POLL);
+                    let _ = poll_readable(fd, DEFAULT_POLL);
                     if s.read_exact(&mut head).is_err() {
                         break;
                     }
@@ -214,7 +214,7 @@ fn pingpong_step(addr: &str, op: Op, batch: usize) -> impl FnMut() + Send {
     let fd = s.as_raw_fd();
     move || {
         s.write_all(&req).expect("send");
-        poll_readable(fd, DEFAULT_POLL);
+        let _ = poll_readable(fd, DEFAULT_POLL);
         s.read_exact(&mut resp).expect("receive");
     }
 }

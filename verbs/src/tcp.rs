@@ -169,18 +169,24 @@ fn wait_readable(fd: RawFd, deadline: Duration) -> bool {
 }
 
 /// Busy-polls `fd` until it is readable or `budget` has passed (or returns at once when enough
-/// other threads are polling already).
-pub fn poll_readable(fd: RawFd, budget: Duration) {
+/// other threads are polling already); true when it found `fd` readable (or closed).
+pub fn poll_readable(fd: RawFd, budget: Duration) -> bool {
     if budget.is_zero() {
-        return;
+        return false;
     }
     if POLLERS.fetch_add(1, Ordering::AcqRel) >= max_pollers() {
         POLLERS.fetch_sub(1, Ordering::AcqRel);
-        return;
+        return false;
     }
     let _done = PollerSlot;
     let end = Instant::now() + budget;
-    while !poll_in(fd, 0).unwrap_or(true) && Instant::now() < end {
+    loop {
+        if poll_in(fd, 0).unwrap_or(true) {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
         // Yield rather than spin: a thread that shares this CPU (another connection's NIC
         // thread, the client) runs at once instead of waiting for our time slice to end.
         std::thread::yield_now();
@@ -416,10 +422,9 @@ impl TcpConn {
                     if slot.is_done() {
                         continue; // completed by the previous reader: release the lock first
                     }
-                    let ready = !reader.stream.buffer().is_empty() || {
-                        poll_readable(self.fd, self.options.poll);
-                        wait_readable(self.fd, self.options.deadline)
-                    };
+                    let ready = !reader.stream.buffer().is_empty()
+                        || poll_readable(self.fd, self.options.poll)
+                        || wait_readable(self.fd, self.options.deadline);
                     let read = if ready {
                         self.read_one(&mut reader)
                     } else {
@@ -581,7 +586,7 @@ pub fn serve_verbs(
     let mut offset_min: Option<i128> = Some(handshake_offset_ns);
     loop {
         if reader.buffer().is_empty() {
-            poll_readable(fd, poll);
+            let _ = poll_readable(fd, poll);
         }
         let kind = match wire::read_frame(&mut reader, &mut body) {
             Ok(k) => k,
