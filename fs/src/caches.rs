@@ -13,12 +13,11 @@
 //! kernel's own cache would be.
 
 use std::collections::HashMap;
-
-use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rackfs_proto::namespace::{Attr, Change};
+use rustc_hash::FxHashMap;
 
 use crate::file::FileData;
 use crate::leased::Leased;

@@ -4,8 +4,6 @@
 //! a live mount, in process under test) and time comes from its [`crate::clock::Clock`], both
 //! from the [`Env`] the cluster was connected with; queue pairs go through the verbs
 //! transports.
-
-use rustc_hash::FxHashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -18,6 +16,7 @@ use rackfs_proto::RpcError;
 use rackfs_qos::engine::InFlight;
 use rackfs_qos::{EngineConfig, QosEngine};
 use rackfs_verbs::{QueuePair, Secret, VerbsError};
+use rustc_hash::FxHashMap;
 use tracing::{debug, info, warn};
 
 use crate::clock::SharedClock;

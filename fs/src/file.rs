@@ -20,8 +20,6 @@
 //! In steady state (layout cached, stripes allocated) reads and writes make no control RPC.
 
 use std::collections::BTreeMap;
-
-use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::Duration;
@@ -34,6 +32,7 @@ use rackfs_proto::record::{
 };
 use rackfs_proto::RpcError;
 use rackfs_verbs::{Batch, Completions, RemoteAddr, VerbsError, WrId};
+use rustc_hash::FxHashMap;
 
 use crate::cluster::Cluster;
 use crate::layout::{pieces, Piece};

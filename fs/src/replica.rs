@@ -8,13 +8,12 @@
 //! through its latency, by others) gets fewer reads. Either way a node that failed recently is
 //! passed over while another replica is left: for 2 s, doubled with each failure in a row up to
 //! 32 s, until an operation on it succeeds.
-
-use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use rackfs_proto::namespace::StripeExtent;
+use rustc_hash::FxHashMap;
 
 use crate::clock::SharedClock;
 use crate::options::ReadPolicy;

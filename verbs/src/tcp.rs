@@ -3,10 +3,12 @@
 //! **Node side** ([`serve_verbs`]): one NIC thread per connection reads request frames, executes
 //! their work requests on the region table in order, and writes one response frame per batch.
 //! It runs no filesystem, lock or QoS logic. Responses to pipelined batches are flushed together
-//! when no further request is already buffered.
+//! when no further request is already buffered. Large READs at a batch's end are sent straight
+//! from the region: the kernel reads each as it sends it, after every request before it.
 //!
 //! **Client side**: posting encodes the batch and writes it under the writer lock, queueing a
-//! completion slot in posting order. There is no reader thread: whichever waiter finds the reader
+//! completion slot in posting order; large WRITE payloads go to the socket from the caller's
+//! buffer, in the same vectored write as the encoded rest. There is no reader thread: whichever waiter finds the reader
 //! lock free reads responses itself and hands each to its slot until its own has arrived, then
 //! wakes another waiter to take over. On this kind of machine a thread wake-up costs tens of
 //! microseconds, so having the waiting thread read its own response saves one per round trip.
