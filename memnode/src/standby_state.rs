@@ -437,7 +437,10 @@ impl Standby {
     }
 
     /// Data node: one piece of a snapshot from the primary; the last one replaces the metadata
-    /// area (`area` bytes at the start of `region`) and the mirror.
+    /// area (`area` bytes at the start of `region`) and the mirror, unless the mirror held is
+    /// of the same primary and further on: a snapshot the primary gave up on (its call timed
+    /// out) can arrive after the one it sent next, and installing it would silently undo the
+    /// changes between them, with nothing to reveal it until a later entry found the gap.
     pub fn take_piece(
         &self,
         region: &Region,
@@ -473,6 +476,27 @@ impl Standby {
                 ),
             ));
         }
+        // Checked and installed under the mirror's lock, which journal entries replay under.
+        let mut mirror = self.mirror.lock().expect("mirror lock");
+        if let Some(m) = mirror
+            .as_ref()
+            .filter(|m| m.primary == primary && m.seq > seq)
+        {
+            warn!(
+                primary,
+                seq,
+                mirror = m.seq,
+                "a snapshot older than this node's mirror of the same primary came late: ignored"
+            );
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!(
+                    "snapshot at journal entry {seq} is older than the mirror this node holds of \
+                     primary {primary} (at entry {}): kept the newer",
+                    m.seq
+                ),
+            ));
+        }
         region
             .discard(0, area)
             .expect("metadata area inside the region");
@@ -485,7 +509,7 @@ impl Standby {
             files = snap.extents.len(),
             "mirroring the primary's namespace: this node is its metadata standby"
         );
-        *self.mirror.lock().expect("mirror lock") = Some(Mirror {
+        *mirror = Some(Mirror {
             ns,
             seq,
             primary,
@@ -619,6 +643,69 @@ mod tests {
         fn node_name(&self) -> &str {
             "mn1"
         }
+    }
+
+    /// A snapshot the primary gave up on that reaches the standby after the primary's next one
+    /// is refused: the newer mirror, and the metadata area it wrote, stay.
+    #[test]
+    fn a_late_older_snapshot_leaves_the_newer_mirror() {
+        let st = MemStorage::new(1, 16 << 20);
+        let mut m = MetaService::new(Duration::from_secs(1), 1);
+        let older_seq = m.set_journaling(true);
+        let older = snapshot(&m, st.region(0)).unwrap();
+        let req = MetaRequest::Create {
+            parent: 1,
+            name: b"made-between".to_vec(),
+            kind: NewKind::Dir,
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+        };
+        m.handle(1, req, &st);
+        let newer_seq = m.journal_seq();
+        assert!(newer_seq > older_seq);
+        let newer = snapshot(&m, st.region(0)).unwrap();
+
+        let standby = Standby::default();
+        let region = Region::heap(16 << 20, 9, rackfs_verbs::Access::ALL);
+        let area = 16 << 20;
+        standby
+            .take_piece(&region, area, (0, newer_seq, true), newer)
+            .expect("the newer snapshot");
+        let mut area_before = vec![0u8; 1 << 20];
+        region.read(0, &mut area_before).unwrap();
+        let refused = standby
+            .take_piece(&region, area, (0, older_seq, true), older.clone())
+            .expect_err("the older snapshot, late");
+        assert!(
+            refused.to_string().contains("older than the mirror"),
+            "{refused}"
+        );
+        let mut area_after = vec![0u8; 1 << 20];
+        region.read(0, &mut area_after).unwrap();
+        assert!(area_before == area_after, "the metadata area is untouched");
+        let mirror = standby.take_mirror().expect("a mirror");
+        assert_eq!(mirror.seq, newer_seq);
+        assert_eq!(
+            mirror.ns.inodes(),
+            m.namespace.inodes(),
+            "the directory made between is kept"
+        );
+        assert!(mirror.ns.inodes() > 1);
+
+        // Another primary's snapshot is not ordered against this one's: it replaces it.
+        standby
+            .take_piece(
+                &region,
+                area,
+                (0, newer_seq, true),
+                snapshot(&m, st.region(0)).unwrap(),
+            )
+            .unwrap();
+        standby
+            .take_piece(&region, area, (5, older_seq, true), older)
+            .expect("a snapshot of another primary");
+        assert_eq!(standby.take_mirror().unwrap().primary, 5);
     }
 
     /// Many changes committed at once: every one returns only once the standby answered its
