@@ -361,10 +361,11 @@ impl Standby {
     /// (`standby` key first, journaling off, `meta` locked; synced again later), if it is still
     /// the one followed over that connection: left named while nothing ships to it, it could
     /// take over with a mirror missing every change made since, and the extents those changes
-    /// released already freed. With no standby followed, the key, which may still name one
-    /// dropped while this node did not hold its term, goes. The guard is this node's term
-    /// when the metadata lock is held (`guard`). Returns false if this node turned out to be
-    /// deposed.
+    /// released already freed. Then, unless a standby is followed, the key goes: it may still
+    /// name one dropped while this node did not hold its term, also while the declaration was
+    /// on its way (a shipment refused under the lapsed term, whose withdrawal of the key failed
+    /// for it). The guard is this node's term when the metadata lock is held (`guard`).
+    /// Returns false if this node turned out to be deposed.
     pub fn declare(
         &self,
         req: &ControlRequest,
@@ -374,28 +375,30 @@ impl Standby {
         guard: impl FnOnce() -> Option<Guard>,
     ) -> bool {
         let follower = self.follower.lock().expect("follower lock").clone();
-        let Some((id, peer)) = follower else {
-            let _m = meta.lock().expect("metadata lock");
-            if self.follower().is_some() {
-                return true;
+        if let Some((id, peer)) = follower {
+            if let Err(e) = peer.call(req) {
+                let why = format!("it did not take this primary's new epoch: {e}");
+                let mut m = meta.lock().expect("metadata lock");
+                let same = matches!(&*self.follower.lock().expect("follower lock"), Some((_, p)) if Arc::ptr_eq(p, &peer));
+                return !(same
+                    && self.drop_follower(&mut m, coord, guard(), id, &why, clock.now()));
             }
-            let clear = Write::Delete {
-                key: "standby".into(),
-            };
-            return match crate::term::write_guarded(coord, guard().as_ref(), clear) {
-                Err(CoordError::NotHeld { .. }) => false,
-                Err(e) => {
-                    warn!(error = %e, "cannot clear the standby key of a standby no longer followed");
-                    true
-                }
-                Ok(()) => true,
-            };
+        }
+        let _m = meta.lock().expect("metadata lock");
+        if self.follower().is_some() {
+            return true;
+        }
+        let clear = Write::Delete {
+            key: "standby".into(),
         };
-        let Err(e) = peer.call(req) else { return true };
-        let why = format!("it did not take this primary's new epoch: {e}");
-        let mut m = meta.lock().expect("metadata lock");
-        let same = matches!(&*self.follower.lock().expect("follower lock"), Some((_, p)) if Arc::ptr_eq(p, &peer));
-        !(same && self.drop_follower(&mut m, coord, guard(), id, &why, clock.now()))
+        match crate::term::write_guarded(coord, guard().as_ref(), clear) {
+            Err(CoordError::NotHeld { .. }) => false,
+            Err(e) => {
+                warn!(error = %e, "cannot clear the standby key of a standby no longer followed");
+                true
+            }
+            Ok(()) => true,
+        }
     }
 
     /// Primary: the standby fell out of sync at `now`; the `standby` key goes before anything
@@ -812,6 +815,78 @@ mod tests {
         fn node_name(&self) -> &str {
             "mn1"
         }
+    }
+
+    /// A standby dropped while the re-elected primary declares its new epoch to it: a shipment
+    /// refused under the lapsed term withdrew the standby but not its key (the term's lease was
+    /// gone). The declaration then clears the key under the new term instead of leaving a
+    /// standby named that nothing ships to.
+    #[test]
+    fn a_standby_dropped_under_the_old_term_during_the_declaration_is_unnamed() {
+        /// Takes the declaration, while (as a refused shipment would) the standby is dropped
+        /// under the old term.
+        struct DroppedMeanwhile(Box<dyn Fn() + Send + Sync>);
+        impl ControlLink for DroppedMeanwhile {
+            fn call(&self, _: &ControlRequest) -> Result<ControlResponse, RpcError> {
+                (self.0)();
+                Ok(ControlResponse::Ok)
+            }
+            fn set_deadline(&self, _: Duration) {}
+            fn peer(&self) -> &str {
+                "standby"
+            }
+            fn node_id(&self) -> u32 {
+                1
+            }
+            fn node_name(&self) -> &str {
+                "mn1"
+            }
+        }
+        let coord = Arc::new(rackfs_coord::Local::new(Duration::from_secs(5)));
+        let (old_lease, _) = coord.grant(Duration::from_secs(5)).unwrap();
+        coord.put("primary", b"0", Some(old_lease)).unwrap();
+        coord.put("standby", b"1", None).unwrap();
+        let old = Guard {
+            key: "primary".into(),
+            lease: old_lease,
+        };
+        // The old term lapsed and this node won the key again.
+        coord.revoke(old_lease).unwrap();
+        let (new_lease, _) = coord.grant(Duration::from_secs(5)).unwrap();
+        coord.put("primary", b"0", Some(new_lease)).unwrap();
+        let new = Guard {
+            key: "primary".into(),
+            lease: new_lease,
+        };
+        let mut m = MetaService::new(Duration::from_secs(1), 1);
+        m.set_journaling(true);
+        let meta = Arc::new(Mutex::new(m));
+        let standby = Arc::new(Standby::default());
+        let drop_old = {
+            let (standby, meta, coord) = (standby.clone(), meta.clone(), coord.clone());
+            move || {
+                let mut m = meta.lock().unwrap();
+                let deposed = standby.drop_follower(
+                    &mut m,
+                    &*coord,
+                    Some(old.clone()),
+                    1,
+                    "refused",
+                    Duration::ZERO,
+                );
+                assert!(deposed, "the old term's withdrawal of the key fails");
+            }
+        };
+        standby.set_follower(1, Arc::new(DroppedMeanwhile(Box::new(drop_old))));
+        let clock = rackfs_clock::ManualClock::default();
+        let req = ControlRequest::Primary { node: 0, epoch: 7 };
+        assert!(standby.declare(&req, &meta, &*coord, &clock, || Some(new)));
+        assert_eq!(standby.follower(), None);
+        assert_eq!(
+            coord.get("standby").unwrap(),
+            None,
+            "no standby is named that nothing ships to"
+        );
     }
 
     /// A re-elected primary whose standby does not take its new epoch drops it as it drops
