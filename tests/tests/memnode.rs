@@ -353,6 +353,43 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
     qp.faa(RemoteAddr::new(qp.regions()[0].rkey, 0), 1).unwrap();
 }
 
+/// A client gone before the node answers its large READs (which the node sends straight from
+/// its region) ends only its own connection: the node lives on and serves others.
+#[test]
+fn a_client_gone_before_its_large_reads_are_answered_ends_only_its_connection() {
+    let node = MemNodeProcess::start("16M");
+    let ctl = node.control();
+    let baseline = ctl.stats().unwrap().open;
+    let rkey = node.tcp_qp().regions()[0].rkey;
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(&node.tcp).unwrap();
+        client_handshake(&mut s, ConnKind::Verbs, &node.secret, "gone", 0, &node.tcp).unwrap();
+        let mut batch = Batch::new();
+        for k in 0..4 {
+            batch.read(RemoteAddr::new(rkey, k << 22), 4 << 20);
+        }
+        let mut body = Vec::new();
+        wire::encode_verbs_request(&mut body, &wire::BatchHead::default(), batch.requests());
+        let mut frame = wire::encode_header(FrameKind::VerbsRequest, body.len()).to_vec();
+        frame.extend_from_slice(&body);
+        s.write_all(&frame).unwrap();
+        // Gone at once (dropped), with 16 MiB of answer still to send: the node's sends meet
+        // a reset.
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || ctl.stats().unwrap().open
+            == baseline),
+        "the gone clients' connections are closed: {:?} vs {:?}",
+        ctl.stats().unwrap().open,
+        baseline
+    );
+    let qp = node.tcp_qp();
+    let big = qp
+        .read(RemoteAddr::new(rkey, 0), 4 << 20)
+        .expect("the node still serves");
+    assert_eq!(big.len(), 4 << 20);
+}
+
 /// Without RDMA (this build, or a node started without --rdma-device) every way in says so.
 #[test]
 fn rdma_where_there_is_none_is_a_clear_error() {
