@@ -4,6 +4,7 @@
 //! a live mount, in process under test) and time comes from its [`crate::clock::Clock`], both
 //! from the [`Env`] the cluster was connected with; queue pairs go through the verbs
 //! transports.
+
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -276,7 +277,6 @@ impl Cluster {
             .map_or(0, |n| n.quarantine_ms * 500_000)
     }
 
-    /// The clock this mount's core takes time from.
     /// The budget of lock trees this mount keeps at once, shared by its files.
     pub fn keep_budget(&self) -> Arc<rackfs_locks::KeepBudget> {
         self.keep_budget.clone()
@@ -287,6 +287,7 @@ impl Cluster {
         self.env.spawn.spawn(name, work)
     }
 
+    /// The clock this mount's core takes time from.
     pub fn clock(&self) -> &SharedClock {
         &self.env.clock
     }

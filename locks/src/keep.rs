@@ -4,9 +4,10 @@
 //!
 //! A client that keeps ([`LockTree::keeping`]) and has had [`KeepPolicy::streak`] acquisitions
 //! in a row granted without waiting for anyone, in a burst, takes the whole tree, `[0, inf)`,
-//! with an ordinary acquisition and keeps it, if its [`KeepBudget`] has a place left. Its later requests are *lent* ranges of the kept tree,
-//! checked only against the ranges it has lent (its own threads' overlapping requests wait for
-//! each other, locally); giving one back is local too.
+//! with an ordinary acquisition and keeps it, if its [`KeepBudget`] has a place left. Its later
+//! requests are *lent* ranges of the kept tree, checked only against the ranges it has lent
+//! (its own threads' overlapping requests wait for each other, locally); giving one back is
+//! local too.
 //!
 //! **Revocation is one-sided.** Every acquisition that pauses for others adds 1 to the tree's
 //! `waiting` word in its next batch and takes it back when it releases or abandons (see

@@ -340,17 +340,26 @@ fn a_client_that_dies_mid_batch_leaks_nothing() {
         == baseline[2] + 1));
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(
-        wait_for(Duration::from_secs(5), || ctl.stats().unwrap().open
-            == baseline),
-        "connections of dead clients are closed: {:?} vs {:?}",
-        ctl.stats().unwrap().open,
-        baseline
-    );
+    assert_open_back_to(&ctl, &baseline, Duration::from_secs(5), "dead clients'");
     // The dead client's verbs are still accounted for, and the node serves others.
     assert!(ctl.stats().unwrap().verbs.ops[3] > 0);
     let qp = node.tcp_qp();
     qp.faa(RemoteAddr::new(qp.regions()[0].rkey, 0), 1).unwrap();
+}
+
+/// Waits up to `within` for the node's open connections to be `baseline` again: `whose`
+/// connections were closed.
+fn assert_open_back_to(
+    ctl: &rackfs_proto::ControlClient,
+    baseline: &[u64],
+    within: Duration,
+    whose: &str,
+) {
+    assert!(
+        wait_for(within, || ctl.stats().unwrap().open == baseline),
+        "{whose} connections are closed: {:?} vs {baseline:?}",
+        ctl.stats().unwrap().open,
+    );
 }
 
 /// A client gone before the node answers its large READs (which the node sends straight from
@@ -376,12 +385,11 @@ fn a_client_gone_before_its_large_reads_are_answered_ends_only_its_connection() 
         // Gone at once (dropped), with 16 MiB of answer still to send: the node's sends meet
         // a reset.
     }
-    assert!(
-        wait_for(Duration::from_secs(10), || ctl.stats().unwrap().open
-            == baseline),
-        "the gone clients' connections are closed: {:?} vs {:?}",
-        ctl.stats().unwrap().open,
-        baseline
+    assert_open_back_to(
+        &ctl,
+        &baseline,
+        Duration::from_secs(10),
+        "the gone clients'",
     );
     let qp = node.tcp_qp();
     let big = qp

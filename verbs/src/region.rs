@@ -486,6 +486,11 @@ impl RegionTable {
         self.regions.iter().find(|r| r.info.rkey == rkey)
     }
 
+    /// The region a remote request names, or the error it completes with.
+    pub(crate) fn named(&self, rkey: u32) -> Result<&std::sync::Arc<Region>, VerbsError> {
+        self.get(rkey).ok_or(VerbsError::BadKey { rkey })
+    }
+
     pub fn infos(&self) -> Vec<RegionInfo> {
         self.regions.iter().map(|r| r.info).collect()
     }
@@ -513,12 +518,9 @@ impl RegionTable {
                 out.push(Outcome::Failed(VerbsError::Flushed));
                 continue;
             }
-            let result = match self.get(wr.addr().rkey) {
-                Some(region) => region.execute(wr, out),
-                None => Err(VerbsError::BadKey {
-                    rkey: wr.addr().rkey,
-                }),
-            };
+            let result = self
+                .named(wr.addr().rkey)
+                .and_then(|region| region.execute(wr, out));
             on_exec(wr, result.is_ok());
             if let Err(e) = result {
                 out.push(Outcome::Failed(e));

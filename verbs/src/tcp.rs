@@ -657,8 +657,7 @@ pub fn serve_verbs(
             }
             let (addr, len) = (wr.addr(), wr.len() as usize);
             let region = table
-                .get(addr.rkey)
-                .ok_or(VerbsError::BadKey { rkey: addr.rkey })
+                .named(addr.rkey)
                 .and_then(|r| r.check(Opcode::Read, addr.offset, len as u64).map(|()| r));
             tally(&mut totals, wr, region.is_ok());
             match region {
