@@ -22,7 +22,7 @@
 //!
 //! Time comes from [`Storage::elapsed`], so the service runs under a simulated clock too.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use rackfs_locks::tree::{slot_offset, CLIENT_SLOTS, RETIRED, STATE_OFFSET};
@@ -47,15 +47,13 @@ enum Slot {
     Dead(Duration),
 }
 
-/// A retired tree waiting to be freed, or (with `recover`) to be replaced first.
+/// A retired tree waiting to be freed, or (retired by recovery) to be replaced first.
 struct Retired {
     ino: u64,
     word: TreeWord,
     at: Duration,
     /// Slots live at retirement: the tree is quiet once they all read 0.
     watch: Vec<u16>,
-    /// Retired by recovery: publish a fresh tree once quiet (if still the published one).
-    recover: bool,
 }
 
 /// Lock trees of the files of this node (see the module docs).
@@ -63,7 +61,12 @@ pub struct LockTrees {
     slots: Vec<Slot>,
     /// Published trees by inode, with the record holding the word.
     trees: HashMap<u64, (u64, TreeWord)>,
-    retired: Vec<Retired>,
+    /// Retired trees waiting out their grace, oldest first: every unlink adds one, and
+    /// [`LockTrees::tick`] (every millisecond, under the metadata lock) looks only at the
+    /// ones past their grace, not at all of them.
+    retired: VecDeque<Retired>,
+    /// Trees retired by recovery, to be replaced once quiet (then they wait in `retired`).
+    recovering: Vec<Retired>,
     dead_for: Duration,
     grace: Duration,
     /// Recoveries done (trees replaced because a client died in them).
@@ -75,7 +78,8 @@ impl LockTrees {
         LockTrees {
             slots: vec![Slot::Free; CLIENT_SLOTS as usize],
             trees: HashMap::new(),
-            retired: Vec::new(),
+            retired: VecDeque::new(),
+            recovering: Vec::new(),
             dead_for,
             grace: grace.max(MIN_GRACE),
             recoveries: 0,
@@ -129,13 +133,17 @@ impl LockTrees {
             .1
             .store(base + STATE_OFFSET, RETIRED)
             .expect("tree in region");
-        self.retired.push(Retired {
+        let r = Retired {
             ino,
             word,
             at: st.elapsed(),
             watch: self.live_slots(),
-            recover,
-        });
+        };
+        if recover {
+            self.recovering.push(r);
+        } else {
+            self.wait_out_grace(r);
+        }
     }
 
     fn alloc_tree(st: &dyn Storage, geo: Geometry) -> Result<TreeWord, Refusal> {
@@ -203,7 +211,7 @@ impl LockTrees {
         self.trees
             .values()
             .map(|(_, w)| w)
-            .chain(self.retired.iter().map(|r| &r.word))
+            .chain(self.retired.iter().chain(&self.recovering).map(|r| &r.word))
             .filter_map(|w| w.tree())
             .map(|(height, _)| LockTree::memory_len(Geometry { height }))
             .sum()
@@ -249,47 +257,56 @@ impl LockTrees {
                 *s = Slot::Free;
             }
         }
-        // Replace recovered trees once quiet; free retired trees once quiet and past grace.
-        let mut keep = Vec::new();
-        for r in std::mem::take(&mut self.retired) {
-            // A retired tree not to be recovered waits out its grace whether quiet or not:
-            // only then is it looked at (every unlink retires one, and this runs every
-            // millisecond under the metadata lock).
-            let due = now >= r.at + self.grace;
-            if !(r.recover || due) || !quiet(r.word, &r.watch) {
-                keep.push(r);
+        // Replace recovered trees once quiet; they wait out their grace like any other.
+        for r in std::mem::take(&mut self.recovering) {
+            if !quiet(r.word, &r.watch) {
+                self.recovering.push(r);
                 continue;
             }
-            if r.recover {
-                if let Some(&(record, w)) = self.trees.get(&r.ino) {
-                    if w == r.word {
-                        let (geo, _) = geometry(w);
-                        match Self::alloc_tree(st, geo) {
-                            Ok(new) => {
-                                region.store(record, new.0).expect("record in region");
-                                self.trees.insert(r.ino, (record, new));
-                                self.recoveries += 1;
-                                info!(ino = r.ino, "lock tree recovered");
-                            }
-                            Err(e) => {
-                                warn!(ino = r.ino, error = %e, "cannot allocate a recovered lock tree yet");
-                                keep.push(r);
-                                continue;
-                            }
+            if let Some(&(record, w)) = self.trees.get(&r.ino) {
+                if w == r.word {
+                    let (geo, _) = geometry(w);
+                    match Self::alloc_tree(st, geo) {
+                        Ok(new) => {
+                            region.store(record, new.0).expect("record in region");
+                            self.trees.insert(r.ino, (record, new));
+                            self.recoveries += 1;
+                            info!(ino = r.ino, "lock tree recovered");
+                        }
+                        Err(e) => {
+                            warn!(ino = r.ino, error = %e, "cannot allocate a recovered lock tree yet");
+                            self.recovering.push(r);
+                            continue;
                         }
                     }
                 }
             }
-            if due {
-                Self::free_tree(st, r.word);
-            } else {
-                keep.push(Retired {
-                    recover: false,
-                    ..r
-                });
-            }
+            self.wait_out_grace(r);
         }
-        self.retired = keep;
+        // Free retired trees past their grace once quiet. Those are at the front; one a client
+        // is still in stays there, ahead of the younger ones.
+        let due = self.retired.partition_point(|r| now >= r.at + self.grace);
+        let busy: Vec<Retired> = self
+            .retired
+            .drain(..due)
+            .filter_map(|r| {
+                if quiet(r.word, &r.watch) {
+                    Self::free_tree(st, r.word);
+                    None
+                } else {
+                    Some(r)
+                }
+            })
+            .collect();
+        for r in busy.into_iter().rev() {
+            self.retired.push_front(r);
+        }
+    }
+
+    /// Queues `r` to be freed past its grace, keeping `retired` oldest first.
+    fn wait_out_grace(&mut self, r: Retired) {
+        let i = self.retired.partition_point(|x| x.at <= r.at);
+        self.retired.insert(i, r);
     }
 }
 
@@ -328,6 +345,48 @@ mod tests {
         region.store(base + slot_offset(c), 0).unwrap();
         trees.tick(&st);
         assert!(st.used(node) < used, "past its grace and quiet: freed");
+        assert!(trees.retired.is_empty());
+    }
+
+    /// Trees are freed in the order they were retired as each turns quiet: one a client is
+    /// still in holds up none retired after it, and is freed once it is quiet; the ones whose
+    /// grace has not passed stay.
+    #[test]
+    fn a_busy_retired_tree_holds_up_no_younger_one() {
+        let st = MemStorage::new(1, 16 << 20);
+        let grace = Duration::from_secs(2);
+        let mut trees = LockTrees::new(grace, grace);
+        let c = trees.attach(7).unwrap();
+        let (node, region) = st.local();
+        let mut bases = Vec::new();
+        for ino in 1..=4 {
+            let record = st.alloc(node, 64, None).unwrap();
+            let w = trees.publish(&st, ino, record, TreeWord::NONE, 64).unwrap();
+            bases.push(geometry(w).1);
+        }
+        let tree_len = |h| LockTree::memory_len(Geometry { height: h });
+        let one = tree_len(geometry(trees.trees[&1].1).0.height);
+        // The oldest retired tree has the client in it; the youngest is retired later.
+        region.store(bases[0] + slot_offset(c), 1).unwrap();
+        for ino in 1..=3 {
+            trees.forget(&st, ino);
+        }
+        st.advance(grace / 2);
+        trees.forget(&st, 4);
+        let before = trees.memory();
+        st.advance(grace / 2 + Duration::from_millis(1));
+        trees.tick(&st);
+        assert_eq!(
+            trees.memory(),
+            before - 2 * one,
+            "the two quiet trees past their grace are freed, the busy one and the young one stay"
+        );
+        region.store(bases[0] + slot_offset(c), 0).unwrap();
+        trees.tick(&st);
+        assert_eq!(trees.memory(), before - 3 * one, "the busy one, once quiet");
+        st.advance(grace);
+        trees.tick(&st);
+        assert_eq!(trees.memory(), 0, "and the young one past its grace");
         assert!(trees.retired.is_empty());
     }
 }
