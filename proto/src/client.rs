@@ -19,7 +19,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use rackfs_verbs::auth::{client_handshake, Accepted, Secret};
@@ -212,13 +213,21 @@ enum Received {
 #[derive(Default)]
 struct Calls {
     next_id: u64,
-    /// Requests whose callers still wait (an answer to any other id is a late one, dropped).
-    waiting: std::collections::HashSet<u64>,
+    /// Requests whose callers still wait, with the caller's thread (an answer to any other id
+    /// is a late one, dropped). Each sleeps parked until its own answer is filed, the reader
+    /// hands it the reading, or the connection breaks: one wake-up per answer, not one for
+    /// every waiter.
+    waiting: std::collections::HashMap<u64, Thread>,
     answers: std::collections::HashMap<u64, ControlResponse>,
     reading: bool,
-    /// Callers waiting on [`ControlClient::arrived`] (nobody to wake: no system call).
-    sleepers: usize,
     broken: Option<RpcError>,
+}
+
+impl Calls {
+    /// Wakes every caller still waiting (the connection broke).
+    fn wake_all(&self) {
+        self.waiting.values().for_each(Thread::unpark);
+    }
 }
 
 /// A blocking control-RPC client of one memory node. Calls from several threads are in
@@ -236,8 +245,6 @@ pub struct ControlClient {
     /// Locked only by the caller that set [`Calls::reading`].
     inbox: Mutex<Inbox>,
     calls: Mutex<Calls>,
-    /// Signalled whenever answers are filed, the reader steps down or the connection breaks.
-    arrived: Condvar,
 }
 
 fn timed_out(e: &std::io::Error) -> bool {
@@ -312,7 +319,6 @@ impl ControlClient {
                 bound: Bound::default(),
             }),
             calls: Mutex::new(Calls::default()),
-            arrived: Condvar::new(),
         };
         c.hello(PROTOCOL_VERSION)?;
         Ok(c)
@@ -391,7 +397,7 @@ impl ControlClient {
             }
             let id = calls.next_id;
             calls.next_id += 1;
-            calls.waiting.insert(id);
+            calls.waiting.insert(id, std::thread::current());
             id
         };
         let body = req.encode(id);
@@ -410,9 +416,7 @@ impl ControlClient {
             }
             let err = self.lost(e.to_string());
             calls.broken = Some(err.clone());
-            if calls.sleepers > 0 {
-                self.arrived.notify_all();
-            }
+            calls.wake_all();
             return Err(err);
         }
         let mut calls = self.calls.lock().expect("calls lock");
@@ -436,13 +440,10 @@ impl ControlClient {
                 return Err(timeout());
             }
             if calls.reading {
-                calls.sleepers += 1;
-                calls = self
-                    .arrived
-                    .wait_timeout(calls, left)
-                    .expect("calls lock")
-                    .0;
-                calls.sleepers -= 1;
+                // An unpark meanwhile (its answer filed) makes the park return at once.
+                drop(calls);
+                std::thread::park_timeout(left);
+                calls = self.calls.lock().expect("calls lock");
                 continue;
             }
             calls.reading = true;
@@ -453,15 +454,24 @@ impl ControlClient {
             match got {
                 Received::Answers(answers) => {
                     for (rid, resp) in answers {
-                        if calls.waiting.remove(&rid) {
+                        if let Some(caller) = calls.waiting.remove(&rid) {
                             calls.answers.insert(rid, resp);
+                            if rid != id {
+                                caller.unpark();
+                            }
                         }
                     }
                 }
-                Received::Broken(e) => calls.broken = Some(e),
+                Received::Broken(e) => {
+                    calls.broken = Some(e);
+                    calls.wake_all();
+                }
             }
-            if calls.sleepers > 0 {
-                self.arrived.notify_all();
+            // About to leave (its answer in, or its deadline passed): another waiter reads on.
+            if calls.answers.contains_key(&id) || Instant::now() >= deadline {
+                if let Some((_, next)) = calls.waiting.iter().find(|(&w, _)| w != id) {
+                    next.unpark();
+                }
             }
         }
     }
@@ -564,5 +574,239 @@ impl ControlClient {
     /// A namespace operation on the primary.
     pub fn meta(&self, req: MetaRequest) -> Result<ControlResponse, RpcError> {
         self.call(&ControlRequest::Meta(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfs_verbs::auth::{server_handshake, NonceLog};
+    use rackfs_verbs::wire::Welcome;
+    use std::os::unix::net::UnixListener;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::sync::Arc;
+
+    /// A node of the test's making on a Unix socket: it authenticates one client and answers
+    /// its hello; every other request goes to the test as (id, request), and what the test
+    /// sends back as (id, response) is written to the client in that order.
+    struct FakeNode {
+        client: ControlClient,
+        requests: Receiver<(u64, ControlRequest)>,
+        answers: Sender<(u64, ControlResponse)>,
+    }
+
+    fn fake_node() -> FakeNode {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "rackfs-fake-node-{}-{}.sock",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let secret = Secret::new(b"fake node secret").unwrap();
+        let (req_tx, requests) = channel();
+        let (answers, ans_rx) = channel::<(u64, ControlResponse)>();
+        let server_secret = secret.clone();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let welcome = Welcome {
+                proof: [0; rackfs_verbs::wire::PROOF_LEN],
+                node_name: "fake".into(),
+                node_id: 9,
+                regions: Vec::new(),
+            };
+            server_handshake(
+                &mut s,
+                &server_secret,
+                &welcome,
+                &NonceLog::default(),
+                |_| Ok(()),
+            )
+            .unwrap();
+            let out = Arc::new(std::sync::Mutex::new(s.try_clone().unwrap()));
+            let writer = out.clone();
+            std::thread::spawn(move || {
+                for (id, resp) in ans_rx {
+                    let mut w = writer.lock().unwrap();
+                    if id == HANG_UP {
+                        let _ = w.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                    if wire::write_frame(&mut *w, FrameKind::ControlResponse, &resp.encode(id))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+            let mut body = Vec::new();
+            while wire::read_frame(&mut s, &mut body).is_ok() {
+                let (id, req) = ControlRequest::decode(&body).unwrap();
+                if let ControlRequest::Hello { version } = req {
+                    let hello = ControlResponse::Hello { version };
+                    let mut w = out.lock().unwrap();
+                    wire::write_frame(&mut *w, FrameKind::ControlResponse, &hello.encode(id))
+                        .unwrap();
+                } else if req_tx.send((id, req)).is_err() {
+                    return;
+                }
+            }
+        });
+        let client = ControlClient::connect_unix(&path, &secret, "test").unwrap();
+        let _ = std::fs::remove_file(&path);
+        FakeNode {
+            client,
+            requests,
+            answers,
+        }
+    }
+
+    /// The answer id that has the fake node close the connection instead.
+    const HANG_UP: u64 = u64::MAX;
+
+    /// A request the fake node answers with a refusal naming `n`, so each caller can tell its
+    /// own answer.
+    fn numbered(n: u64) -> ControlRequest {
+        ControlRequest::Alloc {
+            len: n,
+            align: 1,
+            tag: None,
+        }
+    }
+
+    fn answer_to(req: &ControlRequest) -> ControlResponse {
+        let ControlRequest::Alloc { len, .. } = req else {
+            panic!("unexpected request {req:?}");
+        };
+        ControlResponse::error(ErrorCode::Invalid, len.to_string())
+    }
+
+    /// Many threads' calls on one connection, answered in batches in reverse order: each caller
+    /// gets its own answer, woken by it (not at its deadline).
+    #[test]
+    fn answers_in_any_order_reach_their_callers() {
+        let FakeNode {
+            client,
+            requests,
+            answers,
+        } = fake_node();
+        client.set_deadline(Duration::from_secs(3));
+        let client = Arc::new(client);
+        const THREADS: u64 = 8;
+        const CALLS: u64 = 100;
+        let server = std::thread::spawn(move || {
+            let mut left = THREADS * CALLS;
+            while left > 0 {
+                let mut batch = vec![requests.recv().unwrap()];
+                while let Ok(r) = requests.recv_timeout(Duration::from_micros(200)) {
+                    batch.push(r);
+                }
+                left -= batch.len() as u64;
+                for (id, req) in batch.into_iter().rev() {
+                    answers.send((id, answer_to(&req))).unwrap();
+                }
+            }
+        });
+        let callers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let c = client.clone();
+                std::thread::spawn(move || {
+                    for i in 0..CALLS {
+                        let n = t * CALLS + i;
+                        let began = Instant::now();
+                        match c.call(&numbered(n)) {
+                            Err(RpcError::Refused { message, .. }) => {
+                                assert_eq!(message, n.to_string(), "another caller's answer")
+                            }
+                            other => panic!("call {n}: {other:?}"),
+                        }
+                        // Each is answered within milliseconds; a caller nobody woke would
+                        // find its answer only when its 3 s deadline ended its sleep.
+                        assert!(
+                            began.elapsed() < Duration::from_secs(2),
+                            "call {n} was not woken by its answer"
+                        );
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap();
+        }
+        server.join().unwrap();
+    }
+
+    /// A connection that breaks wakes every caller waiting on it, with the error at once.
+    #[test]
+    fn a_broken_connection_fails_every_waiting_call() {
+        let FakeNode {
+            client,
+            requests,
+            answers,
+        } = fake_node();
+        client.set_deadline(Duration::from_secs(3));
+        let client = Arc::new(client);
+        let callers: Vec<_> = (0..4)
+            .map(|n| {
+                let c = client.clone();
+                std::thread::spawn(move || {
+                    let began = Instant::now();
+                    (c.call(&numbered(n)), began.elapsed())
+                })
+            })
+            .collect();
+        for _ in 0..4 {
+            requests.recv().unwrap();
+        }
+        answers.send((HANG_UP, ControlResponse::Ok)).unwrap();
+        for c in callers {
+            let (got, took) = c.join().unwrap();
+            assert!(
+                matches!(got, Err(RpcError::Connection(_))),
+                "a call on a closed connection: {got:?}"
+            );
+            assert!(took < Duration::from_secs(2), "not woken by the break");
+        }
+    }
+
+    /// The caller reading the connection gives up at its deadline and hands the reading on: a
+    /// caller waiting meanwhile still gets its answer, which comes after that deadline.
+    #[test]
+    fn a_reader_past_its_deadline_hands_the_reading_on() {
+        let FakeNode {
+            client,
+            requests,
+            answers,
+        } = fake_node();
+        let client = Arc::new(client);
+        client.set_deadline(Duration::from_millis(200));
+        let c = client.clone();
+        let first = std::thread::spawn(move || c.call(&numbered(1)));
+        let (_, unanswered) = requests.recv().unwrap();
+        assert_eq!(unanswered, numbered(1));
+        // The first caller is alone, so it reads; the second waits for its answer meanwhile.
+        std::thread::sleep(Duration::from_millis(50));
+        client.set_deadline(Duration::from_secs(3));
+        let c = client.clone();
+        let started = Instant::now();
+        let second = std::thread::spawn(move || c.call(&numbered(2)));
+        let (id, req) = requests.recv().unwrap();
+        assert!(matches!(
+            first.join().unwrap(),
+            Err(RpcError::Timeout { .. })
+        ));
+        std::thread::sleep(Duration::from_millis(300));
+        answers.send((id, answer_to(&req))).unwrap();
+        match second.join().unwrap() {
+            Err(RpcError::Refused { message, .. }) => assert_eq!(message, "2"),
+            other => panic!("the second call: {other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the second caller waited out its deadline: {:?}",
+            started.elapsed()
+        );
     }
 }
