@@ -6,8 +6,10 @@
 //! one of them runs at a time: the one holding the *turn*. A thread gives the turn back only
 //! where the simulation can see it wait: a [`Clock::sleep`] on the turnstile's clock, a
 //! [`Turnstile::yield_now`], a [`crate::Mutex`] another thread holds, a [`crate::Bell`] wait.
-//! The driver ([`Turnstile::run`]) then hands the turn to a thread chosen by a seeded random
-//! source among those that can run; when none can, virtual time jumps to the earliest timer.
+//! The thread giving it back then hands the turn straight to a thread chosen by a seeded
+//! random source among those that can run (itself, if chosen again, runs on without a switch);
+//! when none can, virtual time jumps to the earliest timer. The driver ([`Turnstile::run`])
+//! only starts the world and waits for the reason it stops.
 //! So a seed replays the same interleaving and the same virtual times, whatever the host's
 //! scheduler does, and hours of leases and timeouts pass in milliseconds.
 //!
@@ -16,8 +18,8 @@
 //! owner), which is how a simulation kills a node or a mount.
 //!
 //! Invariants:
-//! * at most one simulated thread runs between two waits; the driver runs only while none
-//!   does;
+//! * at most one simulated thread runs between two waits; who runs next is chosen only while
+//!   none does, under the world's lock;
 //! * virtual time moves only when no thread can run, and only forward, to the earliest timer;
 //! * a thread that holds the turn and blocks where the simulation cannot see it (a
 //!   `std::sync::Mutex` another simulated thread holds, a socket) would stall the world: the
@@ -85,6 +87,9 @@ struct State {
     /// Gate id -> (thread, epoch) waiting for it to open.
     gates: HashMap<u64, Vec<(usize, u64)>>,
     panicked: Option<String>,
+    /// How far [`Turnstile::run`] goes this time, and how it stopped, once it did.
+    until: Duration,
+    outcome: Option<Outcome>,
     /// Turns handed out, and a fingerprint of who got them when.
     turns: u64,
     fingerprint: u64,
@@ -128,6 +133,74 @@ impl State {
             t.run = Run::Runnable;
         }
     }
+
+    /// Chooses who runs next, with no thread running: a runnable thread drawn from the seed
+    /// (virtual time first moving to the earliest timer or end of a pause if none can run),
+    /// or why the world stops.
+    fn next(&mut self) -> Result<usize, Outcome> {
+        loop {
+            if let Some(p) = self.panicked.take() {
+                return Err(Outcome::Panicked(p));
+            }
+            let now = self.now;
+            let runnable: Vec<usize> = (self.live.iter().copied())
+                .filter(|&i| {
+                    self.threads[i].run == Run::Runnable && self.threads[i].paused_until <= now
+                })
+                .collect();
+            if runnable.is_empty() {
+                // The earliest end of a pause of a thread that could run, if it comes before
+                // every timer: time moves there.
+                let resume = self
+                    .live_threads()
+                    .filter(|t| t.run == Run::Runnable)
+                    .map(|t| t.paused_until)
+                    .min();
+                let next_timer = self.timers.peek().map(|Reverse(t)| t.0);
+                if let Some(r) = resume.filter(|&r| next_timer.is_none_or(|t| r <= t)) {
+                    if r > self.until {
+                        self.now = self.now.max(self.until);
+                        return Err(Outcome::TimeLimit);
+                    }
+                    self.now = r;
+                    continue;
+                }
+                let Some(Reverse((at, _, tid, epoch))) = self.timers.pop() else {
+                    let waiting: Vec<String> = self
+                        .live_threads()
+                        .filter(|t| t.run == Run::Parked)
+                        .map(|t| t.name.clone())
+                        .collect();
+                    return Err(if waiting.is_empty() {
+                        Outcome::Finished
+                    } else {
+                        Outcome::Stalled(waiting)
+                    });
+                };
+                let t = &self.threads[tid];
+                if t.run != Run::Parked || t.epoch != epoch {
+                    // A wait that ended otherwise (a gate, a kill): time does not move for it.
+                    continue;
+                }
+                if at > self.until {
+                    self.timers.push(Reverse((at, 0, tid, epoch)));
+                    self.now = self.now.max(self.until);
+                    return Err(Outcome::TimeLimit);
+                }
+                self.now = self.now.max(at);
+                self.wake(tid, epoch);
+                continue;
+            }
+            let pick = runnable[(self.random() % runnable.len() as u64) as usize];
+            self.turns += 1;
+            self.fingerprint = self
+                .fingerprint
+                .rotate_left(7)
+                .wrapping_add(pick as u64 ^ self.now.as_nanos() as u64);
+            self.running = Some(pick);
+            return Ok(pick);
+        }
+    }
 }
 
 struct Shared {
@@ -143,6 +216,20 @@ impl Shared {
         // A poisoned lock means a simulated thread panicked while the driver recorded it;
         // the state is still consistent (every update is made whole under the lock).
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The running thread gave the turn back: hands it straight to the next thread (the same
+    /// one, if chosen again, runs on with no switch), or tells the driver why the world
+    /// stops. The driver takes no part in a turn: one switch per turn, not two.
+    fn hand_on(&self, s: &mut State) {
+        s.running = None;
+        match s.next() {
+            Ok(pick) => s.threads[pick].wake.notify_one(),
+            Err(outcome) => {
+                s.outcome = Some(outcome);
+                self.driver.notify_one();
+            }
+        }
     }
 }
 
@@ -227,8 +314,7 @@ impl Turnstile {
                         s.panicked = Some(format!("{}: {msg}", s.threads[tid].name));
                     }
                 }
-                s.running = None;
-                shared.driver.notify_one();
+                shared.hand_on(&mut s);
             });
         if let Err(e) = spawned {
             let mut s = self.shared.lock();
@@ -293,79 +379,31 @@ impl Turnstile {
     pub fn run(&self, until: Duration) -> Outcome {
         let watchdog = *self.shared.watchdog.lock().expect("watchdog");
         let mut s = self.shared.lock();
+        s.until = until;
+        s.outcome = None;
+        match s.next() {
+            Ok(pick) => s.threads[pick].wake.notify_one(),
+            Err(outcome) => return outcome,
+        }
+        // The threads hand the turn on among themselves (`Shared::hand_on`) until one finds
+        // the world must stop.
         loop {
-            if let Some(p) = s.panicked.take() {
-                return Outcome::Panicked(p);
+            let turns = s.turns;
+            let (next, timeout) = self
+                .shared
+                .driver
+                .wait_timeout(s, watchdog)
+                .unwrap_or_else(|p| p.into_inner());
+            s = next;
+            if let Some(outcome) = s.outcome.take() {
+                return outcome;
             }
-            let now = s.now;
-            let runnable: Vec<usize> = (s.live.iter().copied())
-                .filter(|&i| s.threads[i].run == Run::Runnable && s.threads[i].paused_until <= now)
-                .collect();
-            if runnable.is_empty() {
-                // The earliest end of a pause of a thread that could run, if it comes before
-                // every timer: time moves there.
-                let resume = s
-                    .live_threads()
-                    .filter(|t| t.run == Run::Runnable)
-                    .map(|t| t.paused_until)
-                    .min();
-                let next_timer = s.timers.peek().map(|Reverse(t)| t.0);
-                if let Some(r) = resume.filter(|&r| next_timer.is_none_or(|t| r <= t)) {
-                    if r > until {
-                        s.now = s.now.max(until);
-                        return Outcome::TimeLimit;
-                    }
-                    s.now = r;
-                    continue;
-                }
-                let Some(Reverse((at, _, tid, epoch))) = s.timers.pop() else {
-                    let waiting: Vec<String> = s
-                        .live_threads()
-                        .filter(|t| t.run == Run::Parked)
-                        .map(|t| t.name.clone())
-                        .collect();
-                    return if waiting.is_empty() {
-                        Outcome::Finished
-                    } else {
-                        Outcome::Stalled(waiting)
-                    };
-                };
-                let t = &s.threads[tid];
-                if t.run != Run::Parked || t.epoch != epoch {
-                    // A wait that ended otherwise (a gate, a kill): time does not move for it.
-                    continue;
-                }
-                if at > until {
-                    s.timers.push(Reverse((at, 0, tid, epoch)));
-                    s.now = s.now.max(until);
-                    return Outcome::TimeLimit;
-                }
-                s.now = s.now.max(at);
-                s.wake(tid, epoch);
-                continue;
-            }
-            let pick = runnable[(s.random() % runnable.len() as u64) as usize];
-            s.turns += 1;
-            s.fingerprint = s
-                .fingerprint
-                .rotate_left(7)
-                .wrapping_add(pick as u64 ^ s.now.as_nanos() as u64);
-            s.running = Some(pick);
-            s.threads[pick].wake.notify_one();
-            while s.running.is_some() {
-                let (next, timeout) = self
-                    .shared
-                    .driver
-                    .wait_timeout(s, watchdog)
-                    .unwrap_or_else(|p| p.into_inner());
-                s = next;
-                if timeout.timed_out() && s.running == Some(pick) {
-                    let name = s.threads[pick].name.clone();
-                    return Outcome::Stuck(format!(
-                        "{name} held the turn for {watchdog:?} of real time without waiting \
-                         where the simulation sees it (a std lock, a socket?)"
-                    ));
-                }
+            if let (true, Some(running)) = (timeout.timed_out() && s.turns == turns, s.running) {
+                let name = s.threads[running].name.clone();
+                return Outcome::Stuck(format!(
+                    "{name} held the turn for {watchdog:?} of real time without waiting \
+                     where the simulation sees it (a std lock, a socket?)"
+                ));
             }
         }
     }
@@ -457,8 +495,7 @@ fn park(shared: &Shared, me: usize, until: Option<Duration>, gate: Option<u64>, 
         if let Some(g) = gate {
             s.gates.entry(g).or_default().push((me, epoch));
         }
-        s.running = None;
-        shared.driver.notify_one();
+        shared.hand_on(&mut s);
     }
     wait_turn(shared, me);
 }
