@@ -28,7 +28,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -209,6 +209,8 @@ struct Shared {
     driver: Condvar,
     wall_origin: u64,
     watchdog: Mutex<Duration>,
+    /// The CPU every thread of this world runs on ([`world_cpu`]).
+    cpu: Option<usize>,
 }
 
 impl Shared {
@@ -261,6 +263,7 @@ impl Turnstile {
                 driver: Condvar::new(),
                 wall_origin: 1_704_067_200_000_000_000,
                 watchdog: Mutex::new(Duration::from_secs(20)),
+                cpu: world_cpu(),
             }),
         }
     }
@@ -296,6 +299,9 @@ impl Turnstile {
         let spawned = std::thread::Builder::new()
             .name(format!("sim-{name}"))
             .spawn(move || {
+                if let Some(cpu) = shared.cpu {
+                    run_on(cpu);
+                }
                 CURRENT.with(|c| *c.borrow_mut() = Some((shared.clone(), tid)));
                 let outcome = catch_unwind(AssertUnwindSafe(|| {
                     wait_turn(&shared, tid);
@@ -461,6 +467,40 @@ impl crate::Spawn for GroupThreads {
         self.world
             .spawn(self.group, &format!("{}/{name}", self.group), work);
         Ok(())
+    }
+}
+
+/// The CPU a new world's threads run on: the CPUs the calling thread may use, taken in turn
+/// by the worlds made one after another (so tests running worlds in parallel use them all);
+/// `None` if they cannot be read. One thread of a world runs at a time anyway, and a turn
+/// handed to a thread on the same CPU is a plain switch, where one on another CPU must wake
+/// that CPU: on small virtual machines that wake-up costs more than the turn's work.
+fn world_cpu() -> Option<usize> {
+    static WORLDS: AtomicUsize = AtomicUsize::new(0);
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, which sched_getaffinity fills (for the
+    // calling thread) within its size; CPU_ISSET reads within it.
+    let allowed: Vec<usize> = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    };
+    let n = WORLDS.fetch_add(1, Ordering::Relaxed);
+    allowed.get(n % allowed.len().max(1)).copied()
+}
+
+/// Keeps the calling thread on `cpu` (best effort: where it cannot, it runs anywhere, only
+/// slower).
+fn run_on(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it, and
+    // sched_setaffinity reads it for the calling thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
