@@ -442,7 +442,7 @@ impl Turnstile {
 }
 
 /// The seeds a simulation test runs: `{var}_SEED=S` only `S` (to replay one), else
-/// `{var}_SEEDS=N` (default `default`) seeds from 0.
+/// `{var}_SEEDS=N` (default `default`) seeds from `{var}_FIRST` (default 0).
 pub fn seeds(var: &str, default: u64) -> Vec<u64> {
     let read = |suffix: &str| {
         std::env::var(format!("{var}{suffix}"))
@@ -451,7 +451,10 @@ pub fn seeds(var: &str, default: u64) -> Vec<u64> {
     };
     match read("_SEED") {
         Some(s) => vec![s],
-        None => (0..read("_SEEDS").unwrap_or(default)).collect(),
+        None => {
+            let first = read("_FIRST").unwrap_or(0);
+            (first..first.saturating_add(read("_SEEDS").unwrap_or(default))).collect()
+        }
     }
 }
 

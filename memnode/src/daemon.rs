@@ -96,7 +96,7 @@ fn start_primary(node: &Arc<Node>, meta: MetaService) {
     duty(node, "rebuild", crate::liveness::REBUILD_EVERY, move |n| {
         crate::liveness::rebuild_round(n, rate)
     });
-    duty(node, "lock-trees", Duration::from_millis(1), |n| {
+    duty(node, "lock-trees", LOCK_TREE_TICK, |n| {
         let meta = n.meta.get().expect("primary");
         meta.lock().expect("metadata lock").tick(n);
     });
@@ -241,6 +241,11 @@ fn every(node: &Arc<Node>, name: &str, every: Duration, tick: impl Fn(&Node) + S
 /// Runs the primary's duty `tick` every `every`, skipping it while the primary's own lease is
 /// not valid: a primary stopped past its lease acts on nothing once it resumes (see
 /// [`crate::term`]).
+/// How often the primary recovers the lock trees of dead clients and frees retired ones: both
+/// wait for things measured in seconds (a lapsed lease, a tree's grace), so a few milliseconds
+/// more cost nothing, and an idle primary does not wake a thousand times a second.
+const LOCK_TREE_TICK: Duration = Duration::from_millis(10);
+
 fn duty(node: &Arc<Node>, name: &str, every_: Duration, tick: impl Fn(&Node) + Send + 'static) {
     every(node, name, every_, move |n| {
         if n.serving() {

@@ -62,7 +62,7 @@ pub struct LockTrees {
     /// Published trees by inode, with the record holding the word.
     trees: HashMap<u64, (u64, TreeWord)>,
     /// Retired trees waiting out their grace, oldest first: every unlink adds one, and
-    /// [`LockTrees::tick`] (every millisecond, under the metadata lock) looks only at the
+    /// [`LockTrees::tick`] (every few milliseconds, under the metadata lock) looks only at the
     /// ones past their grace, not at all of them.
     retired: VecDeque<Retired>,
     /// Trees retired by recovery, to be replaced once quiet (then they wait in `retired`).
@@ -217,7 +217,7 @@ impl LockTrees {
             .sum()
     }
 
-    /// Recovery and reaping; called every millisecond or so.
+    /// Recovery and reaping; called every few milliseconds.
     pub fn tick(&mut self, st: &dyn Storage) {
         let now = st.elapsed();
         let region = st.local().1;
