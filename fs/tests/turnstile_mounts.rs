@@ -483,8 +483,9 @@ fn changes_in_flight_when_the_primary_dies_take_effect_once() {
     let mid_work = every_seed_passes(8, true);
     let seeds = seeds("RACKFS_TURNSTILE", 500).len();
     eprintln!("the primary died while the mounts worked in {mid_work} of {seeds} runs");
+    // A share, so only over enough runs (`scripts/simulate` runs a few seeds at a time too).
     assert!(
-        mid_work * 2 >= seeds,
+        seeds < 20 || mid_work * 2 >= seeds,
         "too few deaths mid-work: {mid_work} of {seeds}"
     );
 }
