@@ -432,6 +432,11 @@ impl Turnstile {
         Here::now().is_some_and(|h| h.killed())
     }
 
+    /// The group (process) of the calling thread, if it is a simulated one.
+    pub fn group_here() -> Option<u32> {
+        current().map(|(shared, me)| shared.lock().threads[me].group)
+    }
+
     /// Gives the turn back while staying runnable: another thread may run first. A point
     /// where the simulation may interleave (a message sent, a shared word read).
     pub fn yield_now() {

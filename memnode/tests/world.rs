@@ -7,14 +7,16 @@
 //! until it resumes (its callers time out at their deadline, as over a socket, and what
 //! they sent is still served when it resumes), and a killed one fails its callers.
 //!
-//! Four scenarios, with a mount creating a file every 50 ms at whichever primary the
+//! Five scenarios, with a mount creating a file every 50 ms at whichever primary the
 //! coordinator names:
 //! * issue 24's split brain: the primary is stopped past its lease, its standby takes over
 //!   and makes the third node its standby, the old primary resumes, then the new primary is
 //!   killed: the third node must take over with the namespace whole;
 //! * random faults: once the cluster is healthy (a primary and a running standby), a random
 //!   node is stopped past its lease or killed and started again, empty, as `rackfs up`
-//!   restarts it (also when it exits, deposed, or cannot rejoin yet);
+//!   restarts it (also when it exits, deposed, or cannot rejoin yet); and the same with
+//!   partitions too: a node cut off from another node or from the coordinator for 2.5-6 s
+//!   (every request and answer across the cut lost, both ways);
 //! * a data node stopped past its lease while the primary changes follows the new one;
 //! * a primary stopped past its lease, and re-elected, while its standby is stopped longer:
 //!   it must keep serving (the stopped node delays neither its lease nor its changes), drop
@@ -31,7 +33,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -68,9 +70,45 @@ struct Net {
     world: Turnstile,
     /// Address -> the group serving it.
     at: Mutex<HashMap<String, u32>>,
+    /// Pairs of parties ([`party`]) that cannot reach each other now, the lower first.
+    cut: Mutex<HashSet<(u32, u32)>>,
+}
+
+/// Who group `group` is on the network: a node (its id, whatever its restarts), the
+/// coordinator or the test's own threads (the mount).
+fn party(group: u32) -> u32 {
+    if group >= COORD {
+        group
+    } else {
+        group % 10
+    }
 }
 
 impl Net {
+    /// Cuts (or heals) the network between parties `a` and `b` (see [`party`]): what one sends
+    /// the other is lost, in both directions.
+    fn partition(&self, a: u32, b: u32, cut: bool) {
+        let pair = (a.min(b), a.max(b));
+        let mut c = self.cut.lock().unwrap();
+        if cut {
+            c.insert(pair);
+        } else {
+            c.remove(&pair);
+        }
+    }
+
+    /// Whether the calling thread's process and group `to` are cut off from each other.
+    fn cut_off_from(&self, to: u32) -> bool {
+        let Some(from) = Turnstile::group_here().map(party) else {
+            return false;
+        };
+        let to = party(to);
+        self.cut
+            .lock()
+            .unwrap()
+            .contains(&(from.min(to), from.max(to)))
+    }
+
     /// Kills process `group`: its addresses refuse connections, its threads unwind.
     fn kill(&self, group: u32) {
         let addrs: Vec<String> = (self.at.lock().unwrap().iter())
@@ -155,17 +193,21 @@ impl ControlLink for WorldLink {
             return Err(lost());
         }
         let answer: Answer = Arc::default();
-        let (inner, req2, left) = (self.inner.clone(), req.clone(), answer.clone());
-        world.spawn(self.group, &format!("{}/serve", self.group), move || {
-            let r = inner.call(&req2);
-            *left.0.lock().unwrap() = Some(r);
-            left.1.notify_all();
-        });
+        // A request sent across a cut is lost: the caller hears nothing until its deadline.
+        if !self.net.cut_off_from(self.group) {
+            let (inner, req2, left) = (self.inner.clone(), req.clone(), answer.clone());
+            world.spawn(self.group, &format!("{}/serve", self.group), move || {
+                let r = inner.call(&req2);
+                *left.0.lock().unwrap() = Some(r);
+                left.1.notify_all();
+            });
+        }
         let deadline = *self.deadline.lock().unwrap();
         let until = world.now() + deadline;
         let mut got = answer.0.lock().unwrap();
         loop {
-            if let Some(r) = got.take() {
+            // So is an answer that comes back across one.
+            if let Some(r) = got.take().filter(|_| !self.net.cut_off_from(self.group)) {
                 return r;
             }
             if world.killed(self.group) {
@@ -352,6 +394,7 @@ impl Cluster {
             lo: Loopback::new(),
             world: world.clone(),
             at: Mutex::new(HashMap::new()),
+            cut: Mutex::default(),
         });
         let clock: SharedClock = Arc::new(world.clone());
         let coord = Arc::new(Local::with_clock(NODE_LEASE / 4, clock));
@@ -636,7 +679,7 @@ fn healthy(c: &Cluster) -> bool {
 /// stopped past its lease (2.5-6 s) or killed and started again, empty, 0.5-3 s later (and
 /// again while its old lease refuses it, as `rackfs up` restarts it); the mount creates throughout. At the end every acknowledged
 /// creation is on the node acting as primary.
-fn random_faults(seed: u64) -> (Outcome, Seen) {
+fn random_faults(seed: u64, partitions: bool) -> (Outcome, Seen) {
     let c = Cluster::new(seed, "random");
     c.spawn_mount(Duration::from_secs(50), Duration::ZERO..Duration::ZERO);
     // Faults start until 40 s; by 52 s the last one healed and the mount's last creation
@@ -671,7 +714,32 @@ fn random_faults(seed: u64) -> (Outcome, Seen) {
             let id = alive[(next(&mut x) % alive.len() as u64) as usize];
             let group = c2.group_of(id);
             c2.seen.lock().unwrap().faults += 1;
-            if next(&mut x).is_multiple_of(2) {
+            let kind = next(&mut x) % if partitions { 3 } else { 2 };
+            if kind == 2 {
+                // Cut it off from another node or from the coordinator for a while.
+                let others: Vec<u32> = (alive.iter().copied().filter(|&o| o != id))
+                    .chain([COORD])
+                    .collect();
+                let other = others[(next(&mut x) % others.len() as u64) as usize];
+                let d = between(&mut x, 2500, 6000);
+                let name = |p: u32| match p {
+                    COORD => "the coordinator".to_string(),
+                    n => format!("mn{n}"),
+                };
+                c2.note(format!(
+                    "cutting {} off from {} for {d:?}",
+                    name(id),
+                    name(other)
+                ));
+                c2.net.partition(id, other, true);
+                w.sleep(d);
+                c2.net.partition(id, other, false);
+                c2.note(format!(
+                    "{} and {} reach each other again",
+                    name(id),
+                    name(other)
+                ));
+            } else if kind == 0 {
                 let d = between(&mut x, 2500, 6000);
                 c2.note(format!("pausing mn{id} (process {group}) for {d:?}"));
                 w.pause(group, d);
@@ -859,8 +927,24 @@ fn a_primary_stopped_past_its_lease_stays_silent_and_a_third_node_takes_over_who
 #[test]
 fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
     for seed in seeds("RACKFS_WORLD", 8) {
-        let (outcome, seen) = random_faults(seed);
+        let (outcome, seen) = random_faults(seed, false);
         let test = "random_pauses";
+        assert!(
+            seen.unhealed.is_none() && seen.faults >= 3,
+            "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
+            replay(seed, test)
+        );
+        check_common(seed, test, &outcome, &seen);
+    }
+}
+
+/// The same faults, and partitions between a node and another or the coordinator (each
+/// message across the cut lost, both ways) for 2.5-6 s.
+#[test]
+fn random_partitions_pauses_and_kills_lose_no_acknowledged_creation() {
+    for seed in seeds("RACKFS_WORLD", 8) {
+        let (outcome, seen) = random_faults(seed, true);
+        let test = "random_partitions";
         assert!(
             seen.unhealed.is_none() && seen.faults >= 3,
             "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
