@@ -244,25 +244,22 @@ impl Membership {
                 ));
             }
         }
-        let addr = match (&node.tcp, &node.shm) {
-            (Some(t), _) => t.clone(),
-            (None, Some(p)) => format!("unix:{p}"),
-            (None, None) => {
-                return Err(Refusal::new(
-                    ErrorCode::Invalid,
-                    "a joining node must listen somewhere",
-                ))
-            }
-        };
+        if node.tcp.is_none() && node.shm.is_none() {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                "a joining node must listen somewhere",
+            ));
+        }
         let name = format!("primary-{}", me.name);
-        let control =
-            crate::term::connect(dial, &addr, secret, &name, term.0, term.1).map_err(|e| {
+        let control = crate::term::connect_node(dial, &node, secret, &name, term.0, term.1)
+            .map_err(|e| {
                 Refusal::new(
                     ErrorCode::Unavailable,
-                    format!("cannot reach joining node {} at {addr}: {e}", node.name),
+                    format!("cannot reach joining node {}: {e}", node.name),
                 )
             })?;
         control.set_deadline(deadline);
+        let addr = control.peer().to_string();
         info!(node = node.node_id, name = %node.name, %addr, "node joined");
         self.peers.lock().expect("peers lock").insert(
             node.node_id,

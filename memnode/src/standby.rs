@@ -97,9 +97,8 @@ fn connect(node: &Node, id: u32) -> Result<Arc<dyn ControlLink>, String> {
     let addr = node
         .members
         .addr_of(id)
-        .and_then(|a| a.tcp.or(a.shm.map(|p| format!("unix:{p}"))))
         .ok_or_else(|| format!("node {id} has no address"))?;
-    let peer = crate::term::connect(
+    let peer = crate::term::connect_node(
         &*node.dial,
         &addr,
         &node.cfg.secret,
