@@ -236,3 +236,51 @@ fn a_primary_whose_lease_lapsed_admits_no_node_and_frees_nothing() {
         "node 1 still holds its replica under its tag: {held:?}"
     );
 }
+
+/// A primary reaches a data node through the Unix socket its address names only when the
+/// node there answers as that node: a socket path naming another node (or stale, or another
+/// host's) sends it to the node's tcp address instead.
+#[test]
+fn a_data_node_is_reached_through_its_socket_only_when_it_answers_as_itself() {
+    use rackfs_memnode::term::connect_node;
+    use rackfs_proto::control::NodeAddr;
+    let dir = Scratch::new("socket-first");
+    let lo = Arc::new(Loopback::new());
+    let (primary, _data) = two_nodes(&dir.0, &lo);
+    let epoch = primary.node().term.epoch();
+    let sock = |id| common::socket(&dir.0, id).display().to_string();
+    // The loopback serves node 1 only at its socket's address: it stands in for its tcp one.
+    let known = primary.node().members.addr_of(1).expect("node 1 joined");
+    let node1 = |shm: Option<String>| NodeAddr {
+        tcp: Some(addr(&dir.0, 1)),
+        shm,
+        ..known.clone()
+    };
+    let reach = |to: NodeAddr| {
+        let c = connect_node(&*lo, &to, &secret(), "test", 0, epoch).expect("node 1 reached");
+        (c.node_id(), c.peer().to_string())
+    };
+    assert_eq!(
+        reach(node1(Some(sock(1)))),
+        (1, addr(&dir.0, 1)),
+        "its own socket"
+    );
+    assert_eq!(
+        reach(node1(Some(sock(0)))).0,
+        1,
+        "a socket where node 0 answers is not node 1's"
+    );
+    assert_eq!(
+        reach(node1(Some(dir.0.join("gone.sock").display().to_string()))).0,
+        1,
+        "a socket nobody serves"
+    );
+    let nowhere = NodeAddr {
+        tcp: None,
+        ..node1(Some(sock(0)))
+    };
+    assert!(
+        connect_node(&*lo, &nowhere, &secret(), "test", 0, epoch).is_err(),
+        "another node's socket and no tcp address: not reached"
+    );
+}
