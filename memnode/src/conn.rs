@@ -372,9 +372,10 @@ fn may_wait(node: &Node, req: &ControlRequest) -> bool {
 }
 
 /// One client session being served. One thread at a time holds the turn to read the next
-/// request. It answers a request that cannot wait ([`may_wait`]) itself and reads on; before
-/// one that may wait it passes the turn to a parked thread, or starts one (up to
-/// [`SESSION_WORKERS`]), so that a waiting request holds up no other. A thread done with such
+/// request. It answers a request that cannot wait ([`may_wait`]) itself and reads on, and so
+/// a namespace change when no other request has come in yet; before one that may wait it
+/// passes the turn to a parked thread, or starts one (up to [`SESSION_WORKERS`]), so that a
+/// waiting request holds up no other. A thread done with such
 /// a request takes the turn back if it is free, else parks. Answers go out in the order they
 /// are ready, each under its request's id.
 struct Session<'a, R, W: Write> {
@@ -391,9 +392,9 @@ struct Session<'a, R, W: Write> {
 }
 
 /// Ends the session if the thread holding it panics.
-struct EndOnPanic<'s, 'a, R: Read + Send, W: Write + Send>(&'s Session<'a, R, W>);
+struct EndOnPanic<'s, 'a, R: Read + AsRawFd + Send, W: Write + Send>(&'s Session<'a, R, W>);
 
-impl<R: Read + Send, W: Write + Send> Drop for EndOnPanic<'_, '_, R, W> {
+impl<R: Read + AsRawFd + Send, W: Write + Send> Drop for EndOnPanic<'_, '_, R, W> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.0.end(Err(WireError::malformed(
@@ -404,7 +405,7 @@ impl<R: Read + Send, W: Write + Send> Drop for EndOnPanic<'_, '_, R, W> {
     }
 }
 
-impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
+impl<'a, R: Read + AsRawFd + Send, W: Write + Send> Session<'a, R, W> {
     /// Serves requests, starting with the reading turn, until the connection ends.
     fn work<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
         // A thread that panics ends the session, so no other waits for a turn it held.
@@ -414,7 +415,12 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
                 Ok(r) => r,
                 Err(e) => return self.end(Err(e)),
             };
-            let waits = may_wait(self.node, &req);
+            // A namespace change waits only for the metadata lock, the standby's copy of it
+            // and frees, each bounded: with no other request in yet, the reading thread
+            // carries it out itself, which saves waking another thread for each change of a
+            // client that sends one at a time.
+            let waits = may_wait(self.node, &req)
+                && (!matches!(req, ControlRequest::Meta(_)) || self.more_requests());
             if waits {
                 self.pass_turn(scope);
             }
@@ -430,6 +436,12 @@ impl<'a, R: Read + Send, W: Write + Send> Session<'a, R, W> {
                 return;
             }
         }
+    }
+
+    /// Whether another request has come in (in part) since the last one was read.
+    fn more_requests(&self) -> bool {
+        let r = self.requests.lock().expect("requests lock");
+        !r.reader.buffer().is_empty() || rackfs_verbs::poll::readable_now(r.reader.get_ref())
     }
 
     fn next_request(&self) -> Result<(u64, ControlRequest), WireError> {

@@ -113,6 +113,24 @@ impl<R: Read + AsRawFd> Read for Polled<R> {
     }
 }
 
+impl<R: AsRawFd> AsRawFd for Polled<R> {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.inner.as_raw_fd()
+    }
+}
+
+/// Whether `socket` has something to read now (or is closed or in error: a read then says
+/// so), without waiting.
+pub fn readable_now(socket: &(impl AsRawFd + ?Sized)) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid, initialised pollfd for the duration of the call; a zero timeout.
+    unsafe { libc::poll(&mut pfd, 1, 0) != 0 }
+}
+
 /// Reads what `socket` has, trying for up to `poll`; `None` if nothing came in that time.
 pub fn try_read_for(
     socket: &(impl AsRawFd + ?Sized),
