@@ -137,10 +137,10 @@ pub fn connect_node(
         }
     }
     let Some(tcp) = &to.tcp else {
-        return Err(RpcError::Unexpected {
+        return Err(RpcError::Connection(rackfs_verbs::VerbsError::Connect {
             peer: to.name.clone(),
-            what: "no tcp address, and its Unix socket is not on this host".into(),
-        });
+            reason: "no tcp address, and no node answers as it at its Unix socket here".into(),
+        }));
     };
     connect(dial, tcp, secret, name, node, epoch)
 }
