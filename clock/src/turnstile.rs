@@ -223,15 +223,21 @@ impl Shared {
     /// The running thread gave the turn back: hands it straight to the next thread (the same
     /// one, if chosen again, runs on with no switch), or tells the driver why the world
     /// stops. The driver takes no part in a turn: one switch per turn, not two.
-    fn hand_on(&self, s: &mut State) {
+    fn hand_on(&self, mut s: MutexGuard<'_, State>) {
         s.running = None;
-        match s.next() {
-            Ok(pick) => s.threads[pick].wake.notify_one(),
+        let wake = match s.next() {
+            Ok(pick) => s.threads[pick].wake.clone(),
             Err(outcome) => {
                 s.outcome = Some(outcome);
+                drop(s);
                 self.driver.notify_one();
+                return;
             }
-        }
+        };
+        // Told once the lock is free: woken while it is held, that thread would run (all of a
+        // world's threads share a CPU) only to wait for the lock.
+        drop(s);
+        wake.notify_one();
     }
 }
 
@@ -320,7 +326,7 @@ impl Turnstile {
                         s.panicked = Some(format!("{}: {msg}", s.threads[tid].name));
                     }
                 }
-                shared.hand_on(&mut s);
+                shared.hand_on(s);
             });
         if let Err(e) = spawned {
             let mut s = self.shared.lock();
@@ -543,7 +549,7 @@ fn park(shared: &Shared, me: usize, until: Option<Duration>, gate: Option<u64>, 
         if let Some(g) = gate {
             s.gates.entry(g).or_default().push((me, epoch));
         }
-        shared.hand_on(&mut s);
+        shared.hand_on(s);
     }
     wait_turn(shared, me);
 }
