@@ -6,12 +6,20 @@
 //! before etcd lets anyone else take the key: no two primaries ever act at once. Once its lease
 //! lapsed it campaigns again, and exits if another node won. The embedded coordinator lives in
 //! the primary itself, so there it simply holds.
+//!
+//! Every primary, once elected and before it acts, records itself and its epoch under
+//! [`LAST_PRIMARY_KEY`] (guarded by its key's lease). A primary elected again after its lease
+//! lapsed serves only if that key still names its own last term: else another node was
+//! primary meanwhile and answered changes this one lacks (that one's lease may have lapsed
+//! too, leaving the key free), and it exits.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use rackfs_clock::Clock;
-use rackfs_coord::{claim, renew, renew_every, CoordError, Coordinator, Guard, Held, LeaseId};
+use rackfs_coord::{
+    claim, renew, renew_every, Claimed, CoordError, Coordinator, Guard, Held, LeaseId, Write,
+};
 use tracing::{error, info, warn};
 
 use crate::coordinator::{members, parse_primary, parse_standby};
@@ -50,6 +58,33 @@ pub fn joins_instead(coord: &dyn Coordinator, me: u32) -> Result<Option<String>,
         .then(|| format!("node {standby} is the metadata standby and takes over the namespace")))
 }
 
+/// The last node elected primary, with its epoch (see the module docs).
+pub const LAST_PRIMARY_KEY: &str = "last_primary";
+
+/// [`LAST_PRIMARY_KEY`]'s value for the primary whose key holds `me`, elected at `epoch`.
+fn last_primary(me: &[u8], epoch: u64) -> Vec<u8> {
+    let mut v = format!("{epoch} ").into_bytes();
+    v.extend_from_slice(me);
+    v
+}
+
+/// Records the primary `me` elected as `won` under [`LAST_PRIMARY_KEY`], guarded by its key;
+/// on failure gives the key up (nothing was served under it).
+fn record(coord: &dyn Coordinator, me: &[u8], won: &Claimed) -> Result<(), CoordError> {
+    let guard = Guard {
+        key: PRIMARY_KEY.into(),
+        lease: won.held.lease,
+    };
+    let put = Write::Put {
+        key: LAST_PRIMARY_KEY.into(),
+        value: last_primary(me, won.epoch),
+        lease: None,
+    };
+    coord.write_if(&guard, put).inspect_err(|_| {
+        let _ = coord.revoke(won.held.lease);
+    })
+}
+
 /// A primary's hold on its cluster.
 pub struct Primacy {
     coord: Arc<dyn Coordinator>,
@@ -74,7 +109,11 @@ impl Primacy {
         let give_up = clock.now() + 2 * ttl + Duration::from_secs(1);
         let mut told = false;
         loop {
-            match claim(&*coord, PRIMARY_KEY, &me, ttl, clock.now()) {
+            let claimed = match claim(&*coord, PRIMARY_KEY, &me, ttl, clock.now()) {
+                Ok(Ok(won)) => record(&*coord, &me, &won).map(|()| Ok(won)),
+                other => other,
+            };
+            match claimed {
                 Ok(Ok(won)) => {
                     info!(coordinator = %coord.describe(), lease = won.held.lease, epoch = won.epoch, "elected primary of the cluster");
                     return Ok(Primacy {
@@ -182,6 +221,24 @@ impl Primacy {
                 node.clock.now(),
             ) {
                 Ok(Ok(won)) => {
+                    // Serves again only if nobody was primary meanwhile.
+                    let last = self.coord.get(LAST_PRIMARY_KEY);
+                    if let Ok(Some(v)) = &last {
+                        if *v != last_primary(&self.me, self.epoch) {
+                            let _ = self.coord.revoke(won.held.lease);
+                            error!(
+                                last = %String::from_utf8_lossy(v),
+                                "another node was primary while this one's lease was lapsed: this one exits"
+                            );
+                            (node.exit)(3);
+                            unreachable!("the node's process ended");
+                        }
+                    }
+                    if last.is_err() || record(&*self.coord, &self.me, &won).is_err() {
+                        let _ = self.coord.revoke(won.held.lease);
+                        node.clock.sleep(Duration::from_millis(200));
+                        continue;
+                    }
                     info!(
                         lease = won.held.lease,
                         epoch = won.epoch,
