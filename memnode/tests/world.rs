@@ -924,11 +924,11 @@ fn a_primary_stopped_past_its_lease_stays_silent_and_a_third_node_takes_over_who
     }
 }
 
-#[test]
-fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
-    for seed in seeds("RACKFS_WORLD", 8) {
-        let (outcome, seen) = random_faults(seed, false);
-        let test = "random_pauses";
+/// Random faults (with partitions too, if `partitions`) on each of `seeds`: the cluster heals
+/// between faults and passes the common checks; failures name `test` to replay a seed with.
+fn random_faults_hold(seeds: impl IntoIterator<Item = u64>, partitions: bool, test: &str) {
+    for seed in seeds {
+        let (outcome, seen) = random_faults(seed, partitions);
         assert!(
             seen.unhealed.is_none() && seen.faults >= 3,
             "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
@@ -936,6 +936,11 @@ fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
         );
         check_common(seed, test, &outcome, &seen);
     }
+}
+
+#[test]
+fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
+    random_faults_hold(seeds("RACKFS_WORLD", 8), false, "random_pauses");
 }
 
 /// The random faults of the seeds that found a primary elected again after its successor's
@@ -944,32 +949,14 @@ fn random_pauses_kills_and_restarts_lose_no_acknowledged_creation() {
 /// seed does: this keeps them as five more random runs, whatever they now exercise.
 #[test]
 fn seeds_that_found_a_stale_primary_elected_again_lose_nothing() {
-    for seed in [376, 430, 486, 680, 905] {
-        let (outcome, seen) = random_faults(seed, false);
-        let test = "random_pauses";
-        assert!(
-            seen.unhealed.is_none() && seen.faults >= 3,
-            "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
-            replay(seed, test)
-        );
-        check_common(seed, test, &outcome, &seen);
-    }
+    random_faults_hold([376, 430, 486, 680, 905], false, "random_pauses");
 }
 
 /// The same faults, and partitions between a node and another or the coordinator (each
 /// message across the cut lost, both ways) for 2.5-6 s.
 #[test]
 fn random_partitions_pauses_and_kills_lose_no_acknowledged_creation() {
-    for seed in seeds("RACKFS_WORLD", 8) {
-        let (outcome, seen) = random_faults(seed, true);
-        let test = "random_partitions";
-        assert!(
-            seen.unhealed.is_none() && seen.faults >= 3,
-            "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
-            replay(seed, test)
-        );
-        check_common(seed, test, &outcome, &seen);
-    }
+    random_faults_hold(seeds("RACKFS_WORLD", 8), true, "random_partitions");
 }
 
 #[test]

@@ -591,12 +591,13 @@ mod tests {
     /// its hello; every other request goes to the test as (id, request), and what the test
     /// sends back as (id, response) is written to the client in that order.
     struct FakeNode {
-        client: ControlClient,
+        client: Arc<ControlClient>,
         requests: Receiver<(u64, ControlRequest)>,
         answers: Sender<(u64, ControlResponse)>,
     }
 
-    fn fake_node() -> FakeNode {
+    /// A fake node and a client of it whose calls wait up to `deadline`.
+    fn fake_node(deadline: Duration) -> FakeNode {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let path = std::env::temp_dir().join(format!(
             "rackfs-fake-node-{}-{}.sock",
@@ -655,9 +656,10 @@ mod tests {
             }
         });
         let client = ControlClient::connect_unix(&path, &secret, "test").unwrap();
+        client.set_deadline(deadline);
         let _ = std::fs::remove_file(&path);
         FakeNode {
-            client,
+            client: Arc::new(client),
             requests,
             answers,
         }
@@ -691,9 +693,7 @@ mod tests {
             client,
             requests,
             answers,
-        } = fake_node();
-        client.set_deadline(Duration::from_secs(3));
-        let client = Arc::new(client);
+        } = fake_node(Duration::from_secs(3));
         const THREADS: u64 = 8;
         const CALLS: u64 = 100;
         let server = std::thread::spawn(move || {
@@ -745,9 +745,7 @@ mod tests {
             client,
             requests,
             answers,
-        } = fake_node();
-        client.set_deadline(Duration::from_secs(3));
-        let client = Arc::new(client);
+        } = fake_node(Duration::from_secs(3));
         let callers: Vec<_> = (0..4)
             .map(|n| {
                 let c = client.clone();
@@ -779,9 +777,7 @@ mod tests {
             client,
             requests,
             answers,
-        } = fake_node();
-        let client = Arc::new(client);
-        client.set_deadline(Duration::from_millis(200));
+        } = fake_node(Duration::from_millis(200));
         let c = client.clone();
         let first = std::thread::spawn(move || c.call(&numbered(1)));
         let (_, unanswered) = requests.recv().unwrap();

@@ -122,13 +122,22 @@ impl<R: AsRawFd> AsRawFd for Polled<R> {
 /// Whether `socket` has something to read now (or is closed or in error: a read then says
 /// so), without waiting.
 pub fn readable_now(socket: &(impl AsRawFd + ?Sized)) -> bool {
+    poll_in(socket.as_raw_fd(), 0).unwrap_or(true)
+}
+
+/// One poll(2) for input on `fd`, waiting at most `ms`: whether it is readable (also when
+/// closed or in error: the read then reports that).
+pub fn poll_in(fd: std::os::fd::RawFd, ms: i32) -> std::io::Result<bool> {
     let mut pfd = libc::pollfd {
-        fd: socket.as_raw_fd(),
+        fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: one valid, initialised pollfd for the duration of the call; a zero timeout.
-    unsafe { libc::poll(&mut pfd, 1, 0) != 0 }
+    // SAFETY: one valid, initialised pollfd; poll only inspects `fd`, for at most `ms`.
+    match unsafe { libc::poll(&mut pfd, 1, ms) } {
+        n if n < 0 => Err(std::io::Error::last_os_error()),
+        n => Ok(n > 0),
+    }
 }
 
 /// Reads what `socket` has, trying for up to `poll`; `None` if nothing came in that time.

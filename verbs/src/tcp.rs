@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::{client_handshake, Secret};
 use crate::counters::VerbCounters;
+use crate::poll::poll_in;
 use crate::qp::{Posted, QueuePair, Slot, Transport};
 use crate::region::{RegionInfo, RegionTable};
 use crate::wire::{self, ConnKind, Cursor, FrameKind, WireError, OUTCOME_LEN, RESPONSE_PREFIX};
@@ -137,21 +138,6 @@ static POLLERS: AtomicUsize = AtomicUsize::new(0);
 fn max_pollers() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
-}
-
-/// One poll(2) for input on `fd`, waiting at most `ms`: whether it is readable (also when
-/// closed or in error: the read then reports that).
-fn poll_in(fd: RawFd, ms: i32) -> std::io::Result<bool> {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid, initialised pollfd; poll only inspects `fd`, for at most `ms`.
-    match unsafe { libc::poll(&mut pfd, 1, ms) } {
-        n if n < 0 => Err(std::io::Error::last_os_error()),
-        n => Ok(n > 0),
-    }
 }
 
 /// Waits until `fd` is readable (or closed) for at most `deadline`; false when it timed out.
