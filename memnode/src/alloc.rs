@@ -41,13 +41,25 @@ pub struct AllocStats {
     pub free_extents: u64,
 }
 
+/// What an allocated extent holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// A lock tree, a QoS area: freed and reusable at once.
+    Plain,
+    /// A file stripe, its owner tag in its first word.
+    Stripe,
+    /// A freed file stripe held back from reuse until its quarantine ends (freeing it again
+    /// changes nothing: only the quarantine's end frees it).
+    Quarantined,
+}
+
 pub struct ExtentAllocator {
     node: String,
     capacity: u64,
     by_offset: BTreeMap<u64, u64>,
     by_size: BTreeSet<(u64, u64)>,
-    /// Allocated extents: offset -> (length, tagged as a file stripe).
-    allocated: BTreeMap<u64, (u64, bool)>,
+    /// Allocated extents: offset -> (length, what it holds).
+    allocated: BTreeMap<u64, (u64, Use)>,
     used: u64,
 }
 
@@ -82,11 +94,11 @@ impl ExtentAllocator {
 
     /// Allocates `len` bytes aligned to `align` (a power of two; at least the granule).
     pub fn alloc(&mut self, len: u64, align: u64) -> Result<u64, AllocError> {
-        self.alloc_tagged(len, align, false)
+        self.alloc_as(len, align, Use::Plain)
     }
 
-    /// [`ExtentAllocator::alloc`], remembering whether the extent is a tagged file stripe.
-    pub fn alloc_tagged(&mut self, len: u64, align: u64, tagged: bool) -> Result<u64, AllocError> {
+    /// [`ExtentAllocator::alloc`], remembering what the extent holds.
+    pub fn alloc_as(&mut self, len: u64, align: u64, use_: Use) -> Result<u64, AllocError> {
         if len == 0 {
             return Err(AllocError::Invalid("zero-length extent".into()));
         }
@@ -121,7 +133,7 @@ impl ExtentAllocator {
         if tail > 0 {
             self.insert_free(start + len, tail);
         }
-        self.allocated.insert(start, (len, tagged));
+        self.allocated.insert(start, (len, use_));
         self.used += len;
         Ok(start)
     }
@@ -146,7 +158,7 @@ impl ExtentAllocator {
         if off + size > end {
             self.insert_free(end, off + size - end);
         }
-        self.allocated.insert(start, (end - start, false));
+        self.allocated.insert(start, (end - start, Use::Plain));
         self.used += end - start;
         Ok(())
     }
@@ -174,15 +186,15 @@ impl ExtentAllocator {
         Ok(len)
     }
 
-    /// Length and taggedness of the allocated extent at `offset`, if there is one.
-    pub fn extent(&self, offset: u64) -> Option<(u64, bool)> {
+    /// Length and use of the allocated extent at `offset`, if there is one.
+    pub fn extent(&self, offset: u64) -> Option<(u64, Use)> {
         self.allocated.get(&offset).copied()
     }
 
     /// Marks an extent as no longer a live file stripe (freed into quarantine).
-    pub fn mark_untagged(&mut self, offset: u64) {
+    pub fn mark_quarantined(&mut self, offset: u64) {
         if let Some(e) = self.allocated.get_mut(&offset) {
-            e.1 = false;
+            e.1 = Use::Quarantined;
         }
     }
 

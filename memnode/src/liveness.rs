@@ -40,6 +40,7 @@ use tracing::{info, warn};
 
 use crate::coordinator::{members, node_key, node_value, parse_primary};
 use crate::node::{FreesGo, Node};
+use crate::replicas::Discard;
 use crate::term::PRIMARY_KEY;
 
 /// How a data node takes over as primary once the coordinator's `primary` key is gone. The
@@ -275,7 +276,7 @@ fn drop_replicas(
     node: &Node,
     id: u32,
     why: &str,
-    discards: &mut HashMap<u32, Vec<u64>>,
+    discards: &mut HashMap<u32, Vec<Discard>>,
     empty: bool,
 ) {
     // The frees other changes queued go by the frees thread, not this one: sending them notes
@@ -301,7 +302,8 @@ fn drop_replicas(
     if empty {
         pending.clear();
     } else {
-        pending.extend(d.extents);
+        let stale = d.extents.into_iter().chain(d.pooled);
+        pending.extend(stale.map(|(base, tag)| (base, Some(tag))));
     }
 }
 
@@ -364,9 +366,14 @@ pub fn admit(node: &Node, id: u32, epoch: LeaseId) -> Result<Duration, Refusal> 
     }
     let peer = node.members.peer(id)?;
     let pending = discards.remove(&id).unwrap_or_default();
-    for (i, &offset) in pending.iter().enumerate() {
-        match peer.free(offset, None) {
-            Ok(_) | Err(RpcError::Refused { .. }) => {}
+    for (i, &(offset, tag)) in pending.iter().enumerate() {
+        match peer.free(offset, tag) {
+            Ok(_) => {}
+            // Freed already (a free that timed out while the node was stopped ran when it
+            // resumed), or the memory went to another stripe since: left as it is.
+            Err(RpcError::Refused { message, .. }) => {
+                tracing::debug!(node = id, offset, why = %message, "a stale replica is freed already")
+            }
             Err(e) => {
                 discards.insert(id, pending[i..].to_vec());
                 return Err(Refusal::new(

@@ -417,7 +417,7 @@ impl Node {
                 for chunk in extents.chunks(rackfs_proto::control::MAX_FREE_MANY) {
                     match self.free_many_at(node, chunk) {
                         Ok(true) => {}
-                        Ok(false) => deferred.extend(chunk.iter().map(|&(o, _)| (node, o))),
+                        Ok(false) => deferred.extend(chunk.iter().map(|&(o, t)| (node, o, t))),
                         Err(e) => warn!(
                             node,
                             extents = chunk.len(),
@@ -428,8 +428,8 @@ impl Node {
                 }
             }
         });
-        for (node, offset) in deferred {
-            self.discards.add(node, offset);
+        for (node, offset, tag) in deferred {
+            self.discards.add(node, offset, Some(tag));
         }
     }
 
@@ -451,7 +451,7 @@ impl Node {
 
     fn free_now(&self, node: u32, offset: u64, tag: Option<u64>) -> Result<(), Refusal> {
         if !self.free_at(node, offset, tag)? {
-            self.discards.add(node, offset);
+            self.discards.add(node, offset, tag);
         }
         Ok(())
     }

@@ -13,18 +13,22 @@ use rackfs_clock::{Mutex, MutexGuard};
 /// metadata lock and the frees' sending lock, never while holding either (`Node::send_frees`
 /// notes the frees of a down node only after sending).
 #[derive(Default)]
-pub struct Discards(Mutex<HashMap<u32, Vec<u64>>>);
+pub struct Discards(Mutex<HashMap<u32, Vec<Discard>>>);
+
+/// An extent to free on a node when it is admitted again: its base, and the stripe tag it must
+/// still carry (so a free sent again never frees memory the node handed out since).
+pub type Discard = (u64, Option<u64>);
 
 impl Discards {
     /// The extents to free per node, held for a whole declaration or admission.
-    pub fn lock(&self) -> MutexGuard<'_, HashMap<u32, Vec<u64>>> {
+    pub fn lock(&self) -> MutexGuard<'_, HashMap<u32, Vec<Discard>>> {
         self.0.lock().expect("discards lock")
     }
 
     /// The extent at `offset` on node `id` could not be freed (the node is down); it is freed
     /// when the node is admitted again, before it serves anyone.
-    pub fn add(&self, id: u32, offset: u64) {
-        self.lock().entry(id).or_default().push(offset);
+    pub fn add(&self, id: u32, offset: u64, tag: Option<u64>) {
+        self.lock().entry(id).or_default().push((offset, tag));
     }
 }
 

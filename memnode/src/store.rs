@@ -24,7 +24,7 @@ use tracing::warn;
 use rackfs_meta::history::TagHistory;
 use rackfs_proto::control::Resolved;
 
-use crate::alloc::{AllocError, ExtentAllocator};
+use crate::alloc::{AllocError, ExtentAllocator, Use};
 
 /// Tagged extents freed and not yet reusable: (reusable at, on the node's clock; offset;
 /// length).
@@ -174,11 +174,11 @@ impl Store {
             .ok_or_else(|| AllocError::Invalid("length overflows".into()))?;
         let mut out = Vec::with_capacity(tags.len());
         for &tag in tags {
-            let got = self
-                .allocator
-                .lock()
-                .expect("allocator lock")
-                .alloc_tagged(len, align, true);
+            let got =
+                self.allocator
+                    .lock()
+                    .expect("allocator lock")
+                    .alloc_as(len, align, Use::Stripe);
             match got {
                 Ok(offset) => {
                     self.region
@@ -197,11 +197,11 @@ impl Store {
     /// for them to come back (the quarantine's hold at most).
     fn alloc_waiting(&self, len: u64, align: u64, tagged: bool) -> Result<u64, AllocError> {
         loop {
-            let res = self
-                .allocator
-                .lock()
-                .expect("allocator lock")
-                .alloc_tagged(len, align, tagged);
+            let res = self.allocator.lock().expect("allocator lock").alloc_as(
+                len,
+                align,
+                if tagged { Use::Stripe } else { Use::Plain },
+            );
             let Err(AllocError::OutOfMemory { .. }) = res else {
                 return res;
             };
@@ -250,7 +250,7 @@ impl Store {
 
     fn quarantine_freed(&self, offset: u64, len: u64) {
         let mut a = self.allocator.lock().expect("allocator lock");
-        a.mark_untagged(offset);
+        a.mark_quarantined(offset);
         self.history.lock().expect("history lock").forget(offset);
         drop(a);
         self.quarantine.lock().expect("quarantine lock").push((
@@ -265,7 +265,9 @@ impl Store {
     /// `rackfs_proto::control::ControlRequest::Retag`); returns its length.
     fn owned(&self, a: &ExtentAllocator, base: u64, tag: u64) -> Result<u64, Refusal> {
         let found = match a.extent(base) {
-            Some((len, true)) => (len, self.region.load(base).expect("tag inside the region")),
+            Some((len, Use::Stripe)) => {
+                (len, self.region.load(base).expect("tag inside the region"))
+            }
             _ => (0, 0),
         };
         if found.1 != tag || found.0 == 0 {
@@ -295,19 +297,32 @@ impl Store {
                 self.owned(&a, offset, t)?;
             }
         }
-        let (len, tagged) = a
+        let (len, use_) = a
             .extent(offset)
             .ok_or(AllocError::NotAllocated { offset })?;
-        if tagged {
-            self.region.store(offset, 0).expect("tag inside the region");
-            drop(a);
-            self.quarantine_freed(offset, len);
-            Ok(len)
-        } else {
-            self.region
-                .discard(offset, len)
-                .expect("extent inside the region");
-            Ok(a.free(offset)?)
+        match use_ {
+            Use::Stripe => {
+                self.region.store(offset, 0).expect("tag inside the region");
+                drop(a);
+                self.quarantine_freed(offset, len);
+                Ok(len)
+            }
+            // Freed already (a free sent again: one that timed out while the node was
+            // stopped, and ran when it resumed): only the quarantine's end frees it, or the
+            // memory would be handed out while the quarantine still holds it.
+            Use::Quarantined => {
+                tracing::debug!(
+                    offset,
+                    "an extent in quarantine is freed again: nothing to do"
+                );
+                Ok(len)
+            }
+            Use::Plain => {
+                self.region
+                    .discard(offset, len)
+                    .expect("extent inside the region");
+                Ok(a.free(offset)?)
+            }
         }
     }
 
@@ -332,7 +347,7 @@ impl Store {
     pub fn resolve(&self, asked: &[(u64, u64)]) -> Resolved {
         let a = self.allocator.lock().expect("allocator lock");
         let live = |base| match a.extent(base) {
-            Some((_, true)) => self.region.load(base).ok().filter(|&t| t != 0),
+            Some((_, Use::Stripe)) => self.region.load(base).ok().filter(|&t| t != 0),
             _ => None,
         };
         self.history
@@ -455,11 +470,19 @@ impl Store {
             due
         };
         for (_, offset, len) in due {
-            self.region
-                .discard(offset, len)
-                .expect("extent inside the region");
-            if let Err(e) = self.allocator.lock().expect("allocator lock").free(offset) {
-                warn!(error = %e, "quarantined extent vanished");
+            let mut a = self.allocator.lock().expect("allocator lock");
+            match a.extent(offset) {
+                Some((_, Use::Quarantined)) => {
+                    self.region
+                        .discard(offset, len)
+                        .expect("extent inside the region");
+                    a.free(offset).expect("an allocated extent");
+                }
+                found => warn!(
+                    offset,
+                    ?found,
+                    "a quarantined extent is no longer in quarantine"
+                ),
             }
         }
     }
@@ -533,6 +556,41 @@ mod tests {
             s.alloc(4096, 64, Some(5001)).is_ok(),
             "the quarantined extent, after its hold"
         );
+    }
+
+    /// A free sent again (one that timed out while the node was stopped ran when it resumed,
+    /// and the primary sent it again once the node was back) changes nothing: the extent is
+    /// reused only after its quarantine, and the quarantine's end does not free the stripe
+    /// that took its memory. Before, the second free handed the memory out at once, and the
+    /// quarantine's end then freed and zeroed the new stripe under its file.
+    #[test]
+    fn an_extent_freed_twice_is_reused_only_after_its_quarantine() {
+        let region = Region::create_memfd("store-test", 1 << 20, 1, Access::ALL).unwrap();
+        let clock = Arc::new(rackfs_clock::ManualClock::default());
+        let hold = Duration::from_secs(10);
+        let s = Store::new("test", Arc::new(region), hold, 64 << 10, clock.clone());
+        let x = s.alloc(4096, 64, Some(7)).unwrap();
+        s.free(x, Some(7)).unwrap();
+        s.free(x, None).unwrap();
+        let mut live = Vec::new();
+        while let Ok(y) = s.alloc_many(4096, 64, &[8]) {
+            assert_ne!(y[0], x, "an extent in quarantine handed out");
+            live.extend(y);
+        }
+        assert!(!live.is_empty());
+        clock.advance(hold);
+        s.reap();
+        let y = s.alloc(4096, 64, Some(9)).unwrap();
+        assert_eq!(y, x, "the extent comes back once its quarantine ended");
+        s.reap();
+        assert_eq!(
+            s.region().load(y).unwrap(),
+            9,
+            "the new stripe keeps its tag"
+        );
+        for z in live {
+            assert_eq!(s.region().load(z).unwrap(), 8);
+        }
     }
 
     /// A standby taking over keeps the records and tables it mirrored and zeroes the rest of

@@ -81,9 +81,12 @@ pub struct File {
 /// What dropping a dead node's replicas did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Dropped {
-    /// Extents (their start on the node) of the replicas dropped from stripes that keep
-    /// another: the node must free them before it serves again, as they go stale.
-    pub extents: Vec<u64>,
+    /// Extents (their start on the node, and their tag) of the replicas dropped from stripes
+    /// that keep another: the node must free them before it serves again, as they go stale.
+    pub extents: Vec<(u64, u64)>,
+    /// Extents (base, tag) the pool held on the node ([`crate::pool`]): freed with the
+    /// replicas.
+    pub pooled: Vec<(u64, u64)>,
     /// Stripes whose only live replica was on the node (they fail until it returns).
     pub lost: u64,
 }
@@ -748,8 +751,8 @@ impl File {
             let Some(j) = r.on(node) else { continue };
             if r.live().len() > 1 {
                 changed.push((k, j));
-                d.extents
-                    .push(r.0[j].expect("live slot").offset - TAG_SPACE);
+                let e = r.0[j].expect("live slot");
+                d.extents.push((e.offset - TAG_SPACE, e.tag));
             } else {
                 d.lost += 1;
             }

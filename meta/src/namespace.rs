@@ -1359,10 +1359,13 @@ impl Namespace {
     /// Data node `node` was declared dead: its replicas are dropped from every stripe that
     /// has another (see [`File::drop_node`]), and its extents placed ahead.
     pub fn drop_node(&mut self, node: u32, st: &dyn Storage) -> Dropped {
-        self.pool.drop_node(node);
+        let pooled = self.pool.drop_node(node);
         self.unfollowed.remove(&node);
         let (_, region) = st.local();
-        let mut d = Dropped::default();
+        let mut d = Dropped {
+            pooled,
+            ..Dropped::default()
+        };
         for f in self.inodes.values_mut().filter_map(|i| i.file.as_mut()) {
             f.drop_node(node, region, &mut d);
         }

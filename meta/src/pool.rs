@@ -14,7 +14,8 @@
 //! nodes answered, so a standby holds the same pool and a primary that takes over places
 //! from it. A primary that dies between a refill and its journal leaves those extents
 //! allocated (as it does any extent of a change it died in). A node declared dead loses its
-//! pooled extents with its replicas ([`Pool::drop_node`]). When a placement runs short of
+//! pooled extents with its replicas ([`Pool::drop_node`]); they are freed on it with them
+//! when it is admitted again. When a placement runs short of
 //! memory, the pool gives all its extents back ([`Pool::give_back`]) and is not filled again
 //! for the next [`HOLD_AFTER_GIVING_BACK`] creates.
 
@@ -94,14 +95,19 @@ impl Pool {
         queue.pop_front()
     }
 
-    /// Node `node` is out of the cluster: its pooled extents are gone with it.
-    pub fn drop_node(&mut self, node: u32) {
-        for queue in self.slots.values_mut() {
+    /// Node `node` is out of the cluster: its pooled extents leave the pool. Returns them
+    /// (base, tag), for the node to free when it is admitted again.
+    pub fn drop_node(&mut self, node: u32) -> Vec<(u64, u64)> {
+        let mut dropped = Vec::new();
+        for (&cap, queue) in self.slots.iter_mut() {
             for slot in queue.iter_mut() {
-                slot.extents.remove(&node);
+                if let Some(base) = slot.extents.remove(&node) {
+                    dropped.push((base, stripe_tag(slot.serial, cap)));
+                }
             }
             queue.retain(|s| !s.extents.is_empty());
         }
+        dropped
     }
 
     /// Frees every pooled extent (memory ran short: stripes need it more).
