@@ -55,6 +55,8 @@ struct Attempts<'a> {
     cl: &'a Cluster,
     made: usize,
     started: u64,
+    /// What made the operation try again, and how often (logged if it gives up).
+    met: Vec<(&'static str, u32)>,
 }
 
 impl<'a> Attempts<'a> {
@@ -63,6 +65,15 @@ impl<'a> Attempts<'a> {
             cl,
             made: 0,
             started: cl.clock().mono_ns(),
+            met: Vec::new(),
+        }
+    }
+
+    /// The operation tries again because of `why`.
+    fn met(&mut self, why: &'static str) {
+        match self.met.iter_mut().find(|m| m.0 == why) {
+            Some(m) => m.1 += 1,
+            None => self.met.push((why, 1)),
         }
     }
 
@@ -87,13 +98,24 @@ impl<'a> Attempts<'a> {
     }
 
     /// The operation gives up: EIO, logged with what it kept meeting.
-    fn exhausted(&self, ino: u64, what: &str) -> i32 {
+    fn exhausted(&mut self, ino: u64, what: &str) -> i32 {
         tracing::warn!(
             ino,
             attempts = self.made - 1,
+            met = ?std::mem::take(&mut self.met),
             "{what} kept meeting stale layouts or failed replicas: EIO"
         );
         libc::EIO
+    }
+}
+
+impl Drop for Attempts<'_> {
+    /// An operation that succeeded after retrying for a second or more says what it met.
+    fn drop(&mut self) {
+        let spent = self.cl.clock().mono_ns().saturating_sub(self.started) / 1_000_000;
+        if !self.met.is_empty() && spent >= 1000 {
+            tracing::info!(spent_ms = spent, attempts = self.made, met = ?self.met, "an operation went through after retrying");
+        }
     }
 }
 
@@ -206,9 +228,16 @@ impl Touched {
 fn stale_stripes(tags: &[TagCheck], done: &BTreeMap<u32, Completions>) -> Vec<u64> {
     let mut v: Vec<u64> = tags
         .iter()
-        .filter(|(node, _, tag, id)| {
-            done.get(node)
-                .is_some_and(|c| c.data(*id).map_or(true, |d| word(d, 0) != *tag))
+        .filter(|(node, stripe, tag, id)| {
+            let Some(c) = done.get(node) else {
+                return false;
+            };
+            let found = c.data(*id).map(|d| word(d, 0));
+            let stale = found.as_ref().ok() != Some(tag);
+            if stale {
+                tracing::debug!(node, stripe, tag, ?found, "a stale stripe tag");
+            }
+            stale
         })
         .map(|t| t.1)
         .collect();
@@ -342,7 +371,10 @@ impl FileData {
         while attempts.next() {
             let p = match cl.node(primary) {
                 Ok(p) => p,
-                Err(e) if self.primary_back(cl, session, e.clone()) => continue,
+                Err(e) if self.primary_back(cl, session, e.clone()) => {
+                    attempts.met("the primary came back");
+                    continue;
+                }
                 Err(_) => return Err(libc::EIO),
             };
             let (table, cap, replicas) = {
@@ -363,7 +395,10 @@ impl FileData {
             let sent = cl.clock().mono_ns();
             let done = match p.qp.execute(b) {
                 Ok(done) => done,
-                Err(e) if self.primary_back(cl, session, e.clone()) => continue,
+                Err(e) if self.primary_back(cl, session, e.clone()) => {
+                    attempts.met("the primary came back");
+                    continue;
+                }
                 Err(_) => return Err(libc::EIO),
             };
             let r = done.data(rec).map_err(|e| self.verbs_err(cl, primary, e))?;
@@ -389,6 +424,7 @@ impl FileData {
                 // The table grew (or first sight): entries read from the old copy may miss
                 // recent allocations, so read again from the new one.
                 (l.table, l.cap, l.replicas) = now;
+                attempts.met("the file's table moved");
                 continue;
             }
             let mut moving = Vec::new();
@@ -794,6 +830,7 @@ impl FileData {
                         // in this mount's current session (the node fenced an earlier one when
                         // it followed a primary that took over).
                         avoid.clear();
+                        attempts.met("no replica could be read yet");
                         continue 'attempt;
                     }
                     tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, ?replicas, "no replica of the stripe could be read: EIO");
@@ -805,6 +842,7 @@ impl FileData {
                         self.verbs_err(cl, e.node, err);
                         cl.loads.failed(e.node);
                         self.avoid(e.node, &mut avoid);
+                        attempts.met("a replica's node failed");
                         continue 'attempt;
                     }
                 };
@@ -818,7 +856,10 @@ impl FileData {
             let size_id = if size.is_none() {
                 let pr = match cl.node(primary) {
                     Ok(p) => p,
-                    Err(e) if self.primary_back(cl, session, e.clone()) => continue 'attempt,
+                    Err(e) if self.primary_back(cl, session, e.clone()) => {
+                        attempts.met("the primary came back");
+                        continue 'attempt;
+                    }
                     Err(_) => return Err(libc::EIO),
                 };
                 Some(
@@ -838,6 +879,7 @@ impl FileData {
                 Ok(a) => a,
                 Err((node, _)) => {
                     self.avoid(node, &mut avoid);
+                    attempts.met("a node's QoS area failed");
                     continue;
                 }
             };
@@ -849,11 +891,13 @@ impl FileData {
                     if !self.primary_back(cl, session, e.clone()) {
                         return Err(libc::EIO);
                     }
+                    attempts.met("the primary came back");
                     continue;
                 }
                 for (n, _) in &out.failed {
                     self.avoid(*n, &mut avoid);
                 }
+                attempts.met("a replica's node failed");
                 continue;
             }
             let done = out.done;
@@ -861,6 +905,7 @@ impl FileData {
             self.seen_live(&tags, &stale, sent);
             if !stale.is_empty() {
                 self.evict(&stale);
+                attempts.met("a stale layout");
                 continue;
             }
             if let Some(id) = size_id {
@@ -1050,7 +1095,10 @@ impl FileData {
         while attempts.next() {
             let pr = match self.node(cl, primary, session) {
                 Ok(p) => p,
-                Err(e) if self.primary_back(cl, dead.session, e.clone()) => continue,
+                Err(e) if self.primary_back(cl, dead.session, e.clone()) => {
+                    attempts.met("the primary came back");
+                    continue;
+                }
                 Err(_) => return Err(libc::EIO),
             };
             let short = self.short(&ps);
@@ -1086,6 +1134,7 @@ impl FileData {
                     self.cache_stripe(k, s, sent);
                 }
                 if !placed {
+                    attempts.met("a stripe not placed yet");
                     continue;
                 }
             }
@@ -1099,6 +1148,7 @@ impl FileData {
                 let replicas = self.cached(p.stripe).unwrap_or_default();
                 if replicas.is_empty() || replicas.iter().any(|e| e.cap() < p.offset + p.len) {
                     // Evicted (or replaced by a smaller extent) concurrently: start over.
+                    attempts.met("a stripe evicted meanwhile");
                     complete = false;
                     break;
                 }
@@ -1122,6 +1172,7 @@ impl FileData {
                         Err(err) => {
                             self.verbs_err(cl, e.node, err);
                             redo = self.replica_failed(cl, e.node, &mut dead)?;
+                            attempts.met("a replica's node failed");
                             complete = false;
                             break 'pieces;
                         }
@@ -1148,6 +1199,7 @@ impl FileData {
                 Err(failed) => {
                     let redo = self.failed_writes(cl, vec![failed], &mut dead)?;
                     self.evict(&redo);
+                    attempts.met("a node's QoS area failed");
                     continue;
                 }
             };
@@ -1155,6 +1207,7 @@ impl FileData {
             let expired = self.recheck(cl, &tags, &mut dead)?;
             if !expired.is_empty() {
                 self.evict(&expired);
+                attempts.met("a stale layout");
                 continue;
             }
             let sent = cl.clock().mono_ns();
@@ -1165,6 +1218,7 @@ impl FileData {
                 // twice under the lock is harmless.
                 let redo = self.failed_writes(cl, out.failed, &mut dead)?;
                 self.evict(&redo);
+                attempts.met("a replica's node failed");
                 continue;
             }
             let done = out.done;
@@ -1181,6 +1235,7 @@ impl FileData {
             if !stale.is_empty() {
                 // Some data went to freed (quarantined) memory: write it again.
                 self.evict(&stale);
+                attempts.met("a stale layout");
                 continue;
             }
             self.written.fetch_max(end, Ordering::Relaxed);

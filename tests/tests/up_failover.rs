@@ -634,6 +634,12 @@ fn appends_in_flight_when_the_primary_dies_land_once() {
     );
 }
 
+/// Whether a chaos failure shows the logs whole (`RACKFS_CHAOS_VERBOSE=1`), not just their
+/// warnings.
+fn verbose() -> bool {
+    std::env::var_os("RACKFS_CHAOS_VERBOSE").is_some()
+}
+
 /// How many faults [`faults_on_random_nodes_lose_nothing`] injects: `RACKFS_CHAOS_FAULTS`, or
 /// 6 (CI; the long runs in the note used 30 and more).
 fn chaos_faults() -> usize {
@@ -710,7 +716,11 @@ impl Faulted for OnEtcd {
         for (i, n) in self.c.nodes.iter().enumerate() {
             let Some(n) = n else { continue };
             out += &format!("--- mn{i} (warnings; a node started again shows its latest run)\n");
-            for l in n.stderr().lines().filter(|l| !l.contains(" INFO ")) {
+            for l in n
+                .stderr()
+                .lines()
+                .filter(|l| verbose() || !l.contains(" INFO "))
+            {
                 out += l;
                 out.push('\n');
             }
@@ -831,7 +841,10 @@ fn chaos(cluster: &mut dyn Faulted) {
         }
         let warnings = || {
             let log = second.log_text();
-            let warned: Vec<&str> = log.lines().filter(|l| !l.contains(" INFO ")).collect();
+            let warned: Vec<&str> = log
+                .lines()
+                .filter(|l| verbose() || !l.contains(" INFO "))
+                .collect();
             format!(
                 "the second mount's warnings:\n{}\n{}",
                 warned.join("\n"),
@@ -866,6 +879,13 @@ fn chaos(cluster: &mut dyn Faulted) {
     }
     loop_thread.join().unwrap().expect("the namespace loop");
     assert!(rounds.load(Ordering::Relaxed) > 0);
+    // Near misses: operations of the namespace loop's mount that went through only after
+    // retrying for a second or more (one that retries past its patience fails the run).
+    for l in second.log_text().lines() {
+        if l.contains("after retrying") {
+            eprintln!("second mount: {l}");
+        }
+    }
     unchanged(&before, &second);
 }
 
