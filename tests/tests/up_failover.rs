@@ -712,7 +712,13 @@ impl Faulted for OnEtcd {
     }
 
     fn warnings(&self) -> String {
-        let mut out = String::new();
+        let mut out = "--- the first mount\n".to_string();
+        for l in self.first.log_text().lines() {
+            if verbose() || !l.contains(" INFO ") {
+                out += l;
+                out.push('\n');
+            }
+        }
         for (i, n) in self.c.nodes.iter().enumerate() {
             let Some(n) = n else { continue };
             out += &format!("--- mn{i} (warnings; a node started again shows its latest run)\n");
@@ -839,20 +845,13 @@ fn chaos(cluster: &mut dyn Faulted) {
             std::thread::sleep(Duration::from_millis(lease_ms));
             cluster.revive();
         }
-        let warnings = || {
-            let log = second.log_text();
-            let warned: Vec<&str> = log
-                .lines()
-                .filter(|l| verbose() || !l.contains(" INFO "))
-                .collect();
-            format!(
-                "the second mount's warnings:\n{}\n{}",
-                warned.join("\n"),
-                cluster.warnings()
-            )
-        };
+        let warnings = || failure_logs(&second, cluster);
         if !fio_a.running() {
-            panic!("fio a ended at fault {fault}: {:?}", fio_a.finish());
+            panic!(
+                "fio a ended at fault {fault}: {:?}\n{}",
+                fio_a.finish(),
+                warnings()
+            );
         }
         if !fio_b.running() {
             panic!(
@@ -875,7 +874,8 @@ fn chaos(cluster: &mut dyn Faulted) {
     fio_b.interrupt();
     for f in [fio_a, fio_b] {
         let report = f.finish().expect("fio verify through the faults");
-        assert_eq!(report.first().error, 0, "{report:?}");
+        let logs = || failure_logs(&second, cluster);
+        assert_eq!(report.first().error, 0, "{report:?}\n{}", logs());
     }
     loop_thread.join().unwrap().expect("the namespace loop");
     assert!(rounds.load(Ordering::Relaxed) > 0);
@@ -887,6 +887,20 @@ fn chaos(cluster: &mut dyn Faulted) {
         }
     }
     unchanged(&before, &second);
+}
+
+/// The mounts' and nodes' warnings (whole logs with `RACKFS_CHAOS_VERBOSE`), for a failure.
+fn failure_logs(second: &Mount, cluster: &dyn Faulted) -> String {
+    let log = second.log_text();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| verbose() || !l.contains(" INFO "))
+        .collect();
+    format!(
+        "the second mount's warnings:\n{}\n{}",
+        warned.join("\n"),
+        cluster.warnings()
+    )
 }
 
 /// How `back` differs from `wrote`: the lengths, and the first and last differing byte with
