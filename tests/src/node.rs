@@ -127,6 +127,8 @@ pub struct TestCluster {
     region: String,
     /// Each node's flags, to start it again.
     flags: Vec<Vec<String>>,
+    /// Each node's logs of its earlier runs (a failure's message shows them whole).
+    earlier: Vec<String>,
     pub etcd: Option<rackfs_coord::EtcdServer>,
     etcd_dir: Option<TempDir>,
     _dir: TempDir,
@@ -177,6 +179,7 @@ impl TestCluster {
             secret,
             region: region.into(),
             flags: Vec::new(),
+            earlier: Vec::new(),
             etcd,
             etcd_dir: None,
             _dir: dir,
@@ -194,6 +197,7 @@ impl TestCluster {
             f.extend(extra.iter().map(|s| s.to_string()));
             c.flags.push(f);
             c.nodes.push(None);
+            c.earlier.push(String::new());
             c.restart(i);
         }
         c
@@ -201,6 +205,7 @@ impl TestCluster {
 
     /// Starts node `i` (again) with its flags: a new process, with empty memory.
     pub fn restart(&mut self, i: usize) {
+        self.kill(i);
         let flags: Vec<&str> = self.flags[i].iter().map(String::as_str).collect();
         self.nodes[i] = Some(MemNodeProcess::start_with(
             &self.region,
@@ -215,6 +220,7 @@ impl TestCluster {
         self.flags
             .push(flags.iter().map(|s| s.to_string()).collect());
         self.nodes.push(None);
+        self.earlier.push(String::new());
         let i = self.nodes.len() - 1;
         self.restart(i);
         i
@@ -245,6 +251,16 @@ impl TestCluster {
         if let Some(mut n) = self.nodes[i].take() {
             let _ = n.child.kill();
             let _ = n.child.wait();
+            self.earlier[i] += &n.stderr();
         }
+    }
+
+    /// Node `i`'s log over all its runs.
+    pub fn log(&self, i: usize) -> String {
+        let now = self.nodes[i]
+            .as_ref()
+            .map(|n| n.stderr())
+            .unwrap_or_default();
+        format!("{}{now}", self.earlier[i])
     }
 }

@@ -719,14 +719,12 @@ impl Faulted for OnEtcd {
                 out.push('\n');
             }
         }
-        for (i, n) in self.c.nodes.iter().enumerate() {
-            let Some(n) = n else { continue };
-            out += &format!("--- mn{i} (warnings; a node started again shows its latest run)\n");
-            for l in n
-                .stderr()
-                .lines()
-                .filter(|l| verbose() || !l.contains(" INFO "))
-            {
+        for i in 0..self.c.nodes.len() {
+            out += &format!("--- mn{i} (warnings, over all its runs)\n");
+            for l in self.c.log(i).lines() {
+                if !verbose() && l.contains(" INFO ") {
+                    continue;
+                }
                 out += l;
                 out.push('\n');
             }
