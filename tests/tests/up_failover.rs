@@ -67,7 +67,11 @@ trait Faulted {
                 && last.contains("data: healthy")
                 && last.contains(" 0 degraded")
         });
-        assert!(whole, "the cluster did not heal within 60 s:\n{last}");
+        assert!(
+            whole,
+            "the cluster did not heal within 60 s:\n{last}\n{}",
+            self.warnings()
+        );
         let word_after = |key: &str| {
             let at = last.find(key).unwrap() + key.len();
             let w = last[at..].split([' ', ')', ':']).next().unwrap();
