@@ -248,18 +248,6 @@ impl Store {
         Ok(new)
     }
 
-    fn quarantine_freed(&self, offset: u64, len: u64) {
-        let mut a = self.allocator.lock().expect("allocator lock");
-        a.mark_quarantined(offset);
-        self.history.lock().expect("history lock").forget(offset);
-        drop(a);
-        self.quarantine.lock().expect("quarantine lock").push((
-            self.clock.now() + self.hold,
-            offset,
-            len,
-        ));
-    }
-
     /// Refuses unless the extent at `base` is a live stripe extent tagged `tag` (the service
     /// names the tag it expects on every change to a stripe: see
     /// `rackfs_proto::control::ControlRequest::Retag`); returns its length.
@@ -302,9 +290,15 @@ impl Store {
             .ok_or(AllocError::NotAllocated { offset })?;
         match use_ {
             Use::Stripe => {
+                // Tombstoned and marked in one hold of the allocator, so a free racing this
+                // one finds it quarantined.
                 self.region.store(offset, 0).expect("tag inside the region");
+                a.mark_quarantined(offset);
+                self.history.lock().expect("history lock").forget(offset);
                 drop(a);
-                self.quarantine_freed(offset, len);
+                let until = self.clock.now() + self.hold;
+                let mut q = self.quarantine.lock().expect("quarantine lock");
+                q.push((until, offset, len));
                 Ok(len)
             }
             // Freed already (a free sent again: one that timed out while the node was
