@@ -110,14 +110,15 @@ impl<'a> Attempts<'a> {
 }
 
 impl Drop for Attempts<'_> {
-    /// An operation that succeeded after retrying for a second or more says what it met.
+    /// An operation that ended (not by giving up) after retrying for a second or more says what
+    /// it met.
     fn drop(&mut self) {
         if self.met.is_empty() {
             return; // the common case: no clock read
         }
         let spent = self.cl.clock().mono_ns().saturating_sub(self.started) / 1_000_000;
         if spent >= 1000 {
-            tracing::info!(spent_ms = spent, attempts = self.made, met = ?self.met, "an operation went through after retrying");
+            tracing::info!(spent_ms = spent, attempts = self.made, met = ?self.met, "an operation ended after retrying for a second or more");
         }
     }
 }
