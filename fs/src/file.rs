@@ -49,6 +49,27 @@ const MAX_ATTEMPTS: usize = 16;
 /// within a node lease or so.
 const STALE_PATIENCE: Duration = Duration::from_secs(4);
 
+/// Why an operation tried again (counted, and logged if it retried long).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Met {
+    /// The primary failed it and came back in the operation's session.
+    PrimaryBack,
+    /// The file's extent table grew or moved while it was read.
+    TableMoved,
+    /// No replica of a stripe could be read yet (their nodes failed it).
+    NoReplicaYet,
+    /// A replica's node failed the data operation.
+    ReplicaFailed,
+    /// A node's QoS area could not be reached.
+    QosAreaFailed,
+    /// A stripe's tag was not the one the layout named.
+    StaleLayout,
+    /// No node could take a stripe yet.
+    NotPlaced,
+    /// A cached stripe was evicted (or shrank) meanwhile.
+    Evicted,
+}
+
 /// The attempts of one operation: [`MAX_ATTEMPTS`] at once, then with pauses growing to
 /// 50 ms while less than [`STALE_PATIENCE`] has passed since it started.
 struct Attempts<'a> {
@@ -56,7 +77,7 @@ struct Attempts<'a> {
     made: usize,
     started: u64,
     /// What made the operation try again, and how often (logged if it gives up).
-    met: Vec<(&'static str, u32)>,
+    met: Vec<(Met, u32)>,
 }
 
 impl<'a> Attempts<'a> {
@@ -70,7 +91,7 @@ impl<'a> Attempts<'a> {
     }
 
     /// The operation tries again because of `why`.
-    fn met(&mut self, why: &'static str) {
+    fn met(&mut self, why: Met) {
         match self.met.iter_mut().find(|m| m.0 == why) {
             Some(m) => m.1 += 1,
             None => self.met.push((why, 1)),
@@ -376,7 +397,7 @@ impl FileData {
             let p = match cl.node(primary) {
                 Ok(p) => p,
                 Err(e) if self.primary_back(cl, session, e.clone()) => {
-                    attempts.met("the primary came back");
+                    attempts.met(Met::PrimaryBack);
                     continue;
                 }
                 Err(_) => return Err(libc::EIO),
@@ -400,7 +421,7 @@ impl FileData {
             let done = match p.qp.execute(b) {
                 Ok(done) => done,
                 Err(e) if self.primary_back(cl, session, e.clone()) => {
-                    attempts.met("the primary came back");
+                    attempts.met(Met::PrimaryBack);
                     continue;
                 }
                 Err(_) => return Err(libc::EIO),
@@ -428,7 +449,7 @@ impl FileData {
                 // The table grew (or first sight): entries read from the old copy may miss
                 // recent allocations, so read again from the new one.
                 (l.table, l.cap, l.replicas) = now;
-                attempts.met("the file's table moved");
+                attempts.met(Met::TableMoved);
                 continue;
             }
             let mut moving = Vec::new();
@@ -834,7 +855,7 @@ impl FileData {
                         // in this mount's current session (the node fenced an earlier one when
                         // it followed a primary that took over).
                         avoid.clear();
-                        attempts.met("no replica could be read yet");
+                        attempts.met(Met::NoReplicaYet);
                         continue 'attempt;
                     }
                     tracing::warn!(ino = self.ino, stripe = p.stripe, nodes = ?avoid, ?replicas, "no replica of the stripe could be read: EIO");
@@ -846,7 +867,7 @@ impl FileData {
                         self.verbs_err(cl, e.node, err);
                         cl.loads.failed(e.node);
                         self.avoid(e.node, &mut avoid);
-                        attempts.met("a replica's node failed");
+                        attempts.met(Met::ReplicaFailed);
                         continue 'attempt;
                     }
                 };
@@ -861,7 +882,7 @@ impl FileData {
                 let pr = match cl.node(primary) {
                     Ok(p) => p,
                     Err(e) if self.primary_back(cl, session, e.clone()) => {
-                        attempts.met("the primary came back");
+                        attempts.met(Met::PrimaryBack);
                         continue 'attempt;
                     }
                     Err(_) => return Err(libc::EIO),
@@ -883,7 +904,7 @@ impl FileData {
                 Ok(a) => a,
                 Err((node, _)) => {
                     self.avoid(node, &mut avoid);
-                    attempts.met("a node's QoS area failed");
+                    attempts.met(Met::QosAreaFailed);
                     continue;
                 }
             };
@@ -895,13 +916,13 @@ impl FileData {
                     if !self.primary_back(cl, session, e.clone()) {
                         return Err(libc::EIO);
                     }
-                    attempts.met("the primary came back");
+                    attempts.met(Met::PrimaryBack);
                     continue;
                 }
                 for (n, _) in &out.failed {
                     self.avoid(*n, &mut avoid);
                 }
-                attempts.met("a replica's node failed");
+                attempts.met(Met::ReplicaFailed);
                 continue;
             }
             let done = out.done;
@@ -909,7 +930,7 @@ impl FileData {
             self.seen_live(&tags, &stale, sent);
             if !stale.is_empty() {
                 self.evict(&stale);
-                attempts.met("a stale layout");
+                attempts.met(Met::StaleLayout);
                 continue;
             }
             if let Some(id) = size_id {
@@ -1100,7 +1121,7 @@ impl FileData {
             let pr = match self.node(cl, primary, session) {
                 Ok(p) => p,
                 Err(e) if self.primary_back(cl, dead.session, e.clone()) => {
-                    attempts.met("the primary came back");
+                    attempts.met(Met::PrimaryBack);
                     continue;
                 }
                 Err(_) => return Err(libc::EIO),
@@ -1138,7 +1159,7 @@ impl FileData {
                     self.cache_stripe(k, s, sent);
                 }
                 if !placed {
-                    attempts.met("a stripe not placed yet");
+                    attempts.met(Met::NotPlaced);
                     continue;
                 }
             }
@@ -1152,7 +1173,7 @@ impl FileData {
                 let replicas = self.cached(p.stripe).unwrap_or_default();
                 if replicas.is_empty() || replicas.iter().any(|e| e.cap() < p.offset + p.len) {
                     // Evicted (or replaced by a smaller extent) concurrently: start over.
-                    attempts.met("a stripe evicted meanwhile");
+                    attempts.met(Met::Evicted);
                     complete = false;
                     break;
                 }
@@ -1176,7 +1197,7 @@ impl FileData {
                         Err(err) => {
                             self.verbs_err(cl, e.node, err);
                             redo = self.replica_failed(cl, e.node, &mut dead)?;
-                            attempts.met("a replica's node failed");
+                            attempts.met(Met::ReplicaFailed);
                             complete = false;
                             break 'pieces;
                         }
@@ -1203,7 +1224,7 @@ impl FileData {
                 Err(failed) => {
                     let redo = self.failed_writes(cl, vec![failed], &mut dead)?;
                     self.evict(&redo);
-                    attempts.met("a node's QoS area failed");
+                    attempts.met(Met::QosAreaFailed);
                     continue;
                 }
             };
@@ -1211,7 +1232,7 @@ impl FileData {
             let expired = self.recheck(cl, &tags, &mut dead)?;
             if !expired.is_empty() {
                 self.evict(&expired);
-                attempts.met("a stale layout");
+                attempts.met(Met::StaleLayout);
                 continue;
             }
             let sent = cl.clock().mono_ns();
@@ -1222,7 +1243,7 @@ impl FileData {
                 // twice under the lock is harmless.
                 let redo = self.failed_writes(cl, out.failed, &mut dead)?;
                 self.evict(&redo);
-                attempts.met("a replica's node failed");
+                attempts.met(Met::ReplicaFailed);
                 continue;
             }
             let done = out.done;
@@ -1239,7 +1260,7 @@ impl FileData {
             if !stale.is_empty() {
                 // Some data went to freed (quarantined) memory: write it again.
                 self.evict(&stale);
-                attempts.met("a stale layout");
+                attempts.met(Met::StaleLayout);
                 continue;
             }
             self.written.fetch_max(end, Ordering::Relaxed);

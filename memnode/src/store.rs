@@ -150,13 +150,15 @@ impl Store {
     /// Allocates an extent; a tagged one (a file stripe) gets [`TAG_SPACE`] in front of its
     /// data and its tag written before it is handed out.
     pub fn alloc(&self, len: u64, align: u64, tag: Option<u64>) -> Result<u64, AllocError> {
-        let len = match tag {
-            Some(_) => len
-                .checked_add(TAG_SPACE)
-                .ok_or_else(|| AllocError::Invalid("length overflows".into()))?,
-            None => len,
+        let (len, use_) = match tag {
+            Some(_) => (
+                len.checked_add(TAG_SPACE)
+                    .ok_or_else(|| AllocError::Invalid("length overflows".into()))?,
+                Use::Stripe,
+            ),
+            None => (len, Use::Plain),
         };
-        let offset = self.alloc_waiting(len, align, tag.is_some())?;
+        let offset = self.alloc_waiting(len, align, use_)?;
         if let Some(t) = tag {
             self.region.store(offset, t).expect("tag inside the region");
         }
@@ -195,13 +197,13 @@ impl Store {
 
     /// Allocates, and while the region is full but quarantined extents may make room, waits
     /// for them to come back (the quarantine's hold at most).
-    fn alloc_waiting(&self, len: u64, align: u64, tagged: bool) -> Result<u64, AllocError> {
+    fn alloc_waiting(&self, len: u64, align: u64, use_: Use) -> Result<u64, AllocError> {
         loop {
-            let res = self.allocator.lock().expect("allocator lock").alloc_as(
-                len,
-                align,
-                if tagged { Use::Stripe } else { Use::Plain },
-            );
+            let res = self
+                .allocator
+                .lock()
+                .expect("allocator lock")
+                .alloc_as(len, align, use_);
             let Err(AllocError::OutOfMemory { .. }) = res else {
                 return res;
             };
