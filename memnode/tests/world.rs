@@ -52,6 +52,7 @@ use rackfs_meta::Storage;
 use rackfs_proto::control::{ControlRequest, ControlResponse, ErrorCode};
 use rackfs_proto::link::{ControlLink, Dial, Loopback};
 use rackfs_proto::namespace::{MetaRequest, NewKind, ROOT_INO};
+use rackfs_proto::record::REC_REPLICAS;
 use rackfs_proto::{Refusal, RpcError};
 use rackfs_verbs::{Secret, VerbsError};
 
@@ -351,6 +352,12 @@ struct Seen {
     acked: Vec<(String, u64)>,
     /// Acknowledged files the last primary does not have (or answers otherwise).
     lost: Vec<(String, u64, String)>,
+    /// Acknowledged files created once all three nodes had joined that the last primary
+    /// lists with fewer replicas than the 2 they asked for (the cluster had 3 nodes then, at
+    /// most one of them failed at a time), and how many.
+    short: Vec<(String, u64, u64)>,
+    /// How many creations were acknowledged when all three nodes first took data.
+    whole_from: Option<usize>,
     /// The node acting as primary at the end, where `lost` was looked for.
     last_primary: Option<u32>,
     /// The split brain: the file created before the faults, the nodes that took over from
@@ -415,6 +422,14 @@ impl Cluster {
         let c2 = c.clone();
         c.world.spawn(DRIVER, "checker", move || loop {
             let a = c2.acting();
+            let whole = c2.seen.lock().unwrap().whole_from.is_some();
+            if let ([p], false) = (&a[..], whole) {
+                let primary = c2.nodes.lock().unwrap().get(p).map(|(_, n)| n.clone());
+                if primary.is_some_and(|n| Storage::data_nodes(&*n).len() == 3) {
+                    let mut seen = c2.seen.lock().unwrap();
+                    seen.whole_from = Some(seen.acked.len());
+                }
+            }
             if a.len() > 1 {
                 c2.seen
                     .lock()
@@ -567,15 +582,33 @@ impl Cluster {
     fn check_acked(&self, id: u32) {
         let dial = WorldDial(self.net.clone());
         self.seen.lock().unwrap().last_primary = Some(id);
-        let acked = self.seen.lock().unwrap().acked.clone();
+        let (acked, whole_from) = {
+            let seen = self.seen.lock().unwrap();
+            (seen.acked.clone(), seen.whole_from.unwrap_or(usize::MAX))
+        };
         let at = addr_of(&self.dir.0, self.group_of(id));
         let Ok(m) = dial.connect(&at, &secret(), "checker") else {
             return;
         };
-        for (name, ino) in acked {
+        let node = self.nodes.lock().unwrap().get(&id).map(|(_, n)| n.clone());
+        for (i, (name, ino)) in acked.into_iter().enumerate() {
             match lookup(&*m, &name) {
                 Ok(i) if i == ino => {}
-                other => (self.seen.lock().unwrap().lost).push((name, ino, format!("{other:?}"))),
+                other => {
+                    (self.seen.lock().unwrap().lost).push((name, ino, format!("{other:?}")));
+                    continue;
+                }
+            }
+            // The replicas the file's record says it has (what mounts read one-sidedly).
+            let replicas = node.as_ref().and_then(|n| {
+                let record = n.meta.get()?.lock().unwrap().namespace.record(ino).ok()?;
+                Some(rackfs_meta::file::read_word(
+                    n.data_region(),
+                    record + REC_REPLICAS,
+                ))
+            });
+            if let (Some(r @ 0..2), true) = (replicas, i >= whole_from) {
+                self.seen.lock().unwrap().short.push((name, ino, r));
             }
         }
     }
@@ -902,6 +935,11 @@ fn check_common(seed: u64, test: &str, outcome: &Outcome, seen: &Seen) {
     assert!(
         seen.last_primary.is_some() && seen.lost.is_empty() && seen.acked.len() > 100,
         "seed {seed}: every acknowledged creation is on the last primary: {seen:#?}\n{replay}"
+    );
+    assert!(
+        seen.short.is_empty(),
+        "seed {seed}: files created while the cluster had 3 nodes keep the 2 replicas they \
+         asked for: {seen:#?}\n{replay}"
     );
 }
 

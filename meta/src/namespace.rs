@@ -126,6 +126,12 @@ pub struct Namespace {
     /// predecessor in a change the mirror lacks), so no stripe listing it grows meanwhile.
     #[serde(default)]
     unfollowed: BTreeSet<u32>,
+    /// The most data nodes the cluster has had at a create: new files ask for replicas up to
+    /// it, not up to the nodes of the moment, which right after a take-over (before the others
+    /// follow) or while nodes restart are fewer. A file capped by a passing dip would keep one
+    /// replica for good, and die with the node that holds it.
+    #[serde(default)]
+    most_nodes: u32,
 }
 
 impl Namespace {
@@ -162,6 +168,7 @@ impl Namespace {
             unfollowed: BTreeSet::new(),
             resolved: BTreeSet::new(),
             pool: Pool::default(),
+            most_nodes: 0,
         }
     }
 
@@ -307,7 +314,9 @@ impl Namespace {
                 let mut s = st.fs_stat();
                 s.files = self.inodes.len() as u64;
                 // What a file created without a replica count gets (see Create).
-                s.replicas = self.default_replicas.min(st.cluster_size() as u32).max(1);
+                s.replicas = (self.default_replicas)
+                    .min(self.most_nodes.max(st.cluster_size() as u32))
+                    .max(1);
                 Ok(ControlResponse::FsStat(s))
             }
         };
@@ -630,13 +639,15 @@ impl Namespace {
                         format!("{replicas} replicas asked; at most {MAX_REPLICAS} are allowed"),
                     );
                 }
-                // The cluster's default when none is asked, never more than there are nodes
-                // (those down included: their copies are made when they or others are back).
+                // The cluster's default when none is asked, never more than the cluster has
+                // had nodes (those down included: their copies are made when they or others
+                // are back).
+                self.most_nodes = self.most_nodes.max(st.cluster_size() as u32);
                 let replicas = match replicas {
                     0 => self.default_replicas,
                     r => r,
                 }
-                .min(st.cluster_size() as u32)
+                .min(self.most_nodes)
                 .max(1);
                 let (_, region) = st.local();
                 let record = st.meta_alloc(RECORD_LEN)?;
