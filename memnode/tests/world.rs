@@ -258,10 +258,11 @@ fn config(dir: &Path, id: u32, group: u32, role: Role) -> NodeConfig {
         coordinator: Coordination::Served("unix:coordinator".into()),
         cluster: "world".into(),
         standby: true,
-        // The world proves metadata and membership, not QoS: a check every 10 ms instead of
-        // every 1 ms keeps the QoS monitors from taking most of the world's turns.
+        // The world proves metadata and membership, not QoS: a check every 100 ms instead of
+        // every 1 ms keeps the QoS monitors from taking most of the world's turns (at 10 ms
+        // they were half of them).
         qos: rackfs_memnode::qos::QosConfig {
-            check: Duration::from_millis(10),
+            check: Duration::from_millis(100),
             ..Default::default()
         },
         ..common::config(dir, id, role)
