@@ -366,6 +366,7 @@ impl Client {
                 }
             });
         }
+        cluster.keep_members_known();
         let releases = Arc::new(Releases::new(caches.leased.clone()));
         Client {
             cluster,

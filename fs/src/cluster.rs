@@ -469,23 +469,35 @@ impl Cluster {
             primary = old,
             "the primary does not answer: waiting for another to take over"
         );
-        let (client, info) = loop {
-            if let Some(found) = self.find_primary(old) {
-                break found;
+        let waited = || self.clock().now().saturating_sub(started) > FAILOVER_WAIT;
+        let (new, id) = loop {
+            let Some((client, info)) = self.find_primary(old) else {
+                if waited() {
+                    return Err(ConnectError::Unreachable {
+                        addrs: "every known node".into(),
+                        last: format!(
+                            "no primary serving within {FAILOVER_WAIT:?} (node {old} was)"
+                        ),
+                    });
+                }
+                self.clock().sleep(Duration::from_millis(200));
+                continue;
+            };
+            let new = info.primary.node_id;
+            self.learn(info, true);
+            self.primary_id
+                .store(new, std::sync::atomic::Ordering::SeqCst);
+            match self.take_over_session(client, failed) {
+                Ok(id) => break (new, id),
+                // The node found went away (an old primary that resumed for a moment before
+                // it learnt it was deposed): another is looked for, within the same patience.
+                Err(e) if !waited() => {
+                    warn!(primary = new, error = %e, "the primary found did not give this mount a session; looking again");
+                    self.clock().sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(e),
             }
-            if self.clock().now().saturating_sub(started) > FAILOVER_WAIT {
-                return Err(ConnectError::Unreachable {
-                    addrs: "every known node".into(),
-                    last: format!("no primary serving within {FAILOVER_WAIT:?} (node {old} was)"),
-                });
-            }
-            self.clock().sleep(Duration::from_millis(200));
         };
-        let new = info.primary.node_id;
-        self.learn(info, true);
-        self.primary_id
-            .store(new, std::sync::atomic::Ordering::SeqCst);
-        let id = self.take_over_session(client, failed)?;
         // Without its QoS the mount still serves (the new primary may not admit it).
         let slot = self.renew_qos().ok().flatten();
         self.tell_session(slot);
@@ -679,6 +691,25 @@ impl Cluster {
             nodes.insert(id, node.clone());
         }
         Ok(node)
+    }
+
+    /// Keeps the nodes this mount knows current, asking the primary every [`MEMBERS_EVERY`]
+    /// on a thread that ends with the mount: they are where it looks for a primary that took
+    /// over, so a node that joined after the mount must be among them (a mount that knew only
+    /// the first primary failed every request with `EIO` once it died).
+    pub fn keep_members_known(self: &Arc<Self>) {
+        let (weak, clock) = (Arc::downgrade(self), self.clock().clone());
+        let refresh = move || loop {
+            clock.sleep(MEMBERS_EVERY);
+            let Some(cl) = weak.upgrade() else { return };
+            match cl.primary().cluster() {
+                Ok(info) => cl.learn(info, false),
+                Err(e) => debug!(error = %e, "cannot ask the primary for the cluster's nodes"),
+            }
+        };
+        if let Err(e) = self.env.spawn.spawn("rackfs-members", Box::new(refresh)) {
+            warn!(error = %e, "no thread to follow the cluster's nodes: a primary that takes over may not be found");
+        }
     }
 
     /// Where node `id` is now, as the primary says (the cached cluster map is refreshed).
@@ -1098,6 +1129,9 @@ const PRIMARY_RETURN: Duration = Duration::from_secs(2);
 
 /// How long a mount waits for a standby to take over from a primary that stopped answering.
 pub const FAILOVER_WAIT: Duration = Duration::from_secs(20);
+
+/// How often a mount refreshes the nodes it knows ([`Cluster::keep_members_known`]).
+const MEMBERS_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether a control call failed because the primary is gone or no longer acts as primary.
 fn primary_lost(e: &RpcError) -> bool {

@@ -13,6 +13,7 @@
 //! | `rackfs-lockwait` | `Client::setlk`, one per `F_SETLKW`/`flock` that must wait | the lock is granted or the wait interrupted |
 //! | `rackfs-keep` | `FileLocks::lock`, when a write is lent its range from a lock tree the mount keeps | the mount gives the tree back (another mount waits, the tree is replaced, or 20 ms without a write) |
 //! | `rackfs-reclaim` | the failover hook `Client::new` registers, once per failover | the mount's record locks are reclaimed from the new primary |
+//! | `rackfs-members` | `Cluster::keep_members_known`, by `Client::new` | the cluster is dropped |
 //!
 //! Outside the core, the mount starts fuser's workers and a thread waiting for SIGTERM
 //! (`crate::mount`), which stay OS threads.
@@ -38,6 +39,14 @@ impl Queue {
     pub fn waiting(&self) -> Vec<String> {
         let q = self.work.lock().expect("spawn queue");
         q.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Drops the work waiting under `name` unrun (a thread the test does not want to run).
+    pub fn discard(&self, name: &str) {
+        self.work
+            .lock()
+            .expect("spawn queue")
+            .retain(|(n, _)| n != name);
     }
 
     /// Runs the oldest work waiting, on the calling thread; its name, `None` if none waits.

@@ -8,7 +8,8 @@
 //! they sent is still served when it resumes), and a killed one fails its callers.
 //!
 //! Five scenarios, with a mount creating a file every 50 ms at whichever primary the
-//! coordinator names:
+//! coordinator names (and, under random faults, a second mount running the production client
+//! core, `rackfs_fs::client`, that finds and follows primaries as a real mount does):
 //! * issue 24's split brain: the primary is stopped past its lease, its standby takes over
 //!   and makes the third node its standby, the old primary resumes, then the new primary is
 //!   killed: the third node must take over with the namespace whole;
@@ -23,9 +24,14 @@
 //!   and unname the stale standby, and the node that takes over when it is killed must have
 //!   every creation it answered.
 //!
+//! A restarted node is reached at its earlier addresses too, as at a deployment's fixed ports
+//! or `rackfs up`'s sockets.
+//!
 //! Oracle: a checker samples every node throughout, never two acting primaries (a metadata
 //! service and a valid serve lease) at once; at the end every creation a primary
-//! acknowledged is on the node acting as primary.
+//! acknowledged is on the node acting as primary, and each file created once all three nodes
+//! had joined still asks for its 2 replicas; the client core's mount sees none of its
+//! creations fail (one fault at a time is well within its patience).
 //!
 //! `RACKFS_WORLD_SEEDS=N` runs N seeds of each (default 2 of the split brain, 8 of random
 //! faults; a seed takes 0.1-0.2 s here), from `RACKFS_WORLD_FIRST` (default 0);
@@ -61,6 +67,9 @@ use rackfs_verbs::{Secret, VerbsError};
 /// `id + 10 k`.
 const COORD: u32 = u32::MAX - 1;
 const DRIVER: u32 = u32::MAX;
+/// The world group of the mount running the production client core (never paused, killed or
+/// cut off: [`party`] 0 is no node).
+const CLIENT: u32 = 100;
 const NODE_LEASE: Duration = Duration::from_secs(2);
 /// How long a control call waits for a paused node before it times out.
 const CALL_DEADLINE: Duration = Duration::from_secs(2);
@@ -281,9 +290,16 @@ fn env(net: &Arc<Net>, group: u32, exit: Arc<Exit>) -> NodeEnv {
         serving: Some(Box::new(move |node: &Arc<Node>| {
             // Where its peers reach it: the primary's key names its tcp address, a joining
             // node's is its socket's.
+            // And where its earlier processes were: a restarted node listens where it did
+            // before (a deployment's fixed ports, `rackfs up`'s sockets), so whoever knew
+            // that address reaches it again.
             let me = node.members.me();
             let socket = me.shm.map(|p| format!("unix:{p}"));
-            for at in me.tcp.into_iter().chain(socket) {
+            let earlier: Vec<String> = (served.at.lock().unwrap().iter())
+                .filter(|(_, &g)| party(g) == party(group))
+                .map(|(a, _)| a.clone())
+                .collect();
+            for at in me.tcp.into_iter().chain(socket).chain(earlier) {
                 served.at.lock().unwrap().insert(at.clone(), group);
                 serve_on(&served.lo, &at, node);
             }
@@ -359,6 +375,10 @@ struct Seen {
     short: Vec<(String, u64, u64)>,
     /// How many creations were acknowledged when all three nodes first took data.
     whole_from: Option<usize>,
+    /// The client core's mount: creations of a new name that failed, with the errno (EIO
+    /// only when its retries ran out through failovers; `EEXIST` would mean a change made
+    /// twice or a retry not recognised).
+    client_failed: Vec<(String, i32)>,
     /// The node acting as primary at the end, where `lost` was looked for.
     last_primary: Option<u32>,
     /// The split brain: the file created before the faults, the nodes that took over from
@@ -579,6 +599,60 @@ impl Cluster {
         });
     }
 
+    /// A mount running the production client core (`rackfs_fs::client`), over the world's
+    /// network and clock, that creates and closes a new file every 50 ms until `until`: it
+    /// finds the primary, follows take-overs and carries its requests through them as a real
+    /// mount does. Its acknowledged creations join the raw mount's in [`Seen::acked`].
+    fn spawn_client(self: &Arc<Self>, until: Duration) {
+        let c = self.clone();
+        self.world.spawn(CLIENT, "client-main", move || {
+            let env = rackfs_fs::env::Env {
+                clock: Arc::new(c.world.clone()),
+                dial: Arc::new(WorldDial(c.net.clone())),
+                spawn: Arc::new(c.world.threads(CLIENT)),
+            };
+            // Mounted once the first primary serves (as `rackfs up` mounts).
+            let cluster = loop {
+                let connected = rackfs_fs::cluster::Cluster::connect(
+                    env.clone(),
+                    &[addr(&c.dir.0, 1)],
+                    secret(),
+                    rackfs_fs::options::TransportChoice::Tcp,
+                    None,
+                    "mount:/world",
+                );
+                match connected {
+                    Ok(cluster) => break cluster,
+                    Err(e) if c.world.now() > Duration::from_secs(5) => {
+                        c.note(format!("the client core could not connect: {e}"));
+                        return;
+                    }
+                    Err(_) => c.world.sleep(Duration::from_millis(100)),
+                }
+            };
+            let client = rackfs_fs::client::Client::new(Arc::new(cluster), Default::default());
+            let me = rackfs_fs::client::Caller { uid: 0, gid: 0 };
+            let excl = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL;
+            for i in 0.. {
+                c.world.sleep(Duration::from_millis(50));
+                if c.world.now() >= until {
+                    break;
+                }
+                let name = format!("c{i}");
+                let os = std::ffi::OsStr::new(&name);
+                match client.create(ROOT_INO, os, 0o644, 0, excl, me) {
+                    Ok((attr, opened)) => {
+                        c.seen.lock().unwrap().acked.push((name, attr.ino));
+                        if let Err(e) = client.release(attr.ino, opened.fh) {
+                            c.note(format!("the client core's close of c{i}: {e:?}"));
+                        }
+                    }
+                    Err(e) => c.seen.lock().unwrap().client_failed.push((name, e.code())),
+                }
+            }
+        });
+    }
+
     /// Looks up every acknowledged creation on node `id` (acting as primary).
     fn check_acked(&self, id: u32) {
         let dial = WorldDial(self.net.clone());
@@ -628,6 +702,7 @@ impl Cluster {
             self.net.kill(g);
         }
         self.world.kill(DRIVER);
+        self.world.kill(CLIENT);
         let _ = self.world.run(until + Duration::from_secs(1));
         (outcome, std::mem::take(&mut *self.seen.lock().unwrap()))
     }
@@ -714,8 +789,10 @@ fn healthy(c: &Cluster) -> bool {
 /// again while its old lease refuses it, as `rackfs up` restarts it); the mount creates throughout. At the end every acknowledged
 /// creation is on the node acting as primary.
 fn random_faults(seed: u64, partitions: bool) -> (Outcome, Seen) {
-    let c = Cluster::new(seed, "random");
+    // Its own scratch directory (sockets) per scenario: the two run at once in one process.
+    let c = Cluster::new(seed, if partitions { "partitions" } else { "random" });
     c.spawn_mount(Duration::from_secs(50), Duration::ZERO..Duration::ZERO);
+    c.spawn_client(Duration::from_secs(50));
     // Faults start until 40 s; by 52 s the last one healed and the mount's last creation
     // was answered or timed out.
     let c2 = c.clone();
@@ -976,6 +1053,18 @@ fn random_faults_hold(seeds: impl IntoIterator<Item = u64>, partitions: bool, te
         assert!(
             seen.unhealed.is_none() && seen.faults >= 3,
             "seed {seed}: the cluster heals between faults: {seen:#?}\n{}",
+            replay(seed, test)
+        );
+        // One fault at a time, each healed before the next: a take-over comes well within
+        // the client core's patience for one (`FAILOVER_WAIT`), so none of its creations fails.
+        let by_client = seen
+            .acked
+            .iter()
+            .filter(|(n, _)| n.starts_with('c'))
+            .count();
+        assert!(
+            by_client > 100 && seen.client_failed.is_empty(),
+            "seed {seed}: the client core's mount creates through the faults: {seen:#?}\n{}",
             replay(seed, test)
         );
         check_common(seed, test, &outcome, &seen);

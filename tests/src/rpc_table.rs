@@ -4,8 +4,8 @@
 //! and `rackfs-bench rpc-table`, which prints the same table for the docs.
 //!
 //! Background traffic counts on the same counters, so: the *periodic* kinds ([`PERIODIC`]:
-//! lease renewals, the embedded coordinator's node leases, the watcher's long polls, QoS, and
-//! this module's own `stats` calls) are left out of the per-operation counts and shown as
+//! lease renewals, the embedded coordinator's node leases, the watcher's long polls, QoS, the
+//! mounts' look at the cluster's nodes each second, and this module's own `stats` calls) are left out of the per-operation counts and shown as
 //! rates of an idle interval instead; verbs (QoS token traffic runs all the time) are counted
 //! with the idle interval's rate, times the operations' duration, subtracted.
 
@@ -23,8 +23,9 @@ use crate::{Mount, TestCluster};
 
 /// RPC kinds that run on timers, not because of an operation: left out of per-operation
 /// counts (see [`Measured::idle`] for their rates).
-pub const PERIODIC: [&str; 8] = [
+pub const PERIODIC: [&str; 9] = [
     "renew",
+    "cluster",
     "coord",
     "watch",
     "qos_shares",
