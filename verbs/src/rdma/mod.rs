@@ -53,6 +53,20 @@ pub enum RdmaNicError {
     QueuePair(String),
 }
 
+/// Where a memory node's own atomics on its regions' words (the QoS monitor's token
+/// hand-outs, the lock service's) execute when it serves RDMA clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeAtomics {
+    /// Through a loopback queue pair when the device's atomics are atomic only among its own
+    /// requests (`atomic_cap` HCA, as Soft-RoCE's and ConnectX's without global atomics), on
+    /// the CPU otherwise (`atomic_cap` GLOB: the device's atomics interlock with the CPU's).
+    Auto,
+    /// On the CPU (races with the clients' RDMA atomics on an HCA-atomic device: tests only).
+    Cpu,
+    /// Through a loopback queue pair, whatever the device.
+    Loopback,
+}
+
 /// The error every rdma entry point gives in a build without the `rdma` feature.
 pub fn not_built() -> String {
     "this build has no RDMA support: rebuild with `--features rdma` (needs rdma-core's build \
@@ -126,6 +140,13 @@ mod absent {
         pub fn open(_device: &str, _table: &RegionTable) -> Result<RdmaNic, RdmaNicError> {
             Err(RdmaNicError::NotBuilt(not_built()))
         }
+        pub fn open_with(
+            _device: &str,
+            _table: &RegionTable,
+            _atomics: NodeAtomics,
+        ) -> Result<RdmaNic, RdmaNicError> {
+            Err(RdmaNicError::NotBuilt(not_built()))
+        }
         pub fn describe(&self) -> String {
             match self.never {}
         }
@@ -197,16 +218,34 @@ mod imp {
         dev: Arc<Device>,
         /// Per region: our key, its registration.
         mrs: Vec<(u32, Mr)>,
+        /// Whether the regions' owner atomics go through loopback queue pairs.
+        loopback: bool,
         // Keeps the regions mapped while registered.
         _table: Vec<Arc<crate::Region>>,
     }
 
     impl RdmaNic {
-        /// Opens `device` and registers every region of `table` with its access rights.
+        /// Opens `device` and registers every region of `table` with its access rights; the
+        /// node's own atomics on them go where [`NodeAtomics::Auto`] says.
         pub fn open(device: &str, table: &RegionTable) -> Result<RdmaNic, RdmaNicError> {
+            Self::open_with(device, table, NodeAtomics::Auto)
+        }
+
+        /// [`RdmaNic::open`], with the node's own atomics where `atomics` says.
+        pub fn open_with(
+            device: &str,
+            table: &RegionTable,
+            atomics: NodeAtomics,
+        ) -> Result<RdmaNic, RdmaNicError> {
             let dev =
                 Device::open(Some(device)).map_err(|e| RdmaNicError::Device(e.to_string()))?;
+            let loopback = match atomics {
+                NodeAtomics::Auto => dev.atomic_cap == ATOMIC_HCA,
+                NodeAtomics::Cpu => false,
+                NodeAtomics::Loopback => true,
+            };
             let mut mrs = Vec::new();
+            let mut hooks = Vec::new();
             for r in table.regions() {
                 let info = r.info();
                 let mut access = ffi::ibv_access_flags(0);
@@ -225,18 +264,33 @@ mod imp {
                         rkey: info.rkey,
                         reason: e.to_string(),
                     })?;
+                if loopback && info.access.contains(Access::ATOMIC) {
+                    let lb = Loopback::new(&dev, mr.addr(), mr.rkey(), info.rkey)
+                        .map_err(|e| RdmaNicError::QueuePair(format!("loopback: {e}")))?;
+                    hooks.push((r.clone(), Arc::new(lb)));
+                }
                 mrs.push((info.rkey, mr));
+            }
+            // Installed once every registration succeeded (none is left behind on failure).
+            for (r, lb) in hooks {
+                r.set_owner_atomics(Some(lb));
             }
             Ok(RdmaNic {
                 dev,
                 mrs,
+                loopback,
                 _table: table.regions().to_vec(),
             })
         }
 
         /// The device and how it does atomics, for logs and `rackfs status`.
         pub fn describe(&self) -> String {
-            self.dev.atomics()
+            let own = if self.loopback {
+                "the node's own atomics through a loopback queue pair"
+            } else {
+                "the node's own atomics on its CPU"
+            };
+            format!("{}; {own}", self.dev.atomics())
         }
 
         /// Serves one client (after its handshake): connects a queue pair to it, then holds it
@@ -288,6 +342,149 @@ mod imp {
             }
             drop(rc);
             Ok(())
+        }
+    }
+
+    impl Drop for RdmaNic {
+        fn drop(&mut self) {
+            // The registrations go with this value: the owner's atomics go back to the CPU.
+            if self.loopback {
+                for r in &self._table {
+                    r.set_owner_atomics(None);
+                }
+            }
+        }
+    }
+
+    /// `ibv_device_attr::atomic_cap` of a device whose atomics are atomic only among its own.
+    const ATOMIC_HCA: u32 = 1;
+    /// How long one loopback atomic may take.
+    const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// A queue pair connected to another on the same device, through which the node's own
+    /// atomics on one registered region go (see [`crate::region::OwnerAtomics`]): the device
+    /// executes them as it does the clients', so they are atomic with each other. One atomic
+    /// at a time (the node's QoS monitor and lock service are single threads).
+    struct Loopback {
+        dev: Arc<Device>,
+        /// The region's registration: its address and RDMA key, and the region's own key.
+        raddr: u64,
+        rkey: u32,
+        region: u32,
+        /// `None` after a failure: the next atomic connects anew.
+        link: Mutex<Option<LoopLink>>,
+    }
+
+    /// The two connected queue pairs and the registered word the old values land in. Field
+    /// order is drop order: both queue pairs before the word's registration and the word.
+    struct LoopLink {
+        rc: Rc,
+        _peer: Rc,
+        mr: Mr,
+        word: Box<u64>,
+        next: u64,
+    }
+
+    impl Loopback {
+        fn new(dev: &Arc<Device>, raddr: u64, rkey: u32, region: u32) -> Result<Loopback, String> {
+            let lb = Loopback {
+                dev: dev.clone(),
+                raddr,
+                rkey,
+                region,
+                link: Mutex::new(None),
+            };
+            // Connected now, so a device that cannot do it fails the node's start.
+            *lb.link.lock().expect("loopback lock") = Some(lb.connect()?);
+            Ok(lb)
+        }
+
+        fn connect(&self) -> Result<LoopLink, String> {
+            let rc = Rc::create(&self.dev, 4).map_err(|e| e.to_string())?;
+            let peer = Rc::create(&self.dev, 4).map_err(|e| e.to_string())?;
+            let (psn, peer_psn) = (random_psn(), random_psn());
+            rc.connect(psn, &peer.endpoint(peer_psn), ffi::ibv_access_flags(0))
+                .map_err(|e| e.to_string())?;
+            peer.connect(
+                peer_psn,
+                &rc.endpoint(psn),
+                ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC,
+            )
+            .map_err(|e| e.to_string())?;
+            let mut word = Box::new(0u64);
+            let at: *mut u64 = &mut *word;
+            // SAFETY: the word is boxed (it does not move), lives in the LoopLink next to its
+            // registration, and the registration is dropped first (field order).
+            let mr = unsafe { self.dev.register(at.cast(), 8, ffi::ibv_access_flags(0)) }
+                .map_err(|e| e.to_string())?;
+            Ok(LoopLink {
+                rc,
+                _peer: peer,
+                mr,
+                word,
+                next: 1,
+            })
+        }
+
+        fn lost(&self, reason: impl std::fmt::Display) -> VerbsError {
+            VerbsError::ConnectionLost {
+                peer: format!("{} loopback (region {:#x})", self.dev.name, self.region),
+                reason: format!("{reason}; the loopback queue pair is reconnected"),
+            }
+        }
+    }
+
+    impl crate::region::OwnerAtomics for Loopback {
+        fn cas(&self, offset: u64, compare: u64, swap: u64) -> Result<u64, VerbsError> {
+            let mut guard = self.link.lock().expect("loopback lock");
+            if guard.is_none() {
+                *guard = Some(self.connect().map_err(|e| self.lost(e))?);
+            }
+            let link = guard.as_mut().expect("connected");
+            let id = link.next;
+            link.next += 1;
+            let local: *mut u64 = &mut *link.word;
+            let op = Op::Cas {
+                remote: self.raddr + offset,
+                rkey: self.rkey,
+                compare,
+                swap,
+            };
+            // SAFETY: the local buffer is the registered word, read only after this request's
+            // completion is polled below (or the queue pair is destroyed first, on failure).
+            let posted = unsafe { link.rc.post(&[(op, local as u64, 8)], link.mr.lkey(), id) };
+            if let Err(e) = posted {
+                *guard = None;
+                return Err(self.lost(e));
+            }
+            let start = Instant::now();
+            let mut got = Vec::new();
+            let mut empty = 0;
+            loop {
+                got.clear();
+                if let Err(e) = link.rc.poll(&mut got) {
+                    *guard = None;
+                    return Err(self.lost(e));
+                }
+                if let Some(d) = got.first() {
+                    if d.status != 0 || chain_of(d.wr_id).0 != id {
+                        let why = format!(
+                            "{} (vendor error {:#x})",
+                            status_name(d.status),
+                            d.vendor_err
+                        );
+                        *guard = None;
+                        return Err(self.lost(why));
+                    }
+                    // SAFETY: the CAS completed: the device wrote the word and is done with it.
+                    return Ok(unsafe { std::ptr::read_volatile(local) });
+                }
+                if start.elapsed() > LOOPBACK_TIMEOUT {
+                    *guard = None;
+                    return Err(self.lost(format!("no completion within {LOOPBACK_TIMEOUT:?}")));
+                }
+                back_off(&mut empty);
+            }
         }
     }
 
