@@ -7,21 +7,36 @@
 //! to destroy the queue pair (and is how a dead client is noticed), as with shm.
 //!
 //! **Data path**: the node's CPU takes no part. A batch becomes chains of work requests posted
-//! behind one doorbell each, only the last signalled; the client polls its completion queue
-//! (busy at first, then yielding, then sleeping with growing pauses). READ results and atomic
-//! old values land in a registered bounce buffer; WRITE data is copied into it first. Masked
+//! behind one doorbell each, only the last signalled, each request's id naming its chain.
+//! Posting returns once the chains are on the send queue: many batches may be in flight on
+//! one queue pair, as on tcp, executing in posting order. The send queue never holds more than
+//! `DEPTH` requests, and each chain takes its span of a registered bounce buffer (a ring of
+//! [`crate::MAX_BATCH_BYTES`] and a little more): READ results and atomic old values land there,
+//! WRITE data is copied there first. A post waits for room (completing what has completed)
+//! for at most its batch's deadline. Waiters take turns polling the completion queue (busy at
+//! first, then yielding, then sleeping with growing pauses): the one polling completes every
+//! batch whose last chain completed, then hands the polling to another waiter. Masked
 //! atomics, which plain RDMA devices do not have, are emulated with CAS loops that start from
 //! a guess and learn the word from each failed CAS (every step is one atomic, so the result is
-//! atomic against every other atomic on the region); a chain is split around them.
+//! atomic against every other atomic on the region); a chain is split around them, and each
+//! step is waited for before anything more is posted (nothing after a masked atomic may run
+//! before it), so a batch with one is posted synchronously.
 //!
 //! **Errors**: each request is checked against the region's key, access, bounds and alignment
 //! before posting, so a bad request fails alone with the same specific error as on tcp and
 //! shm and the rest of its batch is flushed. A work completion in error (the queue pair is
-//! then in the error state) fails the batch with a clear message; the queue pair is torn
-//! down and a new one is connected on the next post.
+//! then in the error state) fails its own batch with the device's status; the batches posted
+//! behind it on that queue pair fail as flushed (whether they ran is unknown); those that
+//! completed before it keep their results. A batch not complete by its deadline
+//! (`COMPLETION_TIMEOUT`, or `connect_with_deadline`'s) fails likewise. The queue pair is
+//! then torn down and a new one is connected on the next post.
 //!
-//! One queue pair carries one batch at a time (a mutex): pipelining across threads would need
-//! a queue pair per thread. Verbs on this transport are not seen by the node's counters.
+//! **The node's own atomics** ([`NodeAtomics`]): on a device whose atomics are atomic only
+//! among its own requests (`atomic_cap` HCA), the node's CPU atomics on its regions would race
+//! with the clients' RDMA atomics; [`RdmaNic`] then routes the regions' owner atomics
+//! (`Region::compare_swap`, `Region::store_shared`) through a loopback queue pair.
+//!
+//! Verbs on this transport are not seen by the node's counters.
 
 #[cfg(feature = "rdma")]
 mod device;
