@@ -1346,4 +1346,45 @@ mod imp {
         let s = unsafe { std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status)) };
         format!("{} (status {status})", s.to_string_lossy())
     }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Spans taken and freed in FIFO order (as chains complete) never overlap one in
+            /// use, stay inside the buffer, and an empty ring always has room for the largest.
+            #[test]
+            fn ring_spans_never_overlap(steps in proptest::collection::vec((any::<bool>(), 0usize..6), 1..400)) {
+                let sizes = [0, 8, 4096, 1 << 20, 5 << 20, RING_BYTES];
+                let mut ring = Ring::new();
+                let mut live: VecDeque<(usize, usize)> = VecDeque::new();
+                for (take, size) in steps {
+                    if take || live.is_empty() {
+                        let n = sizes[size];
+                        match ring.alloc(n) {
+                            Some((start, end)) => {
+                                prop_assert_eq!(end - start, n);
+                                prop_assert!(end <= RING_BYTES);
+                                for &(s, e) in &live {
+                                    prop_assert!(end <= s || e <= start || n == 0 || s == e,
+                                        "[{start}, {end}) overlaps [{s}, {e})");
+                                }
+                                live.push_back((start, end));
+                            }
+                            None => prop_assert!(!live.is_empty(), "an empty ring refused {n}"),
+                        }
+                    } else {
+                        let (_, end) = live.pop_front().unwrap();
+                        ring.free(end);
+                    }
+                }
+                while let Some((_, end)) = live.pop_front() {
+                    ring.free(end);
+                }
+                prop_assert_eq!(ring.alloc(RING_BYTES), Some((0, RING_BYTES)));
+            }
+        }
+    }
 }
