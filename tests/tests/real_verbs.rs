@@ -285,21 +285,31 @@ fn rdma_token_count_is_exact_with_the_node_atomics_through_the_nic() {
         "Soft-RoCE's atomics are atomic_cap HCA: the node's go through the loopback"
     );
     probe.served.join().unwrap();
-    let (drift, gives, claims) = token_race(NodeAtomics::Auto);
-    eprintln!(
-        "node atomics through the NIC: {gives} hand-outs of 3, {claims} claims, drift {drift}"
-    );
-    assert_eq!(
-        drift, 0,
-        "tokens lost or duplicated: {gives} hand-outs, {claims} claims"
-    );
-    let (drift, gives, claims) = token_race(NodeAtomics::Cpu);
-    eprintln!("node atomics on the CPU: {gives} hand-outs of 3, {claims} claims, drift {drift}");
-    // Without the loopback the count drifts (thousands of tokens in the Soft-RoCE guest: rxe
-    // reads and writes the word under a lock the CPU's CAS does not take). Were it exact here,
-    // this device would not show the race, and the test above would prove nothing.
-    assert_ne!(
-        drift, 0,
-        "the node's CPU atomics raced with none of the device's in {gives} hand-outs"
+    for run in 0..3 {
+        let (drift, gives, claims) = token_race(NodeAtomics::Auto);
+        eprintln!(
+            "run {run}, node atomics through the NIC: {gives} hand-outs of 3, {claims} claims, \
+             drift {drift}"
+        );
+        assert_eq!(
+            drift, 0,
+            "tokens lost or duplicated: {gives} hand-outs, {claims} claims"
+        );
+    }
+    // Without the loopback the count drifts (from tens to thousands of tokens a run in the
+    // Soft-RoCE guest: rxe reads and writes the word under a lock the CPU's CAS does not
+    // take). How much is chance, so up to five runs are tried; were every one exact, this
+    // device would not show the race and the runs above would prove nothing.
+    let drifted = (0..5).find_map(|run| {
+        let (drift, gives, claims) = token_race(NodeAtomics::Cpu);
+        eprintln!(
+            "run {run}, node atomics on the CPU: {gives} hand-outs of 3, {claims} claims, drift \
+             {drift}"
+        );
+        (drift != 0).then_some(drift)
+    });
+    assert!(
+        drifted.is_some(),
+        "the node's CPU atomics raced with none of the device's in five runs"
     );
 }
