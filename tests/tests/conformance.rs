@@ -732,6 +732,80 @@ fn shm_tcp_and_rdma_clients_share_a_region() {
         && r.contains("own atomics through a loopback queue pair")));
 }
 
+/// Threads sharing one queue pair, each with several batches outstanding, waited for out of
+/// order: the waiters take turns driving the connection (on tcp reading the socket, on rdma
+/// polling the completion queue) and each gets its own batch's completions. Every FAA's old
+/// value is distinct, a thread's batches see the counter grow in the order it posted them,
+/// and the total is exact.
+fn one_queue_pair_shared_by_threads(via: rackfs_tests::Via) {
+    let mut env = NodeEnv::over(via);
+    let qp = env.qp();
+    let a = RemoteAddr::new(env.data_region().rkey, 8192);
+    let (threads, rounds) = (4usize, 150u64);
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let qp = qp.clone();
+            std::thread::spawn(move || {
+                let mut olds = Vec::new();
+                for _ in 0..rounds {
+                    let posted: Vec<_> = (0..3)
+                        .map(|_| {
+                            let mut b = Batch::new();
+                            let f = b.faa(a, 1);
+                            let rd = b.read(a, 8);
+                            (f, rd, qp.post(b))
+                        })
+                        .collect();
+                    let mut got: Vec<_> = posted
+                        .into_iter()
+                        .rev()
+                        .map(|(f, rd, p)| {
+                            let done = p.wait().expect("batch");
+                            let old = done.value(f).unwrap();
+                            let now =
+                                u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap());
+                            assert!(now > old, "the read after the FAA sees it: {old} -> {now}");
+                            old
+                        })
+                        .collect();
+                    got.reverse();
+                    olds.extend(got);
+                }
+                olds
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        let olds = w.join().expect("worker");
+        assert!(
+            olds.windows(2).all(|p| p[0] < p[1]),
+            "a thread's batches ran in its posting order"
+        );
+        all.extend(olds);
+    }
+    all.sort_unstable();
+    let total = threads as u64 * rounds * 3;
+    assert_eq!(all, (0..total).collect::<Vec<_>>(), "every FAA once");
+    assert_eq!(qp.read(a, 8).unwrap(), total.to_le_bytes());
+}
+
+#[test]
+fn one_tcp_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Tcp);
+}
+
+#[test]
+fn one_shm_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Shm);
+}
+
+#[cfg(feature = "rdma")]
+#[test]
+fn one_rdma_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Rdma(rdma_device()));
+}
+
 /// shm and tcp clients of one node increment one counter: the total is exact.
 #[test]
 fn shm_and_tcp_clients_share_atomics() {
