@@ -14,6 +14,11 @@
 //! | slot `SHARE` | monitor adds the mount's share of the global pool by CAS; the engine takes tokens with a masked FAA of `-batch` on its token field | both |
 //! | slot `WEIGHT` | monitor | status |
 //!
+//! The monitor's CAS on a share and its reset of it at a period's start are atomic with the
+//! engines' claims even where the CPU's atomics are not atomic with RDMA ones (a device with
+//! `atomic_cap` HCA): there they go through the node's NIC, by a loopback queue pair
+//! (`Region::compare_swap`, `Region::store_shared`).
+//!
 //! A share word (and `POOL`) carries the period it belongs to in its top 16 bits and a signed
 //! 48-bit token count below. A claim gets `min(batch, max(count, 0))` and may take the count
 //! below zero: a negative share tells the monitor the mount wants global tokens. The masked

@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rackfs_verbs::Region;
+use rackfs_verbs::{Region, VerbsError};
+use tracing::warn;
 
 use crate::area::{self, pack_pool, unpack_pair, unpack_pool};
 use crate::estimate::CapacityEstimator;
@@ -258,11 +259,13 @@ impl QosMonitor {
             self.store(region, area::slot(c) + area::LIMIT, s.limit);
             self.store(region, area::slot(c) + area::REPORT_WORD, 0);
             self.store(region, area::slot(c) + area::USAGE, 0);
-            self.store(
-                region,
-                area::slot(c) + area::SHARE,
-                pack_pool(self.period + 1, 0),
-            );
+            // Mounts claim from the share with RDMA atomics: a store that is atomic with them
+            // (through the NIC where the CPU's atomics are not; see `Region::store_shared`).
+            let share = self.area + area::slot(c) + area::SHARE;
+            if let Err(e) = region.store_shared(share, pack_pool(self.period + 1, 0)) {
+                // The share keeps the last period's tag: claims get none of its tokens.
+                warn!(slot = c, error = %e, "resetting a QoS share failed");
+            }
             self.store(region, area::slot(c) + area::WEIGHT, s.weight.max(1) as u64);
         }
         self.pool = self.pool_start;
@@ -314,7 +317,9 @@ impl QosMonitor {
                 } else {
                     0
                 };
-                if h.idle >= IDLE_SHARE && Self::swap_share(region, self.area + at, w, tag, 0) {
+                if h.idle >= IDLE_SHARE
+                    && Self::swap_share(region, self.area + at, w, tag, 0).unwrap_or(false)
+                {
                     self.pool += share as u64;
                     h.idle = 0;
                 }
@@ -357,13 +362,17 @@ impl QosMonitor {
                 // Engines claim concurrently: CAS until the share is replaced. Their failed
                 // claims (a negative count) got nothing and are forgotten.
                 let mut w = region.load(at).expect("QoS area in region");
-                loop {
+                let given = loop {
                     let (t, share) = unpack_pool(w);
                     let base = if t == tag { share.max(0) } else { 0 };
-                    if Self::swap_share(region, at, w, tag, base + give as i64) {
-                        break;
+                    match Self::swap_share(region, at, w, tag, base + give as i64) {
+                        Ok(true) => break true,
+                        Ok(false) => w = region.load(at).expect("QoS area in region"),
+                        Err(_) => break false,
                     }
-                    w = region.load(at).expect("QoS area in region");
+                };
+                if !given {
+                    continue;
                 }
                 self.pool -= give;
                 if let Some(h) = self.handed.get_mut(&c) {
@@ -374,12 +383,25 @@ impl QosMonitor {
         self.store(region, area::POOL, pack_pool(tag, self.pool as i64));
     }
 
-    /// Replaces share word `w` at `at` by `tokens` of period `tag`; false if it changed.
-    fn swap_share(region: &Region, at: u64, w: u64, tag: u64, tokens: i64) -> bool {
-        region
-            .compare_swap(at, w, pack_pool(tag, tokens))
-            .expect("QoS area in region")
-            == w
+    /// Replaces share word `w` at `at` by `tokens` of period `tag`; false if it changed. The
+    /// CAS is atomic with the mounts' claims, through the NIC if need be
+    /// ([`Region::compare_swap`]); if that fails (the loopback queue pair broke: logged), the
+    /// share is left to the next check. A CAS that failed may still have happened: then the
+    /// mount got tokens the pool still counts, once.
+    fn swap_share(
+        region: &Region,
+        at: u64,
+        w: u64,
+        tag: u64,
+        tokens: i64,
+    ) -> Result<bool, VerbsError> {
+        match region.compare_swap(at, w, pack_pool(tag, tokens)) {
+            Ok(old) => Ok(old == w),
+            Err(e) => {
+                warn!(offset = at, error = %e, "updating a QoS share failed");
+                Err(e)
+            }
+        }
     }
 
     /// Conversion: reservation a mount can no longer use goes to the pool. A mount's

@@ -413,6 +413,77 @@ fn requests_execute_in_order<E: Env>(env: &mut E) {
     });
 }
 
+/// Far more outstanding than one rdma queue pair holds at once: 64 batches of 9 requests
+/// (576 work requests; the send queue takes 128), a batch of 1000 requests among them, then
+/// 20 batches of 1 MiB reads (20 MiB; the bounce buffer holds 16). Posting waits for room, and
+/// every batch completes with its own results, in posting order, whatever order they are
+/// waited in.
+fn outstanding_beyond_the_send_queue_and_buffer<E: Env>(env: &mut E) {
+    let qp = env.qp();
+    let r = env.data_region();
+    env.run(async move {
+        let word = |k: u64| RemoteAddr::new(r.rkey, 65536 + 8 * k);
+        let mut posted = Vec::new();
+        for i in 0..64u64 {
+            let mut b = Batch::new();
+            let adds: Vec<_> = (0..8).map(|k| b.faa(word(k), i + 1)).collect();
+            let rd = b.read(word(0), 64);
+            posted.push((i, adds, rd, qp.post(b)));
+            if i == 31 {
+                // 1000 requests: eight chains' worth, posted behind the first 32 batches.
+                let mut big = Batch::new();
+                let ids: Vec<_> = (0..1000u64).map(|k| big.faa(word(8 + k % 16), 1)).collect();
+                posted.push((u64::MAX, ids, WrId(0), qp.post(big)));
+            }
+        }
+        // Batch i sees the adds of batches 0..i: 1 + 2 + ... + i before its own.
+        while let Some((i, adds, rd, p)) = posted.pop() {
+            let done = p.await.expect("batch");
+            if i == u64::MAX {
+                let olds: Vec<u64> = adds.iter().map(|&id| done.value(id).unwrap()).collect();
+                for (k, old) in olds.iter().enumerate() {
+                    assert_eq!(*old, (k / 16) as u64, "request {k} of the big batch");
+                }
+                continue;
+            }
+            let before = i * (i + 1) / 2;
+            for (k, &id) in adds.iter().enumerate() {
+                assert_eq!(done.value(id).unwrap(), before, "batch {i}, word {k}");
+            }
+            let after = before + i + 1;
+            assert_eq!(
+                done.data(rd).unwrap(),
+                [after.to_le_bytes(); 8].concat(),
+                "batch {i} reads its own adds"
+            );
+        }
+        let data = pattern(9, 1 << 20);
+        qp.post({
+            let mut b = Batch::new();
+            b.write(RemoteAddr::new(r.rkey, 1 << 20), &data);
+            b
+        })
+        .await
+        .unwrap()
+        .check()
+        .unwrap();
+        let reads: Vec<_> = (0..20)
+            .map(|_| {
+                let mut b = Batch::new();
+                let rd = b.read(RemoteAddr::new(r.rkey, 1 << 20), 1 << 20);
+                (rd, qp.post(b))
+            })
+            .collect();
+        for (i, (rd, p)) in reads.into_iter().enumerate() {
+            let done = p.await.expect("1 MiB read");
+            assert!(
+                done.data(rd).unwrap() == &data[..],
+                "read {i} came back whole"
+            );
+        }
+    });
+}
+
 macro_rules! conformance {
     ($modname:ident, $make:expr) => {
         mod $modname {
@@ -448,6 +519,10 @@ macro_rules! conformance {
             #[test]
             fn requests_on_a_queue_pair_execute_in_order() {
                 requests_execute_in_order(&mut $make);
+            }
+            #[test]
+            fn more_outstanding_than_a_send_queue_or_bounce_buffer_holds() {
+                outstanding_beyond_the_send_queue_and_buffer(&mut $make);
             }
         }
     };
@@ -489,6 +564,108 @@ fn rdma_queue_pair_errors_reconnect() {
         1,
         "the old queue pair is gone"
     );
+}
+
+/// Batches in flight at once on one queue pair: a request failing at the node's NIC (a
+/// wrong remote key, injected) fails its own batch with the NIC's status; the batch that
+/// completed before it keeps its results; the two posted behind it on the same queue pair
+/// fail as flushed (with one batch at a time they would have run on a new queue pair and
+/// succeeded); the next batch runs on a new queue pair.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_error_completions_fail_their_own_batch_and_those_behind_it() {
+    let mut env = NodeEnv::over(rackfs_tests::Via::Rdma(rdma_device()));
+    let qp = env.qp();
+    let a = RemoteAddr::new(env.data_region().rkey, 512);
+    qp.write(a, &100u64.to_le_bytes()).unwrap();
+    let faa = |n| {
+        let mut b = Batch::new();
+        b.faa(a, n);
+        qp.post(b)
+    };
+    let first = faa(1);
+    qp.rdma_inject_remote_fault();
+    let (faulty, behind, last) = (faa(10), faa(100), faa(1000));
+    let first = first.wait().expect("the batch before the fault");
+    assert_eq!(first.value(WrId(0)).unwrap(), 100);
+    let e = faulty.wait().unwrap_err();
+    assert!(
+        matches!(&e, VerbsError::ConnectionLost { reason, .. }
+            if reason.contains("remote access error") && reason.contains("reconnected")),
+        "{e}"
+    );
+    for p in [behind, last] {
+        let e = p.wait().unwrap_err();
+        assert!(
+            matches!(&e, VerbsError::ConnectionLost { reason, .. } if reason.contains("flushed")),
+            "{e}"
+        );
+    }
+    let now = qp.faa(a, 0).expect("a new queue pair");
+    assert_eq!(
+        now, 101,
+        "the faulty batch did not run, nor the ones behind it"
+    );
+    // The node destroys the failed queue pair when its control connection closes.
+    let gone = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        env.node.control().stats().unwrap().open[3] == 1
+    });
+    assert!(gone, "the failed queue pair is gone");
+}
+
+/// Every wait is bounded: batches that take longer than the connection's deadline (16 MiB
+/// reads on Soft-RoCE, against a 20 ms deadline) fail with the deadline in the error, the
+/// ones posted behind them too, and the queue pair is reconnected for the next batch.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_batches_past_their_deadline_fail_and_the_queue_pair_reconnects() {
+    let dev = rdma_device();
+    let node = rackfs_tests::MemNodeProcess::start_with(
+        "64M",
+        rackfs_verbs::Secret::generate(),
+        &["--rdma-device", &dev],
+    );
+    let deadline = std::time::Duration::from_millis(20);
+    let qp = rackfs_verbs::rdma::connect_with_deadline(
+        &node.tcp,
+        &node.secret,
+        "test",
+        0,
+        Some(&dev),
+        deadline,
+    )
+    .expect("rdma connect");
+    let rkey = qp.regions()[0].rkey;
+    let started = std::time::Instant::now();
+    let slow: Vec<_> = (0..3)
+        .map(|_| {
+            let mut b = Batch::new();
+            b.read(RemoteAddr::new(rkey, 0), 16 << 20);
+            qp.post(b)
+        })
+        .collect();
+    for p in slow {
+        // (Not `unwrap_err`: that would print 16 MiB of completions.)
+        let Err(e) = p.wait() else {
+            panic!("a 16 MiB read completed within 20 ms");
+        };
+        assert!(
+            matches!(&e, VerbsError::ConnectionLost { reason, .. }
+                if reason.contains("no completion within 20ms") || reason.contains("flushed")),
+            "{e}"
+        );
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "the waits were bounded: {:?}",
+        started.elapsed()
+    );
+    // A small batch takes well under 20 ms, even emulated: one of a few tries succeeds.
+    let a = RemoteAddr::new(rkey, 64);
+    let ok =
+        (0..10).any(|_| qp.write(a, &[7u8; 8]).is_ok() && qp.read(a, 8).ok() == Some(vec![7u8; 8]));
+    assert!(ok, "the queue pair was reconnected");
 }
 
 /// One node serves tcp, shm and rdma clients on one region at once: each transport's clients
@@ -550,7 +727,83 @@ fn shm_tcp_and_rdma_clients_share_a_region() {
         }
     }
     let s = node.control().stats().unwrap();
-    assert!(s.rdma.is_some_and(|r| r.contains(&rdma_device())));
+    assert!(s.rdma.is_some_and(|r| r.contains(&rdma_device())
+        // Soft-RoCE's atomics are atomic_cap HCA: the node's own go through its device.
+        && r.contains("own atomics through a loopback queue pair")));
+}
+
+/// Threads sharing one queue pair, each with several batches outstanding, waited for out of
+/// order: the waiters take turns driving the connection (on tcp reading the socket, on rdma
+/// polling the completion queue) and each gets its own batch's completions. Every FAA's old
+/// value is distinct, a thread's batches see the counter grow in the order it posted them,
+/// and the total is exact.
+fn one_queue_pair_shared_by_threads(via: rackfs_tests::Via) {
+    let mut env = NodeEnv::over(via);
+    let qp = env.qp();
+    let a = RemoteAddr::new(env.data_region().rkey, 8192);
+    let (threads, rounds) = (4usize, 150u64);
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let qp = qp.clone();
+            std::thread::spawn(move || {
+                let mut olds = Vec::new();
+                for _ in 0..rounds {
+                    let posted: Vec<_> = (0..3)
+                        .map(|_| {
+                            let mut b = Batch::new();
+                            let f = b.faa(a, 1);
+                            let rd = b.read(a, 8);
+                            (f, rd, qp.post(b))
+                        })
+                        .collect();
+                    let mut got: Vec<_> = posted
+                        .into_iter()
+                        .rev()
+                        .map(|(f, rd, p)| {
+                            let done = p.wait().expect("batch");
+                            let old = done.value(f).unwrap();
+                            let now =
+                                u64::from_le_bytes(done.data(rd).unwrap().try_into().unwrap());
+                            assert!(now > old, "the read after the FAA sees it: {old} -> {now}");
+                            old
+                        })
+                        .collect();
+                    got.reverse();
+                    olds.extend(got);
+                }
+                olds
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        let olds = w.join().expect("worker");
+        assert!(
+            olds.windows(2).all(|p| p[0] < p[1]),
+            "a thread's batches ran in its posting order"
+        );
+        all.extend(olds);
+    }
+    all.sort_unstable();
+    let total = threads as u64 * rounds * 3;
+    assert_eq!(all, (0..total).collect::<Vec<_>>(), "every FAA once");
+    assert_eq!(qp.read(a, 8).unwrap(), total.to_le_bytes());
+}
+
+#[test]
+fn one_tcp_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Tcp);
+}
+
+#[test]
+fn one_shm_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Shm);
+}
+
+#[cfg(feature = "rdma")]
+#[test]
+fn one_rdma_queue_pair_shared_by_threads() {
+    one_queue_pair_shared_by_threads(rackfs_tests::Via::Rdma(rdma_device()));
 }
 
 /// shm and tcp clients of one node increment one counter: the total is exact.

@@ -22,7 +22,7 @@ pub(crate) enum Transport {
     Shm(shm::ShmQp),
     Tcp(Arc<tcp::TcpConn>),
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    Rdma(Box<rdma::RdmaConn>),
+    Rdma(Arc<rdma::RdmaConn>),
     Sim(sim::SimQp),
 }
 
@@ -137,6 +137,16 @@ impl QueuePair {
         }
     }
 
+    /// On rdma: sends the next posted chain's first request to a remote key the node does not
+    /// have, so the node's NIC fails it (a remote access error) and the queue pair with it, to
+    /// test that the failure reaches the right batch.
+    #[doc(hidden)]
+    pub fn rdma_inject_remote_fault(&self) {
+        if let Transport::Rdma(conn) = &*self.0 {
+            conn.inject_remote_fault();
+        }
+    }
+
     /// On rdma: the device's atomics and how masked atomics are done (`None` elsewhere).
     pub fn rdma_atomics(&self) -> Option<&str> {
         match &*self.0 {
@@ -161,6 +171,9 @@ pub struct Posted(PostedState);
 enum PostedState {
     Ready(Option<Result<Completions, VerbsError>>),
     Tcp(Arc<Slot>, Arc<tcp::TcpConn>),
+    /// A batch on an rdma queue pair, and when it must have completed.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    Rdma(Arc<Slot>, Arc<rdma::RdmaConn>, Instant),
     Sim(Arc<Slot>),
 }
 
@@ -170,6 +183,10 @@ impl Posted {
     }
     pub(crate) fn tcp(slot: Arc<Slot>, conn: Arc<tcp::TcpConn>) -> Posted {
         Posted(PostedState::Tcp(slot, conn))
+    }
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn rdma(slot: Arc<Slot>, conn: Arc<rdma::RdmaConn>, deadline: Instant) -> Posted {
+        Posted(PostedState::Rdma(slot, conn, deadline))
     }
     pub(crate) fn sim(slot: Arc<Slot>) -> Posted {
         Posted(PostedState::Sim(slot))
@@ -192,6 +209,7 @@ impl Future for Posted {
         match &mut self.get_mut().0 {
             PostedState::Ready(r) => Poll::Ready(r.take().expect("Posted polled after completion")),
             PostedState::Tcp(slot, conn) => conn.poll_slot(slot, cx),
+            PostedState::Rdma(slot, conn, deadline) => conn.poll_slot(slot, *deadline, cx),
             PostedState::Sim(slot) => slot.poll(cx),
         }
     }

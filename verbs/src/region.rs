@@ -15,6 +15,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 use crate::masked::{masked_cas, masked_faa};
 use crate::wr::{Access, Completions, Opcode, Outcome, WorkRequest};
@@ -68,12 +69,26 @@ enum Backing {
     Heap(#[allow(dead_code)] Box<[AtomicU64]>),
 }
 
+/// Where the owner's own atomics on a region's words execute when the CPU's are not atomic
+/// against clients' remote atomics: an RDMA device whose atomics are atomic only among its
+/// own requests (`atomic_cap` HCA) reads and writes a word in two steps, between which a
+/// CPU compare-and-swap can land and be overwritten. Installed by [`crate::rdma::RdmaNic`]
+/// on the regions it registers on such a device: the owner's atomics then go to its
+/// device, through a loopback queue pair, and are atomic with the clients'.
+pub(crate) trait OwnerAtomics: Send + Sync {
+    /// Compare-and-swap of the word at `offset` (in bounds and aligned); returns the value
+    /// found.
+    fn cas(&self, offset: u64, compare: u64, swap: u64) -> Result<u64, VerbsError>;
+}
+
 /// A span of memory that work requests may target.
 pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
     info: RegionInfo,
     backing: Backing,
+    /// `Some` while an RDMA device whose atomics the CPU's do not interlock with serves it.
+    owner_atomics: RwLock<Option<Arc<dyn OwnerAtomics>>>,
 }
 
 // SAFETY: the memory behind `ptr` is only accessed through raw copies and `AtomicU64`s (never
@@ -131,6 +146,7 @@ impl Region {
             len: len as usize,
             info: RegionInfo { rkey, len, access },
             backing: Backing::Mapped { fd },
+            owner_atomics: RwLock::new(None),
         })
     }
 
@@ -148,6 +164,7 @@ impl Region {
                 access,
             },
             backing: Backing::Heap(block),
+            owner_atomics: RwLock::new(None),
         }
     }
 
@@ -322,10 +339,34 @@ impl Region {
         Ok(())
     }
 
+    /// Routes the owner's atomics through `via` (`None`: the CPU's again).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn set_owner_atomics(&self, via: Option<Arc<dyn OwnerAtomics>>) {
+        *self.owner_atomics.write().expect("owner atomics lock") = via;
+    }
+
+    fn owner_atomics(&self) -> Option<Arc<dyn OwnerAtomics>> {
+        self.owner_atomics
+            .read()
+            .expect("owner atomics lock")
+            .clone()
+    }
+
+    /// Whether the owner's atomics ([`Region::compare_swap`], [`Region::store_shared`]) go
+    /// through an RDMA device rather than the CPU (see `rdma::RdmaNic`).
+    pub fn owner_atomics_via_nic(&self) -> bool {
+        self.owner_atomics().is_some()
+    }
+
     /// Atomically replaces the word at `offset` with `new` if it equals `old` (local access by
-    /// the owner, compatible with clients' remote atomics); returns the value found.
+    /// the owner, compatible with clients' remote atomics: on a region an RDMA device with
+    /// `atomic_cap` HCA serves, it is a NIC atomic, through a loopback queue pair, and fails
+    /// with [`VerbsError::ConnectionLost`] if that queue pair does); returns the value found.
     pub fn compare_swap(&self, offset: u64, old: u64, new: u64) -> Result<u64, VerbsError> {
         self.check_bounds(Opcode::Cas, offset, 8)?;
+        if let Some(nic) = self.owner_atomics() {
+            return nic.cas(offset, old, new);
+        }
         Ok(
             match self
                 .word(offset)
@@ -334,6 +375,25 @@ impl Region {
                 Ok(v) | Err(v) => v,
             },
         )
+    }
+
+    /// Stores `v` in a word that clients also change with remote atomics. A plain store is
+    /// atomic against those only where the CPU's atomics are: where they go through an RDMA
+    /// device ([`Region::owner_atomics_via_nic`]) it is a CAS loop on the device, each step
+    /// bounded (a failed step means a client changed the word meanwhile).
+    pub fn store_shared(&self, offset: u64, v: u64) -> Result<(), VerbsError> {
+        self.check_bounds(Opcode::Cas, offset, 8)?;
+        let Some(nic) = self.owner_atomics() else {
+            self.word(offset).store(v, Ordering::Release);
+            return Ok(());
+        };
+        let mut guess = self.word(offset).load(Ordering::Acquire);
+        loop {
+            match nic.cas(offset, guess, v)? {
+                old if old == guess => return Ok(()),
+                old => guess = old,
+            }
+        }
     }
 
     /// Zeroes `[offset, offset + len)`; whole pages of a memfd region are given back to the

@@ -311,6 +311,19 @@ pub enum Op {
     },
 }
 
+/// The most requests one posted chain may hold (the index part of a work request id).
+pub const CHAIN_MAX: usize = 256;
+
+/// The work request id of request `index` of chain `chain`.
+pub fn wr_id(chain: u64, index: usize) -> u64 {
+    chain << 8 | index as u64
+}
+
+/// The chain and the index in it that a work request id names.
+pub fn chain_of(wr_id: u64) -> (u64, usize) {
+    (wr_id >> 8, (wr_id & 0xff) as usize)
+}
+
 /// One completion: the request's id and its status (0 is success).
 #[derive(Clone, Copy, Debug)]
 pub struct Done {
@@ -333,13 +346,15 @@ unsafe impl Send for Rc {}
 unsafe impl Sync for Rc {}
 
 impl Rc {
-    /// A queue pair of `depth` send entries (no receives: one-sided only).
+    /// A queue pair of `depth` send entries (no receives: one-sided only). Its completion
+    /// queue has room for twice that: the signalled completions not yet polled plus the
+    /// error completions of every outstanding request when the queue pair fails.
     pub fn create(dev: &Arc<Device>, depth: u32) -> Result<Rc, DeviceError> {
         // SAFETY: a live context; the CQ is destroyed in Drop.
         let cq = unsafe {
             ffi::ibv_create_cq(
                 dev.ctx,
-                depth as i32,
+                2 * depth as i32,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 0,
@@ -475,12 +490,22 @@ impl Rc {
     }
 
     /// Posts `ops` as one chain behind one doorbell; only the last is signalled. Each op's
-    /// local buffer is (address, length) inside the registration `lkey`; its id is its index.
+    /// local buffer is (address, length) inside the registration `lkey`. Op `i`'s work request
+    /// id is [`wr_id`]`(chain, i)`, so a completion names its chain and its place in it.
     ///
     /// # Safety
     /// Every local buffer must stay valid, and not be touched, until the chain's completion
-    /// (or an error completion) has been polled.
-    pub unsafe fn post(&self, ops: &[(Op, u64, u32)], lkey: u32) -> Result<(), DeviceError> {
+    /// (or an error completion) has been polled, or the queue pair is destroyed.
+    pub unsafe fn post(
+        &self,
+        ops: &[(Op, u64, u32)],
+        lkey: u32,
+        chain: u64,
+    ) -> Result<(), DeviceError> {
+        assert!(
+            ops.len() <= CHAIN_MAX,
+            "a chain has at most {CHAIN_MAX} requests"
+        );
         let mut sges: Vec<ffi::ibv_sge> = ops
             .iter()
             .map(|(_, addr, len)| ffi::ibv_sge {
@@ -496,7 +521,7 @@ impl Rc {
         let n = ops.len();
         for (i, (op, _, _)) in ops.iter().enumerate() {
             let wr = &mut wrs[i];
-            wr.wr_id = i as u64;
+            wr.wr_id = wr_id(chain, i);
             wr.num_sge = 1;
             if i + 1 == n {
                 wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
