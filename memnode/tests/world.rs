@@ -8,8 +8,9 @@
 //! they sent is still served when it resumes), and a killed one fails its callers.
 //!
 //! Five scenarios, with a mount creating a file every 50 ms at whichever primary the
-//! coordinator names (and, in all but the re-elected primary's, a second mount running the production client
-//! core, `rackfs_fs::client`, that finds and follows primaries as a real mount does):
+//! coordinator names (and, in all but the re-elected primary's, a second mount running the
+//! production client core, `rackfs_fs::client`, that finds and follows primaries as a real
+//! mount does):
 //! * issue 24's split brain: the primary is stopped past its lease, its standby takes over
 //!   and makes the third node its standby, the old primary resumes, then the new primary is
 //!   killed: the third node must take over with the namespace whole;
