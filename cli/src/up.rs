@@ -77,6 +77,9 @@ struct NodeProc {
     child: Child,
     /// Its tcp address, once it said it serves (`None` while it starts or joins).
     tcp: Option<String>,
+    /// Where it last served over tcp: started again, it listens there, so mounts and peers
+    /// that knew the address reach it again (`None`: a port the kernel picks).
+    listened: Option<String>,
     /// Where its ready line arrives (read off its stdout by a thread, so a node that joins
     /// slowly holds nothing up).
     ready: mpsc::Receiver<String>,
@@ -148,6 +151,7 @@ fn spawn_node(
     start: Start,
     capacity: Option<(u64, u64)>,
     coordinator: &Coordination,
+    listen: Option<&str>,
 ) -> Result<NodeProc, CliError> {
     let secret = inst.join("secret");
     let mut cmd = Command::new(memnode_binary());
@@ -166,7 +170,7 @@ fn spawn_node(
     }
     cmd.args([
         "--listen",
-        "127.0.0.1:0",
+        listen.unwrap_or("127.0.0.1:0"),
         "--region",
         &region.to_string(),
         "--node-id",
@@ -223,6 +227,7 @@ fn spawn_node(
         id,
         child,
         tcp: None,
+        listened: listen.map(str::to_string),
         ready,
         restart_at: None,
         comebacks: 0,
@@ -234,6 +239,7 @@ fn spawn_node(
 fn wait_ready(inst: &Path, n: &mut NodeProc) -> Result<(), CliError> {
     match n.ready.recv_timeout(Duration::from_secs(60)) {
         Ok(tcp) => {
+            n.listened = Some(tcp.clone());
             n.tcp = Some(tcp);
             Ok(())
         }
@@ -493,6 +499,7 @@ impl Nodes {
                 start,
                 self.capacity,
                 &self.coordinator,
+                None,
             )?;
             let ready = wait_ready(&self.inst, &mut p);
             self.procs.push(p);
@@ -538,6 +545,7 @@ impl Nodes {
                         "mn{} is back as an empty data node at {tcp}; re-replication refills it",
                         p.id
                     ));
+                    p.listened = Some(tcp.clone());
                     p.tcp = Some(tcp);
                 }
                 if let Ok(Some(status)) = p.child.try_wait() {
@@ -546,6 +554,9 @@ impl Nodes {
                     let why = match p.tcp.take() {
                         Some(_) => format!("exited ({status}; log {})", log.display()),
                         None => {
+                            // Perhaps its old port is taken now: the next start lets the
+                            // kernel pick one.
+                            p.listened = None;
                             let text = std::fs::read_to_string(&log).unwrap_or_default();
                             let last = text.lines().last().unwrap_or("no output").to_string();
                             format!("could not rejoin ({status}): {last}")
@@ -582,6 +593,7 @@ impl Nodes {
                 Start::Rejoin,
                 self.capacity,
                 &self.coordinator,
+                self.procs[i].listened.as_deref(),
             ) {
                 Ok(p) => {
                     let comebacks = self.procs[i].comebacks;
