@@ -151,11 +151,17 @@ impl Leases {
     }
 
     /// Held sessions whose lease the coordinator no longer has (their key is gone): from now
-    /// on they are fenced. Lists the coordinator's mount keys once.
+    /// on they are fenced. Lists the coordinator's mount keys once, and judges only the
+    /// sessions whose key was written before that: a session that took its lease meanwhile
+    /// (its key written after the listing was read) is not in it, yet lives.
     pub fn lapsed_in_coordinator(&self) -> Vec<u64> {
         let Some(c) = &self.coord else {
             return Vec::new();
         };
+        let written: HashSet<u64> = (self.state.lock().expect("leases lock").in_coordinator)
+            .keys()
+            .copied()
+            .collect();
         let keys = match c.list("mounts/") {
             Ok(keys) => keys,
             Err(e) => {
@@ -171,7 +177,7 @@ impl Leases {
         let gone: Vec<u64> = st
             .in_coordinator
             .keys()
-            .filter(|s| !live.contains(s))
+            .filter(|s| written.contains(s) && !live.contains(s))
             .copied()
             .collect();
         for s in &gone {
@@ -354,6 +360,94 @@ mod tests {
         });
         l.hold(3, deposed);
         assert_eq!(keys(&coord), 0, "a deposed primary wrote a mount's key");
+    }
+
+    /// A coordinator whose listing of the mounts' keys is read before `meanwhile` runs (a
+    /// session taking its lease while the list is in flight).
+    struct ListedBefore {
+        inner: rackfs_coord::Local,
+        meanwhile: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+
+    impl Coordinator for ListedBefore {
+        fn grant(&self, ttl: Duration) -> Result<(LeaseId, Duration), CoordError> {
+            self.inner.grant(ttl)
+        }
+        fn keep_alive(&self, lease: LeaseId) -> Result<Duration, CoordError> {
+            self.inner.keep_alive(lease)
+        }
+        fn revoke(&self, lease: LeaseId) -> Result<(), CoordError> {
+            self.inner.revoke(lease)
+        }
+        fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<(), CoordError> {
+            self.inner.put(key, value, lease)
+        }
+        fn create(
+            &self,
+            key: &str,
+            value: &[u8],
+            lease: Option<LeaseId>,
+        ) -> Result<Result<u64, Vec<u8>>, CoordError> {
+            self.inner.create(key, value, lease)
+        }
+        fn get(&self, key: &str) -> Result<Option<Vec<u8>>, CoordError> {
+            self.inner.get(key)
+        }
+        fn created(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, CoordError> {
+            self.inner.created(key)
+        }
+        fn write_if(&self, guard: &Guard, write: Write) -> Result<(), CoordError> {
+            self.inner.write_if(guard, write)
+        }
+        fn holds(&self, guard: &Guard) -> Result<bool, CoordError> {
+            self.inner.holds(guard)
+        }
+        fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CoordError> {
+            let listed = self.inner.list(prefix);
+            let meanwhile = self.meanwhile.lock().unwrap().take();
+            if let Some(f) = meanwhile {
+                f();
+            }
+            listed
+        }
+        fn delete(&self, key: &str) -> Result<(), CoordError> {
+            self.inner.delete(key)
+        }
+        fn describe(&self) -> String {
+            "listed before".into()
+        }
+    }
+
+    /// Chaos on etcd: a mount's new session, its key written while the primary's look at the
+    /// mounts' keys was in flight, was fenced 8 ms after it began (its next write failed).
+    #[test]
+    fn a_session_whose_key_is_written_while_the_keys_are_listed_is_not_fenced() {
+        let coord = Arc::new(ListedBefore {
+            inner: rackfs_coord::Local::new(Duration::from_secs(60)),
+            meanwhile: Default::default(),
+        });
+        let l = Arc::new(Leases::on(
+            Duration::from_secs(5),
+            coord.clone(),
+            Arc::new(ManualClock::default()),
+        ));
+        coord.put("primary", b"p", None).unwrap();
+        let term = Guard {
+            key: "primary".into(),
+            lease: 0,
+        };
+        l.hold(1, Some(term.clone()));
+        let l2 = l.clone();
+        *coord.meanwhile.lock().unwrap() = Some(Box::new(move || l2.hold(2, Some(term))));
+        assert!(
+            l.lapsed_in_coordinator().is_empty(),
+            "a session fenced as it began"
+        );
+        assert!(l.renew(2).is_ok());
+        assert_eq!(coord.list("mounts/").unwrap().len(), 2);
+        // Its key gone for good, the next look fences it.
+        coord.delete(&mount_key(2)).unwrap();
+        assert_eq!(l.lapsed_in_coordinator(), vec![2]);
     }
 
     #[test]
