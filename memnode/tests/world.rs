@@ -604,7 +604,7 @@ impl Cluster {
     }
 
     /// A mount running the production client core (`rackfs_fs::client`), over the world's
-    /// network and clock, that creates and closes a new file every 50 ms until `until`: it
+    /// network and clock, that creates and closes a new file every 150 ms until `until`: it
     /// finds the primary, follows take-overs and carries its requests through them as a real
     /// mount does. Its acknowledged creations join the raw mount's in [`Seen::acked`].
     fn spawn_client(self: &Arc<Self>, until: Duration) {
@@ -639,7 +639,7 @@ impl Cluster {
             let me = rackfs_fs::client::Caller { uid: 0, gid: 0 };
             let excl = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL;
             for i in 0.. {
-                c.world.sleep(Duration::from_millis(50));
+                c.world.sleep(Duration::from_millis(150));
                 if c.world.now() >= until {
                     break;
                 }
