@@ -360,6 +360,21 @@ impl Cluster {
         let (primary, mut session) = self.primary_session();
         let mut asked = req.clone();
         let mut r = primary.meta(req);
+        // Refused as fenced, the request was not made: asked again, once, in a new session.
+        if let Err(RpcError::Refused {
+            code: rackfs_proto::ErrorCode::Fenced,
+            message,
+        }) = &r
+        {
+            match self.fenced_by_primary(session, message) {
+                Ok(()) => {
+                    let (primary, now) = self.primary_session();
+                    session = now;
+                    r = primary.meta(asked.clone());
+                }
+                Err(e) => warn!(error = %e, "no new session after the primary fenced this mount"),
+            }
+        }
         // A primary that took over may die too.
         for _ in 0..META_FAILOVERS {
             match r {
@@ -567,6 +582,19 @@ impl Cluster {
             ino: rackfs_proto::namespace::ROOT_INO,
         };
         (info.primary.node_id == old && c.meta(root).is_ok()).then_some((c, info))
+    }
+
+    /// The primary refused session `session` as fenced (a namespace request can learn it
+    /// before the lease's renewer does): the session is marked so, and the mount continues
+    /// under a new one ([`Cluster::recover`]; nothing if another thread did meanwhile).
+    fn fenced_by_primary(&self, session: u64, why: &str) -> Result<(), ConnectError> {
+        {
+            let _one = self.recovering.lock().expect("recovery lock");
+            if self.session() == session {
+                let _ = self.lease().fenced.set(why.to_string());
+            }
+        }
+        self.recover()
     }
 
     /// After the primary fenced this mount: starts a new session (control connection, fence
