@@ -21,11 +21,16 @@ use tracing::{error, info, warn};
 
 use crate::membership::Membership;
 
-/// What a snapshot carries: the namespace (encoded) and the metadata area's live extents.
+/// What a snapshot carries: the namespace (encoded), the metadata area's live extents and the
+/// answers kept per session.
 #[derive(Serialize, Deserialize)]
 struct Snapshot {
     namespace: Vec<u8>,
     extents: Vec<(u64, Vec<u8>)>,
+    /// What the primary answered last per session, its own answers and those it took over
+    /// with: a mount whose change was answered before the snapshot, and whose answer was lost,
+    /// asks again as a retry, perhaps of a standby made from this one.
+    answered: journal::Answered,
 }
 
 /// Primary: the snapshot of `m` a new standby starts from (the namespace and the bytes of its
@@ -46,6 +51,7 @@ pub fn snapshot(m: &MetaService, region: &Region) -> Result<Vec<u8>, String> {
     let snapshot = Snapshot {
         namespace: postcard::to_allocvec(&m.namespace).map_err(|e| e.to_string())?,
         extents,
+        answered: m.answered().clone(),
     };
     postcard::to_allocvec(&snapshot).map_err(|e| e.to_string())
 }
@@ -516,7 +522,7 @@ impl Standby {
             ns,
             seq,
             primary,
-            answered: Default::default(),
+            answered: snap.answered,
         });
         Ok(())
     }
@@ -650,6 +656,38 @@ mod tests {
 
     /// A snapshot the primary gave up on that reaches the standby after the primary's next one
     /// is refused: the newer mirror, and the metadata area it wrote, stay.
+    #[test]
+    fn a_snapshot_carries_the_answers_kept_for_retries() {
+        // Chaos on etcd: a rename in flight when the primary died was answered by it and
+        // mirrored by its standby; that standby took over and made a third node its standby
+        // by snapshot, then died before the mount's retry reached it. The third node, whose
+        // snapshot carried no answers, made the rename again: ENOENT.
+        let st = MemStorage::new(1, 16 << 20);
+        let mut m = MetaService::new(Duration::from_secs(1), 1);
+        let req = MetaRequest::Create {
+            parent: 1,
+            name: b"answered-before".to_vec(),
+            kind: NewKind::Dir,
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+        };
+        let answer = m.handle(7, req.clone(), &st);
+        let seq = m.set_journaling(true);
+        let snap = snapshot(&m, st.region(0)).unwrap();
+        let standby = Standby::default();
+        let region = Region::heap(16 << 20, 9, rackfs_verbs::Access::ALL);
+        standby
+            .take_piece(&region, 16 << 20, (0, seq, true), snap)
+            .expect("the snapshot");
+        let mut mirror = standby.take_mirror().expect("a mirror");
+        assert_eq!(
+            mirror.answered.take(7, &req),
+            Some(answer),
+            "the retry is answered as the change was"
+        );
+    }
+
     #[test]
     fn a_late_older_snapshot_leaves_the_newer_mirror() {
         let st = MemStorage::new(1, 16 << 20);

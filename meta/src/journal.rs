@@ -462,7 +462,7 @@ pub fn replay(ns: &mut Namespace, region: &Region, entry: Entry) -> Result<Outco
 /// A session's answers outlive its end (for the last [`Answered::ENDED`] sessions that
 /// ended): a mount that gave up on a slow primary and continues on the same one in a new
 /// session drops its old connection, which ends the old session, before it retries there.
-#[derive(Default)]
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Answered {
     kept: BTreeMap<u64, VecDeque<(MetaRequest, ControlResponse)>>,
     /// Sessions that ended with answers kept, oldest first.

@@ -109,6 +109,11 @@ impl MetaService {
 
     /// What the old primary answered last per session, as the standby replayed it: retries
     /// of those changes are answered from it.
+    /// What was answered last per session (a new standby's snapshot carries it).
+    pub fn answered(&self) -> &journal::Answered {
+        &self.answered
+    }
+
     pub fn set_answered(&mut self, answered: journal::Answered) {
         self.answered = answered;
     }
