@@ -340,9 +340,11 @@ impl MetaService {
     pub fn tick(&mut self, st: &dyn Storage) {
         self.locks.tick(st);
         self.record_locks.tick(st);
-        if self.record_grace.is_some_and(|until| st.elapsed() >= until) {
+        // Tried again at the next tick if a table could not be given back.
+        if self.record_grace.is_some_and(|until| st.elapsed() >= until)
+            && recordlocks::end_grace(st.local().1, &self.namespace.record_lock_tables())
+        {
             self.record_grace = None;
-            recordlocks::end_grace(st.local().1, &self.namespace.record_lock_tables());
         }
     }
 

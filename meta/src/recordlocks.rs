@@ -79,10 +79,9 @@ pub fn sweep(region: &Region, at: u64, client: u16, free_mutex: bool) -> u64 {
     let mut changed = freed > 0;
     if free_mutex {
         let h = holder(client);
-        changed |= region
-            .compare_swap(at + MUTEX, h, 0)
-            .expect("table in region")
-            == h;
+        // Failing (the node's atomics go through its NIC, whose loopback failed: logged), the
+        // mutex is freed at the next sweep of the window.
+        changed |= owner_cas(region, at + MUTEX, h, 0) == Some(h);
     }
     if changed {
         bump(region, at);
@@ -103,22 +102,38 @@ pub fn clear(region: &Region, tables: &[(u64, u64)]) {
 /// its grace period): no mount can take the mutex until the service gives it back.
 pub const GRACE: u64 = u64::MAX;
 
-/// Holds every table for the grace period.
+/// Holds every table for the grace period (a store atomic with mounts' remote CAS on the
+/// mutex: see [`Region::store_shared`]).
 pub fn begin_grace(region: &Region, tables: &[(u64, u64)]) {
     for &(_, at) in tables {
-        region.store(at + MUTEX, GRACE).expect("table in region");
+        if let Err(e) = region.store_shared(at + MUTEX, GRACE) {
+            tracing::warn!(table = at, error = %e, "a record-lock table could not be held for the grace period");
+        }
     }
 }
 
-/// Gives every table back to the mounts after the grace period.
-pub fn end_grace(region: &Region, tables: &[(u64, u64)]) {
+/// Gives every table back to the mounts after the grace period; false if one could not be
+/// (the caller tries again).
+pub fn end_grace(region: &Region, tables: &[(u64, u64)]) -> bool {
+    let mut all = true;
     for &(_, at) in tables {
-        if region
-            .compare_swap(at + MUTEX, GRACE, 0)
-            .expect("table in region")
-            == GRACE
-        {
-            bump(region, at);
+        match owner_cas(region, at + MUTEX, GRACE, 0) {
+            Some(GRACE) => bump(region, at),
+            Some(_) => {}
+            None => all = false,
+        }
+    }
+    all
+}
+
+/// The node's own compare-and-swap of a table word; `None` (logged) when it failed, which only
+/// a node whose atomics go through its NIC sees (see [`Region::compare_swap`]).
+fn owner_cas(region: &Region, at: u64, old: u64, new: u64) -> Option<u64> {
+    match region.compare_swap(at, old, new) {
+        Ok(found) => Some(found),
+        Err(e) => {
+            tracing::warn!(offset = at, error = %e, "a record-lock table word could not be changed");
+            None
         }
     }
 }
@@ -171,12 +186,10 @@ pub fn reclaim(
 fn bump(region: &Region, at: u64) {
     let mut v = region.load(at + VERSION).expect("table in region");
     loop {
-        match region
-            .compare_swap(at + VERSION, v, v + 1)
-            .expect("table in region")
-        {
-            was if was == v => break,
-            was => v = was,
+        match owner_cas(region, at + VERSION, v, v + 1) {
+            Some(was) if was == v => break,
+            Some(was) => v = was,
+            None => break,
         }
     }
 }
