@@ -1001,8 +1001,10 @@ mod imp {
             for (k, wr) in reqs.iter().enumerate() {
                 let a = wr.addr();
                 let Some(&(raddr, mut rkey)) = link.remote.get(&a.rkey) else {
-                    // Checked against the regions before: the node's answer lacked one.
-                    link.ring.free(span_end);
+                    // Checked against the regions before: the node's answer lacked one. The
+                    // batches already complete keep their results; the queue pair (and its
+                    // ring, this chain's span with it) goes.
+                    self.drive(st);
                     self.fail_all(
                         st,
                         None,
@@ -1052,12 +1054,14 @@ mod imp {
             }
             let lkey = link.mr.lkey();
             // SAFETY: every local buffer is inside this chain's span of `link.buf`, registered
-            // as `link.mr`; the span is read only once the chain's completion is polled
-            // (`complete_chain`), and the link (queue pair first) is dropped only after the
-            // queue pair is destroyed.
+            // as `link.mr`; the ring never hands out a span overlapping a live chain's, and frees
+            // one only when its chain's completion is polled (`complete_chain`), so neither the
+            // NIC nor another chain touches it meanwhile; the link's fields drop the queue pair
+            // before the buffer and its registration.
             let posted = unsafe { link.rc.post(&ops, lkey, id) };
             if let Err(e) = posted {
-                link.ring.free(span_end);
+                // As above: what completed keeps its result, the rest fails.
+                self.drive(st);
                 self.fail_all(st, None, format!("{e}; the queue pair is reconnected"));
                 return None;
             }
