@@ -35,7 +35,7 @@
 //! creations fail (one fault at a time is well within its patience).
 //!
 //! `RACKFS_WORLD_SEEDS=N` runs N seeds of each (default 2 of the split brain, 8 of random
-//! faults; a seed takes 0.1-0.2 s here), from `RACKFS_WORLD_FIRST` (default 0);
+//! faults; a seed takes 0.2-0.5 s here), from `RACKFS_WORLD_FIRST` (default 0);
 //! `RACKFS_WORLD_SEED=S` one. `scripts/simulate` runs many, in parallel.
 
 mod common;
