@@ -721,8 +721,8 @@ impl Cluster {
         Ok(node)
     }
 
-    /// Keeps the nodes this mount knows current, asking the primary every [`MEMBERS_EVERY`]
-    /// on a thread that ends with the mount: they are where it looks for a primary that took
+    /// Keeps the nodes this mount knows current, asking the primary every second (on a
+    /// thread that ends with the mount): they are where it looks for a primary that took
     /// over, so a node that joined after the mount must be among them (a mount that knew only
     /// the first primary failed every request with `EIO` once it died).
     pub fn keep_members_known(self: &Arc<Self>) {
