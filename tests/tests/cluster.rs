@@ -303,15 +303,15 @@ fn steady_state_io_makes_no_control_rpc() {
     let mut buf = vec![0u8; 4096];
     f.read_exact_at(&mut buf, 0).unwrap();
     // Lease renewals (mounts' and data nodes' with the embedded coordinator, each on a
-    // connection of its own) and the watcher's polls (three a second, on its own
-    // connection) are not on the I/O path.
+    // connection of its own), the watcher's polls (three a second, on its own connection)
+    // and the mount's look at the cluster's nodes (once a second) are not on the I/O path.
     let kind = |name: &str| {
         rackfs_proto::control::RPC_KINDS
             .iter()
             .position(|k| *k == name)
             .unwrap()
     };
-    let periodic = [kind("renew"), kind("coord"), kind("watch")];
+    let periodic = [kind("renew"), kind("coord"), kind("watch"), kind("cluster")];
     let rpcs = |c: &TestCluster| -> u64 {
         (0..2)
             .map(|i| {
