@@ -977,15 +977,7 @@ mod imp {
                 // Make room: complete what has completed (and wake its waiters).
                 self.drive(st);
                 if Instant::now() > deadline {
-                    self.fail_all(
-                        st,
-                        None,
-                        format!(
-                            "no completion within {:?} (the send queue or the bounce buffer \
-                             stayed full); the queue pair is reconnected",
-                            self.deadline
-                        ),
-                    );
+                    self.timed_out(st, " (the send queue or the bounce buffer stayed full)");
                     return None;
                 }
                 back_off(&mut empty);
@@ -1164,6 +1156,16 @@ mod imp {
             }
         }
 
+        /// A deadline passed with requests still posted: the queue pair fails (`detail` says
+        /// what was waited for) and is reconnected.
+        fn timed_out(&self, st: &mut State, detail: &str) {
+            let why = format!(
+                "no completion within {:?}{detail}; the queue pair is reconnected",
+                self.deadline
+            );
+            self.fail_all(st, None, why);
+        }
+
         /// The queue pair failed (an error completion of chain `failed`, or `None`: no
         /// completion in time, a failed post or poll): it is destroyed, and a new one is
         /// connected on the next post. The batch of the failed chain fails with `why`; the
@@ -1210,14 +1212,7 @@ mod imp {
                     return true;
                 }
                 if Instant::now() > deadline {
-                    self.fail_all(
-                        st,
-                        None,
-                        format!(
-                            "no completion within {:?}; the queue pair is reconnected",
-                            self.deadline
-                        ),
-                    );
+                    self.timed_out(st, "");
                     return false;
                 }
                 back_off(&mut empty);
@@ -1270,14 +1265,7 @@ mod imp {
                         return;
                     }
                     if Instant::now() > deadline {
-                        self.fail_all(
-                            &mut st,
-                            None,
-                            format!(
-                                "no completion within {:?}; the queue pair is reconnected",
-                                self.deadline
-                            ),
-                        );
+                        self.timed_out(&mut st, "");
                         if !slot.is_done() {
                             slot.complete(Err(lost(&self.peer, "no completion in time")));
                         }
