@@ -20,6 +20,7 @@ use rackfs_proto::namespace::{Attr, Change};
 use rustc_hash::FxHashMap;
 
 use crate::file::FileData;
+use crate::kept::Kept;
 use crate::leased::Leased;
 
 /// This mount's open files by inode (the watcher forgets their sizes on change).
@@ -31,6 +32,8 @@ pub struct Caches {
     pub files: Files,
     pub attrs: Arc<LearntAttrs>,
     pub leased: Arc<Leased>,
+    /// Opens kept past their last close: a change heard of a file gives its open back.
+    pub kept: Arc<Kept>,
 }
 
 impl Caches {
@@ -38,6 +41,7 @@ impl Caches {
     /// itself.
     pub fn forget_all(&self) {
         self.leased.forget_all();
+        self.kept.doom_all();
         for f in self.files.lock().expect("files lock").values() {
             f.forget_hints();
         }
@@ -53,6 +57,7 @@ impl Caches {
                 self.attrs.forget(*parent)
             }
             Change::Inode { ino } => {
+                self.kept.doom(*ino);
                 if let Some(f) = self.files.lock().expect("files lock").get(ino) {
                     f.forget_size();
                 }
@@ -213,6 +218,7 @@ mod tests {
             files: Files::default(),
             attrs: Arc::new(l),
             leased: Arc::default(),
+            kept: Arc::default(),
         };
         let g = c.attrs.generation();
         c.attrs.keep(dir(5, 4), true, g, 30);

@@ -47,6 +47,7 @@ use crate::caches::Caches;
 use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::file::FileData;
+use crate::kept::Kept;
 use crate::options::{CacheMode, MountOptions};
 use crate::reclock;
 use crate::releases::Releases;
@@ -173,14 +174,17 @@ struct Handle {
     /// The file had set-user-ID (or set-group-ID with group execute) when opened: a write by
     /// an unprivileged process clears them.
     setid: bool,
+    /// It took the mount's kept open of the file ([`crate::kept`]) instead of registering one.
+    kept: bool,
 }
 
 impl Handle {
     /// A handle opened with open flags `flags` on a file whose mode was `perm`.
-    fn opened(flags: i32, perm: u16) -> Handle {
+    fn opened(flags: i32, perm: u16, kept: bool) -> Handle {
         Handle {
             append: flags & libc::O_APPEND != 0,
             setid: has_setid(perm),
+            kept,
         }
     }
 
@@ -336,7 +340,15 @@ impl Client {
     /// The filesystem of a mount on `cluster` with options `opts`; registers what the mount
     /// does when it continues on a primary that took over.
     pub fn new(cluster: Arc<Cluster>, opts: MountOptions) -> Client {
-        let caches = Caches::default();
+        let kept_opens = match opts.attr_timeout.is_zero() {
+            // Without a lease, a kept open would never be reused.
+            true => 0,
+            false => opts.kept_opens,
+        };
+        let caches = Caches {
+            kept: Arc::new(Kept::new(kept_opens)),
+            ..Caches::default()
+        };
         {
             // On a primary that took over: cached layouts go, and what this mount wrote to
             // its open files (sizes written one-sidedly to the old primary) is reported again.
@@ -367,7 +379,7 @@ impl Client {
             });
         }
         cluster.keep_members_known();
-        let releases = Arc::new(Releases::new(caches.leased.clone()));
+        let releases = Arc::new(Releases::new(caches.leased.clone(), caches.kept.clone()));
         Client {
             cluster,
             opts,
@@ -586,17 +598,28 @@ impl Client {
         if a.kind == Kind::File {
             self.file(&a)?;
         }
-        let opened = self.new_handle(flags, a.perm);
+        let opened = self.new_handle(flags, a.perm, false);
         Ok((a, opened))
     }
 
-    /// A new handle of an opened inode.
-    fn new_handle(&self, flags: i32, perm: u16) -> Opened {
+    /// A handle on the open this mount kept of `ino` past its last close, without a round
+    /// trip: while the watcher holds the mount's lease, and if the file's data path is known.
+    fn reopen_kept(&self, ino: u64, flags: i32) -> Option<Opened> {
+        let now = self.cluster.clock().mono_ns();
+        if !self.caches.leased.running(now) || self.cached_file(ino).is_none() {
+            return None;
+        }
+        let perm = self.caches.kept.reopen(ino)?;
+        Some(self.new_handle(flags, perm, true))
+    }
+
+    /// A new handle of an opened inode (`kept`: on the mount's kept open).
+    fn new_handle(&self, flags: i32, perm: u16, kept: bool) -> Opened {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles
             .lock()
             .expect("handles lock")
-            .insert(fh, Handle::opened(flags, perm));
+            .insert(fh, Handle::opened(flags, perm, kept));
         Opened {
             fh,
             caching: self.caching(),
@@ -712,10 +735,12 @@ impl Client {
             // (the kernel turns ATTR_KILL_SUID into a mode change).
             kill_suidgid: false,
         };
-        match change.size {
+        let a = match change.size {
             Some(_) => self.set_size(ino, set),
             None => self.attr_of(MetaRequest::SetAttr { ino, set }),
-        }
+        }?;
+        self.caches.kept.set_perm(ino, a.perm);
+        Ok(a)
     }
 
     /// `fallocate(2)`: reserve (mode 0, `KEEP_SIZE`), punch a hole (`PUNCH_HOLE|KEEP_SIZE`)
@@ -848,13 +873,28 @@ impl Client {
     /// unlink (`dir` false) or rmdir (`dir` true).
     fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> Result<(), Errno> {
         self.writable()?;
-        // A file this mount closed and now removes is freed when the removal returns.
+        // A file this mount closed and now removes is freed when the removal returns: its
+        // closes go first, and the open it kept goes with the unlink (all free ones go first
+        // if the name's inode is not known).
+        let known = match dir {
+            true => None,
+            false => self.caches.leased.ino_of(parent, name.as_bytes()),
+        };
         self.releases.send(&self.cluster);
+        if !dir && known.is_none() {
+            self.caches.kept.give_back_free();
+            self.releases.send(&self.cluster);
+        }
+        let release = known.filter(|&ino| self.caches.kept.take(ino));
         let name = name.as_bytes().to_vec();
         let req = if dir {
             MetaRequest::Rmdir { parent, name }
         } else {
-            MetaRequest::Unlink { parent, name }
+            MetaRequest::Unlink {
+                parent,
+                name,
+                release,
+            }
         };
         self.meta_learning(req).0.map(|_| ())
     }
@@ -881,8 +921,13 @@ impl Client {
     ) -> Result<(), Errno> {
         self.writable()?;
         let flags = rename_flags(flags)?;
-        // A file this mount closed and now renames over is freed when the rename returns.
+        // A file this mount closed and now renames over is freed when the rename returns:
+        // its close, then the open it kept, go first.
         self.releases.send(&self.cluster);
+        if let Some(ino) = self.caches.leased.ino_of(new_parent, new_name.as_bytes()) {
+            self.caches.kept.doom(ino);
+            self.releases.send(&self.cluster);
+        }
         self.meta(MetaRequest::Rename {
             parent,
             name: name.as_bytes().to_vec(),
@@ -906,6 +951,9 @@ impl Client {
     pub fn open(&self, ino: u64, flags: i32) -> Result<Opened, Errno> {
         if self.opts.read_only && flags & libc::O_ACCMODE != libc::O_RDONLY {
             return Err(Errno(libc::EROFS));
+        }
+        if let Some(opened) = self.reopen_kept(ino, flags) {
+            return Ok(opened);
         }
         match self.open_handle(ino, flags) {
             // The kernel's cached name points at a file another mount removed: ESTALE makes
@@ -968,7 +1016,7 @@ impl Client {
                         f.set_lacks_capability(false);
                     }
                 }
-                let opened = self.new_handle(flags, c.attr.perm);
+                let opened = self.new_handle(flags, c.attr.perm, false);
                 return Ok((c.attr, opened));
             }
             Ok(_) => return Err(Errno(libc::EIO)),
@@ -1150,8 +1198,16 @@ impl Client {
                 );
             }
         }
-        self.handles.lock().expect("handles lock").remove(&fh);
-        if self.releases.add(ino) {
+        let handle = self.handles.lock().expect("handles lock").remove(&fh);
+        // Only a regular file's open is kept (its data path is what a reopen needs), and only
+        // under the lease (without it, no reopen would take it).
+        let may_keep = self.caches.leased.running(self.cluster.clock().mono_ns())
+            && self.cached_file(ino).is_some();
+        let close = self
+            .caches
+            .kept
+            .close(ino, handle.is_some_and(|h| h.kept), may_keep);
+        if self.releases.add(ino, close) {
             self.releases.send(&self.cluster);
         }
         Ok(())
@@ -1321,8 +1377,8 @@ mod tests {
 
     #[test]
     fn setid_is_cleared_only_when_the_kernel_asks_and_the_file_had_it_at_open() {
-        let setid = Handle::opened(libc::O_WRONLY, 0o4755);
-        let plain = Handle::opened(libc::O_WRONLY, 0o755);
+        let setid = Handle::opened(libc::O_WRONLY, 0o4755, false);
+        let plain = Handle::opened(libc::O_WRONLY, 0o755, false);
         assert!(clears_setid(Some(setid), true));
         assert!(
             !clears_setid(Some(setid), false),
@@ -1337,8 +1393,8 @@ mod tests {
 
     #[test]
     fn an_o_append_handle_writes_at_the_end_of_file_whatever_the_offset() {
-        let append = Handle::opened(libc::O_WRONLY | libc::O_APPEND, 0o644);
-        let plain = Handle::opened(libc::O_RDWR | libc::O_CREAT, 0o644);
+        let append = Handle::opened(libc::O_WRONLY | libc::O_APPEND, 0o644, false);
+        let plain = Handle::opened(libc::O_RDWR | libc::O_CREAT, 0o644, false);
         assert_eq!(append.place(0), Placement::End);
         assert_eq!(append.place(12345), Placement::End);
         assert_eq!(plain.place(12345), Placement::At(12345));

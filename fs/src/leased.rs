@@ -160,6 +160,11 @@ impl Leased {
         s.attrs.get(ino).cloned()
     }
 
+    /// The inode `name` in `parent` was last known to name, lease or not (it may be stale).
+    pub fn ino_of(&self, parent: u64, name: &[u8]) -> Option<u64> {
+        self.lock().names.get(&(parent, name.to_vec())).copied()
+    }
+
     /// What is known of inode `ino` at `now` (as [`Leased::lookup`]).
     pub fn attr(&self, ino: u64, now: u64) -> Option<Attr> {
         let s = self.lock();
@@ -214,7 +219,7 @@ impl Leased {
         // changes its link count, so no attribute is kept across it.
         let unknown = |p: &u64, n: &[u8]| !s.names.contains_key(&(*p, n.to_vec()));
         let blind = match req {
-            MetaRequest::Unlink { parent, name } => unknown(parent, name),
+            MetaRequest::Unlink { parent, name, .. } => unknown(parent, name),
             MetaRequest::Rename {
                 parent,
                 name,
@@ -354,7 +359,7 @@ impl State {
             MetaRequest::Link { ino, parent, name } => {
                 vec![Key::Ino(*ino), Key::Name(*parent, name.clone())]
             }
-            MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
+            MetaRequest::Unlink { parent, name, .. } | MetaRequest::Rmdir { parent, name } => {
                 named(*parent, name)
             }
             MetaRequest::Rename {
@@ -372,7 +377,9 @@ impl State {
             | MetaRequest::SetXattr { ino, .. }
             | MetaRequest::RemoveXattr { ino, .. }
             | MetaRequest::Fallocate { ino, .. } => vec![Key::Ino(*ino)],
-            MetaRequest::Releases { inos } => inos.iter().map(|&i| Key::Ino(i)).collect(),
+            MetaRequest::Releases { inos, kept } => {
+                inos.iter().chain(kept).map(|&i| Key::Ino(i)).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -516,7 +523,14 @@ mod tests {
         // Changes elsewhere meanwhile (a last close, a create) do not matter.
         let made = send(&w, &mkdir(1, b"d"), || {
             let _ = send(&w, &mkdir(1, b"other"), || {});
-            let _ = send(&w, &MetaRequest::Releases { inos: vec![3] }, || {});
+            let _ = send(
+                &w,
+                &MetaRequest::Releases {
+                    inos: vec![3],
+                    kept: vec![],
+                },
+                || {},
+            );
             w.heard(&created(8, b"x"));
         });
         w.hold(9, true, made);
@@ -561,6 +575,7 @@ mod tests {
         let unlink = MetaRequest::Unlink {
             parent: 1,
             name: b"f".to_vec(),
+            release: None,
         };
         let chmod = MetaRequest::SetAttr {
             ino: 10,
@@ -579,6 +594,7 @@ mod tests {
             &MetaRequest::Unlink {
                 parent: 1,
                 name: b"unknown".to_vec(),
+                release: None,
             },
             || {},
         );
@@ -619,9 +635,19 @@ mod tests {
         w.learn(None, &file(10), read_sent);
         assert_eq!(w.attr(10, 2), None, "kept after the chmod was answered");
         // A last close's answer is kept, whatever else happened meanwhile.
-        let close = MetaRequest::Releases { inos: vec![10] };
+        let close = MetaRequest::Releases {
+            inos: vec![10],
+            kept: vec![],
+        };
         let since = send(&w, &close, || {
-            let _ = send(&w, &MetaRequest::Releases { inos: vec![11] }, || {});
+            let _ = send(
+                &w,
+                &MetaRequest::Releases {
+                    inos: vec![11],
+                    kept: vec![],
+                },
+                || {},
+            );
         });
         w.learn(None, &file(10), since.unwrap());
         assert_eq!(w.attr(10, 2), Some(file(10)));

@@ -39,6 +39,7 @@ pub mod env;
 pub mod error;
 pub mod file;
 pub mod fuse;
+pub mod kept;
 pub mod layout;
 pub mod leased;
 pub mod link;

@@ -65,6 +65,9 @@ pub struct MountOptions {
     /// With locks, a mount writing a file uncontended keeps the file's whole lock tree between
     /// writes, giving it back when another mount waits (`keep_locks=off`: a lock per write).
     pub keep_locks: bool,
+    /// Files whose opens the mount keeps past their last close, to open them again without a
+    /// round trip (`kept_opens=0`: every last close gives the open back; see `crate::kept`).
+    pub kept_opens: usize,
     /// Haechi QoS: every data operation spends tokens (`qos=off`: unaccounted, for
     /// measuring QoS's own cost).
     pub qos: bool,
@@ -85,6 +88,9 @@ pub struct MountOptions {
 /// The longest `poll_us` (a poller longer than a round trip only burns a CPU).
 const MAX_POLL_US: u64 = 10_000;
 
+/// Most `kept_opens=`.
+const MAX_KEPT_OPENS: usize = 1_000_000;
+
 pub const DEFAULT_SECRET_FILE: &str = "/etc/rackfs/secret";
 
 impl Default for MountOptions {
@@ -104,6 +110,7 @@ impl Default for MountOptions {
             timeout: rackfs_proto::client::RPC_DEADLINE,
             locks: true,
             keep_locks: true,
+            kept_opens: crate::kept::DEFAULT_CAP,
             qos: true,
             reservation: 0,
             limit: 0,
@@ -290,6 +297,14 @@ impl MountOptions {
                 }
                 "locks" => o.locks = on_off(key, need(key, value)?)?,
                 "keep_locks" => o.keep_locks = on_off(key, need(key, value)?)?,
+                "kept_opens" => {
+                    let v = need(key, value)?;
+                    o.kept_opens = v
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= MAX_KEPT_OPENS)
+                        .ok_or_else(|| bad(key, v, "a number of files from 0 to 1000000"))?;
+                }
                 "allow_other" if value.is_none() => o.allow_other = true,
                 "ro" if value.is_none() => o.read_only = true,
                 k if IGNORED.contains(&k) && value.is_none() => o.ignored.push(k.to_string()),
@@ -376,6 +391,9 @@ mod tests {
             ("attr_timeout=-1", "seconds"),
             ("locks=maybe", "expected on or off"),
             ("keep_locks=1", "expected on or off"),
+            ("kept_opens=-1", "from 0 to 1000000"),
+            ("kept_opens=1000001", "from 0 to 1000000"),
+            ("kept_opens=", "needs a value"),
             ("reservation=lots", "expected IOPS"),
             ("limit=-5", "expected IOPS"),
             ("weight=0", "from 1 to 10000"),

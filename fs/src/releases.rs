@@ -7,7 +7,8 @@
 //! removal returns. Until it is sent the primary counts the file open a little longer:
 //! its memory comes back that much later, and nothing else differs. The primary answers with
 //! the files' attributes after the release (a last close may trim a file's memory), which the
-//! mount's leased cache keeps ([`crate::leased`]).
+//! mount's leased cache keeps ([`crate::leased`]). A close may keep the mount's open instead
+//! of giving it back ([`crate::kept`]); the kept opens given back go out with the releases.
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
@@ -17,6 +18,7 @@ use rackfs_proto::namespace::MetaRequest;
 use tracing::warn;
 
 use crate::cluster::Cluster;
+use crate::kept::{Close, Kept};
 use crate::leased::Leased;
 
 /// How long the first queued release waits for others.
@@ -25,68 +27,113 @@ pub const WINDOW: Duration = Duration::from_millis(20);
 /// How many queued releases are sent at once by the closing thread itself.
 pub const BATCH: usize = 64;
 
+/// How long a kept open stays unused before it is given back ([`crate::kept`]).
+pub const KEPT_IDLE: Duration = Duration::from_secs(10);
+
+/// How often the sending thread looks for kept opens to give back.
+const SWEEP: Duration = Duration::from_secs(1);
+
 /// The releases a mount has not sent yet.
 pub struct Releases {
-    pending: Mutex<Vec<u64>>,
+    pending: Mutex<Pending>,
     queued: Condvar,
     /// The mount's leased cache: it forgets, then learns, the released files' attributes.
     leased: Arc<Leased>,
+    /// The opens this mount keeps past their last close.
+    kept: Arc<Kept>,
+}
+
+/// Closes giving their open back, not sent yet (those keeping it are queued in [`Kept`]).
+#[derive(Default)]
+struct Pending {
+    inos: Vec<u64>,
 }
 
 impl Releases {
-    /// Nothing queued; the released files' attributes go to `leased`.
-    pub fn new(leased: Arc<Leased>) -> Releases {
+    /// Nothing queued; the released files' attributes go to `leased`, kept opens are `kept`'s.
+    pub fn new(leased: Arc<Leased>, kept: Arc<Kept>) -> Releases {
         Releases {
             pending: Mutex::default(),
             queued: Condvar::new(),
             leased,
+            kept,
         }
     }
 
-    /// Queues a release of `ino`; true when a batch is full (the caller sends it).
-    pub fn add(&self, ino: u64) -> bool {
+    /// Queues the last close of `ino`; true when a batch is full (the caller sends it).
+    pub fn add(&self, ino: u64, close: Close) -> bool {
         let mut p = self.pending.lock().expect("releases lock");
-        p.push(ino);
+        if close == Close::Release {
+            p.inos.push(ino);
+        }
         self.queued.notify_one();
-        p.len() >= BATCH
+        p.inos.len() + self.kept.queued() >= BATCH
     }
 
-    /// Sends every queued release in one request. Ones the primary did not take (it could
-    /// not be reached) are queued again for the next send.
+    /// Sends every queued release, and the kept opens to give back, in one request. Ones the
+    /// primary did not take (it could not be reached) are queued again for the next send.
     pub fn send(&self, cl: &Cluster) {
-        let inos = std::mem::take(&mut *self.pending.lock().expect("releases lock"));
-        if inos.is_empty() {
+        let (inos, kept) = {
+            let mut p = self.pending.lock().expect("releases lock");
+            p.inos.extend(self.kept.take_given_back());
+            (std::mem::take(&mut p.inos), self.kept.take_queued())
+        };
+        if inos.is_empty() && kept.is_empty() {
             return;
         }
-        let req = MetaRequest::Releases { inos: inos.clone() };
+        let req = MetaRequest::Releases {
+            inos: inos.clone(),
+            kept: kept.clone(),
+        };
         let flight = self.leased.changing(&req);
         let sent = self.leased.news();
         let r = cl.meta(req);
         let news = self.leased.answered(flight, sent);
         match r {
             Ok(ControlResponse::Released(attrs)) => {
+                let now = cl.clock().mono_ns();
+                for &ino in &kept {
+                    self.kept
+                        .answered(ino, attrs.iter().find(|a| a.ino == ino), now);
+                }
                 if let Some(news) = news {
                     for a in &attrs {
                         self.leased.learn(None, a, news);
                     }
                 }
             }
-            Ok(_) => {}
+            Ok(_) => kept
+                .iter()
+                .for_each(|&ino| self.kept.answered(ino, None, 0)),
             Err(e) => {
-                warn!(error = %e, files = inos.len(), "the primary did not take this mount's closes; they are sent again");
-                self.pending.lock().expect("releases lock").extend(inos);
+                warn!(error = %e, files = inos.len() + kept.len(), "the primary did not take this mount's closes; they are sent again");
+                self.pending
+                    .lock()
+                    .expect("releases lock")
+                    .inos
+                    .extend(inos);
+                self.kept.requeue(&kept);
             }
         }
     }
 
-    /// Blocks until a release is queued.
-    fn wait(&self) {
+    /// Blocks until a release is queued, or for at most [`SWEEP`]; then gives back the kept
+    /// opens idle for [`KEPT_IDLE`] by `now`.
+    fn wait(&self, now: impl Fn() -> u64) {
         let p = self.pending.lock().expect("releases lock");
         drop(
             self.queued
-                .wait_while(p, |p| p.is_empty())
+                .wait_timeout_while(p, SWEEP, |p| p.inos.is_empty() && self.kept.queued() == 0)
                 .expect("releases lock"),
         );
+        self.kept
+            .expire(now().saturating_sub(KEPT_IDLE.as_nanos() as u64));
+    }
+
+    /// Whether anything waits to be sent.
+    fn any(&self) -> bool {
+        let p = self.pending.lock().expect("releases lock");
+        !p.inos.is_empty() || self.kept.queued() > 0 || self.kept.has_given_back()
     }
 }
 
@@ -94,11 +141,14 @@ impl Releases {
 /// ends once the cluster is dropped.
 pub fn spawn(cluster: &Arc<Cluster>, releases: Arc<Releases>) {
     let weak: Weak<Cluster> = Arc::downgrade(cluster);
+    let clock = cluster.clock().clone();
     let sender = move || loop {
-        releases.wait();
+        releases.wait(|| clock.mono_ns());
         let Some(cl) = weak.upgrade() else { return };
-        cl.clock().sleep(WINDOW);
-        releases.send(&cl);
+        if releases.any() {
+            cl.clock().sleep(WINDOW);
+            releases.send(&cl);
+        }
     };
     if let Err(e) = cluster
         .env()
@@ -115,11 +165,14 @@ mod tests {
 
     #[test]
     fn a_full_batch_is_reported_to_the_closing_thread() {
-        let r = Releases::new(Arc::default());
+        let r = Releases::new(Arc::default(), Arc::new(Kept::new(BATCH / 2)));
         for ino in 1..BATCH as u64 {
-            assert!(!r.add(ino));
+            // Half keep their opens (queued in `Kept`), the rest give them back.
+            let close = r.kept.close(ino, false, true);
+            assert!(!r.add(ino, close));
         }
-        assert!(r.add(BATCH as u64));
-        assert_eq!(r.pending.lock().unwrap().len(), BATCH);
+        assert!(r.add(BATCH as u64, Close::Release));
+        let p = r.pending.lock().unwrap();
+        assert_eq!(p.inos.len() + r.kept.queued(), BATCH);
     }
 }

@@ -21,6 +21,9 @@
 //! non-directory on the way, no symlinks followed). A mount's last closes are queued (see
 //! `rackfs_fs::releases`); before each step the other mounts' go out, as their sender threads
 //! would within the window, while the stepping mount's own must go with its removals.
+//! Mounts 0 and 2 hold their watcher's lease throughout, so they answer from what they learnt
+//! and keep their files' opens past the last close (`rackfs_fs::kept`), reopening them
+//! without asking.
 //!
 //! Left out: reads, writes, fallocate and record locks (one-sided verbs; no data nodes here);
 //! truncate under the whole-file range lock (verbs too), so mounts run with `locks=off`, where
@@ -176,6 +179,13 @@ impl World {
         let c = Client::new(Arc::new(cluster), opts);
         // Its look at the cluster's nodes each second (one node here) is a loop never run.
         self.threads.discard("rackfs-members");
+        // A mount that caches holds its watcher's lease throughout (the pushes here stand for
+        // its watcher): it answers what it learnt itself, and reopens files whose opens it kept.
+        if i != 1 {
+            c.caches()
+                .leased
+                .renew(self.clock.mono_ns(), Duration::from_secs(1));
+        }
         self.watchers
             .lock()
             .unwrap()
@@ -1868,4 +1878,8 @@ fn shrunk_sequences_found_so_far_agree_with_the_model() {
         1,
         vec![(0, create(a)), (0, create(b)), (0, rename), (0, stat_a)],
     );
+    // A directory's open is never kept past its close: its rmdir leaves nothing behind.
+    let open = Op::Open { path: P(vec![a.0]) };
+    let rmdir = Op::Rmdir { at: At(root(), a) };
+    replay(2, vec![(0, mkdir(a)), (0, open), (0, rmdir)]);
 }

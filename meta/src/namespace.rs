@@ -195,9 +195,17 @@ impl Namespace {
                 gid,
             } => self.create(parent, &name, kind, perm, uid, gid, st),
             MetaRequest::Link { ino, parent, name } => self.link(ino, parent, &name, st),
-            MetaRequest::Unlink { parent, name } => self
-                .remove(parent, &name, false, st)
-                .and_then(|_| self.attr(parent, st)),
+            MetaRequest::Unlink {
+                parent,
+                name,
+                release,
+            } => {
+                if let Some(ino) = release {
+                    self.release(session, ino, st);
+                }
+                self.remove(parent, &name, false, st)
+                    .and_then(|_| self.attr(parent, st))
+            }
             MetaRequest::Rmdir { parent, name } => self
                 .remove(parent, &name, true, st)
                 .and_then(|_| self.attr(parent, st)),
@@ -234,11 +242,15 @@ impl Namespace {
                 };
                 self.create_open(session, parent, &name, kind, (perm, uid, gid), reserve, st)
             }
-            MetaRequest::Releases { inos } => {
+            MetaRequest::Releases { inos, kept } => {
                 for &ino in &inos {
                     self.release(session, ino, st);
                 }
-                let attrs = inos.iter().filter_map(|&ino| match self.attr(ino, st) {
+                for &ino in &kept {
+                    self.close_kept(session, ino, st);
+                }
+                let all = inos.iter().chain(&kept);
+                let attrs = all.filter_map(|&ino| match self.attr(ino, st) {
                     Ok(ControlResponse::Attr(a)) => Some(a),
                     _ => None,
                 });
@@ -348,9 +360,11 @@ impl Namespace {
             }
             // A last close may trim the file's memory, an allocation grow it (pushed without
             // waiting: see `rackfs_memnode::watch`).
-            MetaRequest::Releases { inos } => {
-                inos.iter().map(|&ino| Change::Blocks { ino }).collect()
-            }
+            MetaRequest::Releases { inos, kept } => inos
+                .iter()
+                .chain(kept)
+                .map(|&ino| Change::Blocks { ino })
+                .collect(),
             MetaRequest::AllocStripe { ino, .. } => vec![Change::Blocks { ino: *ino }],
             MetaRequest::SetAttr { ino, .. }
             | MetaRequest::SetXattr { ino, .. }
@@ -358,7 +372,7 @@ impl Namespace {
             | MetaRequest::RemoveXattr { ino, .. } => {
                 vec![Change::Inode { ino: *ino }]
             }
-            MetaRequest::Unlink { parent, name } | MetaRequest::Rmdir { parent, name } => {
+            MetaRequest::Unlink { parent, name, .. } | MetaRequest::Rmdir { parent, name } => {
                 let mut v = vec![entry(*parent, name)];
                 v.extend(target(*parent, name));
                 v
@@ -1062,15 +1076,38 @@ impl Namespace {
         if *n == 0 {
             s.remove(&ino);
         }
-        let serial = self.next_tag;
         if let Some(i) = self.inodes.get_mut(&ino) {
             i.opens = i.opens.saturating_sub(1);
+        }
+        self.closed(ino, 0, st);
+        self.maybe_delete(ino, st);
+    }
+
+    /// A last close after which session `session` keeps its open (a mount reopens such a
+    /// file without asking): settled and trimmed as a release that left only that open.
+    /// Nothing happens if the session holds no open of `ino`.
+    fn close_kept(&mut self, session: u64, ino: u64, st: &dyn Storage) {
+        // A session's opens are among the file's: with more than the kept one, no trim.
+        if self
+            .sessions
+            .get(&session)
+            .is_some_and(|s| s.contains_key(&ino))
+        {
+            self.closed(ino, 1, st);
+        }
+    }
+
+    /// A mount closed `ino`: what it wrote reaches the standby with this step, and the last
+    /// extent is trimmed to the size when at most `left` opens remain (a kept open, which
+    /// only its own mount's next close can follow, is one a trim may leave).
+    fn closed(&mut self, ino: u64, left: u32, st: &dyn Storage) {
+        let serial = self.next_tag;
+        if let Some(i) = self.inodes.get_mut(&ino) {
             if let Some(f) = &i.file {
-                // What the closing mount wrote reaches the standby with this step.
                 st.load(f.record + REC_SIZE);
                 st.load(f.record + REC_MTIME);
             }
-            if i.opens == 0 && i.nlink > 0 && !self.trims_held {
+            if i.opens <= left && i.nlink > 0 && !self.trims_held {
                 if let Some(f) = i.file.as_mut() {
                     self.next_tag += 1;
                     if let Err(e) = f.trim(serial, st) {
@@ -1079,7 +1116,6 @@ impl Namespace {
                 }
             }
         }
-        self.maybe_delete(ino, st);
     }
 
     fn setattr(&mut self, ino: u64, set: SetAttr, st: &dyn Storage) -> MetaResult<ControlResponse> {

@@ -379,6 +379,7 @@ fn run(seed: u64, cov: &mut Coverage) -> Result<(), String> {
                             MetaRequest::Unlink {
                                 parent: ROOT_INO,
                                 name: change.name.clone(),
+                                release: None,
                             }
                         };
                         unknown.push(change.name.clone());

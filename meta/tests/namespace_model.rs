@@ -599,7 +599,16 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let parent = pick(&known, parent);
                 (
                     m.remove(parent, &name, false).map(|_| None),
-                    call(&mut svc, &st, MetaRequest::Unlink { parent, name }).map(|_| None),
+                    call(
+                        &mut svc,
+                        &st,
+                        MetaRequest::Unlink {
+                            parent,
+                            name,
+                            release: None,
+                        },
+                    )
+                    .map(|_| None),
                 )
             }
             Op::Rmdir { parent, name } => {
@@ -800,6 +809,7 @@ fn remove_all(
             MetaRequest::Unlink {
                 parent: dir,
                 name: name.clone(),
+                release: None,
             }
         };
         prop_assert_eq!(call(svc, st, req).map(|_| ()), m.remove(dir, &name, is_dir));

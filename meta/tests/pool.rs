@@ -48,10 +48,18 @@ fn unlink(m: &mut MetaService, st: &MemStorage, name: &str) {
         ControlResponse::Attr(a) => a.ino,
         other => panic!("lookup {name}: {other:?}"),
     };
-    m.handle(SESSION, MetaRequest::Releases { inos: vec![ino] }, st);
+    m.handle(
+        SESSION,
+        MetaRequest::Releases {
+            inos: vec![ino],
+            kept: vec![],
+        },
+        st,
+    );
     let req = MetaRequest::Unlink {
         parent: 1,
         name: name.as_bytes().to_vec(),
+        release: None,
     };
     let answer = m.handle(SESSION, req, st);
     assert!(

@@ -505,7 +505,10 @@ fn a_last_close_before_the_mounts_report_their_sizes_trims_nothing() {
     let close = |m: &mut MetaService| {
         let open = m.handle(9, MetaRequest::Open { ino }, &st);
         assert!(matches!(open, ControlResponse::Attr(_)), "{open:?}");
-        let release = MetaRequest::Releases { inos: vec![ino] };
+        let release = MetaRequest::Releases {
+            inos: vec![ino],
+            kept: vec![],
+        };
         let released = m.handle(9, release, &st);
         assert!(
             matches!(released, ControlResponse::Released(_)),
@@ -603,12 +606,16 @@ fn a_retried_open_is_matched_to_itself_not_to_an_earlier_equal_one() {
     let unlink = MetaRequest::Unlink {
         parent: ROOT_INO,
         name: b"f".to_vec(),
+        release: None,
     };
     assert!(!matches!(
         new.handle(b, unlink, &st),
         ControlResponse::Error { .. }
     ));
-    let close = MetaRequest::Releases { inos: vec![f.ino] };
+    let close = MetaRequest::Releases {
+        inos: vec![f.ino],
+        kept: vec![],
+    };
     let getattr = MetaRequest::GetAttr { ino: f.ino };
     let released = new.handle(b, close.clone(), &st);
     assert!(

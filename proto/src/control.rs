@@ -20,7 +20,7 @@ use crate::space::{NodeSpace, Usable};
 
 /// The version of this crate's contract: control messages and remote-memory formats. Bump it
 /// on any change a peer of the previous version would misread.
-pub const PROTOCOL_VERSION: u32 = 17;
+pub const PROTOCOL_VERSION: u32 = 18;
 
 /// The most extents one [`ControlRequest::FreeMany`] may name; a node refuses more.
 pub const MAX_FREE_MANY: usize = 1024;

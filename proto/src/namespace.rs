@@ -179,10 +179,14 @@ pub enum MetaRequest {
         parent: u64,
         name: Vec<u8>,
     },
-    /// Removes a name (answered with the directory's attributes after the change).
+    /// Removes a name (answered with the directory's attributes after the change). With
+    /// `release`, the session first gives back one open of that file, one it kept past its
+    /// last close (see [`MetaRequest::Releases`]): a file the mount kept and now removes is
+    /// freed when the removal returns.
     Unlink {
         parent: u64,
         name: Vec<u8>,
+        release: Option<u64>,
     },
     /// Removes an empty directory (answered like [`MetaRequest::Unlink`]).
     Rmdir {
@@ -304,11 +308,14 @@ pub enum MetaRequest {
         #[serde(deserialize_with = "wrapped")]
         req: Box<MetaRequest>,
     },
-    /// The mount closed these files for the last time (each once per open it registered);
-    /// a mount sends its last closes in batches. Answered with `ControlResponse::Released`
-    /// (a last close may trim the file's memory).
+    /// The mount closed these files for the last time: `inos` gives one registered open of
+    /// each back, `kept` keeps it (the mount reopens the file without asking, and gives the
+    /// open back later). Either settles what the mount wrote and, when no other open of the
+    /// file is left (the kept one aside), trims its last extent. A mount sends its last closes
+    /// in batches. Answered with `ControlResponse::Released` (the files' attributes after it).
     Releases {
         inos: Vec<u64>,
+        kept: Vec<u64>,
     },
     /// A regular file's `open(O_CREAT)` in one round trip: [`MetaRequest::Create`], then an
     /// open by the caller's session, then (if `reserve` > 0) stripe 0 placed for its first
