@@ -13,7 +13,8 @@ use rackfs_tests::rpc_table::{measure, Config, Op, Options};
 const BOUNDS: [(Op, Options, f64, f64); 23] = [
     (Op::Create, Options::Default, 1.05, 1.0),
     (Op::CreateWrite, Options::Default, 1.05, 1.0),
-    (Op::OpenRead, Options::Default, 1.0, 1.0),
+    // The mount reopens the file on the open it kept past its last close (`rackfs_fs::kept`).
+    (Op::OpenRead, Options::Default, 0.0, 0.0),
     (Op::Stat, Options::Default, 0.0, 0.0),
     (Op::StatLapsed, Options::Default, 0.0, 0.0),
     (Op::Readdir, Options::Default, 4.0, 4.0),
