@@ -759,6 +759,65 @@ fn a_killed_mount_releases_its_open_files() {
     assert!(fs::read_dir(&survivor.dir).unwrap().next().is_none());
 }
 
+/// Files in the filesystem, as `statvfs(3)` counts them through mount `m` (inodes the primary
+/// holds, unlinked ones still open included); it sends none of the other mount's closes.
+fn files_counted(m: &Mount) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(m.dir.as_os_str().as_bytes()).unwrap();
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `st` is writable memory of a `statvfs`'s size.
+    let r = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    assert_eq!(r, 0, "statvfs {}", m.dir.display());
+    // SAFETY: statvfs succeeded, so it filled `st`.
+    unsafe { st.assume_init() }.f_files
+}
+
+/// A mount keeps its open of a file past the last close and reopens it without asking the
+/// primary (`rackfs_fs::kept`): another mount's writes still show at that reopen, its unlink
+/// still makes the name go at once and the file within about a second (the mount gives the
+/// open back when its watcher hears of it), and the mount's own unlink frees the file before
+/// it returns.
+#[test]
+fn an_open_a_mount_keeps_past_its_close_holds_nothing_up() {
+    let c = TestCluster::start(1, "64M");
+    let (a, b) = (Mount::new(&c, ""), Mount::new(&c, "transport=tcp"));
+    let base = files_counted(&b);
+    fs::write(a.path("f"), vec![1u8; 64 << 10]).unwrap();
+    assert_eq!(fs::read(a.path("f")).unwrap(), vec![1u8; 64 << 10]);
+    // Another mount's write shows at the reopen.
+    let h = OpenOptions::new().write(true).open(b.path("f")).unwrap();
+    h.write_all_at(&[2u8; 4096], 8192).unwrap();
+    drop(h);
+    let got = fs::read(a.path("f")).unwrap();
+    assert!(got[8192..12288].iter().all(|&x| x == 2), "b's write seen");
+    assert!(got[..8192].iter().all(|&x| x == 1));
+    // Another mount's unlink: the name goes at once, the file once `a` gives its open back.
+    assert_eq!(files_counted(&b), base + 1);
+    fs::remove_file(b.path("f")).unwrap();
+    let e = fs::File::open(a.path("f")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+    assert!(
+        wait_for(Duration::from_secs(5), || files_counted(&b) == base),
+        "the file another mount kept open went: {} files, {base} before",
+        files_counted(&b)
+    );
+    // The mount's own unlink of a file it kept: gone when the unlink returns.
+    for n in 0..20 {
+        let name = format!("g{n}");
+        fs::write(a.path(&name), b"small").unwrap();
+        assert_eq!(fs::read(a.path(&name)).unwrap(), b"small");
+    }
+    assert_eq!(files_counted(&b), base + 20);
+    for n in 0..20 {
+        fs::remove_file(a.path(&format!("g{n}"))).unwrap();
+        assert_eq!(
+            files_counted(&b),
+            base + 19 - n,
+            "g{n} went with its unlink"
+        );
+    }
+}
+
 #[test]
 fn shared_mappings_read_and_write_through_two_mounts() {
     const LEN: usize = 64 << 10;
