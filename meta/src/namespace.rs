@@ -246,9 +246,12 @@ impl Namespace {
                 for &ino in &inos {
                     self.release(session, ino, st);
                 }
-                for &ino in &kept {
-                    self.close_kept(session, ino, st);
-                }
+                // A kept open the session does not hold (its opens went with a session that
+                // ended) is answered without attributes: the mount does not reuse it.
+                let kept: Vec<u64> = kept
+                    .into_iter()
+                    .filter(|&ino| self.close_kept(session, ino, st))
+                    .collect();
                 let all = inos.iter().chain(&kept);
                 let attrs = all.filter_map(|&ino| match self.attr(ino, st) {
                     Ok(ControlResponse::Attr(a)) => Some(a),
@@ -1085,16 +1088,17 @@ impl Namespace {
 
     /// A last close after which session `session` keeps its open (a mount reopens such a
     /// file without asking): settled and trimmed as a release that left only that open.
-    /// Nothing happens if the session holds no open of `ino`.
-    fn close_kept(&mut self, session: u64, ino: u64, st: &dyn Storage) {
+    /// False, and nothing happens, if the session holds no open of `ino`.
+    fn close_kept(&mut self, session: u64, ino: u64, st: &dyn Storage) -> bool {
         // A session's opens are among the file's: with more than the kept one, no trim.
-        if self
+        let held = self
             .sessions
             .get(&session)
-            .is_some_and(|s| s.contains_key(&ino))
-        {
+            .is_some_and(|s| s.contains_key(&ino));
+        if held {
             self.closed(ino, 1, st);
         }
+        held
     }
 
     /// A mount closed `ino`: what it wrote reaches the standby with this step, and the last
