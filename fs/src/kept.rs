@@ -47,6 +47,8 @@ struct State {
     files: HashMap<u64, Entry>,
     /// Entries whose close is queued.
     queued: usize,
+    /// The files whose close was queued, in order (some since reopened or given back).
+    queue: Vec<u64>,
     /// Kept opens to give back with the next batch of releases.
     given_back: Vec<u64>,
 }
@@ -130,6 +132,7 @@ impl Kept {
                 Some(e) if e.use_ == Use::Open && !e.doomed && lease => {
                     e.use_ = Use::Queued;
                     s.queued += 1;
+                    s.queue.push(ino);
                     Close::Keep
                 }
                 _ => {
@@ -149,16 +152,23 @@ impl Kept {
         };
         s.files.insert(ino, e);
         s.queued += 1;
+        s.queue.push(ino);
         Close::Keep
     }
 
     /// The closes that keep their opens, queued since the last call: on their way now.
     pub fn take_queued(&self) -> Vec<u64> {
         let mut s = self.lock();
-        s.queued = 0;
+        let State {
+            files,
+            queued,
+            queue,
+            ..
+        } = &mut *s;
+        *queued = 0;
         let mut out = Vec::new();
-        for (&ino, e) in s.files.iter_mut() {
-            if e.use_ == Use::Queued {
+        for ino in queue.drain(..) {
+            if let Some(e) = files.get_mut(&ino).filter(|e| e.use_ == Use::Queued) {
                 e.use_ = Use::Sending;
                 out.push(ino);
             }
@@ -175,6 +185,7 @@ impl Kept {
                 if e.use_ == Use::Sending {
                     e.use_ = Use::Queued;
                     n += 1;
+                    s.queue.push(*ino);
                 }
             }
         }
