@@ -17,8 +17,9 @@
 //!   holds its lease (`crate::leased`), and only if no change of the file's attributes was
 //!   heard since (another mount's chmod or unlink, pushed to the watcher, or the watcher
 //!   losing changes): such a change dooms it, and the open is given back instead.
-//! - A kept open no longer wanted (doomed, or idle for `idle`) is given back with the next
-//!   batch of releases; one whose name this mount unlinks goes back with the unlink itself
+//! - A kept open no longer wanted (doomed, or idle for `releases::KEPT_IDLE`) is given back
+//!   by the releases' sender within its sweep (`releases::send_given_back`, every 50 ms) or
+//!   with the next batch of releases; one whose name this mount unlinks goes with the unlink
 //!   (`MetaRequest::Unlink`'s `release`), so the file is freed when the unlink returns.
 
 use std::collections::HashMap;

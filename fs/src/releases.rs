@@ -30,8 +30,11 @@ pub const BATCH: usize = 64;
 /// How long a kept open stays unused before it is given back ([`crate::kept`]).
 pub const KEPT_IDLE: Duration = Duration::from_secs(10);
 
-/// How often the sending thread looks for kept opens to give back.
-const SWEEP: Duration = Duration::from_secs(1);
+/// How often the sending thread looks for kept opens to give back (the watcher doomed them).
+const SWEEP: Duration = Duration::from_millis(50);
+
+/// How often the sending thread looks for kept opens idle for [`KEPT_IDLE`].
+const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 /// The releases a mount has not sent yet.
 pub struct Releases {
@@ -117,23 +120,45 @@ impl Releases {
         }
     }
 
-    /// Blocks until a release is queued, or for at most [`SWEEP`]; then gives back the kept
-    /// opens idle for [`KEPT_IDLE`] by `now`.
-    fn wait(&self, now: impl Fn() -> u64) {
+    /// Sends only the kept opens given back (doomed by a change the watcher heard, or
+    /// idle), leaving queued closes to their batch.
+    pub fn send_given_back(&self, cl: &Cluster) {
+        let inos = self.kept.take_given_back();
+        if inos.is_empty() {
+            return;
+        }
+        let req = MetaRequest::Releases {
+            inos: inos.clone(),
+            kept: Vec::new(),
+        };
+        let flight = self.leased.changing(&req);
+        let sent = self.leased.news();
+        let r = cl.meta(req);
+        let _ = self.leased.answered(flight, sent);
+        if let Err(e) = r {
+            warn!(error = %e, files = inos.len(), "the primary did not take the opens this mount gave back; they are sent again");
+            self.pending
+                .lock()
+                .expect("releases lock")
+                .inos
+                .extend(inos);
+        }
+    }
+
+    /// Blocks until a release is queued, or for at most [`SWEEP`].
+    fn wait(&self) {
         let p = self.pending.lock().expect("releases lock");
         drop(
             self.queued
                 .wait_timeout_while(p, SWEEP, |p| p.inos.is_empty() && self.kept.queued() == 0)
                 .expect("releases lock"),
         );
-        self.kept
-            .expire(now().saturating_sub(KEPT_IDLE.as_nanos() as u64));
     }
 
-    /// Whether anything waits to be sent.
+    /// Whether closes wait to be sent.
     fn any(&self) -> bool {
         let p = self.pending.lock().expect("releases lock");
-        !p.inos.is_empty() || self.kept.queued() > 0 || self.kept.has_given_back()
+        !p.inos.is_empty() || self.kept.queued() > 0
     }
 }
 
@@ -142,12 +167,21 @@ impl Releases {
 pub fn spawn(cluster: &Arc<Cluster>, releases: Arc<Releases>) {
     let weak: Weak<Cluster> = Arc::downgrade(cluster);
     let clock = cluster.clock().clone();
+    let mut expired = clock.mono_ns();
     let sender = move || loop {
-        releases.wait(|| clock.mono_ns());
+        releases.wait();
+        let now = clock.mono_ns();
+        if now.saturating_sub(expired) >= EXPIRE_EVERY.as_nanos() as u64 {
+            expired = now;
+            let idle = now.saturating_sub(KEPT_IDLE.as_nanos() as u64);
+            releases.kept.expire(idle);
+        }
         let Some(cl) = weak.upgrade() else { return };
         if releases.any() {
             cl.clock().sleep(WINDOW);
             releases.send(&cl);
+        } else {
+            releases.send_given_back(&cl);
         }
     };
     if let Err(e) = cluster

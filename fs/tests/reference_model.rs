@@ -1693,11 +1693,14 @@ fn run(case: &Case) -> Result<BTreeMap<&'static str, (u64, u64)>, TestCaseError>
         w.tick();
         (m.now, m.mount_now) = w.now();
         // The other mounts' queued last closes go out, as their sender threads would send
-        // them within the window; the stepping mount's own must go with its removals.
+        // them within the window; the stepping mount's own must go with its removals. Every
+        // mount's kept opens that a change it heard doomed go back, as its sender thread
+        // gives them back within its sweep.
         for (j, c) in mounts.iter().enumerate() {
             if j != step.mount {
                 c.releases().send(&c.cluster());
             }
+            c.releases().send_given_back(&c.cluster());
         }
         let c = &mounts[step.mount];
         let pushed = pushed_by(&m, &step.op);
@@ -1882,4 +1885,9 @@ fn shrunk_sequences_found_so_far_agree_with_the_model() {
     let open = Op::Open { path: P(vec![a.0]) };
     let rmdir = Op::Rmdir { at: At(root(), a) };
     replay(2, vec![(0, mkdir(a)), (0, open), (0, rmdir)]);
+    // A file one mount kept open past its close and another unlinked goes once the keeping
+    // mount's sender gives the open back.
+    let unlink = Op::Unlink { at: At(root(), a) };
+    let stat = Op::StatIno { index: 1 };
+    replay(2, vec![(0, create(a)), (1, unlink), (0, stat)]);
 }

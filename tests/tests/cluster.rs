@@ -774,7 +774,7 @@ fn files_counted(m: &Mount) -> u64 {
 
 /// A mount keeps its open of a file past the last close and reopens it without asking the
 /// primary (`rackfs_fs::kept`): another mount's writes still show at that reopen, its unlink
-/// still makes the name go at once and the file within about a second (the mount gives the
+/// still makes the name go at once and the file within about 50 ms (the mount gives the
 /// open back when its watcher hears of it), and the mount's own unlink frees the file before
 /// it returns.
 #[test]
