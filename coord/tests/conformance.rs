@@ -217,10 +217,11 @@ fn a_stopped_etcd_fails_calls_at_the_deadline_and_serves_again_once_resumed() {
     unsafe { libc::kill(server.pid(0) as i32, libc::SIGSTOP) };
     let t = std::time::Instant::now();
     let short = Etcd::new(&server.endpoints(), "test", Duration::from_millis(400)).unwrap();
-    assert!(matches!(
-        short.get("a"),
-        Err(CoordError::Unreachable { .. })
-    ));
+    let got = short.get("a");
+    assert!(
+        matches!(got, Err(CoordError::Unreachable { .. })),
+        "a get from a stopped etcd: {got:?}"
+    );
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "took {:?}",
