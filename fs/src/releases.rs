@@ -81,6 +81,17 @@ impl Releases {
             p.inos.extend(self.kept.take_given_back());
             (std::mem::take(&mut p.inos), self.kept.take_queued())
         };
+        self.send_now(cl, inos, kept);
+    }
+
+    /// Sends only the kept opens given back (doomed by a change the watcher heard, or
+    /// idle), leaving queued closes to their batch.
+    pub fn send_given_back(&self, cl: &Cluster) {
+        self.send_now(cl, self.kept.take_given_back(), Vec::new());
+    }
+
+    /// Tells the primary of closes giving their opens back (`inos`) and keeping them (`kept`).
+    fn send_now(&self, cl: &Cluster, inos: Vec<u64>, kept: Vec<u64>) {
         if inos.is_empty() && kept.is_empty() {
             return;
         }
@@ -117,31 +128,6 @@ impl Releases {
                     .extend(inos);
                 self.kept.requeue(&kept);
             }
-        }
-    }
-
-    /// Sends only the kept opens given back (doomed by a change the watcher heard, or
-    /// idle), leaving queued closes to their batch.
-    pub fn send_given_back(&self, cl: &Cluster) {
-        let inos = self.kept.take_given_back();
-        if inos.is_empty() {
-            return;
-        }
-        let req = MetaRequest::Releases {
-            inos: inos.clone(),
-            kept: Vec::new(),
-        };
-        let flight = self.leased.changing(&req);
-        let sent = self.leased.news();
-        let r = cl.meta(req);
-        let _ = self.leased.answered(flight, sent);
-        if let Err(e) = r {
-            warn!(error = %e, files = inos.len(), "the primary did not take the opens this mount gave back; they are sent again");
-            self.pending
-                .lock()
-                .expect("releases lock")
-                .inos
-                .extend(inos);
         }
     }
 
