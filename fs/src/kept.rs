@@ -22,7 +22,7 @@
 //!   with the next batch of releases; one whose name this mount unlinks goes with the unlink
 //!   (`MetaRequest::Unlink`'s `release`), so the file is freed when the unlink returns.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use rackfs_proto::namespace::Attr;
@@ -46,10 +46,8 @@ pub struct Kept {
 #[derive(Default)]
 struct State {
     files: HashMap<u64, Entry>,
-    /// Entries whose close is queued.
-    queued: usize,
-    /// The files whose close was queued, in order (some since reopened or given back).
-    queue: Vec<u64>,
+    /// The files whose close is queued (ordered, so a batch is the same on every replay).
+    queued: BTreeSet<u64>,
     /// Kept opens to give back with the next batch of releases.
     given_back: Vec<u64>,
 }
@@ -57,11 +55,8 @@ struct State {
 impl State {
     /// Forgets `ino`'s entry.
     fn forget(&mut self, ino: u64) {
-        if let Some(e) = self.files.remove(&ino) {
-            if e.use_ == Use::Queued {
-                self.queued -= 1;
-            }
-        }
+        self.files.remove(&ino);
+        self.queued.remove(&ino);
     }
 
     /// Forgets `ino`'s entry and gives its open back with the next batch.
@@ -112,15 +107,12 @@ impl Kept {
     pub fn reopen(&self, ino: u64) -> Option<u16> {
         let mut s = self.lock();
         let e = s.files.get_mut(&ino)?;
-        let queued = e.use_ == Use::Queued;
-        if !(queued || e.use_ == Use::Free) || e.doomed {
+        if !matches!(e.use_, Use::Queued | Use::Free) || e.doomed {
             return None;
         }
         e.use_ = Use::Open;
         let perm = e.perm;
-        if queued {
-            s.queued -= 1;
-        }
+        s.queued.remove(&ino);
         Some(perm)
     }
 
@@ -132,8 +124,7 @@ impl Kept {
             return match s.files.get_mut(&ino) {
                 Some(e) if e.use_ == Use::Open && !e.doomed && lease => {
                     e.use_ = Use::Queued;
-                    s.queued += 1;
-                    s.queue.push(ino);
+                    s.queued.insert(ino);
                     Close::Keep
                 }
                 _ => {
@@ -152,26 +143,17 @@ impl Kept {
             doomed: false,
         };
         s.files.insert(ino, e);
-        s.queued += 1;
-        s.queue.push(ino);
+        s.queued.insert(ino);
         Close::Keep
     }
 
     /// The closes that keep their opens, queued since the last call: on their way now.
     pub fn take_queued(&self) -> Vec<u64> {
         let mut s = self.lock();
-        let State {
-            files,
-            queued,
-            queue,
-            ..
-        } = &mut *s;
-        *queued = 0;
-        let mut out = Vec::new();
-        for ino in queue.drain(..) {
-            if let Some(e) = files.get_mut(&ino).filter(|e| e.use_ == Use::Queued) {
+        let out: Vec<u64> = std::mem::take(&mut s.queued).into_iter().collect();
+        for ino in &out {
+            if let Some(e) = s.files.get_mut(ino) {
                 e.use_ = Use::Sending;
-                out.push(ino);
             }
         }
         out
@@ -180,22 +162,17 @@ impl Kept {
     /// Closes of [`Kept::take_queued`] that did not reach the primary: queued again.
     pub fn requeue(&self, inos: &[u64]) {
         let mut s = self.lock();
-        let mut n = 0;
-        for ino in inos {
-            if let Some(e) = s.files.get_mut(ino) {
-                if e.use_ == Use::Sending {
-                    e.use_ = Use::Queued;
-                    n += 1;
-                    s.queue.push(*ino);
-                }
+        for &ino in inos {
+            if let Some(e) = s.files.get_mut(&ino).filter(|e| e.use_ == Use::Sending) {
+                e.use_ = Use::Queued;
+                s.queued.insert(ino);
             }
         }
-        s.queued += n;
     }
 
     /// How many closes that keep their opens are queued.
     pub fn queued(&self) -> usize {
-        self.lock().queued
+        self.lock().queued.len()
     }
 
     /// The primary answered a close that kept the open of `ino`, with the file's attributes
@@ -361,6 +338,12 @@ mod tests {
         assert_eq!(k.queued(), 0);
         assert!(k.take_queued().is_empty());
         assert_eq!(k.close(10, true, true), Close::Keep);
+        // Closed and reopened again and again before a batch goes: one close queued.
+        for _ in 0..1000 {
+            assert_eq!(k.reopen(10), Some(0));
+            assert_eq!(k.close(10, true, true), Close::Keep);
+        }
+        assert_eq!(k.queued(), 1);
         assert_eq!(k.take_queued(), vec![10]);
         assert_eq!(k.reopen(10), None, "its close is on its way");
         k.answered(10, Some(&attr(10, 0o640)), 5);
