@@ -92,7 +92,17 @@ impl EtcdServer {
         // Waiting for real etcd processes to answer: the host's time, not a simulation's (this
         // module starts processes; the coordinator's logic is `Local`'s and `Etcd`'s).
         let end = Instant::now() + Duration::from_secs(20);
-        while probe.get("ready").is_err() {
+        // An answer alone is not enough: another test's etcd may have taken a member's port
+        // first (that member then exits), and answer for it. Each member's own log says it
+        // serves its port.
+        let serving = |s: &EtcdServer| {
+            s.members.iter().all(|m| {
+                let log = std::fs::read_to_string(&m.log).unwrap_or_default();
+                log.lines()
+                    .any(|l| l.contains("serving") && l.contains(&m.endpoint))
+            })
+        };
+        while probe.get("ready").is_err() || !serving(&s) {
             let exited = s.members.iter_mut().any(|m| {
                 m.child
                     .as_mut()
