@@ -1189,7 +1189,8 @@ impl Client {
     /// The last close of handle `fh` of `ino`: drops its flock and OFD locks, forgets the
     /// handle and queues the release for the metadata service (see [`crate::releases`]).
     pub fn release(&self, ino: u64, fh: u64) -> Result<(), Errno> {
-        if let Some(f) = self.cached_file(ino) {
+        let file = self.cached_file(ino);
+        if let Some(f) = &file {
             if let Err(e) = f.record_locks.released(&self.cluster, fh) {
                 tracing::warn!(
                     ino,
@@ -1201,8 +1202,7 @@ impl Client {
         let handle = self.handles.lock().expect("handles lock").remove(&fh);
         // Only a regular file's open is kept (its data path is what a reopen needs), and only
         // under the lease (without it, no reopen would take it).
-        let may_keep = self.caches.leased.running(self.cluster.clock().mono_ns())
-            && self.cached_file(ino).is_some();
+        let may_keep = file.is_some() && self.caches.leased.running(self.cluster.clock().mono_ns());
         let close = self
             .caches
             .kept

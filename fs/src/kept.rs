@@ -64,6 +64,19 @@ impl State {
         self.forget(ino);
         self.given_back.push(ino);
     }
+
+    /// Gives back every entry `pick` chooses.
+    fn give_back_where(&mut self, pick: impl Fn(&Entry) -> bool) {
+        let picked: Vec<u64> = self
+            .files
+            .iter()
+            .filter(|(_, e)| pick(e))
+            .map(|(&ino, _)| ino)
+            .collect();
+        for ino in picked {
+            self.give_back(ino);
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -75,6 +88,13 @@ struct Entry {
     since: u64,
     /// A change was heard: given back instead of being reused.
     doomed: bool,
+}
+
+impl Entry {
+    /// Held by no handle and by no close on its way: it may be given back at once.
+    fn unused(&self) -> bool {
+        matches!(self.use_, Use::Free | Use::Queued)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,7 +127,7 @@ impl Kept {
     pub fn reopen(&self, ino: u64) -> Option<u16> {
         let mut s = self.lock();
         let e = s.files.get_mut(&ino)?;
-        if !matches!(e.use_, Use::Queued | Use::Free) || e.doomed {
+        if !e.unused() || e.doomed {
             return None;
         }
         e.use_ = Use::Open;
@@ -200,7 +220,7 @@ impl Kept {
         let mut s = self.lock();
         if let Some(e) = s.files.get_mut(&ino) {
             e.doomed = true;
-            if matches!(e.use_, Use::Free | Use::Queued) {
+            if e.unused() {
                 s.give_back(ino);
             }
         }
@@ -208,10 +228,9 @@ impl Kept {
 
     /// Every kept open is doomed (the watcher lost changes).
     pub fn doom_all(&self) {
-        let inos: Vec<u64> = self.lock().files.keys().copied().collect();
-        for ino in inos {
-            self.doom(ino);
-        }
+        let mut s = self.lock();
+        s.files.values_mut().for_each(|e| e.doomed = true);
+        s.give_back_where(Entry::unused);
     }
 
     /// Takes the kept open of `ino` for an unlink of one of its names to give back: true if
@@ -220,7 +239,7 @@ impl Kept {
         let mut s = self.lock();
         match s.files.get_mut(&ino) {
             // A queued close is never sent: the unlink's release settles the file instead.
-            Some(e) if matches!(e.use_, Use::Free | Use::Queued) => {
+            Some(e) if e.unused() => {
                 s.forget(ino);
                 true
             }
@@ -235,16 +254,7 @@ impl Kept {
     /// Gives back every free kept open (an unlink of a name whose inode the mount does not
     /// know: the file may be one of them, and goes when the unlink returns).
     pub fn give_back_free(&self) {
-        let mut s = self.lock();
-        let free: Vec<u64> = s
-            .files
-            .iter()
-            .filter(|(_, e)| matches!(e.use_, Use::Free | Use::Queued))
-            .map(|(&ino, _)| ino)
-            .collect();
-        for ino in free {
-            s.give_back(ino);
-        }
+        self.lock().give_back_where(Entry::unused);
     }
 
     /// This mount changed `ino`'s mode (its own change is not pushed to its watcher).
@@ -256,21 +266,8 @@ impl Kept {
 
     /// Gives back the opens free since before `before` (the mount's `mono_ns`).
     pub fn expire(&self, before: u64) {
-        let mut s = self.lock();
-        let old: Vec<u64> = s
-            .files
-            .iter()
-            .filter(|(_, e)| e.use_ == Use::Free && e.since < before)
-            .map(|(&ino, _)| ino)
-            .collect();
-        for ino in old {
-            s.give_back(ino);
-        }
-    }
-
-    /// Whether kept opens wait to be given back.
-    pub fn has_given_back(&self) -> bool {
-        !self.lock().given_back.is_empty()
+        self.lock()
+            .give_back_where(|e| e.use_ == Use::Free && e.since < before);
     }
 
     /// The kept opens to give back now.
@@ -279,13 +276,9 @@ impl Kept {
     }
 
     /// How many files' opens are kept (ready, reopened or being closed).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.lock().files.len()
-    }
-
-    /// Whether no open is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -400,7 +393,7 @@ mod tests {
         assert!(sent.contains(&5));
         k.answered(5, None, 3);
         assert_eq!(k.take_given_back(), vec![5]);
-        assert!(k.is_empty());
+        assert_eq!(k.len(), 0);
     }
 
     #[test]
@@ -417,7 +410,7 @@ mod tests {
         assert_eq!(k.close(2, false, true), Close::Keep);
         answer(&k, 1);
         assert!(k.take(2));
-        assert!(k.is_empty() && k.take_given_back().is_empty());
+        assert!(k.len() == 0 && k.take_given_back().is_empty());
         assert!(!k.take(3), "never kept");
     }
 
