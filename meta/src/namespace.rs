@@ -200,11 +200,12 @@ impl Namespace {
                 name,
                 release,
             } => {
+                let removed = self.remove(parent, &name, false, st);
+                // After the removal: a file that goes with it is not trimmed first.
                 if let Some(ino) = release {
                     self.release(session, ino, st);
                 }
-                self.remove(parent, &name, false, st)
-                    .and_then(|_| self.attr(parent, st))
+                removed.and_then(|_| self.attr(parent, st))
             }
             MetaRequest::Rmdir { parent, name } => self
                 .remove(parent, &name, true, st)
